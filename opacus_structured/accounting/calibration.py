@@ -1,0 +1,76 @@
+r"""Noise calibration: the smallest noise multiplier whose ε stays within a target.
+
+:func:`calibrate_noise_multiplier` brackets the target by doubling/halving σ and then bisects on
+σ (ε is non-increasing in σ for every scheme here). It returns the *upper* end of the final
+bracket, so ``epsilon(result) <= target_epsilon`` always holds: calibration never
+under-reports.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from .._validation import check_open_unit, check_positive
+
+__all__ = ["calibrate_noise_multiplier", "CalibrationError"]
+
+MAX_NOISE_MULTIPLIER = 1e4
+MIN_NOISE_MULTIPLIER = 1e-3
+
+
+class CalibrationError(ValueError):
+    """The target cannot be met inside the searched range of noise multipliers."""
+
+
+def calibrate_noise_multiplier(epsilon_of_sigma: Callable[[float], float], target_epsilon: float,
+                               *, rtol: float = 1e-3, initial: float = 1.0,
+                               max_sigma: float = MAX_NOISE_MULTIPLIER,
+                               min_sigma: float = MIN_NOISE_MULTIPLIER,
+                               progress: Callable[[float, float], None] | None = None) -> float:
+    """Smallest σ (to relative tolerance ``rtol``) with ``epsilon_of_sigma(σ) <= target_epsilon``.
+
+    Args:
+        epsilon_of_sigma: ε at the target δ as a function of the noise multiplier.
+        target_epsilon: the privacy budget, > 0.
+        rtol: relative width of the final bracket on σ.
+        progress: optional callback ``(sigma, epsilon)`` after each evaluation.
+
+    Raises:
+        CalibrationError: if even ``max_sigma`` exceeds the target.
+    """
+    target_epsilon = check_positive("target_epsilon", target_epsilon)
+    rtol = check_positive("rtol", rtol)
+    check_open_unit("rtol", rtol)
+
+    def ev(sigma: float) -> float:
+        eps = float(epsilon_of_sigma(sigma))
+        if math.isnan(eps):
+            raise FloatingPointError(f"epsilon is NaN at noise_multiplier={sigma}")
+        if progress is not None:
+            progress(sigma, eps)
+        return eps
+
+    hi = check_positive("initial", initial)
+    eps_hi = ev(hi)
+    while eps_hi > target_epsilon:
+        if hi >= max_sigma:
+            raise CalibrationError(
+                f"target_epsilon={target_epsilon} needs noise_multiplier > {max_sigma} "
+                f"(epsilon={eps_hi:.4g} at {hi:.4g}); raise the budget or take fewer steps")
+        hi = min(hi * 2.0, max_sigma)
+        eps_hi = ev(hi)
+    lo = hi / 2.0
+    while ev(lo) <= target_epsilon:
+        hi = lo
+        if lo <= min_sigma:
+            return hi
+        lo = max(lo / 2.0, min_sigma)
+    # Invariant: eps(lo) > target >= eps(hi).
+    while hi - lo > rtol * hi:
+        mid = 0.5 * (lo + hi)
+        if ev(mid) <= target_epsilon:
+            hi = mid
+        else:
+            lo = mid
+    return hi

@@ -1,0 +1,135 @@
+r"""Privacy loss distributions built from privacy profiles, on dp_accounting's PLD.
+
+:func:`pld_from_profile` discretises a profile with dp_accounting's *pessimistic*
+connect-the-dots algorithm (``create_pmf_pessimistic_connect_dots_fixed_gap``, Doroshenko et al.
+2022, Algorithm 1) on the grid :math:`\varepsilon_k = k\,d`, and wraps the result in a
+``dp_accounting.pld.PrivacyLossDistribution``. Composition (FFT convolution with pessimistic tail
+truncation), :math:`\varepsilon(\delta)` and :math:`\delta(\varepsilon)` are dp_accounting's own;
+this module adds argument checks, the grid choice and a few conveniences.
+
+The remove and add directions of an add/remove relation are kept as two PMFs (dp_accounting
+reports the worse of the two); a substitution relation uses one symmetric PMF.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+import numpy as np
+from dp_accounting.pld import pld_pmf
+from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
+
+from .._validation import check_finite, check_int, check_open_unit, check_positive
+from .profiles import PrivacyProfile
+
+__all__ = [
+    "DEFAULT_DISCRETIZATION",
+    "TAIL_MASS_TRUNCATION",
+    "pld_from_profile",
+    "compose",
+    "self_compose",
+    "epsilon_for_delta",
+    "delta_for_epsilon",
+    "privacy_profile_curve",
+]
+
+DEFAULT_DISCRETIZATION = 1e-4
+TAIL_MASS_TRUNCATION = 1e-15
+_GRID_TAIL = 1e-18  # delta below which the grid stops; the rest is kept as infinity mass
+_MAX_GRID = 5_000_000
+
+
+def _pmf_from_profile(profile: PrivacyProfile, discretization: float) -> pld_pmf.PLDPmf:
+    lo, hi = profile.epsilon_range()
+    k_lo = math.floor(lo / discretization)
+    k_hi = math.ceil(hi / discretization)
+    if k_hi < k_lo:
+        k_lo, k_hi = k_hi, k_lo
+    if k_hi - k_lo + 1 > _MAX_GRID:
+        raise ValueError(
+            f"privacy-loss range [{lo:.3g}, {hi:.3g}] needs {k_hi - k_lo + 1} grid points at "
+            f"discretization={discretization}; use a coarser discretization or more noise")
+    eps = np.arange(k_lo, k_hi + 1, dtype=np.float64) * discretization
+    deltas = np.asarray(profile.delta(eps), dtype=np.float64)
+    if np.any(~np.isfinite(deltas)):
+        raise FloatingPointError(f"non-finite delta in profile {profile!r}")
+    # Pessimistic monotone repair of rounding noise: raise each value to the largest later one.
+    deltas = np.maximum.accumulate(deltas[::-1])[::-1]
+    deltas = np.clip(deltas, 0.0, 1.0)
+    # Stop the grid once delta is negligible; what is left becomes infinity mass (pessimistic).
+    small = np.nonzero(deltas <= _GRID_TAIL)[0]
+    if len(small) and small[0] < len(deltas) - 1:
+        cut = max(int(small[0]), 1)
+        deltas = deltas[: cut + 1]
+        k_hi = k_lo + cut
+    return pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(
+        discretization, k_lo, k_hi, deltas)
+
+
+def pld_from_profile(remove: PrivacyProfile, add: PrivacyProfile | None = None, *,
+                     discretization: float = DEFAULT_DISCRETIZATION) -> PrivacyLossDistribution:
+    """A pessimistic PLD whose remove (and optional add) direction dominates the profile(s).
+
+    Args:
+        remove: profile of the remove direction, or the only one for a symmetric relation.
+        add: profile of the add direction; ``None`` makes the PLD symmetric.
+        discretization: value discretisation interval of the privacy-loss grid. Coarser is
+            faster and still an upper bound (1e-3 is fine for unit tests, 1e-4 for reports).
+    """
+    discretization = check_positive("discretization", discretization)
+    pmf_remove = _pmf_from_profile(remove, discretization)
+    pmf_add = None if add is None else _pmf_from_profile(add, discretization)
+    return PrivacyLossDistribution(pmf_remove, pmf_add)
+
+
+def self_compose(pld: PrivacyLossDistribution, count: int) -> PrivacyLossDistribution | None:
+    """``count``-fold composition; ``None`` for zero compositions (no privacy spent)."""
+    count = check_int("count", count, minimum=0)
+    if count == 0:
+        return None
+    if count == 1:
+        return pld
+    return pld.self_compose(count, tail_mass_truncation=TAIL_MASS_TRUNCATION)
+
+
+def compose(parts: Iterable[tuple[PrivacyLossDistribution, int]]) -> PrivacyLossDistribution | None:
+    """Heterogeneous composition of ``(pld, count)`` parts; ``None`` if nothing was composed."""
+    result = None
+    for pld, count in parts:
+        composed = self_compose(pld, count)
+        if composed is None:
+            continue
+        result = composed if result is None else result.compose(
+            composed, tail_mass_truncation=TAIL_MASS_TRUNCATION)
+    return result
+
+
+def epsilon_for_delta(pld: PrivacyLossDistribution | None, delta: float) -> float:
+    """Smallest ε (on the grid, rounded up) such that the PLD is (ε, δ)-DP; 0 for ``None``."""
+    delta = check_open_unit("delta", delta)
+    if pld is None:
+        return 0.0
+    eps = float(pld.get_epsilon_for_delta(delta))
+    return max(eps, 0.0)
+
+
+def delta_for_epsilon(pld: PrivacyLossDistribution | None, epsilon):
+    """δ(ε) of the PLD; accepts a scalar or a sequence (converted to floats)."""
+    eps = np.asarray(epsilon, dtype=np.float64)  # dp_accounting mis-handles integer arrays
+    if np.any(np.isnan(eps)):
+        raise ValueError("epsilon must not be NaN")
+    if pld is None:
+        out = np.maximum(0.0, -np.expm1(np.minimum(eps, 0.0)))
+    elif eps.ndim == 0:
+        out = np.asarray(pld.get_delta_for_epsilon(float(eps)))
+    else:
+        out = np.asarray(pld.get_delta_for_epsilon(eps.tolist()), dtype=np.float64)
+    return float(out) if out.ndim == 0 else out
+
+
+def privacy_profile_curve(pld: PrivacyLossDistribution | None,
+                          epsilons: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """``(epsilons, deltas)`` arrays of the composed profile, for tables and plots."""
+    eps = np.asarray([check_finite("epsilon", e) for e in epsilons], dtype=np.float64)
+    return eps, np.atleast_1d(delta_for_epsilon(pld, eps))

@@ -1,0 +1,184 @@
+"""The ``opacus-structured`` command.
+
+Sub-commands::
+
+    opacus-structured schemes                       # list schemes and their flags
+    opacus-structured epsilon <scheme> --noise-multiplier S (--steps T | --epochs E) --delta D [flags] [--json]
+    opacus-structured calibrate <scheme> --target-epsilon E --delta D (--steps T | --epochs E) [flags] [--json]
+
+Every scheme in :data:`opacus_structured.schemes.SCHEMES` gets its own sub-parser under
+``epsilon`` and ``calibrate`` with the flags its class declares; other modules add whole
+sub-commands through :func:`register_command`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable
+
+from . import __version__
+from .accounting import pld as pld_lib
+from .accounting.calibration import calibrate_noise_multiplier
+from .schemes import SCHEMES, Scheme
+
+__all__ = ["main", "build_parser", "register_command"]
+
+_COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
+
+
+def register_command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+                     run: Callable[[argparse.Namespace], int]) -> None:
+    """Add a sub-command (used by forecasting, plotting and individual-ε modules)."""
+    _COMMANDS[name] = (help, add_arguments, run)
+
+
+def _add_common(p: argparse.ArgumentParser, *, calibrate: bool) -> None:
+    if calibrate:
+        p.add_argument("--target-epsilon", type=float, required=True, help="privacy budget ε > 0")
+    else:
+        p.add_argument("--noise-multiplier", type=float, required=True,
+                       help="σ: noise std divided by the clipping norm, > 0")
+    length = p.add_mutually_exclusive_group(required=True)
+    length.add_argument("--steps", type=int, help="number of optimizer steps, >= 0")
+    length.add_argument("--epochs", type=float,
+                        help="number of epochs (steps = epochs × steps per epoch)")
+    p.add_argument("--delta", type=float, required=True, help="target δ in (0, 1)")
+    p.add_argument("--discretization", type=float, default=pld_lib.DEFAULT_DISCRETIZATION,
+                   help="privacy-loss discretisation interval (pessimistic; default %(default)g)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _steps(scheme: Scheme, args) -> int:
+    if args.steps is not None:
+        if args.steps < 0:
+            raise ValueError(f"--steps must be >= 0, got {args.steps}")
+        return args.steps
+    if args.epochs is None or args.epochs < 0:
+        raise ValueError(f"--epochs must be >= 0, got {args.epochs}")
+    try:
+        per_epoch = scheme.steps_per_epoch()
+    except NotImplementedError:
+        raise ValueError(f"scheme {scheme.name!r} has no epochs; pass --steps") from None
+    return int(round(args.epochs * per_epoch))
+
+
+def _emit(args, record: dict, text: str) -> None:
+    if args.json:
+        print(json.dumps(record, sort_keys=True))
+    else:
+        print(text)
+
+
+def _run_epsilon(args) -> int:
+    scheme = SCHEMES[args.scheme].from_cli_args(args)
+    steps = _steps(scheme, args)
+    eps = scheme.epsilon(args.noise_multiplier, steps, args.delta,
+                         discretization=args.discretization)
+    record = {"scheme": scheme.name, "epsilon": eps, "delta": args.delta,
+              "noise_multiplier": args.noise_multiplier, "steps": steps, "bound": scheme.bound,
+              "discretization": args.discretization, "parameters": scheme.describe()}
+    label = "" if scheme.bound != "lower" else "  (LOWER BOUND, not a guarantee)"
+    _emit(args, record, f"epsilon = {eps:.6g} at delta = {args.delta:g} after {steps} steps "
+                        f"(scheme {scheme.name}, noise multiplier {args.noise_multiplier:g}){label}")
+    return 0
+
+
+def _run_calibrate(args) -> int:
+    scheme = SCHEMES[args.scheme].from_cli_args(args)
+    if scheme.bound == "lower":
+        raise ValueError("cannot calibrate noise to a lower bound: choose --bound tight or upper")
+    steps = _steps(scheme, args)
+    if steps == 0:
+        raise ValueError("calibration needs at least one step")
+    f = lambda s: scheme.epsilon(s, steps, args.delta, discretization=args.discretization)  # noqa: E731
+    sigma = calibrate_noise_multiplier(f, args.target_epsilon)
+    eps = f(sigma)
+    record = {"scheme": scheme.name, "noise_multiplier": sigma, "epsilon": eps,
+              "target_epsilon": args.target_epsilon, "delta": args.delta, "steps": steps,
+              "bound": scheme.bound, "discretization": args.discretization,
+              "parameters": scheme.describe()}
+    _emit(args, record, f"noise multiplier = {sigma:.6g} gives epsilon = {eps:.6g} <= "
+                        f"{args.target_epsilon:g} at delta = {args.delta:g} after {steps} steps "
+                        f"(scheme {scheme.name})")
+    return 0
+
+
+def _run_schemes(args) -> int:
+    rows = []
+    for name, cls in sorted(SCHEMES.items()):
+        p = argparse.ArgumentParser(prog=name, add_help=False)
+        cls.add_cli_arguments(p)
+        flags = [a.option_strings[0] for a in p._actions if a.option_strings]
+        rows.append({"scheme": name, "summary": cls.summary, "flags": flags})
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        for r in rows:
+            print(f"{r['scheme']:<24} {r['summary']}")
+            if r["flags"]:
+                print(f"{'':<24} flags: {' '.join(r['flags'])}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="opacus-structured",
+        description="Sound and tight DP-SGD accounting for structured batching.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("schemes", help="list batching schemes and their flags")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_run_schemes)
+
+    for cmd, helptext, func, calibrate in (
+            ("epsilon", "compute ε for a scheme", _run_epsilon, False),
+            ("calibrate", "find the noise multiplier for a target ε", _run_calibrate, True)):
+        p = sub.add_parser(cmd, help=helptext)
+        ssub = p.add_subparsers(dest="scheme", required=True)
+        for name, cls in sorted(SCHEMES.items()):
+            sp = ssub.add_parser(name, help=cls.summary)
+            cls.add_cli_arguments(sp)
+            _add_common(sp, calibrate=calibrate)
+            sp.set_defaults(func=func)
+
+    for name, (helptext, add_arguments, run) in sorted(_COMMANDS.items()):
+        p = sub.add_parser(name, help=helptext)
+        add_arguments(p)
+        p.set_defaults(func=run)
+    return parser
+
+
+def _load_plugins() -> None:
+    """Import modules that register schemes and commands (optional extras may be missing)."""
+    import importlib
+
+    for mod in _PLUGIN_MODULES:
+        try:
+            importlib.import_module(mod)
+        except ImportError as exc:  # an optional extra (e.g. gluonts) is not installed
+            if getattr(exc, "name", None) and exc.name.split(".")[0] in _OPTIONAL_DEPS:
+                continue
+            raise
+
+
+#: Modules imported before parsing: each registers schemes or sub-commands on import.
+_PLUGIN_MODULES: list[str] = []
+_OPTIONAL_DEPS = {"gluonts", "lightning", "pandas", "matplotlib", "PLD_accounting"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    _load_plugins()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:
+        print(f"opacus-structured: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

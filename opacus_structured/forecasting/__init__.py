@@ -1,0 +1,1 @@
+"""forecasting subpackage (see docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""optim subpackage (see docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""samplers subpackage (see docs/architecture.md)."""

@@ -1,0 +1,165 @@
+"""Batching schemes: frozen descriptions of *what happens* in one training step.
+
+Following dp_accounting's split of ``DpEvent`` (what happened) from accountants (how it is
+priced), a :class:`Scheme` is a validated, frozen dataclass holding every public parameter of
+a batching procedure and neighbouring relation. It is the single source of truth from which
+
+* the accountant prices a step (:meth:`Scheme.pld`, built from the theorem functions in
+  :mod:`opacus_structured.accounting`),
+* the matching sampler is built (``scheme.sampler(...)`` where a scheme has one), and
+* the CLI reads its flags (:meth:`Scheme.add_cli_arguments` / :meth:`Scheme.from_cli_args`),
+
+so sampler, accountant and command line cannot disagree about a parameter.
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
+
+from .._validation import check_int, check_positive
+from ..accounting import pld as pld_lib
+
+__all__ = ["Scheme", "SCHEMES", "register_scheme", "get_scheme_class", "BoundKind"]
+
+SCHEMES: dict[str, type["Scheme"]] = {}
+
+
+class BoundKind:
+    """What a computed ε is: a guarantee, or only a lower bound / estimate (labelled)."""
+
+    UPPER = "upper"  # a sound guarantee (tight or not)
+    TIGHT = "tight"  # a sound guarantee that is also attained by some mechanism
+    LOWER = "lower"  # an optimistic lower bound: never a guarantee
+
+
+def register_scheme(cls: type["Scheme"]) -> type["Scheme"]:
+    """Class decorator adding a scheme to :data:`SCHEMES` under ``cls.name``."""
+    if not getattr(cls, "name", None):
+        raise TypeError(f"{cls.__name__} must define a class attribute `name`")
+    if cls.name in SCHEMES and SCHEMES[cls.name] is not cls:
+        raise ValueError(f"scheme name {cls.name!r} is already registered by "
+                         f"{SCHEMES[cls.name].__name__}")
+    SCHEMES[cls.name] = cls
+    return cls
+
+
+def get_scheme_class(name: str) -> type["Scheme"]:
+    try:
+        return SCHEMES[name]
+    except KeyError:
+        raise ValueError(f"unknown scheme {name!r}; known schemes: {sorted(SCHEMES)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme(abc.ABC):
+    """Base class of batching schemes (subclasses are frozen dataclasses).
+
+    Subclasses set ``name`` (CLI and registry name), ``summary`` (one line for
+    ``opacus-structured schemes``) and implement :meth:`pld`.
+    """
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    #: The accounting unit composed by :meth:`compositions` ("step" or "epoch").
+    unit: ClassVar[str] = "step"
+
+    # ---- pricing -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def pld(self, noise_multiplier: float, *, sample_rate: float | None = None,
+            discretization: float = pld_lib.DEFAULT_DISCRETIZATION) -> PrivacyLossDistribution:
+        """Pessimistic PLD of one accounting unit (see :attr:`unit`) at this noise multiplier.
+
+        ``sample_rate`` is the rate reported by Opacus' optimizer hook; schemes that carry their
+        own rate check it with :meth:`check_sample_rate` and otherwise ignore it.
+        """
+
+    @property
+    def bound(self) -> str:
+        """:class:`BoundKind` of the ε this scheme's :meth:`pld` yields."""
+        return BoundKind.UPPER
+
+    def compositions(self, steps: int) -> int:
+        """Number of accounting units covering ``steps`` optimizer steps."""
+        steps = check_int("steps", steps, minimum=0)
+        if self.unit == "step":
+            return steps
+        per_epoch = self.steps_per_epoch()
+        # A partial epoch is post-processing of a full one: round up (never under-report).
+        return math.ceil(steps / per_epoch)
+
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps per epoch (schemes with an epoch notion override this)."""
+        raise NotImplementedError(f"scheme {self.name!r} has no notion of an epoch")
+
+    def expected_sample_rate(self) -> float | None:
+        """The ``sample_rate`` Opacus' hook reports when this scheme's sampler drives the
+        DataLoader (``1 / len(data_loader)``), or ``None`` when the scheme takes it from the hook.
+        """
+        return None
+
+    def check_sample_rate(self, sample_rate: float | None) -> None:
+        """Raise if Opacus' reported ``sample_rate`` contradicts this scheme (wrong loader)."""
+        expected = self.expected_sample_rate()
+        if sample_rate is None or expected is None:
+            return
+        if not math.isclose(sample_rate, expected, rel_tol=1e-6, abs_tol=1e-12):
+            raise ValueError(
+                f"the optimizer hook reports sample_rate={sample_rate:.6g} (1/len(data_loader)) "
+                f"but scheme {self.name!r} implies {expected:.6g}: the DataLoader does not use "
+                f"this scheme's sampler (or uses gradient accumulation); pass "
+                f"scheme.sampler(...) as the DataLoader's batch_sampler")
+
+    def epsilon(self, noise_multiplier: float, steps: int, delta: float, *,
+                discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
+                sample_rate: float | None = None) -> float:
+        """ε(δ) after ``steps`` optimizer steps at a constant noise multiplier."""
+        noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
+        n = self.compositions(steps)
+        if n == 0:
+            return 0.0
+        step = self.pld(noise_multiplier, sample_rate=sample_rate, discretization=discretization)
+        return pld_lib.epsilon_for_delta(pld_lib.self_compose(step, n), delta)
+
+    def delta(self, noise_multiplier: float, steps: int, epsilon: float, *,
+              discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
+              sample_rate: float | None = None) -> float:
+        """δ(ε) after ``steps`` optimizer steps at a constant noise multiplier."""
+        noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
+        n = self.compositions(steps)
+        step = None if n == 0 else self.pld(
+            noise_multiplier, sample_rate=sample_rate, discretization=discretization)
+        return pld_lib.delta_for_epsilon(pld_lib.self_compose(step, n) if step else None,
+                                         epsilon)
+
+    # ---- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"scheme": self.name, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Scheme":
+        data = dict(data)
+        name = data.pop("scheme", cls.name)
+        klass = get_scheme_class(name) if cls is Scheme else cls
+        if name != klass.name:
+            raise ValueError(f"state is for scheme {name!r}, not {klass.name!r}")
+        return klass(**data)
+
+    # ---- command line --------------------------------------------------------------------
+    @classmethod
+    def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Add this scheme's flags to ``parser`` (default: none)."""
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "Scheme":
+        """Build the scheme from parsed flags (default: no parameters)."""
+        return cls()
+
+    def describe(self) -> dict[str, Any]:
+        """Parameters for reports (``--json`` output)."""
+        return dataclasses.asdict(self)

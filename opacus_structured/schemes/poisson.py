@@ -1,0 +1,77 @@
+"""Poisson subsampling with the Gaussian mechanism (plain DP-SGD), priced by our core.
+
+Semantics: at every step each of the n examples joins the batch independently with probability
+``sample_rate`` (so batch sizes vary); the clipped sum gets N(0, σ²C²) noise. Relation:
+add/remove one example. This is the scheme Opacus' ``DPDataLoader`` implements.
+
+Pricing: the remove direction is dominated by ``P = (1-q)·N(0, σ) + q·N(1, σ)`` versus
+``Q = N(0, σ)``, the add direction by ``(Q, P)`` (Mironov et al. 2019; Zhu, Dong & Wang 2022);
+both are built as :class:`~opacus_structured.accounting.MixturePair` and discretised with the
+pessimistic connect-the-dots algorithm. It agrees with dp_accounting's
+``from_gaussian_mechanism(sampling_prob=q)`` (a peer oracle in the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Optional
+
+from .._validation import check_positive, check_probability
+from ..accounting import pld as pld_lib
+from ..accounting.mixture import MixturePair
+from ..accounting.profiles import PairProfile
+from .base import Scheme, register_scheme
+
+__all__ = ["PoissonScheme", "poisson_pair"]
+
+
+def poisson_pair(noise_multiplier: float, sample_rate: float) -> MixturePair:
+    """Remove-direction dominating pair of the Poisson-subsampled Gaussian mechanism."""
+    q = check_probability("sample_rate", sample_rate)
+    s = check_positive("noise_multiplier", noise_multiplier)
+    return MixturePair.from_components([1.0, 0.0], [q, 1.0 - q], [0.0], [1.0], s)
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class PoissonScheme(Scheme):
+    """Poisson-subsampled Gaussian (DP-SGD with Opacus' ``DPDataLoader``).
+
+    Args:
+        sample_rate: per-example inclusion probability q in (0, 1]. ``None`` takes the rate
+            that Opacus' optimizer hook reports at each step (what ``PrivacyEngine`` passes).
+    """
+
+    name = "poisson"
+    summary = "Poisson-subsampled Gaussian (plain DP-SGD), add/remove relation"
+
+    sample_rate: Optional[float] = None
+
+    def __post_init__(self):
+        if self.sample_rate is not None:
+            object.__setattr__(self, "sample_rate",
+                               check_probability("sample_rate", self.sample_rate))
+
+    def expected_sample_rate(self):
+        return self.sample_rate
+
+    def pld(self, noise_multiplier, *, sample_rate=None,
+            discretization=pld_lib.DEFAULT_DISCRETIZATION):
+        self.check_sample_rate(sample_rate)
+        q = self.sample_rate if self.sample_rate is not None else sample_rate
+        if q is None:
+            raise ValueError("PoissonScheme needs a sample_rate (set it on the scheme, or let "
+                             "Opacus' optimizer hook report it)")
+        pair = poisson_pair(noise_multiplier, q)
+        return pld_lib.pld_from_profile(PairProfile(pair), PairProfile(pair.reversed()),
+                                        discretization=discretization)
+
+    @classmethod
+    def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--sample-rate", type=float, required=True, metavar="q",
+                            help="per-example Poisson inclusion probability, in (0, 1]")
+
+    @classmethod
+    def from_cli_args(cls, args):
+        return cls(sample_rate=args.sample_rate)

@@ -1,0 +1,170 @@
+"""The Poisson scheme and its Opacus adapter (issue 2 acceptance)."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from opacus import PrivacyEngine
+from opacus.accountants import RDPAccountant
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import opacus_structured  # noqa: F401  (registers accountants)
+from opacus_structured import PoissonAccountant, PoissonScheme
+from opacus_structured.cli import main as cli_main
+
+D = 1e-3
+
+
+@pytest.mark.parametrize("sigma,q,steps", [(0.6, 0.01, 100), (1.0, 0.1, 100), (2.0, 0.001, 1000)])
+def test_not_above_opacus_rdp(sigma, q, steps):
+    acc = PoissonAccountant(discretization=D)
+    acc.history = [(sigma, q, steps)]
+    rdp = RDPAccountant()
+    rdp.history = [(sigma, q, steps)]
+    assert acc.get_epsilon(1e-5) <= rdp.get_epsilon(1e-5)
+
+
+def test_matches_opacus_prv():
+    acc = PoissonAccountant(discretization=1e-4)
+    from opacus.accountants import PRVAccountant
+
+    prv = PRVAccountant()
+    for _ in range(200):
+        acc.step(noise_multiplier=1.0, sample_rate=0.02)
+        prv.step(noise_multiplier=1.0, sample_rate=0.02)
+    assert acc.get_epsilon(1e-5) == pytest.approx(prv.get_epsilon(1e-5), rel=2e-2)
+
+
+def test_history_merging_and_len():
+    acc = PoissonAccountant(discretization=D)
+    for _ in range(3):
+        acc.step(noise_multiplier=1.0, sample_rate=0.1)
+    acc.step(noise_multiplier=2.0, sample_rate=0.1)
+    assert acc.history == [(1.0, 0.1, 3), (2.0, 0.1, 1)]
+    assert len(acc) == 4
+
+
+def test_heterogeneous_equals_sum_of_parts():
+    a = PoissonAccountant(discretization=D)
+    a.history = [(1.0, 0.1, 5), (1.0, 0.1, 5)]
+    b = PoissonAccountant(discretization=D)
+    b.history = [(1.0, 0.1, 10)]
+    assert a.get_epsilon(1e-5) == pytest.approx(b.get_epsilon(1e-5), rel=1e-6)
+
+
+def test_state_dict_round_trip():
+    acc = PoissonAccountant(PoissonScheme(sample_rate=0.05), discretization=D)
+    for _ in range(7):
+        acc.step(noise_multiplier=1.1, sample_rate=0.05)
+    state = acc.state_dict()
+    other = PoissonAccountant(PoissonScheme(sample_rate=0.05), discretization=D)
+    other.load_state_dict(state)
+    assert other.get_epsilon(1e-5) == acc.get_epsilon(1e-5)
+    assert len(other) == 7
+    with pytest.raises(ValueError, match="scheme"):
+        PoissonAccountant(PoissonScheme(sample_rate=0.5)).load_state_dict(state)
+
+
+def test_mismatched_sample_rate_raises():
+    acc = PoissonAccountant(PoissonScheme(sample_rate=0.05))
+    with pytest.raises(ValueError, match="sampler"):
+        acc.step(noise_multiplier=1.0, sample_rate=0.1)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(noise_multiplier=0.0, sample_rate=0.1), "noise_multiplier"),
+    (dict(noise_multiplier=-1.0, sample_rate=0.1), "noise_multiplier"),
+    (dict(noise_multiplier=float("nan"), sample_rate=0.1), "noise_multiplier"),
+    (dict(noise_multiplier=1.0, sample_rate=0.0), "sample_rate"),
+])
+def test_bad_step_input(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        PoissonAccountant().step(**kwargs)
+
+
+@pytest.mark.parametrize("bad,name", [(dict(sample_rate=1.5), "sample_rate"),
+                                      (dict(sample_rate=0.0), "sample_rate"),
+                                      (dict(sample_rate=float("nan")), "sample_rate")])
+def test_bad_scheme_input(bad, name):
+    with pytest.raises(ValueError, match=name):
+        PoissonScheme(**bad)
+
+
+@pytest.mark.parametrize("delta", [0.0, 1.0, -1e-5, float("nan")])
+def test_bad_delta(delta):
+    acc = PoissonAccountant()
+    acc.step(noise_multiplier=1.0, sample_rate=0.1)
+    with pytest.raises(ValueError, match="delta"):
+        acc.get_epsilon(delta)
+
+
+def test_bad_steps():
+    with pytest.raises(ValueError, match="steps"):
+        PoissonScheme(sample_rate=0.1).epsilon(1.0, -1, 1e-5)
+
+
+def _tiny_problem():
+    torch.manual_seed(0)
+    X, y = torch.randn(200, 6), torch.randint(0, 2, (200,))
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(
+        TensorDataset(X, y), batch_size=20)
+
+
+def test_stock_privacy_engine_trains_three_steps():
+    warnings.simplefilter("ignore")
+    model, opt, dl = _tiny_problem()
+    pe = PrivacyEngine(accountant="poisson")
+    assert isinstance(pe.accountant, PoissonAccountant)
+    model, opt, dl = pe.make_private(module=model, optimizer=opt, data_loader=dl,
+                                     noise_multiplier=1.0, max_grad_norm=1.0)
+    it = iter(dl)
+    for _ in range(3):
+        xb, yb = next(it)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    assert pe.accountant.history == [(1.0, 0.1, 3)]
+    expect = PoissonScheme(sample_rate=0.1).epsilon(1.0, 3, 1e-5)
+    assert pe.get_epsilon(1e-5) == pytest.approx(expect, rel=1e-12)
+
+
+def test_make_private_with_epsilon_reaches_target():
+    warnings.simplefilter("ignore")
+    model, opt, dl = _tiny_problem()
+    pe = PrivacyEngine(accountant="poisson")
+    model, opt, dl = pe.make_private_with_epsilon(
+        module=model, optimizer=opt, data_loader=dl, target_epsilon=2.0, target_delta=1e-5,
+        epochs=5, max_grad_norm=1.0, discretization=D)
+    steps = 5 * len(dl)
+    eps = PoissonScheme(sample_rate=0.1).epsilon(opt.noise_multiplier, steps, 1e-5,
+                                                 discretization=D)
+    assert eps <= 2.0
+    assert eps == pytest.approx(2.0, rel=1e-2)
+
+
+def test_cli_epsilon_json(capsys):
+    assert cli_main(["epsilon", "poisson", "--sample-rate", "0.01", "--noise-multiplier", "1",
+                     "--steps", "1000", "--delta", "1e-5", "--discretization", "1e-3",
+                     "--json"]) == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) >= {"epsilon", "delta", "noise_multiplier", "steps", "scheme"}
+    assert out["epsilon"] == pytest.approx(1.8289, abs=2e-3)  # digest ecosystem §2.6 (vdi 1e-3)
+
+
+def test_cli_calibrate_and_errors(capsys):
+    assert cli_main(["calibrate", "poisson", "--sample-rate", "0.01", "--target-epsilon", "2",
+                     "--steps", "1000", "--delta", "1e-5", "--discretization", "1e-3",
+                     "--json"]) == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    assert out["epsilon"] <= 2.0
+    assert math.isclose(out["noise_multiplier"], 0.960, rel_tol=5e-3)  # digest §2.6: 0.960
+    assert cli_main(["epsilon", "poisson", "--sample-rate", "2", "--noise-multiplier", "1",
+                     "--steps", "10", "--delta", "1e-5"]) == 2
+    assert "sample_rate" in capsys.readouterr().err

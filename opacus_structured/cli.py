@@ -152,21 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_plugins() -> None:
-    """Import modules that register schemes and commands (optional extras may be missing)."""
-    import importlib
+    """Import the modules that register sub-commands (optional extras may be missing)."""
+    from ._discovery import import_submodules
 
-    for mod in _PLUGIN_MODULES:
-        try:
-            importlib.import_module(mod)
-        except ImportError as exc:  # an optional extra (e.g. gluonts) is not installed
-            if getattr(exc, "name", None) and exc.name.split(".")[0] in _OPTIONAL_DEPS:
-                continue
-            raise
-
-
-#: Modules imported before parsing: each registers schemes or sub-commands on import.
-_PLUGIN_MODULES: list[str] = []
-_OPTIONAL_DEPS = {"gluonts", "lightning", "pandas", "matplotlib", "PLD_accounting"}
+    import_submodules("opacus_structured.commands")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -137,6 +137,17 @@ class Scheme(abc.ABC):
         return pld_lib.delta_for_epsilon(pld_lib.self_compose(step, n) if step else None,
                                          epsilon)
 
+    # ---- sampler -------------------------------------------------------------------------
+    def sampler(self, *args, generator=None, **kwargs):
+        """The torch batch sampler implementing exactly this scheme.
+
+        Samplers follow one protocol: ``__iter__`` yields lists of dataset indices (or, for
+        structured schemes, ``(series, start)`` pairs), ``__len__`` is the number of steps per
+        epoch, a ``scheme`` attribute holds the scheme they implement, and
+        ``state_dict()`` / ``load_state_dict()`` make a resumed run continue exactly.
+        """
+        raise NotImplementedError(f"scheme {self.name!r} has no sampler")
+
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {"scheme": self.name, **dataclasses.asdict(self)}

@@ -219,12 +219,16 @@ class MixturePair:
         above = eps >= lmax  # no mass with loss > eps (up to ~1e-19): delta ~ tail
         below = eps <= lmin  # whole line: delta = 1 - e^eps
         mid = ~(above | below)
-        out[below] = -np.expm1(eps[below])
+        lo, hi = self.x_range()
+        if np.any(below):
+            # delta = (1 - e^eps) + int (e^eps q - p)_+ over {L < eps}, which lies beyond the
+            # range on the low-loss side: bound that term by e^eps * Q(that tail).
+            q_tail = float(self.lower.cdf(lo) if self._direction > 0 else self.lower.sf(hi))
+            out[below] = -np.expm1(eps[below]) + np.exp(eps[below]) * q_tail
         if np.any(above):
-            # Bound the mass past the grid pessimistically by P(tail region).
-            lo, hi = self.x_range()
-            tail = float(self.upper.sf(hi) if self._direction > 0 else self.upper.cdf(lo))
-            out[above] = tail
+            # {L > eps} lies beyond the range on the high-loss side: delta <= P(that tail).
+            p_tail = float(self.upper.sf(hi) if self._direction > 0 else self.upper.cdf(lo))
+            out[above] = p_tail
         if np.any(mid):
             e = eps[mid]
             x = self._threshold(e)

@@ -1,0 +1,29 @@
+"""Baselines for the privacy–utility report: seasonal naive (no training, so no privacy cost
+from training) and the same model trained without DP (ε = ∞, via
+:func:`~opacus_structured.forecasting.training.train_forecaster` with ``epsilon=None``).
+
+Seasonal naive forecasts ``ŷ_{t+h} = y_{t+h−m·k}`` with the smallest ``k`` such that the value
+is in the past (``m`` = season length, 12 for monthly data); it is a point forecast, so all
+its quantiles coincide (as in the paper's tables). Note that, like any forecast, it reads the
+test series' own history at prediction time (inference is not covered by training DP).
+"""
+
+from __future__ import annotations
+
+from .._validation import check_int
+
+__all__ = ["seasonal_naive_predictor", "DEFAULT_SEASON"]
+
+#: Season length per pandas frequency prefix.
+DEFAULT_SEASON = {"M": 12, "ME": 12, "Q": 4, "QE": 4, "W": 52, "D": 7, "H": 24, "h": 24}
+
+
+def seasonal_naive_predictor(prediction_length: int, freq: str, season_length: int | None = None):
+    """gluonts ``SeasonalNaivePredictor`` (season from ``freq`` unless given)."""
+    from gluonts.model.seasonal_naive import SeasonalNaivePredictor
+
+    h = check_int("prediction_length", prediction_length, minimum=1)
+    if season_length is None:
+        season_length = DEFAULT_SEASON.get(freq, 1)
+    season_length = check_int("season_length", season_length, minimum=1)
+    return SeasonalNaivePredictor(prediction_length=h, season_length=season_length)

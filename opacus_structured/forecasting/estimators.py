@@ -1,0 +1,184 @@
+"""gluonts torch estimators prepared for per-window DP-SGD.
+
+:func:`build_estimator` creates a gluonts estimator (``"deepar"``, ``"dlinear"`` or
+``"simpleff"``) with small CPU-friendly defaults and :func:`prepare_estimator` returns the pieces
+DP training needs: the data transformation, the Lightning module (with DP-safe layers), the
+window splitter and the names of the model's training inputs.
+
+What "DP-safe" means here (each point is needed for per-window clipping to bound one window's
+influence, Algorithm 2 of Schuchardt et al., ICML 2025):
+
+* ``nn.LSTM`` is replaced by Opacus' ``DPLSTM`` (``ModuleValidator.fix``), so per-sample
+  gradients exist for every parameter.
+* gluonts' ``MeanScaler`` without ``default_scale`` falls back to a **batch-wide** scale for a
+  window whose context is entirely unobserved (e.g. the all-padding window at split point 0): the
+  gradient of one window would then depend on the other windows in the batch, and per-window
+  clipping would not bound its sensitivity. :func:`per_window_scalers` replaces such scalers by
+  ``MeanScaler(default_scale=1.0)`` (a constant), so every window is scaled from its own context
+  only.
+* DeepAR's dropout defaults to 0 (the paper's setting) and no batch norm is used.
+
+The **model input window** is ``past_length`` steps (for DeepAR ``context_length + max(lags) -
+1`` in gluonts' 1-based lag convention, i.e. every past value a lag can reach); that is the
+``L_C`` the structured accountant must be given (digest §5 "What counts as context").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from .._validation import check_int
+
+__all__ = ["MODELS", "build_estimator", "prepare_estimator", "PreparedModel",
+           "per_window_scalers", "default_context_length"]
+
+MODELS = ("deepar", "dlinear", "simpleff")
+
+
+def default_context_length(model: str, prediction_length: int) -> int:
+    """Default context length (before lags) per model: 3 × L_F (2 × L_F for DeepAR)."""
+    _check_model(model)
+    return (2 if model == "deepar" else 3) * int(prediction_length)
+
+
+def _check_model(model: str) -> str:
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {MODELS}, got {model!r}")
+    return model
+
+
+def build_estimator(model: str, *, freq: str, prediction_length: int,
+                    context_length: Optional[int] = None, batch_size: int = 32,
+                    lr: float = 1e-3, weight_decay: float = 1e-8, **kwargs: Any):
+    """A gluonts torch estimator with small defaults (override any estimator argument).
+
+    Defaults: DLinear hidden 20, kernel 13; SimpleFeedForward hidden [64, 64], no batch norm;
+    DeepAR 2 layers × 40, dropout 0, lags ``[1, 2, 3, 12, 13]`` (monthly seasonality) and
+    ``default_scale=1.0``. All output Student-t distributions (gluonts' default).
+    """
+    _check_model(model)
+    h = check_int("prediction_length", prediction_length, minimum=1)
+    ctx = default_context_length(model, h) if context_length is None else check_int(
+        "context_length", context_length, minimum=1)
+    batch_size = check_int("batch_size", batch_size, minimum=1)
+    common = dict(prediction_length=h, context_length=ctx, batch_size=batch_size, lr=lr,
+                  weight_decay=weight_decay)
+    if model == "dlinear":
+        from gluonts.torch.model.d_linear import DLinearEstimator
+
+        params = dict(hidden_dimension=20, kernel_size=13)
+        params.update(common, **kwargs)
+        if params["kernel_size"] % 2 == 0:
+            raise ValueError(f"kernel_size must be odd, got {params['kernel_size']}")
+        return DLinearEstimator(**params)
+    if model == "simpleff":
+        from gluonts.torch.model.simple_feedforward import SimpleFeedForwardEstimator
+
+        params = dict(hidden_dimensions=[64, 64], batch_norm=False)
+        params.update(common, **kwargs)
+        if params["batch_norm"]:
+            raise ValueError("batch_norm=True mixes windows in a batch; per-window clipping "
+                             "needs batch_norm=False")
+        return SimpleFeedForwardEstimator(**params)
+    from gluonts.torch.model.deepar import DeepAREstimator
+
+    params = dict(freq=freq, num_layers=2, hidden_size=40, dropout_rate=0.0,
+                  lags_seq=[1, 2, 3, 12, 13], default_scale=1.0)
+    params.update(common, **kwargs)
+    return DeepAREstimator(**params)
+
+
+def per_window_scalers(module) -> int:
+    """Replace batch-coupled gluonts ``MeanScaler``\\ s in ``module`` (recursively); returns the count.
+
+    A ``MeanScaler`` with ``default_scale=None`` uses the batch's mean scale for windows with no
+    observed context value, which makes one window's gradient depend on the others.
+    """
+    from gluonts.torch.scaler import MeanScaler
+
+    count = 0
+    for sub in module.modules():
+        for name, value in list(vars(sub).items()):
+            if isinstance(value, MeanScaler) and value.default_scale is None:
+                setattr(sub, name, MeanScaler(dim=value.dim, keepdim=value.keepdim,
+                                              default_scale=1.0,
+                                              minimum_scale=value.minimum_scale))
+                count += 1
+    return count
+
+
+@dataclasses.dataclass
+class PreparedModel:
+    """Everything DP training needs from one gluonts estimator.
+
+    Attributes:
+        name: model name (one of :data:`MODELS`).
+        estimator: the gluonts estimator (used again for ``create_predictor``).
+        transformation: the estimator's data transformation (applied with ``is_train=True``).
+        module: the Lightning module, with DP-safe layers (``module.model`` is the network).
+        splitter: the estimator's training ``InstanceSplitter``; its ``past_length`` is the
+            model input window ``L_C`` and its ``future_length`` is ``L_F``.
+        input_names: the batch fields the training step reads.
+    """
+
+    name: str
+    estimator: Any
+    transformation: Any
+    module: Any
+    splitter: Any
+    input_names: list
+
+    @property
+    def past_length(self) -> int:
+        """Model input window L_C (lags included): what the accountant must be given."""
+        return int(self.splitter.past_length)
+
+    @property
+    def prediction_length(self) -> int:
+        return int(self.splitter.future_length)
+
+    def create_predictor(self):
+        """gluonts predictor for the (trained) module."""
+        return self.estimator.create_predictor(self.transformation, self.module)
+
+
+def _training_input_names(model: str) -> list:
+    if model == "dlinear":
+        from gluonts.torch.model.d_linear.estimator import TRAINING_INPUT_NAMES
+    elif model == "simpleff":
+        from gluonts.torch.model.simple_feedforward.estimator import TRAINING_INPUT_NAMES
+    else:
+        from gluonts.torch.model.deepar.estimator import TRAINING_INPUT_NAMES
+    return list(TRAINING_INPUT_NAMES)
+
+
+def prepare_estimator(model: str, estimator=None, **build_kwargs) -> PreparedModel:
+    """Build (or take) an estimator and return its :class:`PreparedModel` with DP-safe layers.
+
+    ``ModuleValidator.fix`` replaces ``nn.LSTM`` by ``DPLSTM`` (copying the weights), and
+    :func:`per_window_scalers` removes batch-coupled scaling; ``ModuleValidator.validate``
+    must then report no error, otherwise a ValueError lists them.
+    """
+    from opacus.validators import ModuleValidator
+
+    _check_model(model)
+    if estimator is None:
+        estimator = build_estimator(model, **build_kwargs)
+    elif build_kwargs:
+        raise ValueError("pass either an estimator or build arguments, not both")
+    if getattr(estimator, "lead_time", 0) != 0:
+        raise ValueError("lead_time must be 0 (the structured accountant assumes the forecast "
+                         "window starts right after the context)")
+    transformation = estimator.create_transformation()
+    module = estimator.create_lightning_module()
+    module.model = ModuleValidator.fix(module.model)
+    per_window_scalers(module.model)
+    errors = ModuleValidator.validate(module.model, strict=False)
+    if errors:
+        raise ValueError(f"model {model!r} is not compatible with per-sample clipping: {errors}")
+    splitter = estimator._create_instance_splitter(module, "training")
+    if splitter.lead_time != 0:
+        raise ValueError("the training splitter has lead_time != 0")
+    return PreparedModel(model, estimator, transformation, module, splitter,
+                         _training_input_names(model))

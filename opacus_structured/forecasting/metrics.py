@@ -1,0 +1,63 @@
+r"""Forecast metrics: mean weighted quantile loss (the paper's CRPS approximation) and MASE.
+
+For quantile levels :math:`\tau \in \{0.1, \dots, 0.9\}` and forecasts :math:`\hat y^{(\tau)}`
+of the held-out targets :math:`y` (all series and horizons pooled),
+
+.. math::
+
+    \mathrm{wQL}_\tau = \frac{2 \sum |(\hat y^{(\tau)} - y)(\mathbb 1[y \le \hat y^{(\tau)}] - \tau)|}
+                            {\sum |y|}, \qquad
+    \mathrm{CRPS} \approx \frac{1}{9} \sum_\tau \mathrm{wQL}_\tau,
+
+which is gluonts' ``mean_wQuantileLoss`` (Appendix B of Schuchardt et al., ICML 2025).
+MASE divides each series' mean absolute error of the median forecast by the in-sample
+mean absolute seasonal difference (season 12 for monthly data) and averages over series.
+Both are computed with gluonts' ``Evaluator`` (single process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from typing import Optional, Sequence
+
+__all__ = ["QUANTILES", "evaluate_predictor", "evaluate_forecasts"]
+
+QUANTILES = tuple(round(0.1 * i, 1) for i in range(1, 10))
+
+
+def evaluate_forecasts(forecasts: Sequence, series: Sequence,
+                       quantiles: Sequence[float] = QUANTILES,
+                       season_length: Optional[int] = None) -> dict:
+    """``{"crps": mean wQL, "mase": MASE, "mse": ..., "nd": ...}`` for gluonts forecasts.
+
+    ``series`` are the matching ground-truth ``pandas`` objects from
+    ``make_evaluation_predictions``.
+    """
+    from gluonts.evaluation import Evaluator
+
+    if len(forecasts) != len(series) or not forecasts:
+        raise ValueError(f"need one forecast per series, got {len(forecasts)} forecasts and "
+                         f"{len(series)} series")
+    evaluator = Evaluator(quantiles=list(quantiles), num_workers=0,
+                          seasonality=season_length)
+    with contextlib.redirect_stderr(io.StringIO()):  # gluonts' own progress bar
+        agg, _ = evaluator(iter(series), iter(forecasts), num_series=len(series))
+    return {"crps": float(agg["mean_wQuantileLoss"]), "mase": float(agg["MASE"]),
+            "mse": float(agg["MSE"]), "nd": float(agg["ND"])}
+
+
+def evaluate_predictor(predictor, test_dataset, *, num_samples: int = 100,
+                       quantiles: Sequence[float] = QUANTILES,
+                       season_length: Optional[int] = None) -> tuple[dict, list, list]:
+    """Forecast the last ``prediction_length`` steps of every test series and score them.
+
+    Returns ``(metrics, forecasts, series)``.
+    """
+    from gluonts.evaluation import make_evaluation_predictions
+
+    f_it, ts_it = make_evaluation_predictions(dataset=test_dataset, predictor=predictor,
+                                              num_samples=num_samples)
+    forecasts, series = list(f_it), list(ts_it)
+    return (evaluate_forecasts(forecasts, series, quantiles, season_length), forecasts,
+            series)

@@ -1,0 +1,491 @@
+r"""DP-SGD training of gluonts forecasters with structured subsampling (Schuchardt et al., ICML 2025).
+
+One optimizer step (Algorithm 1 with Algorithms 5 + 4 + 2 of the paper, λ = 1):
+
+1. the structured sampler draws ``N' = Λ`` series without replacement (fresh every step) and
+   one window start per drawn series, uniform over the ``T_n = L_n − L_F + 1`` split points of
+   the series with ``L_C`` zeros prepended;
+2. :class:`WindowDataset` cuts exactly those windows with the estimator's own
+   ``InstanceSplitter`` (context ``L_C`` = the model's ``past_length``, lags included;
+   forecast ``L_F``);
+3. Opacus' ``GradSampleHooks`` compute one gradient per window, a stock Opacus
+   ``DPOptimizer`` clips each to norm ``C``, adds ``N(0, σ²C²I)`` to the sum and divides by
+   ``Λ`` (``expected_batch_size``); Adam then takes the step;
+4. the structured-subsampling accountant (Theorem 4.4 of the paper: per step
+   ``P = (1 − ρr)·N(0, σ) + ρr·N(2, σ)`` vs ``N(0, σ)``, ``ρ = Λ/N``,
+   ``r = (L_C + L_F)/(L − L_F + 1)``, ``L`` the shortest training series) records the step
+   through the optimizer's step hook.
+
+``σ`` is calibrated up front so that the planned number of steps spends at most the target
+``ε`` at ``δ`` (like Opacus' ``make_private_with_epsilon``); with a fixed ``σ`` training stops
+before the step that would exceed the budget. The model input window and the accountant's
+``L_C``/``L_F`` are taken from the same splitter and checked against each other
+(:func:`check_window_matches_scheme`), so they cannot disagree.
+
+Not covered by the guarantee (documented limits): the *test* months (used only for scoring),
+hyper-parameter choices, and the train-loss values shown on the progress bar (visible to the
+operator only; nothing selects a checkpoint by them and no learning-rate schedule uses them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from .._validation import check_int, check_open_unit, check_positive
+from ..accounting import pld as pld_lib
+from ..accounting.calibration import calibrate_noise_multiplier
+from . import _structured
+from .data import Panel
+from .estimators import PreparedModel, prepare_estimator
+
+__all__ = ["WindowDataset", "collate_windows", "ForecastTrainer", "TrainResult",
+           "train_forecaster", "check_window_matches_scheme", "make_scheme",
+           "max_steps_within_budget", "DEFAULT_MAX_GRAD_NORM"]
+
+#: Per-window clipping norm. The paper uses 1e-4 (found by shrinking C until the noise-free
+#: loss got worse); with Adam the update is nearly invariant to C, only the noise-to-signal
+#: ratio σ·C/(Λ·C) = σ/Λ matters.
+DEFAULT_MAX_GRAD_NORM = 1e-4
+
+
+# ---- windows ---------------------------------------------------------------------------------
+class WindowDataset:
+    """Map-style dataset: ``dataset[(series, start)]`` is one training window as numpy arrays.
+
+    ``start`` is the sampler's window start in the padded series ``[0]*L_C + x_n``, i.e. the
+    window covers padded positions ``start .. start + L_C + L_F - 1``; in original coordinates
+    the forecast window is ``x_n[start : start + L_F]`` and the context is the ``L_C`` values
+    before it (zeros, marked unobserved and ``past_is_pad``, where the index is negative).
+    Valid starts are ``0 <= start <= L_n - L_F`` (``T_n = L_n - L_F + 1`` choices).
+
+    The window is cut by the estimator's own training ``InstanceSplitter`` (its
+    ``_split_instance`` at split point ``start``), so the fields and padding are exactly what
+    the gluonts model expects. Each item also carries ``window_series`` and ``window_start``
+    so that the batch a model consumes can be audited against the sampler.
+    """
+
+    def __init__(self, entries: Sequence[dict], splitter, input_names: Sequence[str]):
+        self.entries = list(entries)
+        self.splitter = splitter
+        self.input_names = list(input_names)
+        self.past_length = int(splitter.past_length)
+        self.future_length = int(splitter.future_length)
+        self.lengths = np.array([e["target"].shape[-1] for e in self.entries], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, key) -> dict:
+        series, start = (int(k) for k in key)
+        if not 0 <= series < len(self.entries):
+            raise IndexError(f"series index {series} out of range [0, {len(self.entries)})")
+        last = int(self.lengths[series]) - self.future_length
+        if not 0 <= start <= last:
+            raise IndexError(f"window start {start} of series {series} outside [0, {last}]")
+        item = self.splitter._split_instance(self.entries[series], start)
+        out = {name: np.asarray(item[name]) for name in self.input_names}
+        out["window_series"] = np.int64(series)
+        out["window_start"] = np.int64(start)
+        return out
+
+
+def collate_windows(items: Sequence[dict]):
+    """Stack window dicts into a batch of torch tensors (integer fields stay int64)."""
+    import torch
+
+    if not items:
+        raise ValueError("empty batch: the structured sampler never yields empty batches")
+    batch = {}
+    for key in items[0]:
+        arr = np.stack([it[key] for it in items])
+        if np.issubdtype(arr.dtype, np.integer):
+            batch[key] = torch.as_tensor(arr, dtype=torch.int64)
+        else:
+            batch[key] = torch.as_tensor(arr, dtype=torch.float32)
+    return batch
+
+
+# ---- scheme / window consistency -------------------------------------------------------------
+def make_scheme(train: Panel, prepared: PreparedModel, batch_size: int, **kwargs):
+    """The structured-subsampling scheme of a training run (λ = 1, WOR top, WR bottom, 1-event).
+
+    ``L`` is the shortest training series, ``L_C`` the model's ``past_length`` (lags
+    included), ``L_F`` its prediction length.
+    """
+    batch_size = check_int("batch_size", batch_size, minimum=1)
+    if batch_size > len(train):
+        raise ValueError(f"batch_size={batch_size} exceeds the number of training series "
+                         f"({len(train)}): each step draws batch_size distinct series")
+    if train.min_length < prepared.prediction_length:
+        raise ValueError(f"the shortest training series ({train.min_length}) is shorter than "
+                         f"the prediction length ({prepared.prediction_length})")
+    return _structured.new_scheme(
+        num_series=len(train), series_length=train.min_length,
+        context_length=prepared.past_length, forecast_length=prepared.prediction_length,
+        batch_size=batch_size, **kwargs)
+
+
+def check_window_matches_scheme(scheme, prepared: PreparedModel, train: Panel) -> None:
+    """Raise ValueError unless the model input window is the one the accountant prices.
+
+    The model reads ``past_length`` context steps (DeepAR: ``context_length`` plus the
+    largest lag) and ``prediction_length`` forecast steps; the scheme must have the same
+    ``L_C``/``L_F``, ``N`` = number of training series and ``L`` <= every series length.
+    """
+    if int(scheme.context_length) != prepared.past_length:
+        raise ValueError(
+            f"the model reads {prepared.past_length} past steps (context_length plus lags) but "
+            f"the scheme's context_length is {scheme.context_length}: build the scheme with "
+            f"context_length={prepared.past_length}")
+    if int(scheme.forecast_length) != prepared.prediction_length:
+        raise ValueError(f"the model forecasts {prepared.prediction_length} steps but the "
+                         f"scheme's forecast_length is {scheme.forecast_length}")
+    if int(scheme.num_series) != len(train):
+        raise ValueError(f"the scheme has num_series={scheme.num_series} but the training "
+                         f"panel has {len(train)} series")
+    if int(scheme.series_length) > train.min_length:
+        raise ValueError(f"the scheme's series_length={scheme.series_length} exceeds the "
+                         f"shortest training series ({train.min_length}): the accountant "
+                         f"must use the shortest length")
+
+
+def max_steps_within_budget(epsilon_of_steps: Callable[[int], float], target_epsilon: float,
+                            max_steps: int) -> int:
+    """Largest ``n <= max_steps`` with ``epsilon_of_steps(n) <= target_epsilon`` (ε is
+    non-decreasing in the number of steps); bisection, ~log2(max_steps) evaluations."""
+    target_epsilon = check_positive("target_epsilon", target_epsilon)
+    max_steps = check_int("max_steps", max_steps, minimum=0)
+    if max_steps == 0 or epsilon_of_steps(max_steps) <= target_epsilon:
+        return max_steps
+    lo, hi = 0, max_steps  # eps(lo) <= target < eps(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if epsilon_of_steps(mid) <= target_epsilon:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@contextlib.contextmanager
+def _quiet_lightning():
+    """Silence Lightning's INFO banners (GPU available, tips, max_steps reached)."""
+    names = ("lightning.pytorch", "lightning.fabric", "lightning", "pytorch_lightning")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module="lightning")
+            warnings.filterwarnings("ignore", module="opacus")
+            yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
+# ---- Lightning module ------------------------------------------------------------------------
+def _lightning():
+    import lightning.pytorch as pl
+
+    return pl
+
+
+def _make_window_module(prepared: PreparedModel, *, lr: float, weight_decay: float,
+                        dp: Optional[dict]):
+    """Lightning module training ``prepared.module.model`` on window batches.
+
+    With ``dp`` (keys noise_multiplier, max_grad_norm, expected_batch_size, accountant,
+    sample_rate, generator) the optimizer is a stock Opacus ``DPOptimizer`` over Adam with
+    ``GradSampleHooks`` attached to the network, and the accountant's step hook.
+    """
+    import torch
+    from gluonts.itertools import select
+
+    pl = _lightning()
+
+    class WindowForecastModule(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = prepared.module.model
+            self.inputs = prepared.module.inputs
+            self.grad_hooks = None
+            self.dp_optimizer = None
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model.loss(**select(self.inputs, batch),
+                                   future_observed_values=batch["future_observed_values"],
+                                   future_target=batch["future_target"])
+            n = batch["future_target"].shape[0]
+            if loss.shape != (n,):
+                raise RuntimeError(f"expected one loss per window, got shape "
+                                   f"{tuple(loss.shape)} for {n} windows")
+            loss = loss.mean()
+            self.log("train_loss", loss.detach(), on_step=True, prog_bar=False, logger=False,
+                     batch_size=n)
+            return loss
+
+        def configure_optimizers(self):
+            base = torch.optim.Adam(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+            if dp is None:
+                return base
+            from opacus.grad_sample import GradSampleHooks
+            from opacus.optimizers import DPOptimizer
+
+            if self.grad_hooks is None:
+                self.grad_hooks = GradSampleHooks(self.model, loss_reduction="mean")
+            opt = DPOptimizer(base, noise_multiplier=dp["noise_multiplier"],
+                              max_grad_norm=dp["max_grad_norm"],
+                              expected_batch_size=dp["expected_batch_size"],
+                              loss_reduction="mean", generator=dp.get("generator"))
+            opt.attach_step_hook(dp["accountant"].get_optimizer_hook_fn(
+                sample_rate=dp["sample_rate"]))
+            self.dp_optimizer = opt
+            return opt
+
+        def remove_dp_hooks(self):
+            if self.grad_hooks is not None:
+                self.grad_hooks.cleanup()
+                self.grad_hooks = None
+
+    return WindowForecastModule()
+
+
+def _progress_callback(total: int, desc: str, enabled: bool):
+    pl = _lightning()
+
+    class _Progress(pl.Callback):
+        def __init__(self):
+            self.bar = None
+
+        def on_train_start(self, trainer, pl_module):
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, disable=not enabled, unit="step",
+                            leave=False, dynamic_ncols=True)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.bar is not None:
+                self.bar.update(1)
+                loss = trainer.callback_metrics.get("train_loss")
+                if loss is not None:
+                    self.bar.set_postfix(loss=f"{float(loss):.3f}", refresh=False)
+
+        def on_train_end(self, trainer, pl_module):
+            if self.bar is not None:
+                self.bar.close()
+
+    return _Progress()
+
+
+# ---- results ---------------------------------------------------------------------------------
+@dataclasses.dataclass
+class TrainResult:
+    """Outcome of :func:`train_forecaster`.
+
+    ``epsilon`` is the accountant's ε at ``delta`` for the steps actually taken (``inf`` for
+    non-private training); ``bound`` says whether it is a guarantee ("tight"/"upper").
+    """
+
+    prepared: PreparedModel
+    scheme: Any
+    accountant: Any
+    private: bool
+    noise_multiplier: Optional[float]
+    max_grad_norm: Optional[float]
+    steps: int
+    epsilon: float
+    delta: Optional[float]
+    target_epsilon: Optional[float]
+    bound: Optional[str]
+    train_seconds: float
+    calibration_seconds: float
+
+    @property
+    def step_seconds(self) -> float:
+        return self.train_seconds / self.steps if self.steps else float("nan")
+
+    def create_predictor(self):
+        return self.prepared.create_predictor()
+
+    def summary(self) -> dict:
+        """JSON-ready record (no model objects)."""
+        return {
+            "model": self.prepared.name, "private": self.private,
+            "epsilon": self.epsilon, "delta": self.delta, "target_epsilon": self.target_epsilon,
+            "noise_multiplier": self.noise_multiplier, "max_grad_norm": self.max_grad_norm,
+            "steps": self.steps, "bound": self.bound, "train_seconds": self.train_seconds,
+            "step_seconds": self.step_seconds, "calibration_seconds": self.calibration_seconds,
+            "context_length_with_lags": self.prepared.past_length,
+            "prediction_length": self.prepared.prediction_length,
+            "scheme": None if self.scheme is None else self.scheme.describe(),
+        }
+
+
+# ---- driver ----------------------------------------------------------------------------------
+def train_forecaster(model: str, train: Panel, *, prediction_length: int,
+                     context_length: Optional[int] = None, batch_size: int = 32,
+                     epsilon: Optional[float] = None, delta: Optional[float] = None,
+                     noise_multiplier: Optional[float] = None,
+                     max_grad_norm: float = DEFAULT_MAX_GRAD_NORM,
+                     max_steps: Optional[int] = None, epochs: Optional[float] = None,
+                     lr: float = 1e-3, weight_decay: float = 1e-8, device: str = "cpu",
+                     seed: int = 0, progress: bool = False,
+                     discretization: float = 1e-3, estimator_kwargs: Optional[dict] = None,
+                     callbacks: Sequence = (), sampler_wrapper: Optional[Callable] = None,
+                     log: Optional[Callable[[str], None]] = None) -> TrainResult:
+    """Train a gluonts model on ``train`` with structured-subsampling DP-SGD (or without DP).
+
+    Privacy modes:
+
+    * ``epsilon`` finite, ``noise_multiplier=None``: σ is calibrated so that the planned steps
+      (``max_steps``, or ``epochs × floor(N/Λ)``) spend at most ``epsilon`` at ``delta``;
+      all planned steps run.
+    * ``epsilon`` finite and ``noise_multiplier`` given: training stops before the first step
+      that would exceed ``epsilon`` (or at the step budget).
+    * ``epsilon`` None and ``noise_multiplier`` given: DP with that σ; ε is reported.
+    * ``epsilon`` None / ``inf`` and no ``noise_multiplier``: **non-private** training with the
+      same sampler, model and steps (the ε = ∞ baseline).
+
+    Args:
+        model: "deepar", "dlinear" or "simpleff".
+        train: training panel (only it is touched by training).
+        prediction_length: L_F.
+        context_length: model context length before lags (default per model).
+        batch_size: Λ = series per step (one window each, λ = 1).
+        max_grad_norm: per-window clipping norm C.
+        device: "cpu" or "cuda".
+        discretization: PLD discretisation used for calibration and reporting (pessimistic).
+        sampler_wrapper: optional ``f(sampler) -> batch_sampler`` (e.g. to record batches).
+    """
+    import torch
+
+    pl = _lightning()
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available")
+    seed = check_int("seed", seed, minimum=0)
+    max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
+    discretization = check_positive("discretization", discretization)
+    check_positive("lr", lr)
+    private = noise_multiplier is not None or (epsilon is not None and math.isfinite(epsilon))
+    if epsilon is not None and not (epsilon > 0):
+        raise ValueError(f"epsilon must be > 0 (or inf for non-private), got {epsilon}")
+    if private:
+        if delta is None:
+            raise ValueError("delta is required for private training")
+        delta = check_open_unit("delta", delta)
+        if noise_multiplier is not None:
+            noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
+    if (max_steps is None) == (epochs is None):
+        raise ValueError("pass exactly one of max_steps and epochs")
+    say = log or (lambda msg: None)
+
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    prepared = prepare_estimator(model, freq=train.freq, prediction_length=prediction_length,
+                                 context_length=context_length, batch_size=batch_size, lr=lr,
+                                 weight_decay=weight_decay, **(estimator_kwargs or {}))
+    scheme = make_scheme(train, prepared, batch_size)
+    check_window_matches_scheme(scheme, prepared, train)
+    per_epoch = scheme.steps_per_epoch()
+    if max_steps is not None:
+        steps = check_int("max_steps", max_steps, minimum=1)
+    else:
+        epochs = check_positive("epochs", epochs)
+        steps = max(1, int(round(epochs * per_epoch)))
+
+    # ---- privacy calibration (before touching any data) ----
+    t0 = time.perf_counter()
+    accountant = None
+    eps_of = None
+    if private:
+        def eps_of(sigma, n):
+            return scheme.epsilon(sigma, n, delta, discretization=discretization)
+
+        if noise_multiplier is None:
+            say(f"calibrating noise for epsilon={epsilon:g}, delta={delta:g}, {steps} steps")
+            noise_multiplier = calibrate_noise_multiplier(lambda s: eps_of(s, steps), epsilon,
+                                                          rtol=1e-2)
+        elif epsilon is not None and math.isfinite(epsilon):
+            steps = max_steps_within_budget(lambda n: eps_of(noise_multiplier, n), epsilon,
+                                            steps)
+            if steps == 0:
+                raise ValueError(f"noise_multiplier={noise_multiplier} exceeds epsilon="
+                                 f"{epsilon} in a single step; raise the noise multiplier")
+        accountant = _structured.new_accountant(scheme, discretization=discretization)
+    calibration_seconds = time.perf_counter() - t0
+
+    # ---- data: transformed entries, structured sampler, loader ----
+    entries = list(prepared.transformation.apply(train.to_gluonts(), is_train=True))
+    dataset = WindowDataset(entries, prepared.splitter, prepared.input_names)
+    generator = torch.Generator().manual_seed(seed)
+    sampler = _structured.new_sampler(scheme, train.lengths, generator=generator)
+    batch_sampler = sampler_wrapper(sampler) if sampler_wrapper is not None else sampler
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler,
+                                         collate_fn=collate_windows, num_workers=0)
+    if len(loader) != per_epoch:
+        raise ValueError(f"the sampler yields {len(loader)} steps per epoch but the scheme "
+                         f"says {per_epoch}")
+
+    dp = None
+    if private:
+        noise_gen = torch.Generator(device=device).manual_seed(seed + 1)
+        dp = dict(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                  expected_batch_size=scheme.batch_size, accountant=accountant,
+                  sample_rate=1.0 / len(loader), generator=noise_gen)
+    module = _make_window_module(prepared, lr=lr, weight_decay=weight_decay, dp=dp)
+    label = (f"{model} DP (sigma={noise_multiplier:.3g})" if private else f"{model} non-DP")
+    with _quiet_lightning():
+        trainer = pl.Trainer(
+            max_steps=steps, max_epochs=-1, accelerator="gpu" if device == "cuda" else "cpu",
+            devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, gradient_clip_val=None, num_sanity_val_steps=0,
+            limit_val_batches=0, callbacks=[_progress_callback(steps, label, progress),
+                                            *callbacks])
+    t1 = time.perf_counter()
+    try:
+        with _quiet_lightning():
+            trainer.fit(module, train_dataloaders=loader)
+    finally:
+        module.remove_dp_hooks()
+    train_seconds = time.perf_counter() - t1
+    taken = int(trainer.global_step)
+    prepared.module.model = module.model
+    prepared.module.to("cpu" if device == "cpu" else "cuda")
+    prepared.module.eval()
+
+    if private:
+        if len(accountant) != taken:
+            raise RuntimeError(f"the accountant recorded {len(accountant)} steps but "
+                               f"{taken} optimizer steps ran")
+        spent = accountant.get_epsilon(delta)
+        bound = accountant.bound
+    else:
+        spent, bound = math.inf, None
+    return TrainResult(prepared=prepared, scheme=scheme, accountant=accountant, private=private,
+                       noise_multiplier=noise_multiplier if private else None,
+                       max_grad_norm=max_grad_norm if private else None, steps=taken,
+                       epsilon=spent, delta=delta, target_epsilon=epsilon, bound=bound,
+                       train_seconds=train_seconds, calibration_seconds=calibration_seconds)
+
+
+class ForecastTrainer:
+    """Object form of :func:`train_forecaster` (keeps the settings; ``fit(train)``)."""
+
+    def __init__(self, model: str, **settings):
+        self.model = model
+        self.settings = settings
+
+    def fit(self, train: Panel, **overrides) -> TrainResult:
+        return train_forecaster(self.model, train, **{**self.settings, **overrides})

@@ -1,0 +1,157 @@
+"""Poisson batch sampler: the sampler that :class:`~opacus_structured.schemes.PoissonScheme` prices.
+
+Exact semantics (what :class:`PoissonBatchSampler` draws):
+
+* at every step, each of the ``num_samples`` dataset indices joins the batch **independently**
+  with probability ``sample_rate`` = q (a fresh ``torch.rand(num_samples) < q`` mask per step);
+* batch sizes therefore vary (Binomial(n, q)); a batch may be **empty** — a DataLoader built on
+  this sampler must collate empty batches, e.g. with
+  ``opacus.data_loader.wrap_collate_with_empty`` (see :func:`poisson_data_loader`), exactly as
+  Opacus' ``DPDataLoader`` does;
+* an "epoch" is ``steps`` such draws (default ``floor(1/q)``, the same as Opacus'
+  ``UniformWithReplacementSampler``, so ``1/len(sampler) >= q``: the rate Opacus' hook reports
+  is never smaller than q);
+* the valid accountant is the Poisson-subsampled Gaussian accountant under the add/remove
+  relation (:class:`~opacus_structured.accountants.PoissonAccountant`, or
+  ``SchemeAccountant(sampler.scheme)``); Opacus' ``"rdp"``/``"prv"`` price the same mechanism.
+
+It is the same distribution as Opacus' ``UniformWithReplacementSampler`` (despite that name,
+Poisson sampling), plus a ``scheme`` attribute, input validation and resumable state: a
+dedicated seeded :class:`torch.Generator` drives the draws and :meth:`state_dict` records the
+generator state *between* draws and the position in the epoch, so a run restored with
+:meth:`load_state_dict` draws exactly the batches the uninterrupted run would have drawn.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from .._validation import check_int, check_probability
+from ..schemes.poisson import PoissonScheme
+
+__all__ = ["PoissonBatchSampler", "poisson_data_loader", "default_steps"]
+
+
+def default_steps(sample_rate: float) -> int:
+    """``floor(1/q)`` steps per epoch (Opacus' convention), robust to float round-off."""
+    q = check_probability("sample_rate", sample_rate)
+    return max(1, math.floor(1.0 / q + 1e-9))
+
+
+def _fresh_seed() -> int:
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+class PoissonBatchSampler(Sampler[list[int]]):
+    """Poisson subsampling: every index joins each batch independently with probability q.
+
+    Args:
+        num_samples: dataset size n (indices ``0..n-1`` are sampled), >= 1.
+        sample_rate: inclusion probability q in (0, 1].
+        steps: batches per epoch (``len(sampler)``); default ``floor(1/q)``.
+        generator: a dedicated :class:`torch.Generator` (do not share it with other consumers,
+            or resumption cannot be exact). Mutually exclusive with ``seed``.
+        seed: seed of a new generator; default a fresh OS-random seed.
+
+    Attributes:
+        scheme: ``PoissonScheme(sample_rate=q)``, the scheme whose accountant is valid.
+    """
+
+    def __init__(self, num_samples: int, sample_rate: float, *, steps: Optional[int] = None,
+                 generator: Optional[torch.Generator] = None, seed: Optional[int] = None):
+        self.num_samples = check_int("num_samples", num_samples, minimum=1)
+        self.sample_rate = check_probability("sample_rate", sample_rate)
+        self.steps = default_steps(self.sample_rate) if steps is None else check_int(
+            "steps", steps, minimum=1)
+        if generator is not None and seed is not None:
+            raise ValueError("pass either generator or seed to PoissonBatchSampler, not both")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        if generator is None:
+            seed = _fresh_seed() if seed is None else check_int("seed", seed, minimum=0)
+            generator = torch.Generator().manual_seed(seed)
+        self.generator = generator
+        self.scheme = PoissonScheme(sample_rate=self.sample_rate)
+        self.epoch = 0            # completed epochs
+        self._position = 0        # batches drawn in the current epoch
+        self._pending: Optional[dict] = None  # loaded state not yet resumed from
+
+    @property
+    def expected_batch_size(self) -> float:
+        """E[batch size] = n q (the denominator Opacus' mean reduction uses is ``int(n q)``)."""
+        return self.num_samples * self.sample_rate
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self._pending is not None:
+            state, self._pending = self._pending, None
+            self.generator.set_state(state["generator_state"])
+            self._position = int(state["position"])
+            self.epoch = int(state["epoch"])
+        else:
+            self._position = 0
+        while self._position < self.steps:
+            mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
+            self._position += 1
+            if self._position == self.steps:
+                self.epoch += 1
+            yield mask.nonzero(as_tuple=False).reshape(-1).tolist()
+
+    # ---- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """State *between* draws: generator state, position in the epoch, completed epochs.
+
+        Taken after the last batch of an epoch it describes the start of the next epoch.
+        """
+        if self._pending is not None:
+            return dict(self._pending)
+        position = self._position if self._position < self.steps else 0
+        return {"generator_state": self.generator.get_state().clone(), "position": position,
+                "epoch": self.epoch, "num_samples": self.num_samples,
+                "sample_rate": self.sample_rate, "steps": self.steps}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; the next ``iter()`` continues where it left off."""
+        for key in ("num_samples", "sample_rate", "steps"):
+            if key not in state_dict:
+                raise ValueError(f"sampler state lacks {key!r}")
+            if state_dict[key] != getattr(self, key):
+                raise ValueError(f"sampler state has {key}={state_dict[key]!r} but this sampler "
+                                 f"has {key}={getattr(self, key)!r}; build it with the same "
+                                 f"parameters")
+        position = check_int("position", state_dict["position"], minimum=0,
+                             maximum=self.steps - 1)
+        state = dict(state_dict)
+        state["position"] = position
+        state["generator_state"] = torch.as_tensor(state_dict["generator_state"],
+                                                   dtype=torch.uint8).clone()
+        self._pending = state
+
+    def __repr__(self) -> str:
+        return (f"PoissonBatchSampler(num_samples={self.num_samples}, "
+                f"sample_rate={self.sample_rate}, steps={self.steps})")
+
+
+def poisson_data_loader(dataset, sample_rate: float, *, steps: Optional[int] = None,
+                        generator: Optional[torch.Generator] = None, seed: Optional[int] = None,
+                        collate_fn=None, **kwargs) -> DataLoader:
+    """A DataLoader drawing Poisson batches, with Opacus' empty-batch collate wrapper.
+
+    Equivalent to Opacus' ``DPDataLoader`` but with a resumable :class:`PoissonBatchSampler`
+    (``loader.batch_sampler``). ``kwargs`` go to :class:`torch.utils.data.DataLoader`.
+    """
+    from opacus.data_loader import wrap_collate_with_empty
+    from torch.utils.data._utils.collate import default_collate
+
+    sampler = PoissonBatchSampler(len(dataset), sample_rate, steps=steps, generator=generator,
+                                  seed=seed)
+    return DataLoader(dataset, batch_sampler=sampler,
+                      collate_fn=wrap_collate_with_empty(collate_fn=collate_fn or default_collate),
+                      **kwargs)

@@ -82,8 +82,8 @@ def _table(rows: list[dict]) -> str:
     body = [[r["method"], _fmt(r.get("epsilon"), ".3g"), _fmt(r.get("noise_multiplier"), ".3g"),
              _fmt(r.get("steps"), "d"), _fmt(r["crps"], ".4f"), _fmt(r["mase"], ".3f"),
              _fmt(r.get("seconds"), ".1f")] for r in rows]
-    widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *body, strict=False)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=False))  # noqa: E731
     return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
 
 
@@ -95,14 +95,14 @@ def _plot(path, panel_test, forecasts_by_method: dict, series_idx, prediction_le
 
     n = len(series_idx)
     fig, axes = plt.subplots(n, 1, figsize=(9, 2.6 * n), squeeze=False)
-    for ax, i in zip(axes[:, 0], series_idx):
+    for ax, i in zip(axes[:, 0], series_idx, strict=False):
         y = panel_test.targets[i]
         hist = min(len(y), 4 * prediction_length)
         xs = range(len(y) - hist, len(y))
         ax.plot(list(xs), y[-hist:], color="black", lw=1.2, label="observed")
         x_f = list(range(len(y) - prediction_length, len(y)))
         for (name, fcs), color in zip(forecasts_by_method.items(),
-                                      ("tab:blue", "tab:orange", "tab:green")):
+                                      ("tab:blue", "tab:orange", "tab:green"), strict=False):
             f = fcs[i]
             ax.plot(x_f, f.quantile(0.5), color=color, lw=1.2, label=f"{name} median")
             ax.fill_between(x_f, f.quantile(0.1), f.quantile(0.9), color=color, alpha=0.2)

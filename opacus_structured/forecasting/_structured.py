@@ -108,7 +108,7 @@ class _FallbackSampler:
             idx = idx[: self.scheme.batch_size]
             u = torch.rand(len(idx), generator=self.generator, dtype=torch.float64)
             starts = torch.clamp((u * T[idx]).long(), max=T[idx] - 1)
-            yield [(int(n), int(s)) for n, s in zip(idx, starts)]
+            yield [(int(n), int(s)) for n, s in zip(idx, starts, strict=False)]
 
     def state_dict(self):
         return {"generator": self.generator.get_state()}

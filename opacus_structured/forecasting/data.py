@@ -88,7 +88,7 @@ class Panel:
         from gluonts.dataset.common import ListDataset
 
         entries = [{"start": s, "target": np.asarray(t, dtype=np.float32), "item_id": i}
-                   for t, s, i in zip(self.targets, self.starts, self.item_ids)]
+                   for t, s, i in zip(self.targets, self.starts, self.item_ids, strict=False)]
         return ListDataset(entries, freq=self.freq, one_dim_target=one_dim_target)
 
     def subset(self, indices: Sequence[int]) -> "Panel":
@@ -114,7 +114,7 @@ class Panel:
         """Keep only the last ``max_length`` steps of every series (starts move accordingly)."""
         max_length = check_int("max_length", max_length, minimum=1)
         targets, starts = [], []
-        for t, s in zip(self.targets, self.starts):
+        for t, s in zip(self.targets, self.starts, strict=False):
             cut = max(0, len(t) - max_length)
             targets.append(t[cut:])
             starts.append(s + cut)
@@ -182,7 +182,7 @@ def load_us_employment(*, min_length: int = 1, max_length: Optional[int] = None)
     titles = pd.read_csv(io.BytesIO(gzip.decompress(
         _read_packaged("us_employment_titles.csv.gz"))))
     panel = _from_wide(wide, US_EMPLOYMENT_FREQ,
-                       dict(zip(titles.series_id.astype(str), titles.title.astype(str))))
+                       dict(zip(titles.series_id.astype(str), titles.title.astype(str), strict=False)))
     if max_length is not None:
         panel = panel.truncate_history(max_length)
     return panel.filter_min_length(min_length)

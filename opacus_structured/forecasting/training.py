@@ -40,7 +40,6 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from .._validation import check_int, check_open_unit, check_positive
-from ..accounting import pld as pld_lib
 from ..accounting.calibration import calibrate_noise_multiplier
 from . import _structured
 from .data import Panel
@@ -189,7 +188,7 @@ def _quiet_lightning():
             warnings.filterwarnings("ignore", module="opacus")
             yield
     finally:
-        for lg, lv in zip(loggers, levels):
+        for lg, lv in zip(loggers, levels, strict=False):
             lg.setLevel(lv)
 
 

@@ -1,0 +1,205 @@
+"""Correlated-noise (banded matrix factorization, "BandMF") DP optimizer for Opacus.
+
+DP-SGD adds i.i.d. noise ``z_i ~ N(0, σ² clip² I)`` to the clipped-gradient sum of step ``i``.
+The matrix mechanism with a lower-triangular b-banded Toeplitz strategy ``C`` (first column
+``c = (c_0, …, c_{b−1})``) adds instead ``w_i = (C^{-1} Z)_i``, obtained online by forward
+substitution of ``C w = z`` (Algorithm 9 of Choquette-Choo et al. 2023, "Amplified banded
+matrix factorization"; digest ``seed1-bandmf-bminsep.md`` §2.2):
+
+    w_i = ( z_i − Σ_{k=1}^{b−1} c_k · w_{i−k} ) / c_0,        w_j := 0 for j < 0.
+
+Each parameter keeps a ring buffer of its last ``b − 1`` noise tensors (memory ``(b−1)·d`` on the
+parameter's device, O(b·d) work per step). Releasing ``G + C^{-1}Z`` is post-processing of the
+Gaussian mechanism on ``C G`` (§2.1 there), so the privacy cost is the one of the matrix
+mechanism with columns of ``C`` as per-participation sensitivity: price it with an accountant
+that knows ``C`` and the sampler (e.g. ``bandmf-cyclic-poisson`` with the cyclic Poisson sampler),
+*not* with the stock Poisson accountant. ``c = [1]`` is exactly DP-SGD (bit-identical noise).
+
+Security notes:
+
+* The ring buffer holds past noise. Anyone who reads it can subtract noise from past released
+  gradients, so :meth:`CorrelatedNoiseDPOptimizer.state_dict` (which contains it, so a resumed run
+  continues the same correlated stream) must be kept as secret as the raw gradients.
+* ``secure_mode`` / ``generator`` are Opacus' own (:func:`opacus.optimizers.optimizer._generate_noise`):
+  the fresh ``z_i`` come from the same call stock Opacus uses. The state of a plain
+  ``torch.Generator`` is checkpointed; a secure (CSPRNG) generator is not (and cannot be).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from opacus.optimizers.optimizer import (DPOptimizer, _check_processed_flag, _generate_noise,
+                                         _mark_as_processed)
+
+from .strategies import validate_coefficients
+
+__all__ = ["CorrelatedNoiseMixin", "CorrelatedNoiseDPOptimizer", "correlated_optimizer_class"]
+
+_STATE_KEY = "correlated_noise"
+
+
+class CorrelatedNoiseMixin:
+    """Overrides ``DPOptimizer.add_noise`` with banded-Toeplitz correlated noise.
+
+    Mix into any Opacus optimizer whose ``add_noise`` is the stock per-parameter one
+    (:class:`~opacus.optimizers.DPOptimizer`, ``DPPerLayerOptimizer``,
+    ``DPOptimizerFastGradientClipping``); see :func:`correlated_optimizer_class`.
+    """
+
+    def _init_correlated_noise(self, noise_correlation) -> None:
+        if noise_correlation is None:
+            noise_correlation = [1.0]
+        c = validate_coefficients(noise_correlation, name="noise_correlation")
+        self.noise_coefficients = c
+        self._coef_list = [float(v) for v in c]
+        self.bands = int(c.size)
+        self.noise_step = 0  # number of noise vectors drawn so far (index i of the next w_i)
+        self._noise_buffers: list[Optional[torch.Tensor]] = [None] * len(self.params)
+
+    # ---- the streaming recursion --------------------------------------------------------
+    def _slot_weights(self, buf: torch.Tensor) -> torch.Tensor:
+        """Weights ``a`` with ``Σ_slot a[slot] buf[slot] = Σ_{k=1}^{b-1} c_k w_{i−k}``."""
+        i, m = self.noise_step, self.bands - 1
+        a = [0.0] * m
+        for k in range(1, min(i, m) + 1):
+            a[(i - k) % m] = self._coef_list[k]
+        return torch.tensor(a, dtype=buf.dtype, device=buf.device)
+
+    def _correlate(self, idx: int, z: torch.Tensor) -> torch.Tensor:
+        c0 = self._coef_list[0]
+        if self.bands == 1:
+            return z if c0 == 1.0 else z / c0
+        buf = self._noise_buffers[idx]
+        if buf is None or buf.shape[1:] != z.shape or buf.dtype != z.dtype or \
+                buf.device != z.device:
+            if self.noise_step > 0 and buf is not None:
+                raise RuntimeError(
+                    "correlated-noise buffer does not match the gradient (shape, dtype or "
+                    "device changed mid-run); restore it with load_state_dict or restart")
+            buf = torch.zeros((self.bands - 1, *z.shape), dtype=z.dtype, device=z.device)
+            self._noise_buffers[idx] = buf
+        if self.noise_step > 0:
+            w = z - torch.tensordot(self._slot_weights(buf), buf, dims=1)
+        else:
+            w = z
+        if c0 != 1.0:
+            w = w / c0
+        buf[self.noise_step % (self.bands - 1)].copy_(w)
+        return w
+
+    def add_noise(self):
+        """Set ``p.grad = p.summed_grad + w_i`` with the correlated noise ``w_i`` (see module)."""
+        sigma = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier)
+        for idx, p in enumerate(self.params):
+            _check_processed_flag(p.summed_grad)
+            z = _generate_noise(std=sigma * self.max_grad_norm, reference=p.summed_grad,
+                                generator=self.generator, secure_mode=self.secure_mode)
+            w = self._correlate(idx, z)
+            p.grad = (p.summed_grad + w).view_as(p)
+            _mark_as_processed(p.summed_grad)
+        self.noise_step += 1
+
+    # ---- checkpointing -------------------------------------------------------------------
+    def noise_state_dict(self) -> dict:
+        """Correlated-noise state: coefficients, step index, ring buffers, generator state."""
+        gen_state = None
+        if isinstance(self.generator, torch.Generator) and not self.secure_mode:
+            gen_state = self.generator.get_state()
+        return {
+            "coefficients": list(self._coef_list),
+            "noise_step": self.noise_step,
+            "buffers": [None if b is None else b.detach().clone() for b in self._noise_buffers],
+            "generator_state": gen_state,
+        }
+
+    def load_noise_state_dict(self, state: dict) -> None:
+        coefs = [float(v) for v in state["coefficients"]]
+        if coefs != self._coef_list:
+            raise ValueError(f"checkpoint noise_correlation {coefs} differs from this "
+                             f"optimizer's {self._coef_list}: build it with the same strategy")
+        buffers = state["buffers"]
+        if len(buffers) != len(self.params):
+            raise ValueError(f"checkpoint has noise buffers for {len(buffers)} parameters, "
+                             f"this optimizer has {len(self.params)}")
+        self.noise_step = int(state["noise_step"])
+        self._noise_buffers = [
+            None if b is None else b.detach().clone().to(p.device)
+            for b, p in zip(buffers, self.params)]
+        if state.get("generator_state") is not None:
+            if not isinstance(self.generator, torch.Generator):
+                raise ValueError("checkpoint holds a noise generator state but this optimizer "
+                                 "has no torch.Generator: pass noise_generator=torch.Generator()")
+            self.generator.set_state(state["generator_state"])
+
+    def state_dict(self):
+        """The wrapped optimizer's state plus ``"correlated_noise"`` (:meth:`noise_state_dict`)."""
+        sd = dict(super().state_dict())
+        sd[_STATE_KEY] = self.noise_state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict) -> None:
+        state_dict = dict(state_dict)
+        noise = state_dict.pop(_STATE_KEY, None)
+        if noise is not None and [float(v) for v in noise["coefficients"]] != self._coef_list:
+            raise ValueError(f"checkpoint noise_correlation {noise['coefficients']} differs "
+                             f"from this optimizer's {self._coef_list}: build it with the "
+                             f"same strategy")
+        super().load_state_dict(state_dict)
+        if noise is not None:
+            self.load_noise_state_dict(noise)
+
+
+class CorrelatedNoiseDPOptimizer(CorrelatedNoiseMixin, DPOptimizer):
+    """Opacus ``DPOptimizer`` adding banded-Toeplitz correlated noise (BandMF).
+
+    Args:
+        optimizer: the wrapped torch optimizer.
+        noise_multiplier: σ; the fresh ``z_i`` have std ``σ · max_grad_norm`` (not divided by
+            ``‖c‖``: with unit-norm ``c`` each participation has sensitivity ≤ 1).
+        max_grad_norm: clipping bound.
+        expected_batch_size: data-independent normaliser for ``loss_reduction="mean"``.
+        noise_correlation: first column ``c`` of the banded Toeplitz strategy ``C`` (``c_0 > 0``,
+            ``c ≥ 0``), e.g. :func:`~opacus_structured.optim.strategies.banded_toeplitz_coefficients`.
+            ``None`` or ``[1.0]`` is DP-SGD.
+        loss_reduction, generator, secure_mode: as in Opacus.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
+                 max_grad_norm: float, expected_batch_size: Optional[int],
+                 noise_correlation: Optional[Sequence[float]] = None,
+                 loss_reduction: str = "mean", generator=None, secure_mode: bool = False,
+                 **kwargs):
+        super().__init__(optimizer, noise_multiplier=noise_multiplier,
+                         max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
+                         loss_reduction=loss_reduction, generator=generator,
+                         secure_mode=secure_mode, **kwargs)
+        self._init_correlated_noise(noise_correlation)
+
+
+_CLASS_CACHE: dict = {}
+
+
+def correlated_optimizer_class(base: type) -> type:
+    """A subclass of Opacus optimizer class ``base`` with correlated noise.
+
+    Only classes that use the stock per-parameter ``add_noise`` are supported; distributed
+    optimizers (noise on rank 0 only) and AdaClip raise ``ValueError``.
+    """
+    if base is DPOptimizer:
+        return CorrelatedNoiseDPOptimizer
+    if not (isinstance(base, type) and issubclass(base, DPOptimizer)):
+        raise ValueError(f"base must be an opacus DPOptimizer subclass, got {base!r}")
+    name = base.__name__
+    if "Distributed" in name or "FSDP" in name or "AdaClip" in name:
+        raise ValueError(f"correlated noise is not supported with {name} (distributed/adaptive "
+                         f"clipping optimizers generate noise differently)")
+    if base not in _CLASS_CACHE:
+        def __init__(self, optimizer, *, noise_correlation=None, **kwargs):
+            base.__init__(self, optimizer, **kwargs)
+            self._init_correlated_noise(noise_correlation)
+
+        _CLASS_CACHE[base] = type(f"CorrelatedNoise{name}", (CorrelatedNoiseMixin, base),
+                                  {"__init__": __init__, "__module__": __name__})
+    return _CLASS_CACHE[base]

@@ -1,0 +1,84 @@
+"""``PrivacyEngine`` entry point for correlated (BandMF) noise: an existing Opacus script changes
+one line.
+
+.. code-block:: python
+
+    from opacus_structured.optim.privacy_engine import CorrelatedNoisePrivacyEngine
+    from opacus_structured.optim.strategies import banded_toeplitz_coefficients
+    from opacus_structured.schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme
+
+    scheme = BandMFCyclicPoissonScheme(dataset_size=len(ds), batch_size=256, bands=8)
+    engine = CorrelatedNoisePrivacyEngine(scheme=scheme)        # was: PrivacyEngine()
+    loader = DataLoader(ds, batch_sampler=scheme.sampler(generator=g))
+    model, optimizer, loader = engine.make_private(
+        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0,
+        max_grad_norm=1.0, poisson_sampling=False,
+        noise_correlation=banded_toeplitz_coefficients(steps, 8))
+
+``noise_correlation`` (first column of the banded Toeplitz strategy ``C``) flows through
+``make_private(**kwargs)`` into :meth:`CorrelatedNoisePrivacyEngine._prepare_optimizer`, which
+builds the correlated-noise subclass of the optimizer class Opacus would have chosen. Without it
+the engine behaves exactly like Opacus' (stock ``DPOptimizer``).
+
+The privacy guarantee of correlated noise depends on the strategy *and* the sampler: use an
+accountant that knows both (``scheme=`` here builds it), never the stock Poisson one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from opacus import PrivacyEngine
+from opacus.optimizers import get_optimizer_class
+from opacus.optimizers.optimizer import DPOptimizer
+
+from .correlated_noise import correlated_optimizer_class
+
+__all__ = ["CorrelatedNoisePrivacyEngine"]
+
+
+class CorrelatedNoisePrivacyEngine(PrivacyEngine):
+    """Opacus ``PrivacyEngine`` whose ``make_private`` accepts ``noise_correlation=c``.
+
+    Args:
+        accountant: Opacus accountant name (ignored when ``scheme`` is given).
+        secure_mode: Opacus' secure RNG option (the correlated noise draws its fresh ``z_i``
+            from the same secure generator).
+        scheme: optional batching scheme; its accountant (``SchemeAccountant``) replaces the
+            named one, e.g. ``BandMFCyclicPoissonScheme`` for BandMF with cyclic Poisson.
+    """
+
+    def __init__(self, *, accountant: str = "prv", secure_mode: bool = False, scheme=None):
+        super().__init__(accountant=accountant, secure_mode=secure_mode)
+        if scheme is not None:
+            from ..accountants.base import SchemeAccountant
+
+            accountant_cls = getattr(scheme, "accountant_class", None)
+            self.accountant = (accountant_cls or SchemeAccountant)(scheme)
+
+    def _prepare_optimizer(self, *, optimizer, noise_multiplier, max_grad_norm,
+                           expected_batch_size, loss_reduction="mean", distributed=False,
+                           clipping="flat", noise_generator=None, grad_sample_mode="hooks",
+                           noise_correlation=None, **kwargs) -> DPOptimizer:
+        if noise_correlation is None:
+            return super()._prepare_optimizer(
+                optimizer=optimizer, noise_multiplier=noise_multiplier,
+                max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
+                loss_reduction=loss_reduction, distributed=distributed, clipping=clipping,
+                noise_generator=noise_generator, grad_sample_mode=grad_sample_mode, **kwargs)
+        if distributed:
+            raise ValueError("noise_correlation is not supported with distributed=True")
+        if isinstance(optimizer, DPOptimizer):
+            optimizer = optimizer.original_optimizer
+        generator: Optional[object] = None
+        if self.secure_mode:
+            generator = self.secure_rng
+        elif noise_generator is not None:
+            generator = noise_generator
+        base = get_optimizer_class(clipping=clipping, distributed=False,
+                                   grad_sample_mode=grad_sample_mode)
+        cls = correlated_optimizer_class(base)
+        return cls(optimizer=optimizer, noise_multiplier=noise_multiplier,
+                   max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
+                   loss_reduction=loss_reduction, generator=generator,
+                   secure_mode=self.secure_mode, noise_correlation=noise_correlation, **kwargs)

@@ -1,0 +1,187 @@
+"""CorrelatedNoiseDPOptimizer and CorrelatedNoisePrivacyEngine."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from opacus.optimizers import DPOptimizer, DPPerLayerOptimizer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from opacus_structured.optim import strategies as st
+from opacus_structured.optim.correlated_noise import (CorrelatedNoiseDPOptimizer,
+                                                      correlated_optimizer_class)
+from opacus_structured.optim.privacy_engine import CorrelatedNoisePrivacyEngine
+
+warnings.filterwarnings("ignore", message="Secure RNG turned off")
+
+
+def _params(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(3, 4, generator=g, dtype=dtype)),
+            nn.Parameter(torch.randn(5, dtype=dtype, generator=g))]
+
+
+def _fake_step(opt, grads):
+    """Drive add_noise directly: summed_grad = given clipped sums (bypasses per-sample hooks)."""
+    for p, g in zip(opt.params, grads):
+        p.summed_grad = g.clone()
+    opt.add_noise()
+    return [p.grad.detach().clone() for p in opt.params]
+
+
+def _noise_stream(opt, steps):
+    out = []
+    for _ in range(steps):
+        grads = [torch.zeros_like(p) for p in opt.params]
+        out.append(_fake_step(opt, grads))
+    return out
+
+
+def test_b1_bit_identical_to_stock():
+    def run(cls, **kw):
+        params = _params()
+        opt = cls(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.3, max_grad_norm=0.7,
+                  expected_batch_size=4, generator=torch.Generator().manual_seed(42), **kw)
+        grads = [torch.ones_like(p) for p in params]
+        return [_fake_step(opt, grads) for _ in range(5)]
+
+    stock = run(DPOptimizer)
+    ours = run(CorrelatedNoiseDPOptimizer, noise_correlation=[1.0])
+    default = run(CorrelatedNoiseDPOptimizer)
+    for a, b, c in zip(stock, ours, default):
+        for x, y, z in zip(a, b, c):
+            assert torch.equal(x, y) and torch.equal(x, z)
+
+
+def test_b1_bit_identical_full_training_with_engine():
+    """Whole make_private + training loop: same seed, same final weights, bit for bit."""
+    def train(engine_cls, **kw):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+        x = torch.randn(64, 6)
+        y = torch.randint(0, 2, (64,))
+        loader = DataLoader(TensorDataset(x, y), batch_size=16)
+        engine = engine_cls()
+        model, opt, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+            poisson_sampling=False, noise_generator=torch.Generator().manual_seed(7), **kw)
+        for xb, yb in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+        return opt, [p.detach().clone() for p in model.parameters()]
+
+    from opacus import PrivacyEngine
+    opt_a, a = train(PrivacyEngine)
+    opt_b, b = train(CorrelatedNoisePrivacyEngine, noise_correlation=[1.0])
+    assert type(opt_a) is DPOptimizer and isinstance(opt_b, CorrelatedNoiseDPOptimizer)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("coef", [
+    st.banded_toeplitz_coefficients(12, 4),
+    st.banded_sqrt_coefficients(3),
+    np.array([2.0, 0.5]),
+])
+def test_realized_noise_solves_C_w_equals_z(coef):
+    """C · w = z on materialised matrices (float64): w is the streamed noise, z the fresh draws."""
+    n = 12
+    params = _params(torch.float64)
+    sigma, clip = 0.9, 1.5
+    opt = CorrelatedNoiseDPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=sigma,
+                                     max_grad_norm=clip, expected_batch_size=1,
+                                     generator=torch.Generator().manual_seed(3),
+                                     noise_correlation=coef)
+    w = _noise_stream(opt, n)
+    # Reproduce the fresh z stream: same generator seed, same draw order (param by param).
+    g = torch.Generator().manual_seed(3)
+    z = [[torch.normal(0, sigma * clip, size=p.shape, generator=g, dtype=torch.float64)
+          for p in params] for _ in range(n)]
+    C = torch.tensor(st.toeplitz_matrix(coef, n))
+    for j in range(len(params)):
+        W = torch.stack([w[i][j].reshape(-1) for i in range(n)])
+        Z = torch.stack([z[i][j].reshape(-1) for i in range(n)])
+        torch.testing.assert_close(C @ W, Z, rtol=1e-12, atol=1e-12)
+
+
+def test_noise_covariance_matches_C_inverse():
+    """Empirical covariance of w across many coordinates ≈ σ² C^{-1} C^{-T}."""
+    n, coef = 6, st.banded_sqrt_coefficients(3)
+    params = [nn.Parameter(torch.zeros(40000, dtype=torch.float64))]
+    opt = CorrelatedNoiseDPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0,
+                                     max_grad_norm=1.0, expected_batch_size=1,
+                                     generator=torch.Generator().manual_seed(0),
+                                     noise_correlation=coef)
+    W = torch.stack([s[0] for s in _noise_stream(opt, n)]).numpy()
+    Cinv = np.linalg.inv(st.toeplitz_matrix(coef, n))
+    np.testing.assert_allclose(np.cov(W), Cinv @ Cinv.T, atol=0.05)
+
+
+def test_state_dict_resume_continues_stream():
+    coef = st.banded_toeplitz_coefficients(20, 4)
+
+    def make():
+        params = _params()
+        return CorrelatedNoiseDPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0,
+                                          max_grad_norm=1.0, expected_batch_size=1,
+                                          generator=torch.Generator().manual_seed(11),
+                                          noise_correlation=coef)
+
+    full = make()
+    ref = _noise_stream(full, 9)
+    first = make()
+    _noise_stream(first, 5)
+    sd = first.state_dict()
+    assert "correlated_noise" in sd and sd["correlated_noise"]["noise_step"] == 5
+    resumed = make()  # fresh generator and empty buffers: everything comes from sd
+    resumed.load_state_dict(sd)
+    rest = _noise_stream(resumed, 4)
+    for a, b in zip(ref[5:], rest):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    other = CorrelatedNoiseDPOptimizer(torch.optim.SGD(_params(), lr=0.1), noise_multiplier=1.0,
+                                       max_grad_norm=1.0, expected_batch_size=1,
+                                       noise_correlation=[1.0, 0.5])
+    with pytest.raises(ValueError, match="noise_correlation"):
+        other.load_state_dict(sd)
+
+
+def test_ring_buffer_memory_and_device():
+    params = _params()
+    opt = CorrelatedNoiseDPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0,
+                                     max_grad_norm=1.0, expected_batch_size=1,
+                                     noise_correlation=st.banded_sqrt_coefficients(8))
+    _noise_stream(opt, 3)
+    for buf, p in zip(opt._noise_buffers, params):
+        assert buf.shape == (7, *p.shape) and buf.device == p.device and buf.dtype == p.dtype
+
+
+@pytest.mark.parametrize("bad", [[0.0, 1.0], [1.0, -0.2], [], [float("nan")]])
+def test_bad_coefficients(bad):
+    with pytest.raises(ValueError, match="noise_correlation"):
+        CorrelatedNoiseDPOptimizer(torch.optim.SGD(_params(), lr=0.1), noise_multiplier=1.0,
+                                   max_grad_norm=1.0, expected_batch_size=1,
+                                   noise_correlation=bad)
+
+
+def test_mixin_class_for_other_clipping():
+    cls = correlated_optimizer_class(DPPerLayerOptimizer)
+    assert issubclass(cls, DPPerLayerOptimizer) and cls is correlated_optimizer_class(
+        DPPerLayerOptimizer)
+    from opacus.optimizers import DistributedDPOptimizer
+    with pytest.raises(ValueError, match="not supported"):
+        correlated_optimizer_class(DistributedDPOptimizer)
+
+
+@pytest.mark.cuda
+def test_cuda_buffers_on_device():
+    params = [nn.Parameter(torch.zeros(10, device="cuda"))]
+    opt = CorrelatedNoiseDPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0,
+                                     max_grad_norm=1.0, expected_batch_size=1,
+                                     noise_correlation=st.banded_sqrt_coefficients(4))
+    _noise_stream(opt, 3)
+    assert opt._noise_buffers[0].device.type == "cuda"

@@ -1,0 +1,236 @@
+"""DPCallback: logged ε = accountant ε, stopping at the budget, exact resume, refusals."""
+
+import glob
+import os
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+pl = pytest.importorskip("lightning.pytorch")
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.loggers.logger import Logger  # noqa: E402
+
+from dp_accounting.pld import privacy_loss_distribution as dp_pld  # noqa: E402
+from opacus.optimizers import DPOptimizer  # noqa: E402
+
+from lightning_callbacks.dp_callback import DPCallback  # noqa: E402
+from opacus_structured.accountants.base import SchemeAccountant  # noqa: E402
+from opacus_structured.samplers.poisson import PoissonBatchSampler, poisson_data_loader  # noqa
+from opacus_structured.schemes.poisson import PoissonScheme  # noqa: E402
+
+DISC = 1e-3
+DELTA = 1e-5
+Q = 1 / 8          # 64 examples -> expected batch 8, 8 steps per epoch
+SIGMA = 1.0
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+
+
+class MemLogger(Logger):
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    @property
+    def name(self):
+        return "mem"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def values(self, key):
+        return [m[key] for _, m in self.rows if key in m]
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, batchnorm=False, dp_optimizer=False):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8),
+                                 nn.BatchNorm1d(8) if batchnorm else nn.Identity(),
+                                 nn.ReLU(), nn.Linear(8, 2))
+        self.dp_optimizer = dp_optimizer
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        if self.dp_optimizer:
+            return DPOptimizer(opt, noise_multiplier=SIGMA, max_grad_norm=1.0,
+                               expected_batch_size=8)
+        return opt
+
+
+def data(shuffle=True):
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.randn(64, 4, generator=g), torch.randint(0, 2, (64,), generator=g))
+    return DataLoader(ds, batch_size=8, shuffle=shuffle)
+
+
+def trainer(cb, max_steps, logger=None, callbacks=(), **kw):
+    return pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=logger or False,
+                      callbacks=[cb, *callbacks], enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=bool(callbacks),
+                      log_every_n_steps=1, num_sanity_val_steps=0, **kw)
+
+
+def callback(**kw):
+    args = dict(scheme=PoissonScheme(sample_rate=Q), noise_multiplier=SIGMA, max_grad_norm=1.0,
+                delta=DELTA, discretization=DISC, seed=123)
+    args.update(kw)
+    return DPCallback(**args)
+
+
+def reference_epsilon(steps):
+    acc = SchemeAccountant(PoissonScheme(sample_rate=Q), discretization=DISC)
+    for _ in range(steps):
+        acc.step(noise_multiplier=SIGMA, sample_rate=Q)
+    return acc.get_epsilon(DELTA)
+
+
+def test_logged_epsilon_equals_accountant_epsilon():
+    torch.manual_seed(0)
+    model, cb, logger = Tiny(), callback(), MemLogger()
+    before = [p.detach().clone() for p in model.parameters()]
+    t = trainer(cb, max_steps=5, logger=logger)
+    t.fit(model, data())
+    assert isinstance(t.optimizers[0], DPOptimizer)
+    assert isinstance(t.train_dataloader.batch_sampler.inner, PoissonBatchSampler)
+    assert cb.steps == 5
+    logged = logger.values("dp/epsilon")
+    assert len(logged) == 5
+    for i, eps in enumerate(logged, start=1):
+        exact = reference_epsilon(i)
+        assert eps == pytest.approx(exact, rel=1e-6)  # loggers store float32...
+        assert eps >= exact                            # ...rounded up, never down
+    assert cb.epsilon_history[-1] == (5, reference_epsilon(5))  # exact float64 value
+    assert logger.values("dp/delta") == [pytest.approx(DELTA, rel=1e-6)] * 5
+    # independent peer computation (dp_accounting's Poisson-subsampled Gaussian PLD)
+    peer = dp_pld.from_gaussian_mechanism(SIGMA, sampling_prob=Q,
+                                          value_discretization_interval=DISC).self_compose(5)
+    assert logged[-1] >= peer.get_epsilon_for_delta(DELTA) - 2e-3
+    assert logged[-1] == pytest.approx(peer.get_epsilon_for_delta(DELTA), abs=2e-2)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # hooks are removed after fit: the model is a plain module again
+    assert not hasattr(model, "autograd_grad_sample_hooks")
+
+
+def test_stops_before_exceeding_target_epsilon():
+    target = (reference_epsilon(4) + reference_epsilon(5)) / 2
+    torch.manual_seed(0)
+    cb = callback(target_epsilon=target)
+    trainer(cb, max_steps=20).fit(Tiny(), data())
+    assert cb.steps == 4
+    assert cb.epsilon() <= target < cb.prospective_epsilon()
+
+
+def test_target_below_one_step_trains_nothing():
+    cb = callback(target_epsilon=reference_epsilon(1) * 0.9)
+    model = Tiny()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer(cb, max_steps=20).fit(model, data())
+    assert cb.steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_min_steps_past_budget_is_refused():
+    cb = callback(target_epsilon=(reference_epsilon(2) + reference_epsilon(3)) / 2)
+    with pytest.raises(RuntimeError, match="target_epsilon"):
+        trainer(cb, max_steps=20, min_steps=6).fit(Tiny(), data())
+    assert cb.steps == 2
+
+
+@pytest.mark.parametrize("resume_step", [3, 8])
+def test_resume_matches_uninterrupted_run(tmp_path, resume_step):
+    total = 12  # 1.5 epochs of 8 steps
+    torch.manual_seed(0)
+    model_a, cb_a = Tiny(), callback()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1,
+                           filename="{step}")
+    trainer(cb_a, max_steps=total, callbacks=[ckpt]).fit(model_a, data())
+    path = os.path.join(tmp_path, f"step={resume_step}.ckpt")
+    assert os.path.exists(path), glob.glob(str(tmp_path / "*"))
+
+    torch.manual_seed(1)  # different init: everything must come from the checkpoint
+    model_b, cb_b = Tiny(), callback(seed=999)  # seeds too
+    trainer(cb_b, max_steps=total).fit(model_b, data(), ckpt_path=path)
+    assert cb_b.steps == cb_a.steps == total
+    assert cb_b.epsilon() == cb_a.epsilon()
+    for a, b in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_accepts_user_dp_optimizer_and_poisson_loader():
+    loader = poisson_data_loader(data().dataset, Q, seed=5)
+    cb = callback(wrap_optimizer=False, install_sampler=False, noise_multiplier=None,
+                  max_grad_norm=None)
+    trainer(cb, max_steps=3).fit(Tiny(dp_optimizer=True), loader)
+    assert cb.steps == 3
+    assert cb.epsilon() == pytest.approx(reference_epsilon(3), rel=1e-6)
+
+
+# ---- misconfigurations ------------------------------------------------------------------
+def test_refuses_non_dp_optimizer():
+    cb = callback(wrap_optimizer=False)
+    with pytest.raises(ValueError, match="DPOptimizer"):
+        trainer(cb, max_steps=2).fit(Tiny(), data())
+
+
+def test_refuses_shuffled_loader_with_poisson_accountant():
+    cb = callback(install_sampler=False)
+    with pytest.raises(ValueError, match=r"RandomSampler.*shuffling.*PoissonScheme"):
+        trainer(cb, max_steps=2).fit(Tiny(), data(shuffle=True))
+
+
+def test_refuses_batchnorm():
+    cb = callback()
+    with pytest.raises(ValueError, match=r"(?s)net.1 \(BatchNorm1d\).*ModuleValidator\.fix"):
+        trainer(cb, max_steps=2).fit(Tiny(batchnorm=True), data())
+
+
+def test_refuses_gradient_accumulation():
+    with pytest.raises(ValueError, match="accumulate_grad_batches"):
+        trainer(callback(), max_steps=2, accumulate_grad_batches=2).fit(Tiny(), data())
+
+
+def test_refuses_loader_with_other_scheme():
+    loader = poisson_data_loader(data().dataset, 0.25, seed=5)
+    with pytest.raises(ValueError, match="same scheme"):
+        trainer(callback(), max_steps=2).fit(Tiny(), loader)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(delta=0.0), "delta"),
+    (dict(noise_multiplier=None), "noise_multiplier"),
+    (dict(max_grad_norm=-1.0), "max_grad_norm"),
+    (dict(target_epsilon=0.0), "target_epsilon"),
+    (dict(loss_reduction="max"), "loss_reduction"),
+    (dict(optimizer_class=torch.optim.SGD), "optimizer_class"),
+    (dict(scheme=None), "scheme"),
+    (dict(sampler=PoissonBatchSampler(64, 0.25, seed=0)), "disagree"),
+])
+def test_constructor_validation(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        callback(**kwargs)
+
+
+def test_checkpoint_from_other_scheme_is_refused():
+    cb = callback()
+    state = callback(scheme=PoissonScheme(sample_rate=0.25)).state_dict()
+    with pytest.raises(ValueError, match="scheme"):
+        cb.load_state_dict(state)

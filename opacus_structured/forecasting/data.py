@@ -39,12 +39,14 @@ US_EMPLOYMENT_FREQ = "M"
 class Panel:
     """A panel of univariate series (public metadata + the sensitive values).
 
-    Attributes:
-        targets: one 1-d float32 array per series (no NaN).
-        starts: one ``pandas.Period`` per series (the period of ``targets[i][0]``).
-        item_ids: one identifier per series.
-        freq: pandas frequency string shared by all series (``"M"`` for monthly).
-        titles: optional human-readable names.
+    Fields:
+
+    * ``targets``: one 1-d float32 array per series (no NaN).
+    * ``starts``: one ``pandas.Period`` per series (the period of ``targets[i][0]``).
+    * ``item_ids``: one identifier per series.
+    * ``freq``: pandas frequency string shared by all series (``"M"`` for monthly).
+    * ``titles``: optional human-readable names.
+
     """
 
     targets: tuple

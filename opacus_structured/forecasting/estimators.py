@@ -112,14 +112,16 @@ def per_window_scalers(module) -> int:
 class PreparedModel:
     """Everything DP training needs from one gluonts estimator.
 
-    Attributes:
-        name: model name (one of :data:`MODELS`).
-        estimator: the gluonts estimator (used again for ``create_predictor``).
-        transformation: the estimator's data transformation (applied with ``is_train=True``).
-        module: the Lightning module, with DP-safe layers (``module.model`` is the network).
-        splitter: the estimator's training ``InstanceSplitter``; its ``past_length`` is the
-            model input window ``L_C`` and its ``future_length`` is ``L_F``.
-        input_names: the batch fields the training step reads.
+    Fields:
+
+    * ``name``: model name (one of :data:`MODELS`).
+    * ``estimator``: the gluonts estimator (used again for ``create_predictor``).
+    * ``transformation``: the estimator's data transformation (applied with ``is_train=True``).
+    * ``module``: the Lightning module, with DP-safe layers (``module.model`` is the network).
+    * ``splitter``: the estimator's training ``InstanceSplitter``; its ``past_length`` is the
+      model input window ``L_C`` and its ``future_length`` is ``L_F``.
+    * ``input_names``: the batch fields the training step reads.
+
     """
 
     name: str

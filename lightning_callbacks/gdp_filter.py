@@ -1,0 +1,169 @@
+r"""``IndividualGDPFilter``: the individual GDP filter (Algorithm 1) as a Lightning callback.
+
+Koskela, Tobaben & Honkela (2023), Theorem 1. With budget :math:`B`, at step :math:`j` example
+:math:`i` stays active only if
+
+.. math:: s_i + (\mu_j^{(i)})^2 \le B^2, \qquad
+          \mu_j^{(i)} = \frac{\min(\lVert g_{ij}\rVert_2, C)}{\sigma C},
+
+where :math:`s_i` is the sum of its :math:`\mu^2` over the steps in which it was active (the test
+includes the current step). Inactive examples are removed from the clipped sum by zeroing their
+rows of every ``p.grad_sample`` in ``on_before_optimizer_step`` — after backward, *before*
+Opacus' ``DPOptimizer.step`` clips, sums and adds noise (Opacus' own step hook fires after the
+noise: too late). The noise is unchanged and Opacus divides by its fixed public
+``expected_batch_size``, never by the number of active examples. Then the released trajectory
+is :math:`B`-GDP for every example under add/remove (Thm 1; ε(δ) by Cor. C.2, see
+:meth:`IndividualGDPFilter.epsilon`).
+
+Requirements for the guarantee (checked where possible): full-batch DP-GD (every example in
+every step; ``require_full_batch`` checks the batch has ``num_examples`` indices), one backward
+pass per optimizer step, deterministic per-sample gradients between the norm and the sum (one
+pass, as here), a maximum number of steps fixed in advance, and no data-dependent layers such as
+BatchNorm. The logged active counts and individual ε are *not* covered by the guarantee.
+
+Works with Opacus ``GradSampleModule`` / ``GradSampleHooks`` + ``DPOptimizer`` under
+``lightning.pytorch`` (the DPOptimizer must be what ``configure_optimizers`` returns).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:  # pragma: no cover
+    from pytorch_lightning import Callback
+
+from opacus_structured._validation import check_int, check_nonnegative, check_positive
+from opacus_structured.accountants.individual_gdp import IndividualGDPAccountant, per_sample_norms
+from opacus_structured.accounting.individual_gdp import filter_epsilon
+from opacus_structured.indexed_dataset import batch_indices
+
+__all__ = ["IndividualGDPFilter", "dp_params"]
+
+
+def dp_params(optimizer) -> list:
+    """Parameters whose per-sample gradients the (DP)optimizer sums."""
+    params = getattr(optimizer, "params", None)
+    if params is None:
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    return list(params)
+
+
+def _dp_settings(optimizer) -> tuple[float, float]:
+    sigma = getattr(optimizer, "noise_multiplier", None)
+    clip = getattr(optimizer, "max_grad_norm", None)
+    if sigma is None or clip is None:
+        raise ValueError("the optimizer is not an Opacus DPOptimizer (no noise_multiplier / "
+                         "max_grad_norm); return the DPOptimizer from configure_optimizers")
+    return float(sigma), float(clip)
+
+
+class IndividualGDPFilter(Callback):
+    """Algorithm 1 (individual GDP filter) for full-batch DP-GD with Opacus + Lightning.
+
+    Args:
+        num_examples: dataset size N.
+        budget: GDP budget B (a μ value), e.g. ``budget_from_epsilon(eps, delta)`` or
+            ``budget_from_steps(T0, sigma)``.
+        permanent_drop: once refused, never re-admit (the released code's policy); the default
+            is the literal Algorithm 1 (re-entry when a later μ fits). Both satisfy Thm 1.
+        require_full_batch: raise unless every batch holds all N examples (the theorem's
+            DP-GD setting). Set False only if you accept that a subsampled run's filter
+            decisions depend on the sampling pattern (not covered by Thm 1).
+        tolerance: relative slack on B² for float round-off at equality (certified budget is
+            :attr:`effective_budget`).
+        index_fn: ``batch -> LongTensor`` of dataset indices (default: last batch element, as
+            produced by :class:`~opacus_structured.indexed_dataset.IndexedDataset`).
+    """
+
+    def __init__(self, num_examples: int, budget: float, *, permanent_drop: bool = False,
+                 require_full_batch: bool = True, tolerance: float = 1e-12,
+                 index_fn: Optional[Callable] = None):
+        super().__init__()
+        self.num_examples = check_int("num_examples", num_examples, minimum=1)
+        self.budget = check_positive("budget", budget)
+        self.tolerance = check_nonnegative("tolerance", tolerance)
+        self.permanent_drop = bool(permanent_drop)
+        self.require_full_batch = bool(require_full_batch)
+        self.index_fn = index_fn or batch_indices
+        self.accountant = IndividualGDPAccountant(self.num_examples)
+        self.dropped = torch.zeros(self.num_examples, dtype=torch.bool)
+        self.active_history: list[torch.Tensor] = []  # per-step active counts (device scalars)
+        self._indices: Optional[torch.Tensor] = None
+        self.last_active: Optional[torch.Tensor] = None
+
+    @property
+    def effective_budget(self) -> float:
+        return (self.budget ** 2 * (1.0 + self.tolerance)) ** 0.5
+
+    def epsilon(self, delta: float) -> float:
+        """ε(δ) certified for every example by Theorem 1 (Cor. C.2 at the budget)."""
+        return filter_epsilon(self.effective_budget, delta)
+
+    # ---- hooks ---------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        idx = self.index_fn(batch)
+        if self.require_full_batch and idx.shape[0] != self.num_examples:
+            raise ValueError(
+                f"IndividualGDPFilter needs full-batch DP-GD: got a batch of {idx.shape[0]} "
+                f"examples, num_examples={self.num_examples} (use batch_size=N, no "
+                f"subsampling, or require_full_batch=False)")
+        self._indices = idx
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self._indices is None:
+            raise ValueError("no batch indices recorded for this step")
+        sigma, clip = _dp_settings(optimizer)
+        params = dp_params(optimizer)
+        norms = per_sample_norms(params)
+        self.mask_and_record(params, self._indices.to(norms.device), norms, sigma, clip)
+        self._indices = None
+
+    def mask_and_record(self, params, indices: torch.Tensor, norms: torch.Tensor, sigma: float,
+                        clip: float) -> torch.Tensor:
+        """One filter step on tensors (used by the hook; callable without Lightning).
+
+        Returns the boolean active mask of the batch rows; zeroes the inactive rows of every
+        ``p.grad_sample`` in place and records the active examples' μ².
+        """
+        dev = norms.device
+        if self.accountant.observed_mu_sq.device != dev:
+            self.accountant.to(dev)
+            self.dropped = self.dropped.to(dev)
+        mu = norms.to(torch.float64).clamp(max=clip) / (sigma * clip)
+        spent = self.accountant.observed_mu_sq[indices]
+        active = spent + mu * mu <= self.budget ** 2 * (1.0 + self.tolerance)
+        if self.permanent_drop:
+            active &= ~self.dropped[indices]
+            self.dropped[indices] |= ~active
+        for p in params:
+            gs = getattr(p, "grad_sample", None)
+            if gs is not None:
+                gs.mul_(active.to(gs.dtype).view(-1, *([1] * (gs.ndim - 1))))
+        self.accountant.record(indices, mu * active, sigma)
+        self.active_history.append(active.sum())
+        self.last_active = active
+        return active
+
+    def active_counts(self) -> list[int]:
+        """Number of active examples at each step (one host transfer)."""
+        if not self.active_history:
+            return []
+        return torch.stack(self.active_history).cpu().tolist()
+
+    # ---- checkpointing -------------------------------------------------------------------
+    def state_dict(self):
+        return {"accountant": self.accountant.state_dict(), "dropped": self.dropped.cpu(),
+                "budget": self.budget, "tolerance": self.tolerance,
+                "active_counts": self.active_counts()}
+
+    def load_state_dict(self, state_dict):
+        if abs(float(state_dict["budget"]) - self.budget) > 0:
+            raise ValueError(f"checkpoint has budget {state_dict['budget']}, this filter "
+                             f"{self.budget}")
+        self.accountant.load_state_dict(state_dict["accountant"])
+        self.dropped = torch.as_tensor(state_dict["dropped"], dtype=torch.bool).clone()
+        self.active_history = [torch.tensor(c) for c in state_dict.get("active_counts", [])]

@@ -520,3 +520,74 @@ def test_truncated_sampler_end_to_end():
     assert s.remove.mean() > -3 * s.remove.std() / math.sqrt(800)
     d = mech.to_dict()
     assert BandMFMonteCarlo.from_dict(json.loads(json.dumps(d))) == mech
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheme, Opacus accountant, CLI
+# ---------------------------------------------------------------------------------------------
+def _small_scheme(**kw):
+    from opacus_structured.schemes.bminsep_mc import BMinSepMonteCarloScheme
+
+    args = dict(bands=2, dataset_size=320, batch_size=10, samples=3000, warm_start=True,
+                strategy="max-error", workers=1)
+    args.update(kw)
+    return BMinSepMonteCarloScheme(**args)
+
+
+def test_scheme_is_labelled_monte_carlo():
+    scheme = _small_scheme()
+    assert scheme.bound == "monte-carlo"
+    assert math.isclose(scheme.sampling_prob, 10 / (320 - 10))
+    with pytest.raises(ValueError, match="Monte Carlo"):
+        scheme.pld(1.0)
+    eps = scheme.epsilon(1.0, 32, 1e-2)
+    assert isinstance(eps, MonteCarloEpsilon) and "Monte Carlo" in f"{eps:.4g}"
+    est = scheme.estimate(1.0, 32, 1e-2)
+    assert est.epsilon == float(eps) and est.epsilon >= est.point_epsilon
+    assert 0 <= scheme.delta(1.0, 32, float(eps)) <= 1
+    from opacus_structured.schemes import Scheme
+    assert Scheme.from_dict(scheme.to_dict()) == scheme
+    with pytest.raises(ValueError, match="min_sep"):
+        _small_scheme(bands=40)
+
+
+def test_accountant_adapter():
+    from opacus_structured.accountants.base import register_scheme_accountant
+    from opacus_structured.accountants.bminsep_mc import BMinSepMonteCarloAccountant
+
+    scheme = _small_scheme()
+    acc = BMinSepMonteCarloAccountant(scheme)
+    acc.step(noise_multiplier=1.0, sample_rate=10 / 320, num_steps=32)
+    eps = acc.get_epsilon(1e-2)
+    assert isinstance(eps, MonteCarloEpsilon) and acc.bound == "monte-carlo"
+    est, kind = acc.get_privacy_spent(delta=1e-2)
+    assert kind == "monte-carlo" and est.kind == "monte-carlo" and est.epsilon == float(eps)
+    acc2 = BMinSepMonteCarloAccountant(scheme)
+    acc2.load_state_dict(acc.state_dict())
+    assert len(acc2) == 32 and float(acc2.get_epsilon(1e-2)) == float(eps)
+    cls = register_scheme_accountant("bminsep-mc-test", scheme, base=BMinSepMonteCarloAccountant)
+    assert cls().bound == "monte-carlo"
+
+
+def test_cli_epsilon_and_command(capsys):
+    from opacus_structured.cli import main
+
+    flags = ["--bands", "2", "--dataset-size", "320", "--batch-size", "10", "--samples", "2000",
+             "--warm-start", "--strategy", "max-error", "--workers", "1"]
+    assert main(["epsilon", "bminsep-mc", *flags, "--noise-multiplier", "1.0", "--steps", "32",
+                 "--delta", "1e-2"]) == 0
+    out = capsys.readouterr().out
+    assert "Monte Carlo estimate" in out and "not a deterministic bound" in out
+    assert main(["bminsep-mc", "estimate", *flags, "--noise-multiplier", "1.0", "--steps", "32",
+                 "--delta", "1e-2", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["kind"] == "monte-carlo" and "probability" in rec["statement"]
+    assert main(["bminsep-mc", "estimate", *flags, "--noise-multiplier", "1.0", "--steps", "32",
+                 "--delta", "2"]) == 2  # bad delta: clean error, exit 2
+    cert = ["--bands", "1", "--dataset-size", "160", "--batch-size", "10", "--strategy",
+            "max-error", "--workers", "1"]
+    assert main(["bminsep-mc", "certify", *cert, "--steps", "16", "--delta", "0.05",
+                 "--target-epsilon", "2", "--sigma-min", "1.2", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["bound"] == "algorithm-5" and rec["overall_delta"] <= 0.05
+    assert rec["noise_multiplier"] <= rec["verified"][0][0] * 1.0101 or rec["fallback_used"]

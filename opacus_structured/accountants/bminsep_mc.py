@@ -1,0 +1,61 @@
+"""Opacus accountant for BandMF + b-min-sep priced by Monte Carlo (``"bminsep-mc"``).
+
+``get_epsilon`` returns the high-confidence upper estimate as a
+:class:`~opacus_structured.accounting.monte_carlo.MonteCarloEpsilon` (a float that prints its
+"Monte Carlo, holds w.p. ≥ 1 − q" label), ``bound`` is ``"monte-carlo"`` and
+``get_privacy_spent`` returns the full :class:`MonteCarloEstimate`. It is never a deterministic
+guarantee; certify σ before training with Algorithm 5 (``scheme.certify``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from .._validation import check_open_unit
+from ..accounting.monte_carlo import MONTE_CARLO, MonteCarloEstimate
+from ..schemes.bminsep_mc import BMinSepMonteCarloScheme
+from .base import SchemeAccountant
+
+__all__ = ["BMinSepMonteCarloAccountant"]
+
+
+class BMinSepMonteCarloAccountant(SchemeAccountant):
+    """``SchemeAccountant`` over :class:`BMinSepMonteCarloScheme`.
+
+    Opacus' registry builds accountants without arguments, so register a configured one with
+    ``register_scheme_accountant("my-bminsep", scheme, base=BMinSepMonteCarloAccountant)``.
+    A history with several noise multipliers is priced at the smallest one (more noise is
+    post-processing: never under-reports).
+    """
+
+    mechanism_name = "bminsep-mc"
+
+    def __init__(self, scheme: Optional[BMinSepMonteCarloScheme] = None, **kwargs):
+        super().__init__(scheme, **kwargs)
+        if not isinstance(self.scheme, BMinSepMonteCarloScheme):
+            raise ValueError(f"BMinSepMonteCarloAccountant needs a BMinSepMonteCarloScheme, got "
+                             f"{self.scheme!r}")
+
+    @property
+    def bound(self) -> str:
+        return MONTE_CARLO
+
+    def _sigma_steps(self) -> tuple[float, int]:
+        steps = len(self)
+        sigma = min((s for s, _, n in self.history if n), default=math.inf)
+        return sigma, steps
+
+    def get_epsilon(self, delta: float, **kwargs):
+        """High-confidence upper ε estimate (labelled float; Monte Carlo, not a bound)."""
+        delta = check_open_unit("delta", delta)
+        sigma, steps = self._sigma_steps()
+        return self.scheme.epsilon(sigma if steps else 1.0, steps, delta)
+
+    def get_delta(self, epsilon: float, **kwargs) -> float:
+        sigma, steps = self._sigma_steps()
+        return self.scheme.delta(sigma if steps else 1.0, steps, epsilon)
+
+    def get_privacy_spent(self, *, delta: float) -> tuple[MonteCarloEstimate, str]:
+        """``(MonteCarloEstimate, "monte-carlo")``: the estimate states its confidence."""
+        return self.get_epsilon(delta).estimate, self.bound

@@ -3,4 +3,6 @@
 Import ``lightning.pytorch`` (the namespace gluonts uses), not ``pytorch_lightning``.
 """
 
-__all__: list[str] = []
+from .dp_callback import DPCallback
+
+__all__ = ["DPCallback"]

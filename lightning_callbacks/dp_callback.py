@@ -415,6 +415,13 @@ class DPCallback(pl.Callback):
                 expected_batch_size=max(1, int(batch)), loss_reduction=self.loss_reduction,
                 generator=self.noise_generator, **self.optimizer_kwargs)
             trainer.strategy.optimizers = [opt]
+        bands = int(getattr(opt, "bands", 1) or 1)
+        if bands > 1 and not getattr(self.scheme, "prices_correlated_noise", False):
+            raise ValueError(
+                f"the optimizer adds correlated noise ({bands} bands) but scheme "
+                f"{self.scheme.name!r} prices independent Gaussian noise per step, which would "
+                f"give a wrong epsilon; use a matrix-mechanism scheme (e.g. "
+                f"'bandmf-cyclic-poisson') or a plain DPOptimizer")
         previous = opt.step_hook
 
         def hook(optimizer, _previous=previous):

@@ -236,10 +236,19 @@ def test_checkpoint_from_other_scheme_is_refused():
         cb.load_state_dict(state)
 
 
-def test_correlated_noise_optimizer_state_resumes(tmp_path):
+def test_correlated_noise_under_independent_noise_scheme_is_refused():
+    corr = pytest.importorskip("opacus_structured.optim.correlated_noise")
+    cb = callback(optimizer_class=corr.CorrelatedNoiseDPOptimizer,
+                  optimizer_kwargs={"noise_correlation": [1.0, 0.5]})
+    with pytest.raises(ValueError, match="correlated noise"):
+        trainer(cb, max_steps=1).fit(Tiny(), data())
+
+
+def test_correlated_noise_optimizer_state_resumes(tmp_path, monkeypatch):
     # Plumbing only: the ring buffers of a correlated-noise optimizer go through the
-    # checkpoint. (A Poisson accountant does not price c = [1, .5]; a real run needs a scheme
-    # that prices the correlated noise. Only parameters are compared here, not ε.)
+    # checkpoint. The Poisson scheme does NOT price c = [1, .5]; it is made to claim so for
+    # this test alone (monkeypatch), and only parameters are compared here, not ε.
+    monkeypatch.setattr(PoissonScheme, "prices_correlated_noise", True)
     corr = pytest.importorskip("opacus_structured.optim.correlated_noise")
     kw = dict(optimizer_class=corr.CorrelatedNoiseDPOptimizer,
               optimizer_kwargs={"noise_correlation": [1.0, 0.5]})

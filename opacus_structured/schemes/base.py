@@ -68,6 +68,9 @@ class Scheme(abc.ABC):
     summary: ClassVar[str] = ""
     #: The accounting unit composed by :meth:`compositions` ("step" or "epoch").
     unit: ClassVar[str] = "step"
+    #: True only for matrix-mechanism schemes whose pricing covers correlated (multi-band)
+    #: noise; callbacks refuse a correlated-noise optimizer under any other scheme.
+    prices_correlated_noise: ClassVar[bool] = False
 
     # ---- pricing -------------------------------------------------------------------------
     @abc.abstractmethod

@@ -1,0 +1,312 @@
+"""Random allocation (balls-in-bins) accounting for matrix mechanisms (seed 004).
+
+Oracles: brute-force summation over all b^α allocations (Eq. 5), Gauss–Hermite quadrature of
+E_Q[(p/q)^α] on tiny cases (independent of Lemma 3.2's algebra), closed forms (α = 2, b = 1,
+DP-SGD), the digest's reference tables (seed4 digest §11), Feldman & Shenfeld's PLD accountant
+(``PLD_accounting``) and a Monte Carlo estimate (labelled estimate) for C = I, k = 1.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from scipy import special
+
+from opacus_structured.accounting import random_allocation_mf as ra
+from opacus_structured.accounting.calibration import calibrate_noise_multiplier
+
+
+def bsr(N, p):
+    """BSR as in the digest §11: banded Toeplitz, first p of binom(2j,j)/4^j, C_00 = 1."""
+    c = np.array([special.comb(2 * j, j) / 4 ** j for j in range(p)])
+    C = np.zeros((N, N))
+    for j in range(p):
+        C += np.diag(np.full(N - j, c[j]), -j)
+    return C
+
+
+def bisr(N, p):
+    """BISR as in the digest §11: inverse of the banded Toeplitz with sqrt(1-x) coefficients."""
+    h = [1.0]
+    for k in range(1, p):
+        h.append(h[-1] * (k - 1.5) / k)
+    Ci = np.zeros((N, N))
+    for j in range(p):
+        Ci += np.diag(np.full(N - j, h[j]), -j)
+    return np.linalg.inv(Ci)
+
+
+def gram(C, k, b):
+    return ra.gram_matrix(ra.mixture_means(C, k, b))
+
+
+# ---- dominating pair ----------------------------------------------------------------------
+def test_mixture_means_dp_sgd_and_reuse():
+    m = ra.mixture_means(np.eye(6), 2, 3)
+    expected = np.zeros((3, 6))
+    for i in range(3):
+        expected[i, [i, i + 3]] = 1.0
+    np.testing.assert_array_equal(m, expected)
+    G = ra.gram_matrix(m)
+    np.testing.assert_array_equal(G, 2 * np.eye(3))  # G = k I_b for DP-SGD
+    Gb = gram(bsr(100, 4), 1, 100)
+    np.testing.assert_allclose(Gb[0, :6], [1.488281, 0.804687, 0.53125, 0.3125, 0, 0], atol=1e-6)
+    assert ra.cyclic_bandwidth(Gb) == 4
+    assert ra.cyclic_bandwidth(gram(bsr(40, 4), 2, 20)) == 4  # corners are non-zero for k=2
+
+
+@pytest.mark.parametrize("bad, match", [
+    (np.triu(np.ones((4, 4))), "lower-triangular"),
+    (-np.eye(4), "non-negative"),
+    (np.eye(5), "epochs\\*batches_per_epoch"),
+    (np.full((4, 4), np.nan), "finite"),
+])
+def test_bad_strategy_raises(bad, match):
+    with pytest.raises(ValueError, match=match):
+        ra.mixture_means(bad, 2, 2)
+
+
+# ---- remove direction: DP vs brute force (digest §11.1) -------------------------------------
+@pytest.mark.parametrize("C, k, b, sigma, alpha, ref", [
+    (np.eye(6), 2, 3, 0.7, 3, 5.0246955539),
+    (np.eye(6), 2, 3, 1.5, 4, 0.8874877956),
+    (bsr(6, 2), 1, 6, 0.7, 4, 3.2835092141),
+    (bsr(8, 2), 2, 4, 1.5, 4, 1.1826114570),
+    (bsr(10, 3), 2, 5, 1.5, 3, 0.9593661867),
+])
+def test_dp_equals_bruteforce_banded(C, k, b, sigma, alpha, ref):
+    G = gram(C, k, b)
+    brute = ra.renyi_remove_bruteforce(G, sigma, alpha)
+    dp, tau, exact = ra.renyi_remove(G, sigma, [alpha])
+    assert tau == 0.0 and exact
+    assert brute == pytest.approx(ref, abs=1e-9)
+    assert dp[0] == pytest.approx(brute, abs=1e-9)
+
+
+def test_dp_random_banded_matrices_match_bruteforce():
+    rng = np.random.default_rng(3)
+    for k, b, p in [(1, 5, 2), (2, 3, 2), (3, 3, 1), (2, 4, 3), (1, 7, 3), (2, 5, 2)]:
+        N = k * b
+        C = np.tril(rng.uniform(0.1, 1.0, (N, N)))
+        C = np.tril(C) - np.tril(C, -p)  # p bands
+        G = gram(C, k, b)
+        for sigma, alpha in [(0.8, 2), (1.3, 3), (2.0, 4)]:
+            brute = ra.renyi_remove_bruteforce(G, sigma, alpha)
+            dp, tau, _ = ra.renyi_remove(G, sigma, [alpha])
+            assert dp[0] == pytest.approx(brute, rel=1e-10, abs=1e-12), (k, b, p, sigma, alpha)
+
+
+def test_dp_truncated_bandwidth_is_upper_bound():
+    # BISR (dense C): the tau bound is >= the exact sum, for alpha >= 4 (no exact fallback there)
+    G = gram(bisr(8, 2), 2, 4)
+    for bands in (1, 2):
+        for alpha in (4, 5):
+            brute = ra.renyi_remove_bruteforce(G, 1.5, alpha)
+            dp, tau, exact = ra.renyi_remove(G, 1.5, [alpha], bands=bands)
+            assert not exact and tau > 0
+            assert dp[0] >= brute - 1e-12
+    # alpha = 2 uses the exact closed form when it is smaller (digest §11.1 row: 0.7551264402)
+    dp2, _, _ = ra.renyi_remove(G, 1.5, [2], bands=2)
+    assert dp2[0] == pytest.approx(0.7551264402, abs=1e-9)
+    # the internal DP bound itself (digest: 0.7593125541), via the private DP routine
+    Gp, tau = ra._truncate(G, 2)
+    w, wrap = ra._dp_plan(4, 2, Gp)
+    log_s = ra._log_rest_sums(Gp, 1.5, w, wrap, 2)
+    rho = (log_s[2] + math.log(2) - 2 * math.log(4)) + tau * 2 / (2 * 1.5 ** 2)
+    assert rho == pytest.approx(0.7593125541, abs=1e-9)
+
+
+def _quadrature_moment(means, sigma, alpha, order=40):
+    """E_Q[(p/q)^α] by tensor Gauss–Hermite quadrature (N ≤ 3)."""
+    x, w = np.polynomial.hermite_e.hermegauss(order)
+    w = w / w.sum()
+    N = means.shape[1]
+    pts = np.array(list(itertools.product(x, repeat=N))) * sigma
+    wts = np.prod(np.array(list(itertools.product(w, repeat=N))), axis=1)
+    L = ra.dominating_pair_logpdf_ratio(pts, means, sigma)
+    return float(np.sum(wts * np.exp(alpha * L)))
+
+
+@pytest.mark.parametrize("C, k, b", [(np.eye(2), 1, 2), (bsr(3, 2), 1, 3), (bsr(2, 2), 2, 1)])
+def test_remove_formula_against_quadrature(C, k, b):
+    means = ra.mixture_means(C, k, b)
+    sigma = 1.2
+    for alpha in (2, 3, 4):
+        quad = math.log(_quadrature_moment(means, sigma, alpha)) / (alpha - 1)
+        dp, _, _ = ra.renyi_remove(ra.gram_matrix(means), sigma, [alpha])
+        assert dp[0] == pytest.approx(quad, rel=1e-6)
+    # fractional orders: the CGF interpolation is an upper bound (Wang et al. 2019, Cor. 10)
+    for alpha in (1.5, 2.5, 3.3):
+        quad = math.log(_quadrature_moment(means, sigma, alpha)) / (alpha - 1)
+        dp, _, _ = ra.renyi_remove(ra.gram_matrix(means), sigma, [alpha])
+        assert dp[0] >= quad - 1e-9
+
+
+def test_add_bound_against_quadrature_and_closed_forms():
+    means = ra.mixture_means(bsr(3, 2), 1, 3)
+    sigma = 1.1
+    x, w = np.polynomial.hermite_e.hermegauss(60)
+    w = w / w.sum()
+    pts = np.array(list(itertools.product(x, repeat=3))) * sigma
+    wts = np.prod(np.array(list(itertools.product(w, repeat=3))), axis=1)
+    L = ra.dominating_pair_logpdf_ratio(pts, means, sigma)
+    G = ra.gram_matrix(means)
+    for alpha in (1.5, 2, 4):
+        exact = math.log(np.sum(wts * np.exp(-(alpha - 1) * L))) / (alpha - 1)  # R_α(Q||P)
+        assert ra.renyi_add(G, sigma, [alpha])[0] >= exact - 1e-9
+    # DP-SGD: rho_add = k/(2σ²) + (α−1)k/(2bσ²); b = 1 Gaussian identity
+    Gd = 3 * np.eye(10)
+    np.testing.assert_allclose(ra.renyi_add(Gd, 2.0, [2, 5]), 3 / 8 + np.array([1, 4]) * 3 / 80)
+    G1 = np.array([[2.5]])
+    for alpha in (2, 3, 7):
+        rem, _, _ = ra.renyi_remove(G1, 1.3, [alpha])
+        assert rem[0] == pytest.approx(alpha * 2.5 / (2 * 1.3 ** 2), rel=1e-12)
+        assert ra.renyi_add(G1, 1.3, [alpha])[0] == pytest.approx(alpha * 2.5 / (2 * 1.3 ** 2))
+
+
+def test_order2_closed_forms():
+    G = gram(np.eye(100), 1, 100)
+    dp, _, _ = ra.renyi_remove(G, 1.0, [2])
+    assert dp[0] == pytest.approx(0.0170368632, abs=1e-10)
+    assert dp[0] == pytest.approx(math.log(1 + (math.e - 1) / 100), rel=1e-12)
+    Gb = gram(bsr(100, 4), 1, 100)
+    dp, _, _ = ra.renyi_remove(Gb, 1.0, [2])
+    assert dp[0] == pytest.approx(ra.renyi_remove_order2_exact(Gb, 1.0), rel=1e-12)
+    assert dp[0] == pytest.approx(0.0761297011, abs=1e-9)
+
+
+# ---- conversion ------------------------------------------------------------------------------
+def test_conversion_round_trip_and_errors():
+    orders = np.arange(2, 40, dtype=float)
+    rdp = 0.05 * orders
+    eps, a = ra.rdp_to_epsilon(orders, rdp, 1e-5)
+    d, a2 = ra.rdp_to_delta(orders, rdp, eps)
+    assert d == pytest.approx(1e-5, rel=1e-9) and a == a2
+    with pytest.raises(ValueError, match="delta"):
+        ra.rdp_to_epsilon(orders, rdp, 0.0)
+    with pytest.raises(ValueError, match="orders"):
+        ra.rdp_to_epsilon([1.0], [0.1], 1e-5)
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        ra.renyi_remove(np.eye(2), -1.0, [2])
+
+
+def test_cost_guard_raises_with_estimate():
+    G = gram(bsr(200, 16), 1, 200)
+    with pytest.raises(ValueError, match=r"needs about [0-9.e+]+ operations.*exponential"):
+        ra.renyi_remove(G, 1.0, np.arange(2, 30))
+    with pytest.raises(ValueError, match="too wide"):
+        ra.renyi_accountant(means=ra.mixture_means(bsr(300, 64), 1, 300), noise_multiplier=1.0)
+    # a smaller effective bandwidth is affordable and gives the tau upper bound
+    rb = ra.renyi_accountant(means=ra.mixture_means(bsr(200, 16), 1, 200),
+                             noise_multiplier=1.0, bands=2)
+    assert rb.tau > 0 and not rb.exact_remove and rb.orders[-1] >= 8
+
+
+# ---- digest reference numbers (§11.2, §11.3) -------------------------------------------------
+@pytest.mark.parametrize("N, k, sigma, eps_ref, alpha_ref, rem_ref, add_ref", [
+    (100, 1, 0.6, 4.5184, 4, 1.01340, 1.43056),
+    (100, 1, 0.8, 2.3170, 7, 0.87669, 0.82812),
+    (100, 1, 1.0, 1.4630, 10, 0.41647, 0.54500),
+    (100, 1, 1.5, 0.6413, 21, 0.10392, 0.26667),
+    (100, 1, 2.0, 0.3574, 38, 0.15575, 0.17125),
+    (100, 1, 3.0, 0.1771, 80, 0.04716, 0.09944),
+    (1000, 10, 1.0, 15.1965, 3, 10.39483, 5.10000),
+    (1000, 10, 2.0, 3.9045, 5, 1.65182, 1.30000),
+    (1000, 10, 5.0, 0.5658, 24, 0.20739, 0.24600),
+])
+def test_dp_sgd_renyi_table(N, k, sigma, eps_ref, alpha_ref, rem_ref, add_ref):
+    rb = ra.renyi_accountant(np.eye(N), k, N // k, sigma, orders=np.arange(2, 81))
+    eps, alpha = ra.rdp_to_epsilon(rb.orders, rb.rdp, 1e-5)
+    assert eps == pytest.approx(eps_ref, rel=2e-4)
+    assert alpha == alpha_ref
+    i = int(alpha) - 2
+    assert rb.remove[i] == pytest.approx(rem_ref, rel=1e-4)
+    assert rb.add[i] == pytest.approx(add_ref, rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sigma, eps_ref", [(0.6, 3.1889), (1.0, 1.1150), (2.0, 0.2500)])
+def test_dp_sgd_renyi_table_b1000(sigma, eps_ref):
+    rb = ra.renyi_accountant(np.eye(1000), 1, 1000, sigma, orders=np.arange(2, 81))
+    assert rb.epsilon(1e-5) == pytest.approx(eps_ref, rel=2e-4)
+
+
+def test_calibrated_sigma_row_n100():
+    means = ra.mixture_means(np.eye(100), 1, 100)
+    G = ra.gram_matrix(means)
+    orders = np.arange(2, 101)
+
+    def eps(s):
+        rem, _, _ = ra.renyi_remove(G, s, orders)
+        return ra.rdp_to_epsilon(orders, np.maximum(rem, ra.renyi_add(G, s, orders)), 1e-5)[0]
+
+    for target, ref in [(0.5, 1.6857), (2.0, 0.8623), (8.0, 0.4386)]:
+        s = calibrate_noise_multiplier(eps, target, rtol=1e-5)
+        assert s == pytest.approx(ref, rel=2e-3)
+        assert eps(s) <= target
+
+
+@pytest.mark.parametrize("C, sigma, bands, eps_ref, alpha_ref", [
+    (bsr(100, 4), 1.0, None, 2.3216, 7),
+    (bsr(100, 4), 2.0, None, 1.4403, 8),
+    (bsr(100, 4), 3.0, None, 1.3146, 8),
+    (bisr(100, 4), 1.0, 4, 3.2120, 7),
+])
+def test_bsr_bisr_table(C, sigma, bands, eps_ref, alpha_ref):
+    rb = ra.renyi_accountant(C, 1, 100, sigma, orders=np.arange(2, 9), bands=bands)
+    eps, alpha = ra.rdp_to_epsilon(rb.orders, rb.rdp, 1e-5)
+    assert eps == pytest.approx(eps_ref, rel=2e-4) and alpha == alpha_ref
+
+
+def test_bsr_remove_and_peff_rows():
+    G = gram(bsr(100, 4), 1, 100)
+    rem, _, _ = ra.renyi_remove(G, 1.0, np.arange(2, 7))
+    np.testing.assert_allclose(rem, [0.076130, 0.117719, 0.163835, 0.220751, 0.326355], atol=2e-6)
+    rem2, tau, _ = ra.renyi_remove(G, 1.0, np.arange(3, 7), bands=2)
+    np.testing.assert_allclose(rem2[1:], [1.106667, 1.383824, 1.661283], atol=2e-6)
+    # at α = 3 the exact b³ tuple sum replaces the looser τ bound (0.829742 in the digest)
+    assert rem2[0] == pytest.approx(0.117719, abs=2e-6)
+    assert rem2[0] < 0.829742
+    np.testing.assert_allclose(ra.renyi_add(G, 1.0, np.arange(2, 7)),
+                               0.763566 + 0.023546 * np.arange(5), atol=2e-6)
+
+
+@pytest.mark.slow
+def test_bsr_multi_epoch_wraparound():
+    G = gram(bsr(1000, 4), 10, 100)
+    rem, tau, exact = ra.renyi_remove(G, 2.0, np.arange(2, 7))
+    assert exact and tau == 0
+    np.testing.assert_allclose(rem, [0.476276, 1.232829, 2.856428, 4.696247, 6.553925],
+                               atol=2e-6)
+
+
+# ---- peers: Feldman–Shenfeld PLD and Monte Carlo (C = I, k = 1) ------------------------------
+def test_identity_k1_vs_pld_accounting_and_monte_carlo():
+    pld_accounting = pytest.importorskip("PLD_accounting")
+    b, sigma, delta = 20, 1.0, 1e-3
+    rb = ra.renyi_accountant(np.eye(b), 1, b, sigma)
+    eps = rb.epsilon(delta)
+    upper, lower = pld_accounting.gaussian_allocation_epsilon_range(
+        delta=delta, sigma=sigma, num_steps=b, num_selected=1, num_epochs=1)
+    mc = ra.monte_carlo_epsilon_estimate(ra.mixture_means(np.eye(b), 1, b), sigma, delta,
+                                         samples=100_000, seed=1)
+    assert mc["kind"] == "estimate"
+    # never below the (near-)tight peer or the MC estimate beyond its error bar
+    assert eps >= lower
+    assert eps >= mc["epsilon_low"]
+    # MC agrees with Feldman–Shenfeld (validates the oracle); Rényi within the paper's gap
+    assert lower * 0.95 <= mc["epsilon"] <= upper * 1.05
+    assert eps <= 2.5 * upper
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sigma, ratio", [(0.6, 1.4), (1.0, 2.5), (2.0, 2.2)])
+def test_identity_k1_vs_pld_accounting_n100(sigma, ratio):
+    from PLD_accounting import gaussian_allocation_epsilon_range
+    rb = ra.renyi_accountant(np.eye(100), 1, 100, sigma, orders=np.arange(2, 81))
+    eps = rb.epsilon(1e-5)
+    upper, lower = gaussian_allocation_epsilon_range(delta=1e-5, sigma=sigma, num_steps=100)
+    assert lower <= eps <= ratio * upper

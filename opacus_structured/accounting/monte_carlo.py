@@ -301,15 +301,12 @@ class MonteCarloEstimate:
     """A Monte Carlo privacy estimate: **holds with probability ≥ 1 − q, not a deterministic
     bound**.
 
-    Attributes:
-        epsilon: the high-confidence upper estimate: with probability ≥ ``1 − q`` over the
-            samples, the mechanism is ``(epsilon, delta)``-DP (KL upper confidence bound of
-            both directions' δ̃, ``q/2`` each; valid at a data-dependent ε because δ̃ and its
-            bound are monotone in ε).
-        point_epsilon: the plain estimate (``δ̃(ε) = δ``); no confidence statement.
-        delta_remove, delta_add: δ̃ of each direction at ``epsilon``.
-        num_samples: samples per direction.
-        failure_probability: ``q``.
+    Fields: ``epsilon`` is the high-confidence upper estimate: with probability ≥ ``1 − q``
+    over the samples, the mechanism is ``(epsilon, delta)``-DP (KL upper confidence bound of
+    both directions' δ̃, ``q/2`` each; valid at a data-dependent ε because δ̃ and its bound are
+    monotone in ε). ``point_epsilon`` is the plain estimate (``δ̃(ε) = δ``), with no confidence
+    statement. ``delta_remove`` / ``delta_add`` are δ̃ of each direction at ``epsilon``;
+    ``num_samples`` is per direction; ``failure_probability`` is ``q``.
     """
 
     epsilon: float
@@ -506,11 +503,9 @@ def sigma_grid(sigma_min: float, sigma_max: float, ratio: float = 1.01) -> np.nd
 class Fallback:
     """``M_k`` of Algorithm 5: a mechanism with a closed-form ``(ε, δ)`` guarantee.
 
-    Attributes:
-        noise_multiplier: its σ.
-        description: what is run when it is chosen (e.g. the same sampler, or cyclic Poisson).
-        epsilon: its certified ε at ``delta`` (closed form / PLD, never Monte Carlo).
-        delta: the δ it was certified at.
+    Fields: ``noise_multiplier`` (its σ), ``description`` (what is run when it is chosen: the
+    same sampler, or cyclic Poisson), ``epsilon`` (its certified ε at ``delta``, closed form or
+    PLD, never Monte Carlo) and ``delta``.
     """
 
     noise_multiplier: float

@@ -591,3 +591,10 @@ def test_cli_epsilon_and_command(capsys):
     rec = json.loads(capsys.readouterr().out)
     assert rec["bound"] == "algorithm-5" and rec["overall_delta"] <= 0.05
     assert rec["noise_multiplier"] <= rec["verified"][0][0] * 1.0101 or rec["fallback_used"]
+
+
+def test_too_few_samples_is_infinite_and_says_so():
+    samples = MonteCarloSamples(np.zeros(100), np.zeros(100))
+    est = samples.estimate(1e-3, failure_probability=1e-3)
+    assert math.isinf(est.epsilon) and est.point_epsilon == 0.0
+    assert "cannot support" in est.statement

@@ -324,6 +324,12 @@ class MonteCarloEstimate:
 
     @property
     def statement(self) -> str:
+        if math.isinf(self.epsilon):
+            need = math.ceil(math.log(2.0 / self.failure_probability) / self.delta)
+            return (f"Monte Carlo estimate (not a deterministic bound): {self.num_samples} "
+                    f"samples per direction cannot support delta={self.delta:g} at confidence "
+                    f"{self.confidence:g} (epsilon = inf); use well over {need} samples. Point "
+                    f"estimate epsilon={self.point_epsilon:.6g}")
         return (f"Monte Carlo estimate (not a deterministic bound): (epsilon={self.epsilon:.6g}, "
                 f"delta={self.delta:g})-DP holds with probability >= {self.confidence:g} "
                 f"(q = {self.failure_probability:g}) over {self.num_samples} samples per "

@@ -1,0 +1,72 @@
+"""Opacus accountant for truncated Poisson sampling (``"truncated-poisson"``).
+
+Prices the steps Opacus reports with :class:`~opacus_structured.schemes.TruncatedPoissonScheme`
+(Ganesh 2025, Theorems 3.1/3.3/3.4, or the (ε, δ + e^ε η) baseline). The scheme carries n, p
+and B; the ``sample_rate`` Opacus reports (``1/len(data_loader)``) is only checked against
+``scheme.expected_sample_rate()``.
+
+Opacus' registry builds accountants without arguments, so ``PrivacyEngine(accountant=
+"truncated-poisson")`` cannot know n, p, B: set ``engine.accountant =
+TruncatedPoissonAccountant(scheme)`` before ``make_private``, or register a configured class
+with ``register_scheme_accountant("my-name", scheme, base=TruncatedPoissonAccountant)`` (what
+``make_private_with_epsilon`` needs).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from .._validation import check_open_unit, check_positive
+from ..accounting import pld as pld_lib
+from ..schemes.truncated_poisson import TruncatedPoissonScheme
+from .base import SchemeAccountant
+
+__all__ = ["TruncatedPoissonAccountant"]
+
+
+class TruncatedPoissonAccountant(SchemeAccountant):
+    """Accountant of :class:`TruncatedPoissonScheme` (tight or baseline analysis).
+
+    Args:
+        scheme: the truncated Poisson scheme (required: it holds n, p, B and the relation).
+        discretization: PLD discretisation interval (pessimistic).
+    """
+
+    mechanism_name = "truncated-poisson"
+
+    def __init__(self, scheme: Optional[TruncatedPoissonScheme] = None, *,
+                 discretization: float = pld_lib.DEFAULT_DISCRETIZATION):
+        scheme = scheme if scheme is not None else type(self).default_scheme
+        if scheme is None:
+            raise ValueError(
+                "TruncatedPoissonAccountant needs a TruncatedPoissonScheme(dataset_size, "
+                "sample_rate, max_batch_size); for Opacus' registry use "
+                "register_scheme_accountant(name, scheme, base=TruncatedPoissonAccountant)")
+        if not isinstance(scheme, TruncatedPoissonScheme):
+            raise ValueError(f"TruncatedPoissonAccountant needs a TruncatedPoissonScheme, "
+                             f"got {scheme!r}")
+        super().__init__(scheme, discretization=discretization)
+
+    def _segments(self):
+        return [(sigma, int(n)) for sigma, _, n in self.history if n]
+
+    def get_epsilon(self, delta: float, *, discretization: Optional[float] = None,
+                    **kwargs) -> float:
+        """ε(δ) for all recorded steps (tight: composed mixture PLDs; baseline: see scheme)."""
+        if self.scheme.analysis == "tight":
+            return super().get_epsilon(delta, discretization=discretization)
+        delta = check_open_unit("delta", delta)
+        d = self.discretization if discretization is None else check_positive(
+            "discretization", discretization)
+        return self.scheme.epsilon_for_segments(self._segments(), delta, discretization=d)
+
+    def get_delta(self, epsilon: float, *, discretization: Optional[float] = None) -> float:
+        """δ(ε) for all recorded steps."""
+        if self.scheme.analysis == "tight":
+            return super().get_delta(epsilon, discretization=discretization)
+        if math.isnan(epsilon):
+            raise ValueError("epsilon must not be NaN")
+        d = self.discretization if discretization is None else check_positive(
+            "discretization", discretization)
+        return self.scheme.delta_for_segments(self._segments(), float(epsilon), discretization=d)

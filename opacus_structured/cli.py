@@ -79,7 +79,9 @@ def _run_epsilon(args) -> int:
     record = {"scheme": scheme.name, "epsilon": eps, "delta": args.delta,
               "noise_multiplier": args.noise_multiplier, "steps": steps, "bound": scheme.bound,
               "discretization": args.discretization, "parameters": scheme.describe()}
-    label = "" if scheme.bound != "lower" else "  (LOWER BOUND, not a guarantee)"
+    label = {"lower": "  (LOWER BOUND, not a guarantee)",
+             "monte-carlo": "  (MONTE CARLO estimate, holds only with high probability)"}.get(
+        scheme.bound, "")
     _emit(args, record, f"epsilon = {eps:.6g} at delta = {args.delta:g} after {steps} steps "
                         f"(scheme {scheme.name}, noise multiplier {args.noise_multiplier:g}){label}")
     return 0
@@ -89,6 +91,10 @@ def _run_calibrate(args) -> int:
     scheme = SCHEMES[args.scheme].from_cli_args(args)
     if scheme.bound == "lower":
         raise ValueError("cannot calibrate noise to a lower bound: choose --bound tight or upper")
+    if scheme.bound == "monte-carlo":
+        raise ValueError(f"scheme {scheme.name!r} is priced by Monte Carlo; bisecting on noisy "
+                         f"estimates is not Algorithm 5: use `opacus-structured {scheme.name} "
+                         f"certify` instead")
     steps = _steps(scheme, args)
     if steps == 0:
         raise ValueError("calibration needs at least one step")

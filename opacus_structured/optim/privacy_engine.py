@@ -53,8 +53,7 @@ class CorrelatedNoisePrivacyEngine(PrivacyEngine):
         if scheme is not None:
             from ..accountants.base import SchemeAccountant
 
-            accountant_cls = getattr(scheme, "accountant_class", None)
-            self.accountant = (accountant_cls or SchemeAccountant)(scheme)
+            self.accountant = SchemeAccountant(scheme)
 
     def _prepare_optimizer(self, *, optimizer, noise_multiplier, max_grad_norm,
                            expected_batch_size, loss_reduction="mean", distributed=False,

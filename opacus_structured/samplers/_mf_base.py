@@ -1,0 +1,100 @@
+"""Shared machinery of the matrix-factorization batch samplers (cyclic Poisson, balls-in-bins,
+b-min-sep and variants): a dedicated seeded generator, a global step counter that runs across
+epochs (the participation process is one stream over the whole run, not restarted per epoch),
+and exact ``state_dict`` / ``load_state_dict`` resumption.
+
+Protocol (as :meth:`opacus_structured.schemes.Scheme.sampler`): ``__iter__`` yields lists of
+dataset indices, ``len(sampler)`` is the number of batches per epoch (``iter`` stops at the next
+multiple of it, so a run resumed mid-epoch finishes that epoch), ``scheme`` describes what is
+sampled. Batch indices are sensitive: do not log them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.utils.data import Sampler
+
+from .._validation import check_int
+
+__all__ = ["MFBatchSampler"]
+
+
+def _fresh_seed() -> int:
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+class MFBatchSampler(Sampler[list[int]]):
+    """Base class: subclasses implement :meth:`_draw` (one batch at ``self.step``) and list
+    their tensor state in ``_state_tensors`` and their constructor parameters in ``_params``."""
+
+    _state_tensors: tuple[str, ...] = ()
+    _params: tuple[str, ...] = ()
+
+    def __init__(self, num_samples: int, *, steps: int, generator: Optional[torch.Generator],
+                 seed: Optional[int]):
+        self.num_samples = check_int("num_samples", num_samples, minimum=1)
+        self.steps = check_int("steps", steps, minimum=1)
+        if generator is not None and seed is not None:
+            raise ValueError("pass either generator or seed, not both")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        if generator is None:
+            seed = _fresh_seed() if seed is None else check_int("seed", seed, minimum=0)
+            generator = torch.Generator().manual_seed(seed)
+        self.generator = generator
+        self.step = 0  # global iteration index of the next batch (0-indexed)
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def _draw(self) -> list[int]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            batch = self._draw()
+            self.step += 1
+            yield batch
+            if self.step % self.steps == 0:
+                return
+
+    def state_dict(self) -> dict[str, Any]:
+        """Generator state, global step and the participation state (between draws)."""
+        state = {"generator_state": self.generator.get_state().clone(), "step": self.step,
+                 "class": type(self).__name__}
+        for name in self._params:
+            state[name] = getattr(self, name)
+        for name in self._state_tensors:
+            value = getattr(self, name)
+            state[name] = None if value is None else value.clone()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; raises if taken from a sampler with other parameters."""
+        if state_dict.get("class") != type(self).__name__:
+            raise ValueError(f"sampler state is for {state_dict.get('class')!r}, not "
+                             f"{type(self).__name__!r}")
+        for name in self._params:
+            if name not in state_dict:
+                raise ValueError(f"sampler state lacks {name!r}")
+            if state_dict[name] != getattr(self, name):
+                raise ValueError(f"sampler state has {name}={state_dict[name]!r} but this "
+                                 f"sampler has {name}={getattr(self, name)!r}; build it with "
+                                 f"the same parameters")
+        self.generator.set_state(torch.as_tensor(state_dict["generator_state"],
+                                                 dtype=torch.uint8).clone())
+        self.step = check_int("step", state_dict["step"], minimum=0)
+        for name in self._state_tensors:
+            value = state_dict[name]
+            setattr(self, name, None if value is None else torch.as_tensor(value).clone())
+
+    def _bernoulli(self, count: int, p: float) -> torch.Tensor:
+        """``count`` independent Bernoulli(p) draws from the sampler's generator."""
+        return torch.rand(count, generator=self.generator, dtype=torch.float64) < p
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={getattr(self, k)!r}" for k in self._params)
+        return f"{type(self).__name__}({args})"

@@ -1,0 +1,83 @@
+"""DP-SGD with balls-in-bins sampling (bins fixed for the whole run), priced by pld-accounting.
+
+Semantics: see :class:`~opacus_structured.samplers.balls_in_bins.BallsInBinsBatchSampler`
+(one uniform bin per example, reused for ``epochs`` epochs of ``num_bins`` steps each).
+Relation: add/remove one example.
+
+Pricing (:func:`opacus_structured.accounting.bandmf.balls_in_bins_pld`): with ``C = I`` the
+``E``-epoch balls-in-bins pair equals the 1-of-``T`` random-allocation pair at ``σ/√E`` (the
+mixture means are orthogonal with norm ``√E``; Lemma 2.8, Schuchardt & Kalinin, with C = I),
+priced by Feldman & Shenfeld's random-allocation PLD (``pld-accounting``, dominating bound).
+The accounting unit is the whole planned run: a partial run is rounded up (post-processing),
+and more steps than ``epochs·num_bins`` raise, because composing independent epochs would
+under-report (the bins are not redrawn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import ClassVar
+
+from .._validation import check_int
+from ..accounting import bandmf as bandmf_lib
+from ..accounting import pld as pld_lib
+from .base import Scheme, register_scheme
+
+__all__ = ["BallsInBinsScheme"]
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class BallsInBinsScheme(Scheme):
+    """Balls-in-bins DP-SGD: ``num_bins`` steps per epoch, ``epochs`` epochs with fixed bins."""
+
+    name: ClassVar[str] = "balls-in-bins"
+    summary: ClassVar[str] = ("DP-SGD with balls-in-bins (random allocation, bins reused every "
+                              "epoch), priced by pld-accounting; add/remove")
+    unit: ClassVar[str] = "epoch"  # one unit = the whole planned run
+
+    num_bins: int = 1
+    epochs: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "num_bins", check_int("num_bins", self.num_bins, minimum=1))
+        object.__setattr__(self, "epochs", check_int("epochs", self.epochs, minimum=1))
+
+    def steps_per_epoch(self) -> int:
+        """Steps per accounting unit: the whole run (``epochs · num_bins``)."""
+        return self.num_bins * self.epochs
+
+    def compositions(self, steps: int) -> int:
+        steps = check_int("steps", steps, minimum=0)
+        if steps > self.num_bins * self.epochs:
+            raise ValueError(f"steps must be <= epochs * num_bins = {self.num_bins * self.epochs}"
+                             f" for balls-in-bins (bins are reused; plan more epochs), got "
+                             f"{steps}")
+        return super().compositions(steps)
+
+    def expected_sample_rate(self) -> float:
+        return 1.0 / self.num_bins
+
+    def pld(self, noise_multiplier, *, sample_rate=None,
+            discretization=pld_lib.DEFAULT_DISCRETIZATION):
+        self.check_sample_rate(sample_rate)
+        return bandmf_lib.balls_in_bins_pld(noise_multiplier, num_bins=self.num_bins,
+                                            epochs=self.epochs, discretization=discretization)
+
+    def sampler(self, num_samples: int, *, generator=None, seed=None):
+        from ..samplers.balls_in_bins import BallsInBinsBatchSampler
+
+        return BallsInBinsBatchSampler(num_samples, self.num_bins, epochs=self.epochs,
+                                       generator=generator, seed=seed)
+
+    @classmethod
+    def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--num-bins", type=int, required=True, metavar="T",
+                            help="steps (bins) per epoch")
+        parser.add_argument("--epochs", type=int, default=1,
+                            help="planned epochs with the same bins (default 1)")
+
+    @classmethod
+    def from_cli_args(cls, args):
+        return cls(num_bins=args.num_bins, epochs=args.epochs)

@@ -1,0 +1,134 @@
+"""BandMF (banded matrix factorization, correlated noise) with cyclic Poisson sampling.
+
+Semantics (Choquette-Choo et al. 2023, "Amplified banded matrix factorization"; digest
+``seed1-bandmf-bminsep.md`` §3.2): the dataset of ``|D|`` examples is split once into ``b``
+groups (``b`` = number of bands of ``C``); step ``i`` (0-indexed) Poisson-samples group
+``i mod b`` with rate ``q = b·B/|D|`` (expected batch ``B``); noise is correlated with a
+``b``-banded lower-triangular non-negative Toeplitz strategy ``C`` (unit max column norm,
+:mod:`opacus_structured.optim.strategies`) by
+:class:`~opacus_structured.optim.correlated_noise.CorrelatedNoiseDPOptimizer`.
+
+Pricing: one accounting unit is one cycle of ``b`` steps, during which an example has one
+Poisson(q) participation opportunity whose signal (a column of ``C``) touches rows disjoint from
+other cycles' participations; so ``n`` steps are ``ceil(n/b)`` composed Poisson-subsampled
+Gaussians at noise multiplier ``σ / max_j‖C[:, j]‖`` (Thm. 4 there). Relation: add/remove one
+example. With ``b = 1`` and ``identity`` this is exactly Poisson DP-SGD at ``q = B/|D|``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import ClassVar
+
+from .._validation import check_int, check_positive
+from ..accounting import bandmf as bandmf_lib
+from ..accounting import pld as pld_lib
+from .base import Scheme, register_scheme
+
+__all__ = ["BandMFCyclicPoissonScheme", "BANDED_STRATEGIES", "default_steps_per_epoch"]
+
+#: Strategies with a banded (Toeplitz) C and unit max column norm: the ones this scheme prices.
+BANDED_STRATEGIES = ("optimal-banded", "identity", "banded-sqrt")
+
+
+def default_steps_per_epoch(dataset_size: int, batch_size: float) -> int:
+    """Batches per data epoch of the cyclic Poisson sampler: ``max(1, round(|D|/B))``."""
+    return max(1, round(dataset_size / batch_size))
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class BandMFCyclicPoissonScheme(Scheme):
+    """BandMF with ``bands`` bands and cyclic Poisson sampling (see module docstring).
+
+    Args:
+        dataset_size: ``|D|`` (public).
+        batch_size: expected batch size ``B`` (``b·B ≤ |D|`` so that ``q ≤ 1``).
+        bands: number of bands ``b`` of ``C`` = cycle length of the sampler.
+        strategy: one of :data:`BANDED_STRATEGIES` (all have max column norm 1).
+        partition: ``"equal"`` (equal split of a random permutation) or ``"independent"``
+            (uniform independent group per example); both priced the same (worst-case group).
+    """
+
+    name: ClassVar[str] = "bandmf-cyclic-poisson"
+    summary: ClassVar[str] = ("BandMF correlated noise with cyclic Poisson sampling "
+                              "(Choquette-Choo et al. 2023), add/remove")
+    unit: ClassVar[str] = "epoch"  # one unit = one cycle of `bands` steps
+
+    dataset_size: int = 1
+    batch_size: float = 1.0
+    bands: int = 1
+    strategy: str = "optimal-banded"
+    partition: str = "equal"
+
+    def __post_init__(self):
+        object.__setattr__(self, "dataset_size",
+                           check_int("dataset_size", self.dataset_size, minimum=1))
+        object.__setattr__(self, "batch_size", check_positive("batch_size", self.batch_size))
+        object.__setattr__(self, "bands", check_int("bands", self.bands, minimum=1))
+        if self.strategy not in BANDED_STRATEGIES:
+            raise ValueError(f"strategy must be one of {BANDED_STRATEGIES} (banded C, unit "
+                             f"column norm) for cyclic Poisson accounting, got {self.strategy!r}")
+        if self.partition not in ("equal", "independent"):
+            raise ValueError(f"partition must be 'equal' or 'independent', got "
+                             f"{self.partition!r}")
+        self.sample_rate  # validates b·B ≤ |D|
+
+    @property
+    def sample_rate(self) -> float:
+        """Per-group Poisson rate ``q = b·B/|D|``."""
+        return bandmf_lib.cyclic_poisson_rate(self.dataset_size, self.batch_size, self.bands)
+
+    @property
+    def column_norm(self) -> float:
+        """``max_j ‖C[:, j]‖₂`` of the strategy: 1 for every strategy in BANDED_STRATEGIES."""
+        return 1.0
+
+    def steps_per_epoch(self) -> int:
+        """Steps per accounting unit: one cycle = ``bands`` steps."""
+        return self.bands
+
+    def expected_sample_rate(self) -> float:
+        """``1/len(sampler)`` that Opacus' hook reports with :meth:`sampler` as batch sampler."""
+        return 1.0 / default_steps_per_epoch(self.dataset_size, self.batch_size)
+
+    def pld(self, noise_multiplier, *, sample_rate=None,
+            discretization=pld_lib.DEFAULT_DISCRETIZATION):
+        self.check_sample_rate(sample_rate)
+        return bandmf_lib.bandmf_cyclic_poisson_pld(
+            noise_multiplier, self.sample_rate, column_norm=self.column_norm,
+            discretization=discretization)
+
+    def noise_correlation(self, steps: int):
+        """Coefficients ``c`` for :class:`CorrelatedNoiseDPOptimizer` over ``steps`` steps."""
+        from ..optim.strategies import strategy_coefficients
+
+        return strategy_coefficients(self.strategy, check_int("steps", steps, minimum=self.bands),
+                                     self.bands)
+
+    def sampler(self, *, generator=None, seed=None, steps=None):
+        from ..samplers.cyclic_poisson import CyclicPoissonBatchSampler
+
+        s = CyclicPoissonBatchSampler(self.dataset_size, self.batch_size, self.bands,
+                                      partition=self.partition, steps=steps,
+                                      generator=generator, seed=seed)
+        s.scheme = self
+        return s
+
+    @classmethod
+    def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--bands", type=int, required=True, metavar="b",
+                            help="number of bands of C (= cycle length), >= 1")
+        parser.add_argument("--dataset-size", type=int, required=True, metavar="N",
+                            help="dataset size |D|")
+        parser.add_argument("--batch-size", type=float, required=True, metavar="B",
+                            help="expected batch size (bands * B <= |D|)")
+        parser.add_argument("--strategy", default="optimal-banded", choices=BANDED_STRATEGIES,
+                            help="strategy matrix family (default optimal-banded)")
+        parser.add_argument("--partition", default="equal", choices=("equal", "independent"))
+
+    @classmethod
+    def from_cli_args(cls, args):
+        return cls(dataset_size=args.dataset_size, batch_size=args.batch_size, bands=args.bands,
+                   strategy=args.strategy, partition=args.partition)

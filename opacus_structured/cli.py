@@ -40,10 +40,15 @@ def _add_common(p: argparse.ArgumentParser, *, calibrate: bool) -> None:
     else:
         p.add_argument("--noise-multiplier", type=float, required=True,
                        help="σ: noise std divided by the clipping norm, > 0")
-    length = p.add_mutually_exclusive_group(required=True)
-    length.add_argument("--steps", type=int, help="number of optimizer steps, >= 0")
-    length.add_argument("--epochs", type=float,
-                        help="number of epochs (steps = epochs × steps per epoch)")
+    scheme_owns_epochs = "--epochs" in p._option_string_actions
+    if scheme_owns_epochs:  # the scheme's own --epochs sets the length unless --steps is given
+        p.add_argument("--steps", type=int, help="number of optimizer steps, >= 0 "
+                       "(default: --epochs × steps per epoch)")
+    else:
+        length = p.add_mutually_exclusive_group(required=True)
+        length.add_argument("--steps", type=int, help="number of optimizer steps, >= 0")
+        length.add_argument("--epochs", type=float,
+                            help="number of epochs (steps = epochs × steps per epoch)")
     p.add_argument("--delta", type=float, required=True, help="target δ in (0, 1)")
     p.add_argument("--discretization", type=float, default=pld_lib.DEFAULT_DISCRETIZATION,
                    help="privacy-loss discretisation interval (pessimistic; default %(default)g)")
@@ -55,7 +60,7 @@ def _steps(scheme: Scheme, args) -> int:
         if args.steps < 0:
             raise ValueError(f"--steps must be >= 0, got {args.steps}")
         return args.steps
-    if args.epochs is None or args.epochs < 0:
+    if getattr(args, "epochs", None) is None or args.epochs < 0:
         raise ValueError(f"--epochs must be >= 0, got {args.epochs}")
     try:
         per_epoch = scheme.steps_per_epoch()

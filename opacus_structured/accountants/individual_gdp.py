@@ -162,6 +162,7 @@ class IndividualGDPAccountant(IAccountant):
 
     # ---- state ---------------------------------------------------------------------------
     def state_dict(self, destination=None):
+        """Opacus' state (history, mechanism) plus the per-example tensors (CPU copies)."""
         destination = super().state_dict(destination)
         destination["worst_sq"] = self.worst_sq
         destination["recorded_steps"] = self.recorded_steps
@@ -172,6 +173,7 @@ class IndividualGDPAccountant(IAccountant):
         return destination
 
     def load_state_dict(self, state_dict):
+        """Restore a :meth:`state_dict` (tensors go to the current state's device)."""
         super().load_state_dict(state_dict)
         self.history = [tuple(h) for h in self.history]
         self.worst_sq = float(state_dict.get("worst_sq", 0.0))

@@ -323,11 +323,10 @@ class ApproximateIndividualEpsilons:
     APPROXIMATE: ``mu_fit`` is fitted on a finite ε-grid and is not certified to dominate the
     individual PLD for all ε; ``epsilon_rdp`` and ``epsilon_gdp`` are estimates, not bounds.
 
-    Attributes:
-        mu_fit: fitted μ per example (max over the ε-grid of the μ matching δ̃(ε)).
-        epsilon_rdp: ε(δ) from the RDP curve αμ²/2 and Lemma C.4 (the paper's pipeline).
-        epsilon_gdp: ε(δ) of μ_fit-GDP directly (Cor. C.2).
-        delta_pld: δ̃ of the discretised individual PLD at the ε-grid, shape [m, len(grid)].
+    Fields: ``mu_fit`` (fitted μ per example: max over the ε-grid of the μ matching δ̃(ε)),
+    ``epsilon_rdp`` (ε(δ) from the RDP curve αμ²/2 and Lemma C.4, the paper's pipeline),
+    ``epsilon_gdp`` (ε(δ) of μ_fit-GDP directly, Cor. C.2), ``delta_pld`` (δ̃ of the discretised
+    individual PLD at the ε-grid, shape [m, len(grid)]), ``is_certified`` (always False).
     """
 
     mu_fit: np.ndarray

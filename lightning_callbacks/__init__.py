@@ -4,5 +4,7 @@ Import ``lightning.pytorch`` (the namespace gluonts uses), not ``pytorch_lightni
 """
 
 from .dp_callback import DPCallback
+from .gdp_filter import IndividualGDPFilter
+from .per_sample_epsilon import PerSampleEpsilonTracker
 
-__all__ = ["DPCallback"]
+__all__ = ["DPCallback", "IndividualGDPFilter", "PerSampleEpsilonTracker"]

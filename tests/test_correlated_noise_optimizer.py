@@ -185,3 +185,33 @@ def test_cuda_buffers_on_device():
                                      noise_correlation=st.banded_sqrt_coefficients(4))
     _noise_stream(opt, 3)
     assert opt._noise_buffers[0].device.type == "cuda"
+
+
+def test_engine_with_cyclic_poisson_scheme_end_to_end():
+    from opacus_structured.accountants.bandmf import BandMFCyclicPoissonAccountant
+    from opacus_structured.schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme
+
+    torch.manual_seed(0)
+    x, y = torch.randn(256, 5), torch.randint(0, 2, (256,))
+    scheme = BandMFCyclicPoissonScheme(dataset_size=256, batch_size=16, bands=4)
+    engine = CorrelatedNoisePrivacyEngine(scheme=scheme)
+    assert isinstance(engine.accountant, BandMFCyclicPoissonAccountant)
+    from opacus.data_loader import wrap_collate_with_empty
+    from torch.utils.data._utils.collate import default_collate
+    loader = DataLoader(TensorDataset(x, y), batch_sampler=scheme.sampler(seed=0),
+                        collate_fn=wrap_collate_with_empty(collate_fn=default_collate,
+                                                           sample_empty_shapes=[(0, 5), (0,)],
+                                                           dtypes=[torch.float32, torch.int64]))
+    model = nn.Linear(5, 2)
+    coef = scheme.noise_correlation(steps=len(loader))
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+        noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, noise_correlation=coef)
+    assert opt.bands == 4
+    for xb, yb in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    assert opt.noise_step == len(loader) == 16
+    eps = engine.get_epsilon(1e-5)
+    assert eps == pytest.approx(scheme.epsilon(1.0, 16, 1e-5), rel=1e-9)

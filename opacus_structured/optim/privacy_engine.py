@@ -53,7 +53,8 @@ class CorrelatedNoisePrivacyEngine(PrivacyEngine):
         if scheme is not None:
             from ..accountants.base import SchemeAccountant
 
-            self.accountant = SchemeAccountant(scheme)
+            make = getattr(scheme, "accountant", None)
+            self.accountant = make() if callable(make) else SchemeAccountant(scheme)
 
     def _prepare_optimizer(self, *, optimizer, noise_multiplier, max_grad_norm,
                            expected_batch_size, loss_reduction="mean", distributed=False,

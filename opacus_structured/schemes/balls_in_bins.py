@@ -45,16 +45,27 @@ class BallsInBinsScheme(Scheme):
         object.__setattr__(self, "epochs", check_int("epochs", self.epochs, minimum=1))
 
     def steps_per_epoch(self) -> int:
-        """Steps per accounting unit: the whole run (``epochs · num_bins``)."""
+        """Steps per data epoch: ``num_bins``."""
+        return self.num_bins
+
+    def steps_per_unit(self) -> int:
+        """Steps per accounting unit: the whole planned run (``epochs · num_bins``)."""
         return self.num_bins * self.epochs
 
     def compositions(self, steps: int) -> int:
+        """1 for any ``0 < steps ≤ epochs·num_bins`` (the run is one unit); more raises."""
         steps = check_int("steps", steps, minimum=0)
         if steps > self.num_bins * self.epochs:
             raise ValueError(f"steps must be <= epochs * num_bins = {self.num_bins * self.epochs}"
                              f" for balls-in-bins (bins are reused; plan more epochs), got "
                              f"{steps}")
-        return super().compositions(steps)
+        return 1 if steps else 0
+
+    def accountant(self, **kwargs):
+        """The Opacus accountant pricing this scheme."""
+        from ..accountants.bandmf import BallsInBinsAccountant
+
+        return BallsInBinsAccountant(self, **kwargs)
 
     def expected_sample_rate(self) -> float:
         return 1.0 / self.num_bins

@@ -54,7 +54,7 @@ class BandMFCyclicPoissonScheme(Scheme):
     name: ClassVar[str] = "bandmf-cyclic-poisson"
     summary: ClassVar[str] = ("BandMF correlated noise with cyclic Poisson sampling "
                               "(Choquette-Choo et al. 2023), add/remove")
-    unit: ClassVar[str] = "epoch"  # one unit = one cycle of `bands` steps
+    unit: ClassVar[str] = "epoch"  # accounting unit = one cycle of `bands` steps (steps_per_unit)
 
     dataset_size: int = 1
     batch_size: float = 1.0
@@ -86,8 +86,22 @@ class BandMFCyclicPoissonScheme(Scheme):
         return 1.0
 
     def steps_per_epoch(self) -> int:
+        """Batches per data epoch of :meth:`sampler`: ``round(|D|/B)``."""
+        return default_steps_per_epoch(self.dataset_size, self.batch_size)
+
+    def steps_per_unit(self) -> int:
         """Steps per accounting unit: one cycle = ``bands`` steps."""
         return self.bands
+
+    def compositions(self, steps: int) -> int:
+        """``ceil(steps / bands)`` cycles (a partial cycle is rounded up)."""
+        return -(-check_int("steps", steps, minimum=0) // self.bands)
+
+    def accountant(self, **kwargs):
+        """The Opacus accountant pricing this scheme."""
+        from ..accountants.bandmf import BandMFCyclicPoissonAccountant
+
+        return BandMFCyclicPoissonAccountant(self, **kwargs)
 
     def expected_sample_rate(self) -> float:
         """``1/len(sampler)`` that Opacus' hook reports with :meth:`sampler` as batch sampler."""

@@ -39,7 +39,8 @@ def test_q_closed_form_equals_literal_sum_digest_table():
     expected_q = [0.0092270261, 0.0093803444, 0.0094927172, 0.0096389303, 0.0097253801]
     expected_w2 = [0.513099, 0.320502, 0.169136, 0.0275315, 0.0021679]
     n, p = 10000, 0.01
-    for b, q_ref, w2_ref in zip((100, 105, 110, 120, 130), expected_q, expected_w2):
+    for b, q_ref, w2_ref in zip((100, 105, 110, 120, 130), expected_q, expected_w2,
+                                 strict=True):
         s = np.arange(b, n)
         w2 = stats.binom.sf(b - 1, n - 1, p)
         literal = p * np.sum(stats.binom.pmf(s, n - 1, p) / w2 * b / (s + 1))
@@ -69,7 +70,9 @@ def _quad_delta(branches, eps, reverse=False):
     for w, pair in branches:
         P, Q = (pair.lower, pair.upper) if reverse else (pair.upper, pair.lower)
         lo, hi = pair.x_range()
-        f = lambda x: max(P.pdf(x) - math.exp(eps) * Q.pdf(x), 0.0)  # noqa: E731
+        def f(x, P=P, Q=Q):
+            return max(P.pdf(x) - math.exp(eps) * Q.pdf(x), 0.0)
+
         val, _ = integrate.quad(f, lo - 5, hi + 5, points=[0.0, 1.0, 2.0], limit=400,
                                 epsabs=1e-13, epsrel=1e-10)
         total += w * val

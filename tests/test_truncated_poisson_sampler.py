@@ -14,9 +14,12 @@ from torch.utils.data import TensorDataset
 
 from opacus_structured.accountants.truncated_poisson import TruncatedPoissonAccountant
 from opacus_structured.accounting import truncated_poisson as tp
-from opacus_structured.samplers.truncated_poisson import (PaddedDataset, TruncatedPoissonSampler,
-                                                          masked_loss,
-                                                          truncated_poisson_data_loader)
+from opacus_structured.samplers.truncated_poisson import (
+    PaddedDataset,
+    TruncatedPoissonSampler,
+    masked_loss,
+    truncated_poisson_data_loader,
+)
 from opacus_structured.schemes.truncated_poisson import TruncatedPoissonScheme
 
 P_MIN = 1e-3  # chi-square p-value threshold (draws are seeded, so the tests are deterministic)
@@ -96,8 +99,8 @@ def test_batch_size_law_and_inclusion_probability_match_the_model():
     pmf = stats.binom.pmf(k, n, p)
     pmf[b] = stats.binom.sf(b - 1, n, p)
     edges = [0, 14, 16, 18, 20, 21, 22, 23]  # [0,14), [14,16), ..., {22}
-    obs = [sum(sizes[j] for j in range(a, c)) for a, c in zip(edges[:-1], edges[1:])]
-    exp = [pmf[a:c].sum() * draws for a, c in zip(edges[:-1], edges[1:])]
+    obs = [sum(sizes[j] for j in range(a, c)) for a, c in zip(edges[:-1], edges[1:], strict=True)]
+    exp = [pmf[a:c].sum() * draws for a, c in zip(edges[:-1], edges[1:], strict=True)]
     assert stats.chisquare(obs, exp).pvalue > P_MIN
     # each index is in a batch with probability p w1 + q w2 = E[min(S, B)] / n
     pi = tp.inclusion_probability(n, p, b)
@@ -197,11 +200,11 @@ def test_padding_contributes_exactly_zero_under_opacus(sigma):
     ds = PaddedDataset(_data())
     b = 9
     idx = [3, 7, 20, 31, 48, 48, 48, 48, 48]  # 4 real rows + 5 padding slots (index n = 48)
-    x, y, mask = (torch.stack(t) for t in zip(*(ds[i] for i in idx)))
+    x, y, mask = (torch.stack(t) for t in zip(*(ds[i] for i in idx), strict=True))
     with_padding = _dp_step(state, x, y, mask, b=b, sigma=sigma, seed=1)
     # same real rows alone, same noise draws, same public normaliser B
     real_only = _dp_step(state, x[:4], y[:4], mask[:4], b=b, sigma=sigma, seed=1)
-    for g1, g2 in zip(with_padding, real_only):
+    for g1, g2 in zip(with_padding, real_only, strict=True):
         assert torch.allclose(g1, g2, rtol=0, atol=1e-7)
     if sigma == 0:
         assert any(g.abs().sum() > 0 for g in with_padding)

@@ -43,7 +43,7 @@ branch with dp_accounting's pessimistic connect-the-dots ``from_gaussian_mechani
 the PLD the method is called on). A mixture of pessimistic PMFs is pessimistic: the hockey-stick
 divergence is linear in the PMF and equals :math:`w_1 H^{(1)} + w_2 H^{(2)}` for the exact pair.
 
-Add/remove is the *restricted* relation :math:`\sim^{AR,n}` (|D| = n): the guarantee depends on
+Add/remove is the *restricted* relation :math:`\sim^{AR,n}` (:math:`|D| = n`): the guarantee depends on
 the public dataset size n; do not compose it with mechanisms that reveal or change n.
 
 dp_accounting 0.6's ``TruncatedSubsampledGaussianDpEvent`` prices the :math:`r=2` branch with the
@@ -58,7 +58,7 @@ the :math:`T` batches is truncated, :math:`\eta = 1 - (1 - \Pr[\mathrm{Bin}(n,p)
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import numpy as np
 from dp_accounting import NeighboringRelation

@@ -19,7 +19,7 @@ a fixed public constant (e.g. ``DPOptimizer(expected_batch_size=B, loss_reductio
 ``GradSampleModule(loss_reduction="sum")``), never by the realised number of real rows.
 
 Valid accountant: :class:`~opacus_structured.accountants.TruncatedPoissonAccountant` with
-``sampler.scheme`` (Theorem 3.1 for add/remove with |D| = n; 3.3 / 3.4 for zero-out /
+``sampler.scheme`` (Theorem 3.1 for add/remove with :math:`|D| = n`; 3.3 / 3.4 for zero-out /
 replace-one). An "epoch" is ``steps`` draws (default ``floor(1/p)``); draws are independent
 across steps, and the seeded :class:`torch.Generator` state is saved by :meth:`state_dict`, so
 a resumed run draws exactly the batches the uninterrupted run would have.

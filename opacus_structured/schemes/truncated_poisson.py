@@ -9,7 +9,7 @@ public constant. See :mod:`opacus_structured.accounting.truncated_poisson` for t
 
 Analyses (``analysis``):
 
-* ``"tight"`` — the dominating pair of Theorem 3.1 (add/remove, restricted to |D| = n),
+* ``"tight"`` — the dominating pair of Theorem 3.1 (add/remove, restricted to :math:`|D| = n`),
   3.3 (zero-out) or 3.4 (replace-one), priced as the public mixture of two PLDs (Section 3.4).
   A sound upper bound; never above dp_accounting's ``TruncatedSubsampledGaussianDpEvent``.
 * ``"baseline"`` — Chua et al. (2024): untruncated Poisson's (ε, δ) becomes

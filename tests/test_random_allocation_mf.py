@@ -376,3 +376,71 @@ def test_conditional_composition_digest_rows(sigma, ref):
     m = ra.mixture_means(np.eye(100), 1, 100)
     eps = cc.conditional_composition_epsilon(m, sigma, 1e-5, discretization=1e-3)
     assert eps == pytest.approx(ref, rel=0.02)
+
+
+# ---- scheme, accountant, CLI -----------------------------------------------------------------
+from opacus_structured.accountants.random_allocation_mf import RandomAllocationMFAccountant  # noqa
+from opacus_structured.schemes.random_allocation_mf import RandomAllocationMFScheme  # noqa
+
+
+def test_scheme_methods_and_best():
+    base = dict(strategy="bsr", bands=2, epochs=2, batches_per_epoch=8)
+    r = RandomAllocationMFScheme(method="renyi", **base)
+    c = RandomAllocationMFScheme(method="conditional", **base)
+    best = RandomAllocationMFScheme(method="best", **base)
+    e_r = r.epsilon(1.5, 16, 1e-4, discretization=1e-3)
+    e_c = c.epsilon(1.5, 16, 1e-4, discretization=1e-3)
+    assert best.epsilon(1.5, 16, 1e-4, discretization=1e-3) == pytest.approx(min(e_r, e_c))
+    direct = ra.renyi_accountant(r.strategy_matrix(), 2, 8, 1.5).epsilon(1e-4)
+    assert e_r == pytest.approx(direct)
+    assert r.epsilon(1.5, 5, 1e-4) == e_r          # partial run = full run (post-processing)
+    assert r.epsilon(1.5, 0, 1e-4) == 0.0
+    d = r.delta(1.5, 16, e_r)
+    assert d == pytest.approx(1e-4, rel=1e-6)
+    with pytest.raises(ValueError, match="steps must be <="):
+        r.epsilon(1.5, 17, 1e-4)
+    with pytest.raises(ValueError, match="no stand-alone PLD"):
+        r.pld(1.0)
+    with pytest.raises(ValueError, match="strategy"):
+        RandomAllocationMFScheme(strategy="dense", batches_per_epoch=4)
+    with pytest.raises(ValueError, match="blt"):
+        RandomAllocationMFScheme(strategy="blt", batches_per_epoch=4)
+    with pytest.raises(ValueError, match="method"):
+        RandomAllocationMFScheme(method="mc", batches_per_epoch=4)
+    with pytest.raises(ValueError, match="renyi_bands"):
+        RandomAllocationMFScheme(renyi_bands=0, batches_per_epoch=4)
+    assert RandomAllocationMFScheme.from_dict(best.to_dict()) == best
+
+
+def test_accountant_round_trip_and_sampler():
+    scheme = RandomAllocationMFScheme(strategy="identity", epochs=1, batches_per_epoch=10,
+                                      method="renyi")
+    acc = RandomAllocationMFAccountant(scheme)
+    for _ in range(10):
+        acc.step(noise_multiplier=1.0, sample_rate=0.1)
+    eps = acc.get_epsilon(1e-5)
+    assert eps == pytest.approx(scheme.epsilon(1.0, 10, 1e-5))
+    assert acc.get_delta(eps) == pytest.approx(1e-5, rel=1e-6)
+    acc2 = RandomAllocationMFAccountant(scheme)
+    acc2.load_state_dict(acc.state_dict())
+    assert acc2.get_epsilon(1e-5) == eps
+    with pytest.raises(ValueError, match="sample_rate"):
+        acc.step(noise_multiplier=1.0, sample_rate=0.5)
+    acc3 = RandomAllocationMFAccountant(scheme)
+    acc3.step(noise_multiplier=1.0, sample_rate=0.1)
+    acc3.step(noise_multiplier=2.0, sample_rate=0.1)
+    with pytest.raises(ValueError, match="one noise multiplier"):
+        acc3.get_epsilon(1e-5)
+    s = scheme.sampler(50, seed=0)
+    assert s.scheme is scheme and len(list(iter(s))) == 10
+
+
+def test_cli_epsilon(capsys):
+    from opacus_structured import cli
+    rc = cli.main(["epsilon", "random-allocation-mf", "--batches-per-epoch", "100",
+                   "--noise-multiplier", "0.8", "--delta", "1e-5", "--method", "renyi",
+                   "--json"])
+    assert rc == 0
+    import json
+    out = json.loads(capsys.readouterr().out)
+    assert out["epsilon"] == pytest.approx(2.3170, rel=2e-4)

@@ -1,0 +1,240 @@
+"""Matrix-factorization (correlated-noise) training under random allocation (balls-in-bins).
+
+Semantics: every example draws one bin ``i ∈ {0..b-1}`` uniformly and independently, once, and
+takes part in steps ``i, b+i, …, (k-1)b+i`` of the ``N = k·b``-step run (the sampler is
+:class:`~opacus_structured.samplers.balls_in_bins.BallsInBinsBatchSampler`; batch sizes are
+``Binomial(n, 1/b)``). The clipped-gradient sums are released through a lower-triangular,
+non-negative strategy matrix ``C`` (``--strategy``). Relation: add/remove one example.
+
+Pricing (Schuchardt & Kalinin, seed 004): the Lemma 2.8 dominating pair of the whole run, by
+
+* ``renyi``: the Rényi dynamic program (Algorithms 1–3) + Canonne–Kamath–Steinke conversion
+  (:mod:`opacus_structured.accounting.random_allocation_mf`);
+* ``conditional``: conditional composition (Algorithm 4, Lemma 4.1) with a PLD
+  (:mod:`opacus_structured.accounting.conditional_composition`);
+* ``best``: the smaller ε of the two (each is a valid upper bound).
+
+The accounting unit is the whole planned run: ``steps < N`` is priced as the full run
+(post-processing); ``steps > N`` raises (bins are not redrawn, so runs do not compose).
+:meth:`pld` raises: the guarantee is not a PLD alone (Rényi gives RDP; conditional composition
+adds the bad-event mass δ_E), so :meth:`epsilon` and :meth:`delta` are overridden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+from typing import ClassVar, Optional
+
+import numpy as np
+
+from .._validation import check_int, check_open_unit, check_positive
+from ..accounting import conditional_composition as cc_lib
+from ..accounting import pld as pld_lib
+from ..accounting import random_allocation_mf as ra_lib
+from .base import Scheme, register_scheme
+
+__all__ = ["RandomAllocationMFScheme", "strategy_matrix", "STRATEGY_CHOICES", "METHODS"]
+
+STRATEGY_CHOICES = ("identity", "bandmf", "blt", "bandinvmf", "bsr", "bisr")
+METHODS = ("renyi", "conditional", "best")
+_CC_BAD_EVENT_GRID = (0.5, 0.1, 0.9)  # fractions of a target δ tried by delta()
+
+
+@functools.lru_cache(maxsize=16)
+def _strategy_cached(strategy: str, n: int, bands: int) -> np.ndarray:
+    from ..optim import strategies as st
+
+    if strategy == "identity":
+        return np.eye(n)
+    names = {"bandmf": "optimal-banded", "bandinvmf": "banded-inverse", "bsr": "banded-sqrt",
+             "bisr": "bisr"}
+    if strategy == "blt":
+        raise ValueError("strategy 'blt' is not available: opacus_structured.optim.strategies "
+                         "provides no BLT matrix yet; pass an explicit C to the accounting "
+                         "functions instead")
+    return st.strategy_matrix(names[strategy], n, bands)
+
+
+def strategy_matrix(strategy: str, n: int, bands: int) -> np.ndarray:
+    """The ``n × n`` strategy matrix of a ``--strategy`` choice (see :data:`STRATEGY_CHOICES`).
+
+    Built by :mod:`opacus_structured.optim.strategies` (unit-norm first column: σ is in units
+    of the single-participation sensitivity).
+    """
+    if strategy not in STRATEGY_CHOICES:
+        raise ValueError(f"strategy must be one of {STRATEGY_CHOICES}, got {strategy!r}")
+    return _strategy_cached(strategy, check_int("n", n, minimum=1),
+                            check_int("bands", bands, minimum=1)).copy()
+
+
+def _auto_bands(G: np.ndarray, max_cost: float) -> int:
+    """Largest effective bandwidth ≤ the true one whose DP reaches order 12 within max_cost."""
+    b = G.shape[0]
+    p = ra_lib.cyclic_bandwidth(G)
+    while p > 1:
+        Gp, _ = ra_lib._truncate(G, p)
+        w, wrap = ra_lib._dp_plan(b, p, Gp)
+        if ra_lib.dp_cost(b, w, 12, wrap=wrap) <= max_cost:
+            return p
+        p -= 1
+    return 1
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class RandomAllocationMFScheme(Scheme):
+    """Matrix mechanism ``C`` under random allocation with ``epochs`` × ``batches_per_epoch``.
+
+    Args:
+        strategy: one of :data:`STRATEGY_CHOICES`.
+        bands: band count of the strategy (ignored for ``identity``).
+        epochs: ``k`` ≥ 1.
+        batches_per_epoch: ``b`` ≥ 1.
+        method: ``"renyi"``, ``"conditional"`` or ``"best"``.
+        renyi_bands: effective bandwidth of the Rényi DP; ``None`` = the exact bandwidth when
+            affordable, else the largest affordable (τ upper bound). An explicit value that is
+            too expensive raises ``ValueError`` with the estimated cost.
+        max_dp_cost: cost ceiling of the DP (element operations).
+    """
+
+    name: ClassVar[str] = "random-allocation-mf"
+    summary: ClassVar[str] = ("matrix mechanism (identity/BandMF/BandInvMF/BSR/BISR) under "
+                              "random allocation (balls-in-bins), Rényi DP / conditional "
+                              "composition (Schuchardt & Kalinin); add/remove")
+    unit: ClassVar[str] = "epoch"
+
+    strategy: str = "identity"
+    bands: int = 1
+    epochs: int = 1
+    batches_per_epoch: int = 1
+    method: str = "best"
+    renyi_bands: Optional[int] = None
+    max_dp_cost: float = ra_lib.DEFAULT_MAX_DP_COST
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGY_CHOICES:
+            raise ValueError(f"strategy must be one of {STRATEGY_CHOICES}, got "
+                             f"{self.strategy!r}")
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        object.__setattr__(self, "bands", check_int("bands", self.bands, minimum=1))
+        object.__setattr__(self, "epochs", check_int("epochs", self.epochs, minimum=1))
+        object.__setattr__(self, "batches_per_epoch",
+                           check_int("batches_per_epoch", self.batches_per_epoch, minimum=1))
+        if self.renyi_bands is not None:
+            object.__setattr__(self, "renyi_bands",
+                               check_int("renyi_bands", self.renyi_bands, minimum=1))
+        object.__setattr__(self, "max_dp_cost", check_positive("max_dp_cost", self.max_dp_cost))
+        if self.strategy == "blt":
+            strategy_matrix("blt", 1, 1)  # raises the clear "not available" error now
+
+    # ---- structure -----------------------------------------------------------------------
+    @property
+    def num_steps(self) -> int:
+        return self.epochs * self.batches_per_epoch
+
+    def steps_per_epoch(self) -> int:
+        """Steps per epoch ``b`` (the accounting unit is the whole run, see compositions)."""
+        return self.batches_per_epoch
+
+    def compositions(self, steps: int) -> int:
+        """1 for ``0 < steps ≤ k·b`` (a partial run is priced as the full run), 0 for none."""
+        steps = check_int("steps", steps, minimum=0)
+        if steps > self.num_steps:
+            raise ValueError(f"steps must be <= epochs * batches_per_epoch = {self.num_steps} "
+                             f"(bins are reused; plan more epochs), got {steps}")
+        return 1 if steps else 0
+
+    def expected_sample_rate(self) -> float:
+        return 1.0 / self.batches_per_epoch
+
+    def strategy_matrix(self) -> np.ndarray:
+        return strategy_matrix(self.strategy, self.num_steps,
+                               1 if self.strategy == "identity" else self.bands)
+
+    def means(self) -> np.ndarray:
+        """Lemma 2.8 mixture means (``b × N``)."""
+        return ra_lib.mixture_means(self.strategy_matrix(), self.epochs, self.batches_per_epoch)
+
+    # ---- pricing -------------------------------------------------------------------------
+    def pld(self, noise_multiplier, *, sample_rate=None,
+            discretization=pld_lib.DEFAULT_DISCRETIZATION):
+        raise ValueError(
+            "random-allocation-mf has no stand-alone PLD: the Rényi accountant yields RDP and "
+            "conditional composition adds a bad-event mass δ_E to its PLD; use "
+            "scheme.epsilon()/scheme.delta() (or "
+            "accounting.conditional_composition.conditional_composition_pld for the PLD part)")
+
+    def renyi(self, noise_multiplier: float) -> ra_lib.RenyiBound:
+        """Rényi bounds of both directions (Algorithm 3)."""
+        means = self.means()
+        bands = self.renyi_bands
+        if bands is None:
+            bands = _auto_bands(ra_lib.gram_matrix(means), self.max_dp_cost)
+        return ra_lib.renyi_accountant(means=means, noise_multiplier=noise_multiplier,
+                                       bands=bands, max_cost=self.max_dp_cost)
+
+    def epsilon(self, noise_multiplier, steps, delta, *,
+                discretization=pld_lib.DEFAULT_DISCRETIZATION, sample_rate=None):
+        sigma = check_positive("noise_multiplier", noise_multiplier)
+        delta = check_open_unit("delta", delta)
+        self.check_sample_rate(sample_rate)
+        if self.compositions(steps) == 0:
+            return 0.0
+        out = np.inf
+        if self.method in ("renyi", "best"):
+            out = min(out, self.renyi(sigma).epsilon(delta))
+        if self.method in ("conditional", "best"):
+            out = min(out, cc_lib.conditional_composition_epsilon(
+                self.means(), sigma, delta, discretization=discretization))
+        return float(out)
+
+    def delta(self, noise_multiplier, steps, epsilon, *,
+              discretization=pld_lib.DEFAULT_DISCRETIZATION, sample_rate=None):
+        sigma = check_positive("noise_multiplier", noise_multiplier)
+        self.check_sample_rate(sample_rate)
+        if self.compositions(steps) == 0:
+            return 0.0
+        out = 1.0
+        if self.method in ("renyi", "best"):
+            out = min(out, self.renyi(sigma).delta(float(epsilon)))
+        if self.method in ("conditional", "best"):
+            # δ_E must be fixed in advance: try a few masses relative to the Rényi δ (or 1e-5)
+            ref = out if out < 1.0 else 1e-5
+            for frac in _CC_BAD_EVENT_GRID:
+                out = min(out, cc_lib.conditional_composition_delta(
+                    self.means(), sigma, float(epsilon), bad_event_mass=frac * ref,
+                    discretization=discretization))
+        return float(out)
+
+    # ---- sampler / CLI -------------------------------------------------------------------
+    def sampler(self, num_samples: int, *, generator=None, seed=None):
+        from ..samplers.balls_in_bins import BallsInBinsBatchSampler
+
+        s = BallsInBinsBatchSampler(num_samples, self.batches_per_epoch, epochs=self.epochs,
+                                    generator=generator, seed=seed)
+        s.scheme = self
+        return s
+
+    @classmethod
+    def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--strategy", choices=STRATEGY_CHOICES, default="identity",
+                            help="strategy matrix C (default identity = DP-SGD)")
+        parser.add_argument("--bands", type=int, default=1, metavar="p",
+                            help="bands of the strategy (BandMF/BSR: C; BandInvMF/BISR: C^-1)")
+        parser.add_argument("--epochs", type=int, default=1, metavar="k",
+                            help="epochs over the same bins (default 1)")
+        parser.add_argument("--batches-per-epoch", type=int, required=True, metavar="b",
+                            help="batches (bins) per epoch")
+        parser.add_argument("--method", choices=METHODS, default="best",
+                            help="renyi, conditional (composition) or best of both")
+        parser.add_argument("--renyi-bands", type=int, default=None,
+                            help="effective bandwidth of the Rényi DP (default: auto)")
+
+    @classmethod
+    def from_cli_args(cls, args):
+        return cls(strategy=args.strategy, bands=args.bands, epochs=args.epochs,
+                   batches_per_epoch=args.batches_per_epoch, method=args.method,
+                   renyi_bands=args.renyi_bands)

@@ -123,7 +123,7 @@ def test_never_above_dp_accounting_event(b):
 
 
 def test_order_ar_le_zo_le_ro_and_monotone_in_b_towards_poisson():
-    n, p, sigma, steps = 1000, 0.05, 1.0, 20
+    n, p, sigma, steps = 1000, 0.05, 1.0, 10
     prev = math.inf
     poisson = tp.poisson_epsilon(p, sigma, steps, 1e-5, discretization=D)
     for b in (50, 65, 80, 100):
@@ -253,7 +253,7 @@ def test_smallest_max_batch_size_meets_target_and_is_minimal():
 
 
 def test_largest_sample_rate_meets_target():
-    n, b, sigma, steps, delta, over = 1000, 60, 1.0, 50, 1e-5, 0.1
+    n, b, sigma, steps, delta, over = 1000, 60, 1.0, 20, 1e-5, 0.1
     p = tp.largest_sample_rate(n, b, sigma, steps, delta, over, rtol=1e-2, discretization=D)
     eps = tp.truncated_poisson_epsilon(n, p, b, sigma, steps, delta, discretization=D)
     assert eps <= 1.1 * tp.poisson_epsilon(p, sigma, steps, delta, discretization=D)

@@ -246,3 +246,28 @@ def test_privacy_engine_integration_with_accountant():
     eps = engine.get_epsilon(1e-5)
     assert eps == pytest.approx(scheme.epsilon(1.0, 4, 1e-5, discretization=1e-3))
     assert math.isfinite(eps) and eps > 0
+
+
+def test_make_private_with_epsilon_through_a_registered_configured_accountant():
+    from opacus import PrivacyEngine
+
+    from opacus_structured.accountants import register_scheme_accountant
+
+    loader = truncated_poisson_data_loader(_data(n=400), 0.05, 30, seed=0)
+    scheme = loader.batch_sampler.scheme
+    register_scheme_accountant("truncated-poisson-sampler-test", scheme,
+                               base=TruncatedPoissonAccountant)
+    engine = PrivacyEngine(accountant="truncated-poisson-sampler-test")
+    model = nn.Linear(5, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = engine.make_private_with_epsilon(
+        module=model, optimizer=opt, data_loader=loader, target_epsilon=3.0, target_delta=1e-5,
+        epochs=2, max_grad_norm=1.0, poisson_sampling=False, discretization=1e-3)
+    for _ in range(2):
+        for x, y, mask in loader:
+            opt.zero_grad()
+            masked_loss(nn.functional.cross_entropy(model(x), y, reduction="none"), mask,
+                        normalizer=30).backward()
+            opt.step()
+    assert len(engine.accountant) == 40
+    assert engine.accountant.get_epsilon(1e-5, discretization=1e-3) <= 3.0

@@ -49,6 +49,8 @@ class TruncatedPoissonAccountant(SchemeAccountant):
         super().__init__(scheme, discretization=discretization)
 
     def _segments(self):
+        for _, rate, _ in self.history:  # histories set directly (get_noise_multiplier)
+            self.scheme.check_sample_rate(rate)
         return [(sigma, int(n)) for sigma, _, n in self.history if n]
 
     def get_epsilon(self, delta: float, *, discretization: Optional[float] = None,

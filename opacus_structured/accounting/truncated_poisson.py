@@ -243,6 +243,8 @@ def truncated_poisson_pld(dataset_size, sample_rate, max_batch_size, noise_multi
     if w2 == 0.0:
         return pld_1
     q = conditional_sampling_probability(n, p, b)
+    if not q > 0.0:  # numerator underflow with w2 > 0: rate p dominates any q <= p (pessimistic)
+        q = p
     if relation == "zero-out":
         # (1-q)N(0)+qN(2) vs (1-q)N(0)+qN(-1): no dp_accounting primitive; exact MixturePair.
         _, pair2 = branch_pairs(n, p, b, sigma, relation)[-1]

@@ -171,6 +171,8 @@ def branch_pairs(dataset_size, sample_rate, max_batch_size, noise_multiplier,
     relation = check_relation(relation)
     w2 = truncation_weight(n, p, b)
     q = conditional_sampling_probability(n, p, b)
+    if not q > 0.0:  # numerator underflow with w2 > 0: rate p dominates any q <= p (pessimistic)
+        q = p
     if relation == "replace-one":
         pair1 = MixturePair.from_components([0.0, 1.0], [1 - p, p], [0.0, -1.0], [1 - p, p], sigma)
         pair2 = MixturePair.from_components([0.0, 2.0], [1 - q, q], [0.0, -2.0], [1 - q, q], sigma)

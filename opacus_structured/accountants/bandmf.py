@@ -40,7 +40,7 @@ class _UnitAccountant(SchemeAccountant):
 
 
 class BandMFCyclicPoissonAccountant(_UnitAccountant):
-    """BandMF + cyclic Poisson: ``ceil(steps/b)`` Poisson-subsampled Gaussians (q = b·B/|D|)."""
+    """BandMF + cyclic Poisson: ``ceil(steps/b)`` Poisson-subsampled Gaussians (``q = b·B/|D|``)."""
 
     mechanism_name = "bandmf-cyclic-poisson"
 

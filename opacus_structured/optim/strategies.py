@@ -41,8 +41,9 @@ Families
   with ``b`` bands minimising the same objective (``C`` dense, non-negative in practice;
   checked).
 
-The BandMF objective (jax_privacy ``toeplitz.optimize_banded_toeplitz``, digest §2.3)
------------------------------------------------------------------------------------
+BandMF objective
+----------------
+As in jax_privacy ``toeplitz.optimize_banded_toeplitz`` (digest §2.3).
 With ``β = C^{-1} 1`` (the first column of ``A C^{-1}``; for Toeplitz ``C`` the row ``i`` of
 ``A C^{-1}`` is ``(β_i, β_{i-1}, …, β_0)``) the per-query error of prefix sum ``i`` is
 ``cumsum(β²)_i`` and

@@ -1,1 +1,10 @@
-"""optim subpackage (see docs/architecture.md)."""
+"""Correlated-noise (matrix-factorization) optimizer and strategy matrices.
+
+``strategies`` is numpy-only; the optimizer modules import torch/opacus.
+"""
+
+from . import strategies
+from .correlated_noise import CorrelatedNoiseDPOptimizer
+from .privacy_engine import CorrelatedNoisePrivacyEngine
+
+__all__ = ["strategies", "CorrelatedNoiseDPOptimizer", "CorrelatedNoisePrivacyEngine"]

@@ -471,3 +471,18 @@ def test_cli_epsilon_and_tight_error(capsys):
                  "2", "--bound", "tight"])
     assert code == 2
     assert "bound='upper'" in capsys.readouterr().err
+
+
+def test_plot_command_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from opacus_structured.cli import main
+
+    out = tmp_path / "fig.png"
+    assert main(["plot", "structured", "--num-series", "320", "--series-length", "20",
+                 "--context-length", "1", "--forecast-length", "1", "--batch-size", "32",
+                 "--noise-multiplier", "2", "--steps", "1", "10", "--points", "20",
+                 "--curve", "top_level=deterministic", "--curve", "top_level=wor",
+                 "-o", str(out)]) == 0
+    assert out.stat().st_size > 1000
+    assert main(["plot", "structured", "--preset", "fig2", "--curve", "nope=1",
+                 "-o", str(out)]) == 2

@@ -11,19 +11,16 @@ sampled. Batch indices are sensitive: do not log them.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Iterator, Optional
 
 import torch
 from torch.utils.data import Sampler
 
 from .._validation import check_int
+from ._generator import fresh_seed as _fresh_seed, resolve_generator  # noqa: F401
 
 __all__ = ["MFBatchSampler"]
 
-
-def _fresh_seed() -> int:
-    return int.from_bytes(os.urandom(8), "little") >> 1
 
 
 class MFBatchSampler(Sampler[list[int]]):
@@ -37,14 +34,7 @@ class MFBatchSampler(Sampler[list[int]]):
                  seed: Optional[int]):
         self.num_samples = check_int("num_samples", num_samples, minimum=1)
         self.steps = check_int("steps", steps, minimum=1)
-        if generator is not None and seed is not None:
-            raise ValueError("pass either generator or seed, not both")
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-        if generator is None:
-            seed = _fresh_seed() if seed is None else check_int("seed", seed, minimum=0)
-            generator = torch.Generator().manual_seed(seed)
-        self.generator = generator
+        self.generator = resolve_generator(generator, seed, type(self).__name__)
         self.step = 0  # global iteration index of the next batch (0-indexed)
 
     def __len__(self) -> int:

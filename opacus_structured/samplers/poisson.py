@@ -25,7 +25,6 @@ generator state *between* draws and the position in the epoch, so a run restored
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Iterator, Optional
 
 import torch
@@ -33,6 +32,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from .._validation import check_int, check_probability
 from ..schemes.poisson import PoissonScheme
+from ._generator import fresh_seed as _fresh_seed, resolve_generator  # noqa: F401
 
 __all__ = ["PoissonBatchSampler", "poisson_data_loader", "default_steps"]
 
@@ -42,9 +42,6 @@ def default_steps(sample_rate: float) -> int:
     q = check_probability("sample_rate", sample_rate)
     return max(1, math.floor(1.0 / q + 1e-9))
 
-
-def _fresh_seed() -> int:
-    return int.from_bytes(os.urandom(8), "little") >> 1
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
@@ -68,14 +65,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self.sample_rate = check_probability("sample_rate", sample_rate)
         self.steps = default_steps(self.sample_rate) if steps is None else check_int(
             "steps", steps, minimum=1)
-        if generator is not None and seed is not None:
-            raise ValueError("pass either generator or seed to PoissonBatchSampler, not both")
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-        if generator is None:
-            seed = _fresh_seed() if seed is None else check_int("seed", seed, minimum=0)
-            generator = torch.Generator().manual_seed(seed)
-        self.generator = generator
+        self.generator = resolve_generator(generator, seed, "PoissonBatchSampler")
         self.scheme = PoissonScheme(sample_rate=self.sample_rate)
         self.epoch = 0            # completed epochs
         self._position = 0        # batches drawn in the current epoch

@@ -32,7 +32,6 @@ restored sampler draws exactly the batches the uninterrupted one would have.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
@@ -41,12 +40,10 @@ from torch.utils.data import Sampler
 
 from .._validation import check_int
 from ..schemes.structured import StructuredScheme
+from ._generator import fresh_seed as _fresh_seed, resolve_generator  # noqa: F401
 
 __all__ = ["StructuredWindowSampler"]
 
-
-def _fresh_seed() -> int:
-    return int.from_bytes(os.urandom(8), "little") >> 1
 
 
 class StructuredWindowSampler(Sampler[list]):
@@ -103,14 +100,7 @@ class StructuredWindowSampler(Sampler[list]):
                     f"drop short series, or bottom_level='wr'")
         self.lengths = lengths
         self._T = torch.as_tensor(lengths - L_F + 1, dtype=torch.float64)
-        if generator is not None and seed is not None:
-            raise ValueError("pass either generator or seed, not both")
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-        if generator is None:
-            seed = _fresh_seed() if seed is None else check_int("seed", seed, minimum=0)
-            generator = torch.Generator().manual_seed(seed)
-        self.generator = generator
+        self.generator = resolve_generator(generator, seed, "StructuredWindowSampler")
         self.steps = scheme.steps_per_epoch()
         self.series_per_step = scheme.series_per_step
         self.epoch = 0

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .._validation import check_int
 from ..schemes.truncated_poisson import TruncatedPoissonScheme
-from .poisson import _fresh_seed
+from ._generator import fresh_seed as _fresh_seed, resolve_generator  # noqa: F401
 
 __all__ = ["TruncatedPoissonSampler", "PaddedDataset", "masked_loss",
            "truncated_poisson_data_loader"]
@@ -70,14 +70,7 @@ class TruncatedPoissonSampler(Sampler[list[int]]):
         self.max_batch_size = scheme.max_batch_size
         self.steps = scheme.steps_per_epoch()
         self.pad = bool(pad)
-        if generator is not None and seed is not None:
-            raise ValueError("pass either generator or seed to TruncatedPoissonSampler, not both")
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-        if generator is None:
-            seed = _fresh_seed() if seed is None else check_int("seed", seed, minimum=0)
-            generator = torch.Generator().manual_seed(seed)
-        self.generator = generator
+        self.generator = resolve_generator(generator, seed, "TruncatedPoissonSampler")
         self.epoch = 0
         self._position = 0
         self._pending: Optional[dict] = None

@@ -414,7 +414,11 @@ def test_torch_backend_cpu_agrees_in_distribution():
     for mech in (BandMFMonteCarlo(st, 0.8, "bminsep", 0.1, 3, warm_start=True),
                  BandMFMonteCarlo(st, 0.8, "bminsep", 0.1, 3, max_user_examples=2),
                  BandMFMonteCarlo(st, 0.8, "cyclic-poisson", 0.3, 3),
-                 BandMFMonteCarlo(st, 0.8, "balls-in-bins", 1.0, 8)):
+                 BandMFMonteCarlo(st, 0.8, "balls-in-bins", 1.0, 8),
+                 BandMFMonteCarlo(st, 0.8, "bminsep", 0.1, 3, truncated_batch_size=3,
+                                  dataset_size=60),
+                 BandMFMonteCarlo(st, 0.8, "bminsep", 0.1, 3, warm_start=True,
+                                  truncated_batch_size=2, dataset_size=60)):
         for direction in ("remove", "add"):
             a = sample_privacy_losses(mech, 6000, direction, seed=1)
             b = sample_privacy_losses(mech, 6000, direction, seed=1, device="cpu")
@@ -423,6 +427,103 @@ def test_torch_backend_cpu_agrees_in_distribution():
             tb = -np.expm1(np.minimum(eps - b, 0))
             se = math.hypot(ta.std(), tb.std()) / math.sqrt(6000)
             assert abs(ta.mean() - tb.mean()) < 5 * se
+
+
+def _torch_equality_mechanisms():
+    rng = np.random.default_rng(21)
+    n = 30
+    st3 = BandedStrategy.toeplitz(max_error_c(3), n)
+    cols = np.tril(rng.random((n, n)) + 0.1) * (np.subtract.outer(np.arange(n), np.arange(n)) < 2)
+    st_gen = BandedStrategy.from_matrix(cols)
+    st_fft = BandedStrategy.toeplitz(max_error_c(50), 70)  # numpy uses FFT correlation here
+    return [
+        BandMFMonteCarlo(st3, 0.8, "bminsep", 0.2, 3),
+        BandMFMonteCarlo(st3, 0.8, "bminsep", 0.2, 4, warm_start=True),
+        BandMFMonteCarlo(st3, 0.7, "bminsep", 1.0, 3, warm_start=True),
+        BandMFMonteCarlo(st_gen, 0.9, "bminsep", 0.3, 2, warm_start=True),
+        BandMFMonteCarlo(st3, 0.8, "bminsep", 0.2, 3, max_user_examples=3),
+        BandMFMonteCarlo(st3, 0.8, "bminsep", 1.0, 3, max_user_examples=2),
+        BandMFMonteCarlo(st3, 0.8, "cyclic-poisson", 0.3, 4),
+        BandMFMonteCarlo(st3, 0.8, "balls-in-bins", 1.0, 5),
+        BandMFMonteCarlo(st_fft, 1.2, "bminsep", 0.05, 50, warm_start=True),
+        BandMFMonteCarlo(st3, 0.8, "bminsep", 0.25, 3, truncated_batch_size=3, dataset_size=40),
+        BandMFMonteCarlo(st3, 0.8, "bminsep", 0.25, 3, warm_start=True, truncated_batch_size=2,
+                         dataset_size=40),
+    ]
+
+
+def test_torch_log_ratios_equal_numpy_for_fixed_inputs():
+    # Gap closed in the torch backend: every variant (incl. truncated + padded and
+    # multi-attribution) evaluates the same dynamic program as numpy: same y (and same other
+    # counts r) -> the same log-ratio vector to 1e-10 (float64, CPU).
+    pytest.importorskip("torch")
+    from opacus_structured.accounting.bminsep_mc_torch import TorchBandMF
+
+    rng = np.random.default_rng(22)
+    for mech in _torch_equality_mechanisms():
+        n, S = mech.iterations, 64
+        y = rng.normal(size=(n, S)) * 1.3 + 0.4
+        tb = TorchBandMF(mech, "cpu")
+        if mech.truncated_batch_size is None:
+            want = mech.log_ratio(y)
+            got = tb.log_ratio(y).numpy()
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-10)
+        else:
+            r = sample_other_counts(n, mech.sampling_prob, mech.min_sep, mech.dataset_size - 1,
+                                    S, rng, warm_start=mech.warm_start)
+            assert np.any(r >= mech.truncated_batch_size)  # the truncated branch is exercised
+            want_p, want_q = truncated_bminsep_log_ratios(
+                y, r, mech.strategy, mech.sampling_prob, mech.min_sep, mech.noise_multiplier,
+                mech.truncated_batch_size, warm_start=mech.warm_start)
+            got_p, got_q = tb.truncated_log_ratios(y, r)
+            np.testing.assert_allclose(got_p.numpy(), want_p, rtol=0, atol=1e-10)
+            np.testing.assert_allclose(got_q.numpy(), want_q, rtol=0, atol=1e-10)
+        assert np.all(np.isfinite(want if mech.truncated_batch_size is None else want_p))
+
+
+def test_torch_samplers_match_numpy_in_distribution():
+    # The torch participation / other-count samplers have the numpy laws (means per step).
+    pytest.importorskip("torch")
+    from opacus_structured.accounting.bminsep_mc_torch import TorchBandMF
+
+    st = BandedStrategy.toeplitz(max_error_c(3), 20)
+    S = 20000
+    for warm, k_u in ((False, 1), (True, 1), (False, 3)):
+        mech = BandMFMonteCarlo(st, 1.0, "bminsep", 0.15, 3, warm_start=warm,
+                                max_user_examples=k_u)
+        tb = TorchBandMF(mech, "cpu")
+        tb.gen.manual_seed(0)
+        xt = tb.participation(S).numpy()
+        xn = sample_bminsep_participation(20, 0.15, 3, S, np.random.default_rng(0),
+                                          warm_start=warm, max_user_examples=k_u)
+        se = np.sqrt(xt.var(1) + xn.var(1)) / math.sqrt(S) + 1e-12
+        assert np.all(np.abs(xt.mean(1) - xn.mean(1)) < 5 * se)
+    mech = BandMFMonteCarlo(st, 1.0, "bminsep", 0.15, 3, warm_start=True,
+                            truncated_batch_size=3, dataset_size=25)
+    tb = TorchBandMF(mech, "cpu")
+    tb.gen.manual_seed(1)
+    rt = tb.other_counts(S).numpy()
+    rn = sample_other_counts(20, 0.15, 3, 24, S, np.random.default_rng(1), warm_start=True)
+    se = np.sqrt(rt.var(1) + rn.var(1)) / math.sqrt(S)
+    assert np.all(np.abs(rt.mean(1) - rn.mean(1)) < 5 * se)
+    # stationary warm start: E r_i = 24 * p0, p0 = p / (1 + (b-1) p), at every step
+    p0 = 0.15 / (1 + 2 * 0.15)
+    assert np.all(np.abs(rt.mean(1) - 24 * p0) < 5 * rt.std(1) / math.sqrt(S))
+
+
+def test_accounting_modules_do_not_import_torch_at_module_level():
+    import ast
+
+    import opacus_structured.accounting.bminsep_mc as a
+    import opacus_structured.accounting.monte_carlo as b
+
+    for mod in (a, b):
+        tree = ast.parse(open(mod.__file__).read())
+        for node in tree.body:
+            if isinstance(node, ast.Import):
+                assert all(not al.name.startswith("torch") for al in node.names), mod.__name__
+            if isinstance(node, ast.ImportFrom):
+                assert not (node.module or "").startswith("torch"), mod.__name__
 
 
 @pytest.mark.cuda

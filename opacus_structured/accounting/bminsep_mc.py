@@ -2,7 +2,8 @@ r"""Privacy-loss sampler for BandMF under b-min-sep sampling (Monte Carlo accoun
 
 Dong & Ganesh, "Privacy Amplification for BandMF via b-Min-Sep Subsampling" (arXiv:2602.09338),
 §4–5 and Appendices C–D; digest ``seed1-bandmf-bminsep.md`` §3–4. Pure numpy; an optional
-torch backend (CUDA when available) is imported lazily inside :func:`sample_privacy_losses`.
+torch backend (:mod:`.bminsep_mc_torch`, CUDA when available, every variant) is imported
+lazily inside :func:`sample_privacy_losses`.
 
 Setting (Lemma 4.5 of Choquette-Choo et al. 2023 reduces BandMF to a scalar, non-adaptive
 mechanism). ``C`` is ``n×n``, lower-triangular, entrywise non-negative and ``L``-banded; its
@@ -60,6 +61,7 @@ __all__ = [
     "BandMFMonteCarlo",
     "bminsep_sampling_prob",
     "bminsep_log_ratio",
+    "binomial_log_weights",
     "truncated_bminsep_log_ratios",
     "cyclic_poisson_log_ratio",
     "balls_in_bins_log_ratio",
@@ -264,6 +266,22 @@ def _combine_start(buf: np.ndarray, p: float, b: int, warm_start: bool) -> np.nd
     return special.logsumexp(terms, axis=0) - math.log1p((b - 1) * p)
 
 
+def binomial_log_weights(max_user_examples: int, sampling_prob: float) -> np.ndarray:
+    r"""``ln[C(k_u, j) p^j (1−p)^{k_u−j}]`` for ``j = 1..k_u`` (Theorem 6.1's mixture weights).
+
+    Exact at ``p = 1`` (the ``j = k_u`` term is ``0``, the others ``−∞``; no ``0·∞`` NaN).
+    """
+    k_u = check_int("max_user_examples", max_user_examples, minimum=1)
+    p = check_probability("sampling_prob", sampling_prob)
+    j = np.arange(1, k_u + 1, dtype=np.float64)
+    rest = k_u - j
+    log_q = math.log1p(-p) if p < 1 else -math.inf
+    with np.errstate(invalid="ignore"):
+        tail = np.where(rest == 0, 0.0, rest * log_q)
+    return (special.gammaln(k_u + 1) - special.gammaln(j + 1) - special.gammaln(rest + 1)
+            + j * math.log(p) + tail)
+
+
 def _check_common(strategy: BandedStrategy, y: np.ndarray, sigma: float) -> tuple[np.ndarray, float]:
     if not isinstance(strategy, BandedStrategy):
         raise ValueError(f"strategy must be a BandedStrategy, got {type(strategy).__name__}")
@@ -317,9 +335,7 @@ def bminsep_log_ratio(y, strategy: BandedStrategy, sampling_prob: float, min_sep
         dots = strategy.window_dots(y2)
         sq = strategy.squared_norms[:, None]
         j = np.arange(1, k_u + 1, dtype=np.float64)
-        with np.errstate(divide="ignore"):
-            log_w = (special.gammaln(k_u + 1) - special.gammaln(j + 1) - special.gammaln(k_u - j + 1)
-                     + j * math.log(p) + (k_u - j) * (math.log1p(-p) if p < 1 else -np.inf))
+        log_w = binomial_log_weights(k_u, p)
         log_go = special.logsumexp(
             log_w[:, None, None] + (2 * j[:, None, None] * dots - j[:, None, None] ** 2 * sq)
             / (2 * sigma**2), axis=0)
@@ -640,8 +656,8 @@ def sample_privacy_losses(mechanism: BandMFMonteCarlo, num_samples: int, directi
     """Privacy-loss samples of ``mechanism`` in ``direction``, in chunks (bounded memory).
 
     ``device=None`` uses numpy; ``"cpu"``/``"cuda"``/``"cuda:k"`` uses the torch backend
-    (:func:`_sample_losses_torch`, torch imported lazily; untruncated samplings, float64). The
-    two backends use different random streams, so the same seed gives different (identically
+    (:mod:`.bminsep_mc_torch`, imported lazily; every variant, float64). The two backends use
+    different random streams, so the same seed gives different (identically
     distributed) samples.
     """
     S = check_int("num_samples", num_samples, minimum=1)
@@ -649,135 +665,13 @@ def sample_privacy_losses(mechanism: BandMFMonteCarlo, num_samples: int, directi
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     if device is not None:
-        return _sample_losses_torch(mechanism, S, direction, seed=seed, device=device,
+        from .bminsep_mc_torch import sample_losses_torch  # lazy: torch stays optional here
+
+        return sample_losses_torch(mechanism, S, direction, seed=seed, device=device,
                                    chunk_size=chunk_size)
     rng = rng if rng is not None else np.random.default_rng(seed)
     out = np.empty(S)
     for start in range(0, S, chunk_size):
         k = min(chunk_size, S - start)
         out[start:start + k] = mechanism.sample_losses(k, direction, rng)
-    return out
-
-
-def _torch_seed(seed) -> int:
-    if isinstance(seed, (int, np.integer)):
-        return int(seed) & 0x7FFF_FFFF_FFFF_FFFF
-    ss = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
-    return int(ss.generate_state(2, np.uint64)[0]) & 0x7FFF_FFFF_FFFF_FFFF
-
-
-def _sample_losses_torch(mechanism: BandMFMonteCarlo, num_samples: int, direction: str, *,
-                         seed=None, device: str = "cuda", chunk_size: int = 65536) -> np.ndarray:
-    """Torch backend of :func:`sample_privacy_losses` (same math, float64, any device).
-
-    Untruncated samplings only. torch is imported here, so :mod:`opacus_structured.accounting`
-    never imports it at module level.
-    """
-    import torch  # lazy
-
-    if mechanism.truncated_batch_size is not None:
-        raise ValueError("the torch backend does not support truncated_batch_size; use "
-                         "device=None (numpy)")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but CUDA is not available")
-    gen = torch.Generator(device=dev)
-    gen.manual_seed(_torch_seed(seed))
-    f64 = torch.float64
-    st = mechanism.strategy
-    n, L, b = st.n, st.bands, mechanism.min_sep
-    p, sigma = mechanism.sampling_prob, mechanism.noise_multiplier
-    k_u = mechanism.max_user_examples
-    cols = torch.tensor(np.array(st.columns), dtype=f64, device=dev)
-    sq = torch.tensor(np.array(st.squared_norms), dtype=f64, device=dev)[:, None]
-    out = np.empty(num_samples)
-    log_p = math.log(p)
-    log_q1 = math.log1p(-p) if p < 1 else -math.inf
-
-    def apply(x):
-        res = torch.zeros_like(x)
-        for k in range(L):
-            res[k:] += cols[: n - k, k, None] * x[: n - k]
-        return res
-
-    def dots(y):
-        res = cols[:, 0, None] * y
-        for k in range(1, L):
-            res[: n - k] += cols[: n - k, k, None] * y[k:]
-        return res
-
-    def participation(S):
-        if mechanism.sampling != "bminsep":
-            phase = torch.randint(0, b, (S,), generator=gen, device=dev)
-            on = (torch.arange(n, device=dev)[:, None] % b) == phase[None, :]
-            if mechanism.sampling == "balls-in-bins":
-                return on.to(f64)
-            u = torch.rand((n, S), generator=gen, device=dev, dtype=f64)
-            return (on & (u < p)).to(f64)
-        p_any = -math.expm1(k_u * math.log1p(-p)) if p < 1 else 1.0
-        if mechanism.warm_start and b > 1:
-            busy = torch.rand(S, generator=gen, device=dev, dtype=f64) < (b - 1) * p / (1 + (b - 1) * p)
-            a = torch.where(busy, torch.randint(1, b, (S,), generator=gen, device=dev),
-                            torch.zeros(S, dtype=torch.int64, device=dev))
-        else:
-            a = torch.zeros(S, dtype=torch.int64, device=dev)
-        K = -(-n // b) + 1
-        if p_any < 1:
-            u = torch.rand((K, S), generator=gen, device=dev, dtype=f64)
-            gaps = torch.floor(torch.log1p(-u) / math.log1p(-p_any)).to(torch.int64) + 1
-        else:
-            gaps = torch.ones((K, S), dtype=torch.int64, device=dev)
-        gaps[1:] += b - 1
-        tau = a[None, :] - 1 + torch.cumsum(gaps, 0)
-        mask = tau < n
-        x = torch.zeros((n, S), dtype=f64, device=dev)
-        colidx = torch.arange(S, device=dev).expand(K, S)[mask]
-        if k_u == 1:
-            x[tau[mask], colidx] = 1.0
-        else:
-            j = np.arange(1, k_u + 1)
-            w = special.comb(k_u, j) * p**j * (1 - p) ** (k_u - j)
-            probs = torch.as_tensor(w / w.sum(), dtype=f64, device=dev)
-            draws = torch.multinomial(probs, int(mask.sum()), replacement=True, generator=gen)
-            x[tau[mask], colidx] = (draws + 1).to(f64)
-        return x
-
-    for start in range(0, num_samples, chunk_size):
-        S = min(chunk_size, num_samples - start)
-        y = torch.randn((n, S), generator=gen, device=dev, dtype=f64) * sigma
-        if direction == "remove":
-            y += apply(participation(S))
-        d = dots(y)
-        if mechanism.sampling == "bminsep" and k_u > 1:
-            j = torch.arange(1, k_u + 1, dtype=f64, device=dev)[:, None, None]
-            lw = torch.as_tensor(
-                [math.lgamma(k_u + 1) - math.lgamma(i + 1) - math.lgamma(k_u - i + 1)
-                 + i * log_p + (k_u - i) * log_q1 for i in range(1, k_u + 1)],
-                dtype=f64, device=dev)[:, None, None]
-            go = torch.logsumexp(lw + (2 * j * d - j**2 * sq) / (2 * sigma**2), 0)
-            stay = k_u * log_q1
-        else:
-            lr = (2 * d - sq) / (2 * sigma**2)
-            if mechanism.sampling == "bminsep":
-                go, stay = lr + log_p, log_q1
-        if mechanism.sampling == "bminsep":
-            buf = torch.zeros((b, S), dtype=f64, device=dev)
-            for i in range(n - 1, -1, -1):
-                r = i % b
-                buf[r] = torch.logaddexp(buf[(i + 1) % b] + stay, buf[r] + go[i])
-            if mechanism.warm_start and b > 1:
-                terms = buf.clone()
-                terms[1:] += log_p
-                loss = torch.logsumexp(terms, 0) - math.log1p((b - 1) * p)
-            else:
-                loss = buf[0]
-        else:
-            if mechanism.sampling == "cyclic-poisson":
-                lr = torch.logaddexp(torch.full_like(lr, log_q1), lr + log_p)
-            groups = torch.stack([lr[s::b].sum(0) if s < n else torch.zeros(S, dtype=f64, device=dev)
-                                  for s in range(b)])
-            loss = torch.logsumexp(groups, 0) - math.log(b)
-        if direction == "add":
-            loss = -loss
-        out[start:start + S] = loss.cpu().numpy()
     return out

@@ -23,6 +23,12 @@ BatchNorm. The logged active counts and individual ε are *not* covered by the g
 
 Works with Opacus ``GradSampleModule`` / ``GradSampleHooks`` + ``DPOptimizer`` under
 ``lightning.pytorch`` (the DPOptimizer must be what ``configure_optimizers`` returns).
+
+Under DDP (``torch.distributed`` initialised with several processes, each holding a shard of the
+global batch) every step all-gathers the shards' indices and μ values, so every rank takes the
+decisions of the single-process filter on the global batch and keeps the same, complete state
+(:math:`s_i` must include every step an example was active, whichever rank processed it); each
+rank then zeroes its own inactive rows. The full-batch check counts the global batch.
 """
 
 from __future__ import annotations
@@ -39,9 +45,18 @@ except ImportError:  # pragma: no cover
 from opacus_structured._validation import check_int, check_nonnegative, check_positive
 from opacus_structured.accountants.individual_gdp import IndividualGDPAccountant, per_sample_norms
 from opacus_structured.accounting.individual_gdp import filter_epsilon
+from opacus_structured.distributed import all_gather_cat as _all_gather_cat
+from opacus_structured.distributed import all_reduce_sum as _all_reduce_sum
+from opacus_structured.distributed import is_distributed as _is_distributed
 from opacus_structured.indexed_dataset import batch_indices
 
 __all__ = ["IndividualGDPFilter", "dp_params"]
+
+
+def _dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
 
 
 def dp_params(optimizer) -> list:
@@ -106,9 +121,12 @@ class IndividualGDPFilter(Callback):
     # ---- hooks ---------------------------------------------------------------------------
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         idx = self.index_fn(batch)
-        if self.require_full_batch and idx.shape[0] != self.num_examples:
+        size = idx.shape[0]
+        if self.require_full_batch and _is_distributed():
+            size = int(_all_reduce_sum(torch.tensor([size], dtype=torch.int64)).item())
+        if self.require_full_batch and size != self.num_examples:
             raise ValueError(
-                f"IndividualGDPFilter needs full-batch DP-GD: got a batch of {idx.shape[0]} "
+                f"IndividualGDPFilter needs full-batch DP-GD: got a batch of {size} "
                 f"examples, num_examples={self.num_examples} (use batch_size=N, no "
                 f"subsampling, or require_full_batch=False)")
         self._indices = idx
@@ -134,19 +152,28 @@ class IndividualGDPFilter(Callback):
             self.accountant.to(dev)
             self.dropped = self.dropped.to(dev)
         mu = norms.to(torch.float64).clamp(max=clip) / (sigma * clip)
+        if _is_distributed():  # decide on the global batch, identically on every rank
+            local_idx = indices
+            indices, lengths = _all_gather_cat(indices.to(torch.int64), return_lengths=True)
+            mu = _all_gather_cat(mu)
+            start = sum(lengths[:_dist_rank()])
+            local = slice(start, start + local_idx.shape[0])
+        else:
+            local = slice(None)
         spent = self.accountant.observed_mu_sq[indices]
         active = spent + mu * mu <= self.budget ** 2 * (1.0 + self.tolerance)
         if self.permanent_drop:
             active &= ~self.dropped[indices]
             self.dropped[indices] |= ~active
+        mine = active[local]
         for p in params:
             gs = getattr(p, "grad_sample", None)
             if gs is not None:
-                gs.mul_(active.to(gs.dtype).view(-1, *([1] * (gs.ndim - 1))))
+                gs.mul_(mine.to(gs.dtype).view(-1, *([1] * (gs.ndim - 1))))
         self.accountant.record(indices, mu * active, sigma)
         self.active_history.append(active.sum())
-        self.last_active = active
-        return active
+        self.last_active = mine
+        return mine
 
     def active_counts(self) -> list[int]:
         """Number of active examples at each step (one host transfer)."""

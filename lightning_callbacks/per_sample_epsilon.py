@@ -22,6 +22,13 @@ Python loop over examples and no host synchronisation per step. Export with :met
 Lightning checkpoints (``state_dict`` / ``load_state_dict``).
 
 Reported individual ε values are data-dependent and are not themselves protected (digest §6).
+
+Under DDP (``torch.distributed`` initialised, batches split by
+:class:`~opacus_structured.samplers.distributed.DistributedBatchSampler`) each rank records only
+the examples of its own shard, with no communication per step. A rank's local view charges the
+worst case :math:`1/\sigma^2` for the steps in which an example was processed elsewhere, so it is
+an upper bound; :meth:`PerSampleEpsilonTracker.gather` sums the rank states (exact: every example
+of a step is in exactly one shard) and returns the full vector, identical on every rank.
 """
 
 from __future__ import annotations
@@ -116,6 +123,17 @@ class PerSampleEpsilonTracker(Callback):
             keep = b > 0  # bucket 0 is implicit
             self.pld_counts.index_put_(
                 (indices, b), keep.to(torch.int32), accumulate=True)
+
+    # ---- DDP -----------------------------------------------------------------------------
+    def gather(self) -> torch.Tensor:
+        """Tensor [N] of (μ^(i))² over **all** ranks' shards (a collective: call it on every
+        rank). Without a process group this is :meth:`mu_squared`."""
+        from opacus_structured.distributed import all_reduce_sum
+
+        acc = self.accountant
+        observed = all_reduce_sum(acc.observed_mu_sq)
+        seen_worst = all_reduce_sum(acc.observed_worst_sq)
+        return observed + (acc.worst_sq - seen_worst).clamp(min=0.0)
 
     # ---- export --------------------------------------------------------------------------
     def mu_squared(self) -> torch.Tensor:

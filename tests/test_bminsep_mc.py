@@ -7,6 +7,7 @@ formula, dp_accounting-based PLDs (Poisson / cyclic Poisson), and the digest's r
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -692,6 +693,116 @@ def test_cli_epsilon_and_command(capsys):
     rec = json.loads(capsys.readouterr().out)
     assert rec["bound"] == "algorithm-5" and rec["overall_delta"] <= 0.05
     assert rec["noise_multiplier"] <= rec["verified"][0][0] * 1.0101 or rec["fallback_used"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-attribution through the scheme and the CLI (Algorithm 3, Theorem 6.1)
+# ---------------------------------------------------------------------------------------------
+def _multi_scheme(**kw):
+    args = dict(bands=2, dataset_size=400, batch_size=8, samples=4000, max_user_examples=2,
+                sampling_probability=0.05, strategy="max-error", workers=1)
+    args.update(kw)
+    from opacus_structured.schemes.bminsep_mc import BMinSepMonteCarloScheme
+
+    return BMinSepMonteCarloScheme(**args)
+
+
+def test_scheme_multi_attribution_dp_equals_brute_force():
+    # The scheme's mechanism is Theorem 6.1's recursion: for n <= 9 its ln(P/Q)(y) equals the
+    # enumeration of every x with x_i ~ Binom(k_u, p) when available (chain_pmf, independent).
+    rng = np.random.default_rng(31)
+    for k_u, p, bands, b in ((2, 0.3, 2, 2), (3, 0.2, 2, 3), (2, 1.0, 1, 2), (3, 0.45, 3, 3)):
+        scheme = _multi_scheme(bands=bands, min_sep=b, max_user_examples=k_u,
+                               sampling_probability=p)
+        for n in (1, 4, 9):
+            mech = scheme.mechanism(0.9, n)
+            assert mech.max_user_examples == k_u and not mech.warm_start
+            C = mech.strategy.matrix()
+            pmf = chain_pmf(n, p, b, False, k_u)
+            y = rng.normal(size=(n, 3)) + 0.5
+            got = mech.log_ratio(y)
+            for s_ in range(3):
+                exp = mixture_log_ratio(y[:, s_], C, 0.9, [(w, x) for x, w in pmf.items()])
+                assert abs(got[s_] - exp) < 1e-10
+
+
+def test_scheme_multi_attribution_delta_matches_quadrature():
+    # n = 2, b = 2, k_u = 2: the exact hockey-stick divergences of the (brute-force enumerated)
+    # 2-D Gaussian mixture P vs Q = N(0, σ²I) by quadrature; the scheme's Monte Carlo δ̃ in
+    # both directions agrees within MC error.
+    scheme = _multi_scheme(samples=20000, sampling_probability=0.3)
+    sigma, eps, n = 0.8, 0.4, 2
+    mech = scheme.mechanism(sigma, n)
+    C = mech.strategy.matrix()
+    h = 0.01
+    g = np.arange(-6.5, 6.5 + 2 * 2 * C.max(), h)
+    Y1, Y2 = np.meshgrid(g, g, indexing="ij")
+
+    def dens(mean):
+        return np.exp(-((Y1 - mean[0]) ** 2 + (Y2 - mean[1]) ** 2) / (2 * sigma**2)) / (
+            2 * math.pi * sigma**2)
+
+    P = sum(w * dens(C @ np.array(x, float)) for x, w in chain_pmf(n, 0.3, 2, False, 2).items())
+    Q = dens(np.zeros(2))
+    d_remove = float(np.sum(np.maximum(0, P - math.exp(eps) * Q)) * h * h)
+    d_add = float(np.sum(np.maximum(0, Q - math.exp(eps) * P)) * h * h)
+    s = collect_privacy_losses(mech, scheme.samples, seed=3, workers=1)
+    for losses, exact in ((s.remove, d_remove), (s.add, d_add)):
+        terms = -np.expm1(np.minimum(eps - losses, 0))
+        se = terms.std() / math.sqrt(losses.size)
+        assert abs(terms.mean() - exact) < 4.5 * se + 1e-4, (terms.mean(), exact, se)
+    assert d_remove > 0.01  # a non-trivial check
+    # a second example per user costs privacy: δ̃ is clearly larger than with k_u = 1
+    single = collect_privacy_losses(dataclasses.replace(mech, max_user_examples=1),
+                                    scheme.samples, seed=3, workers=1)
+    assert s.empirical_delta(eps) > single.empirical_delta(eps) + 0.01
+
+
+def test_scheme_multi_attribution_validation_and_round_trip():
+    from opacus_structured.schemes import Scheme
+
+    scheme = _multi_scheme()
+    assert scheme.sampling_prob == 0.05 and scheme.max_user_examples == 2
+    assert Scheme.from_dict(json.loads(json.dumps(scheme.to_dict()))) == scheme
+    with pytest.raises(ValueError, match="warm start"):
+        _multi_scheme(warm_start=True)
+    with pytest.raises(ValueError, match="sampling_probability"):
+        _multi_scheme(sampling_probability=None)
+    with pytest.raises(ValueError, match="sampling_probability"):
+        _multi_scheme(max_user_examples=1)
+    with pytest.raises(ValueError, match="sampling_probability must be in"):
+        _multi_scheme(sampling_probability=1.5)
+    with pytest.raises(ValueError, match="max_user_examples"):
+        _multi_scheme(max_user_examples=0)
+    with pytest.raises(ValueError, match="truncate"):
+        _multi_scheme(truncate=10)
+    # the cyclic Poisson fallback prices one example per user: refuse (never under-report)
+    with pytest.raises(ValueError, match="max_user_examples"):
+        cyclic_poisson_fallback(scheme.mechanism(1.0, 8), 8 / 400, 2.0, 1e-3)
+    fb = unamplified_fallback(scheme.mechanism(1.0, 8), 2.0, 1e-3)
+    assert "sensitivity" in fb.description
+
+
+def test_cli_multi_attribution(capsys):
+    from opacus_structured.cli import main
+
+    flags = ["--bands", "2", "--dataset-size", "400", "--batch-size", "8", "--samples", "2000",
+             "--strategy", "max-error", "--workers", "1", "--max-user-examples", "2",
+             "--sampling-prob", "0.05"]
+    run = ["--noise-multiplier", "1.0", "--steps", "16", "--delta", "1e-2"]
+    assert main(["bminsep-mc", "estimate", *flags, *run, "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["parameters"]["max_user_examples"] == 2 and rec["kind"] == "monte-carlo"
+    assert rec["parameters"]["sampling_prob"] == 0.05
+    assert main(["epsilon", "bminsep-mc", *flags, *run]) == 0
+    assert "Monte Carlo" in capsys.readouterr().out
+    assert main(["bminsep-mc", "estimate", *flags, "--warm-start", *run]) == 2
+    assert "warm start" in capsys.readouterr().err
+    assert main(["bminsep-mc", "estimate", *flags[:-2], *run]) == 2  # no --sampling-prob
+    assert "sampling" in capsys.readouterr().err
+    assert main(["bminsep-mc", "certify", *flags, "--steps", "8", "--delta", "0.05",
+                 "--target-epsilon", "2", "--sigma-min", "1.2", "--fallback",
+                 "cyclic-poisson"]) == 2
 
 
 def test_too_few_samples_is_infinite_and_says_so():

@@ -552,7 +552,8 @@ def cyclic_poisson_fallback(mechanism: BandMFMonteCarlo, expected_rate: float, e
     With ``L ≤ b`` participations in distinct cycles touch disjoint rows, so the mechanism is the
     composition of ``⌈n/b⌉`` Poisson-subsampled Gaussians with noise ``σ/max‖c_i‖`` (digest
     §3.2); σ is calibrated with the pessimistic PLD. Choosing it means training with the
-    cyclic-Poisson sampler instead.
+    cyclic-Poisson sampler instead. One example per user only (``max_user_examples = 1``; a user
+    with ``k_u`` examples is not priced by this pair, so it raises).
     """
     from .calibration import calibrate_noise_multiplier
     from .mixture import MixturePair
@@ -561,6 +562,9 @@ def cyclic_poisson_fallback(mechanism: BandMFMonteCarlo, expected_rate: float, e
 
     eps = check_positive("epsilon", epsilon)
     dl = check_open_unit("delta", delta)
+    if mechanism.max_user_examples != 1:
+        raise ValueError("cyclic_poisson_fallback prices one example per user; with "
+                         "max_user_examples > 1 use unamplified_fallback (sensitivity k_u)")
     st, b = mechanism.strategy, mechanism.min_sep
     q = b * check_positive("expected_rate", expected_rate)
     if q > 1:

@@ -8,6 +8,17 @@ in two batches less than ``b`` steps apart; batch sizes vary (or are truncated/p
 batch size is ``B̄`` at every step. Noise: BandMF with a ``bands``-banded Toeplitz ``C``
 (``bands ≤ b``), clip norm 1, zero-out adjacency.
 
+Multi-attribution (``max_user_examples = k_u > 1``, Algorithm 3, §6): users own up to ``k_u``
+examples (contribution bounding is the caller's preprocessing); each iteration takes an interim
+Poisson sample at rate ``p`` and excludes the user-sharing neighbourhoods of the interim samples
+of the last ``b − 1`` iterations, so a user appears in at most one iteration in any ``b``
+consecutive ones, possibly with several examples. Adjacency is user-level (fixed graph). The
+expected batch size is not analytic in ``p``, so ``p`` is given explicitly
+(``sampling_probability``, found by burn-in and binary search, §6.2) and ``batch_size`` is only
+the informational target. Priced by Theorem 6.1 (``x_i ~ Binom(k_u, p)`` when available), cold
+start only: a burn-in warm start is post-processing of the cold-start run and is accounted as
+cold start, so ``warm_start=True`` is rejected.
+
 Pricing: there is no closed form; ε is a **Monte Carlo estimate** from the dynamic program of
 Theorem 5.1 (:mod:`opacus_structured.accounting.bminsep_mc`), reported as the KL
 high-confidence upper estimate that holds with probability ``≥ 1 − q`` (:attr:`bound` is
@@ -27,7 +38,7 @@ from typing import Optional
 
 import numpy as np
 
-from .._validation import check_int, check_open_unit, check_positive
+from .._validation import check_int, check_open_unit, check_positive, check_probability
 from ..accounting import pld as pld_lib
 from ..accounting.bminsep_mc import BandedStrategy, BandMFMonteCarlo, bminsep_sampling_prob
 from ..accounting.monte_carlo import (
@@ -83,6 +94,10 @@ class BMinSepMonteCarloScheme(Scheme):
         min_sep: ``b`` (default ``bands``; must be ``≥ bands``).
         warm_start: Algorithm 2 (else Algorithm 1, cold start).
         truncate: ``B_max`` for the truncated + padded variant (Appendix D), or ``None``.
+        max_user_examples: ``k_u`` (multi-attribution, Theorem 6.1; cold start, no truncation).
+        sampling_probability: the interim rate ``p`` of Algorithm 3; required with
+            ``max_user_examples > 1`` and not allowed otherwise (then ``p`` follows from
+            ``batch_size``, see :attr:`sampling_prob`).
         strategy: see :data:`STRATEGY_CHOICES`; ``C`` is pure Toeplitz with ``‖c‖ = 1``.
         seed: Monte Carlo seed. failure_probability: ``q`` of the upper estimate.
         workers: processes (``None``: all cores). device: ``None`` (numpy) or a torch device.
@@ -98,6 +113,8 @@ class BMinSepMonteCarloScheme(Scheme):
     min_sep: Optional[int] = None
     warm_start: bool = False
     truncate: Optional[int] = None
+    max_user_examples: int = 1
+    sampling_probability: Optional[float] = None
     strategy: str = "optimal-banded"
     seed: int = 0
     failure_probability: float = 1e-3
@@ -114,9 +131,29 @@ class BMinSepMonteCarloScheme(Scheme):
         b = self.bands if self.min_sep is None else check_int("min_sep", self.min_sep,
                                                               minimum=self.bands)
         set_("min_sep", b)
-        bminsep_sampling_prob(self.dataset_size, self.batch_size, b)  # feasibility check
+        k_u = check_int("max_user_examples", self.max_user_examples, minimum=1)
+        set_("max_user_examples", k_u)
         if self.truncate is not None:
             set_("truncate", check_int("truncate", self.truncate, minimum=1))
+        if k_u == 1:
+            if self.sampling_probability is not None:
+                raise ValueError("sampling_probability is only for max_user_examples > 1 "
+                                 "(with one example per user p follows from batch_size)")
+            bminsep_sampling_prob(self.dataset_size, self.batch_size, b)  # feasibility check
+        else:
+            if self.sampling_probability is None:
+                raise ValueError(
+                    "max_user_examples > 1 needs sampling_probability (--sampling-prob): the "
+                    "expected batch size of Algorithm 3 is not analytic in p; find p by burn-in "
+                    "and binary search (paper §6.2)")
+            set_("sampling_probability",
+                 check_probability("sampling_probability", self.sampling_probability))
+            if self.warm_start:
+                raise ValueError("max_user_examples > 1 has no closed-form warm start: burn in "
+                                 "the sampler and account as cold start (drop --warm-start; "
+                                 "Theorem 6.1, paper §6.2)")
+            if self.truncate is not None:
+                raise ValueError("truncate is not supported with max_user_examples > 1")
         if self.strategy not in STRATEGY_CHOICES:
             raise ValueError(f"strategy must be one of {STRATEGY_CHOICES}, got {self.strategy!r}")
         check_open_unit("failure_probability", self.failure_probability)
@@ -126,7 +163,10 @@ class BMinSepMonteCarloScheme(Scheme):
     # ---- the mechanism ---------------------------------------------------------------------
     @property
     def sampling_prob(self) -> float:
-        """The conditional rate ``p`` (not ``p0 = B̄/|D|``)."""
+        """The conditional rate ``p`` (not ``p0 = B̄/|D|``); with multi-attribution the given
+        interim rate of Algorithm 3."""
+        if self.sampling_probability is not None:
+            return self.sampling_probability
         return bminsep_sampling_prob(self.dataset_size, self.batch_size, self.min_sep)
 
     @property
@@ -140,7 +180,8 @@ class BMinSepMonteCarloScheme(Scheme):
             BandedStrategy.toeplitz(c, steps), check_positive("noise_multiplier", noise_multiplier),
             "bminsep", self.sampling_prob, self.min_sep, warm_start=self.warm_start,
             truncated_batch_size=self.truncate,
-            dataset_size=self.dataset_size if self.truncate is not None else None)
+            dataset_size=self.dataset_size if self.truncate is not None else None,
+            max_user_examples=self.max_user_examples)
 
     def pld(self, noise_multiplier, *, sample_rate=None,
             discretization=pld_lib.DEFAULT_DISCRETIZATION):
@@ -201,6 +242,12 @@ class BMinSepMonteCarloScheme(Scheme):
                             help="Algorithm 2 (stationary start)")
         parser.add_argument("--truncate", type=int, default=None, metavar="B_max",
                             help="truncated + padded batches of size B_max (Appendix D)")
+        parser.add_argument("--max-user-examples", type=int, default=1, metavar="k_u",
+                            help="multi-attribution: at most k_u examples per user (Algorithm 3, "
+                                 "Theorem 6.1; cold start; needs --sampling-prob)")
+        parser.add_argument("--sampling-prob", type=float, default=None, metavar="p",
+                            help="interim sampling rate p of Algorithm 3 (only with "
+                                 "--max-user-examples > 1)")
         parser.add_argument("--strategy", choices=STRATEGY_CHOICES, default="optimal-banded")
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--confidence-failure", type=float, default=1e-3, metavar="q",
@@ -212,7 +259,9 @@ class BMinSepMonteCarloScheme(Scheme):
     def from_cli_args(cls, args):
         return cls(bands=args.bands, dataset_size=args.dataset_size, batch_size=args.batch_size,
                    samples=args.samples, min_sep=args.min_sep, warm_start=args.warm_start,
-                   truncate=args.truncate, strategy=args.strategy, seed=args.seed,
+                   truncate=args.truncate, max_user_examples=args.max_user_examples,
+                   sampling_probability=args.sampling_prob, strategy=args.strategy,
+                   seed=args.seed,
                    failure_probability=args.confidence_failure, workers=args.workers,
                    device=args.device)
 

@@ -30,6 +30,15 @@ ecosystem notes §4.2): ``training_step`` → ``zero_grad`` → ``backward`` →
 ``on_after_backward`` → ``on_before_optimizer_step`` (our budget guard) → DP clip / noise /
 accountant hook → inner step → ``on_train_batch_end`` (our logging and stopping).
 
+**Multi-process (DDP)**: under ``Trainer(strategy="ddp", use_distributed_sampler=False)`` the
+callback wraps the sampler in
+:class:`~opacus_structured.samplers.distributed.DistributedBatchSampler` (every rank draws the
+same global batch, rank 0's sampler state is broadcast, each rank trains on its shard) and the
+optimizer in the distributed variant (``DPOptimizer`` -> Opacus ``DistributedDPOptimizer``,
+``CorrelatedNoiseDPOptimizer`` -> ``DistributedCorrelatedNoiseDPOptimizer``: noise on rank 0,
+then all-reduce) with the per-rank ``expected_batch_size / world_size``. The accountant then
+prices exactly the single-process mechanism; every rank keeps an identical accountant.
+
 The ε reported is what the scheme's accountant proves: an upper bound (``accountant.bound``);
 a scheme whose bound kind is "lower" is refused, since a lower bound is no guarantee.
 """
@@ -376,12 +385,52 @@ class DPCallback(pl.Callback):
             if not callable(getattr(inner, method, None)):
                 raise ValueError(f"sampler {inner!r} has no {method}(): a resumed run could not "
                                  f"continue its batches")
+        inner = self._distribute(trainer, inner, loader.dataset)
         self.sampler = _TrackedBatchSampler(inner)
         new_loader = loader_with_batch_sampler(loader, self.sampler)
+        if trainer.world_size > 1 and getattr(new_loader.collate_fn, "first_batch", 1) is None:
+            new_loader.collate_fn([loader.dataset[0]])  # a rank's first shard may be empty
         source.instance = new_loader  # fit_loop.setup_data() will now use it
         expected = self.scheme.expected_sample_rate()
         self.sample_rate = expected if expected is not None else 1.0 / len(self.sampler)
         return new_loader
+
+    @staticmethod
+    def _distribute(trainer, inner, dataset):
+        """Under DDP: the rank's shard of the global batches (see module doc)."""
+        if trainer.world_size <= 1:
+            return inner
+        from opacus_structured.samplers.distributed import DistributedBatchSampler
+
+        if getattr(trainer._accelerator_connector, "use_distributed_sampler", False):
+            raise ValueError("DPCallback under DDP needs Trainer(use_distributed_sampler=False): "
+                             "Lightning's DistributedSampler would re-partition the DP batches; "
+                             "the callback shards the scheme's global batches itself")
+        if isinstance(inner, DistributedBatchSampler):
+            if (inner.num_replicas, inner.rank) != (trainer.world_size, trainer.global_rank):
+                raise ValueError(f"the DistributedBatchSampler has num_replicas="
+                                 f"{inner.num_replicas}, rank={inner.rank} but the trainer has "
+                                 f"world_size={trainer.world_size}, rank={trainer.global_rank}")
+            return inner
+        return DistributedBatchSampler(inner, num_replicas=trainer.world_size,
+                                       rank=trainer.global_rank)
+
+    def _optimizer_class_for(self, world_size: int) -> type:
+        cls = self.optimizer_class
+        if world_size <= 1 or "Distributed" in cls.__name__:
+            return cls
+        from opacus.optimizers import DistributedDPOptimizer
+
+        from opacus_structured.optim.correlated_noise import CorrelatedNoiseDPOptimizer
+        from opacus_structured.optim.distributed import DistributedCorrelatedNoiseDPOptimizer
+
+        mapping = {DPOptimizer: DistributedDPOptimizer,
+                   CorrelatedNoiseDPOptimizer: DistributedCorrelatedNoiseDPOptimizer}
+        if cls not in mapping:
+            raise ValueError(f"optimizer_class={cls.__name__} adds noise on every rank; under "
+                             f"DDP pass a distributed optimizer class (noise on rank 0 only), "
+                             f"e.g. opacus DistributedDPOptimizer")
+        return mapping[cls]
 
     def _wrap_optimizer(self, trainer, loader: DataLoader) -> None:
         optimizers = list(trainer.optimizers)
@@ -391,6 +440,10 @@ class DPCallback(pl.Callback):
                 f"noisy releases on the same batch are not priced by the scheme's accountant")
         opt = optimizers[0]
         if isinstance(opt, DPOptimizer):
+            if trainer.world_size > 1 and "Distributed" not in type(opt).__name__:
+                raise ValueError(f"configure_optimizers returned {type(opt).__name__}, which adds "
+                                 f"noise on every rank under DDP; return a distributed DP "
+                                 f"optimizer or let DPCallback wrap the optimizer")
             if self.noise_multiplier is not None and not math.isclose(
                     opt.noise_multiplier, self.noise_multiplier):
                 raise ValueError(f"configure_optimizers returned a DPOptimizer with "
@@ -410,9 +463,11 @@ class DPCallback(pl.Callback):
             batch = getattr(self.sampler.inner, "expected_batch_size", None)
             if batch is None:
                 batch = len(loader.dataset) * self.sample_rate
-            opt = self.optimizer_class(
+            world = max(1, trainer.world_size)
+            opt = self._optimizer_class_for(world)(
                 opt, noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
-                expected_batch_size=max(1, int(batch)), loss_reduction=self.loss_reduction,
+                expected_batch_size=max(1, int(batch)) / world if world > 1
+                else max(1, int(batch)), loss_reduction=self.loss_reduction,
                 generator=self.noise_generator, **self.optimizer_kwargs)
             trainer.strategy.optimizers = [opt]
         bands = int(getattr(opt, "bands", 1) or 1)

@@ -382,3 +382,60 @@ def test_nccl_two_gpus_union_of_shards(tmp_path):
         assert res[0]["batches"][step] + res[1]["batches"][step] == (
             shard(batch, 2, 0) + shard(batch, 2, 1))
     assert res[0]["cat"].tolist() == res[1]["cat"].tolist() == [0, 0, 1]
+
+
+# ---- Lightning Trainer(strategy="ddp") with DPCallback (slow: ~45 s for the imports) -------
+def _lightning_fit(devices, out):
+    import lightning.pytorch as pl
+
+    from lightning_callbacks.dp_callback import DPCallback
+    from opacus_structured.schemes.poisson import PoissonScheme
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = _model()
+
+        def forward(self, x):
+            return self.lin(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    X, Y = _data()
+    cb = DPCallback(delta=1e-5, noise_multiplier=SIGMA, max_grad_norm=CLIP,
+                    scheme=PoissonScheme(sample_rate=Q), seed=3, discretization=1e-2)
+    module = Tiny()
+    trainer = pl.Trainer(accelerator="cpu", devices=devices,
+                         strategy="ddp" if devices > 1 else "auto", use_distributed_sampler=False,
+                         max_epochs=2, callbacks=[cb], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(TensorDataset(X, Y), batch_size=4))
+    torch.save({"params": [p.detach().clone() for p in module.parameters()],
+                "epsilon": cb.epsilon(), "steps": cb.steps,
+                "optimizer": type(cb.optimizer).__name__}, out)
+
+
+def _lightning_worker(rank, world, port, out_dir):
+    # as torchrun would: Lightning sees LOCAL_RANK and does not launch processes itself
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+                      RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
+    _lightning_fit(world, os.path.join(out_dir, f"lightning{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_lightning_ddp_dp_callback_equals_single_process(tmp_path):
+    mp.spawn(_lightning_worker, args=(WORLD, _free_port(), str(tmp_path)), nprocs=WORLD,
+             join=True)
+    _lightning_fit(1, str(tmp_path / "single.pt"))
+    ref = torch.load(tmp_path / "single.pt", weights_only=False)
+    for r in range(WORLD):
+        got = torch.load(tmp_path / f"lightning{r}.pt", weights_only=False)
+        assert got["optimizer"] == "DistributedDPOptimizer"
+        assert got["steps"] == ref["steps"] and got["epsilon"] == ref["epsilon"]
+        for p, q in zip(got["params"], ref["params"]):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=0)

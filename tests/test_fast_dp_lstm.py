@@ -327,3 +327,82 @@ def test_clipped_sum_equals_brute_force_with_unsorted_lengths():
     for n in names:
         expected = -sum(factor[b] * brute[b][n] for b in range(B)) / B  # SGD lr=1, mean
         assert close(up[fast_names[n]], expected), n
+
+
+# ---- Deliver 2: ghost clipping in our optimizer wrappers ------------------------------------
+def _engine_run(net, mode, x, y, noise_correlation, steps=3):
+    from opacus_structured.optim.privacy_engine import CorrelatedNoisePrivacyEngine
+
+    ds = torch.utils.data.TensorDataset(x, y)
+    m = copy.deepcopy(net)
+    kw = dict(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+              data_loader=torch.utils.data.DataLoader(ds, batch_size=len(x) // steps),
+              noise_multiplier=0.8, max_grad_norm=0.5, poisson_sampling=False,
+              noise_correlation=noise_correlation, grad_sample_mode=mode,
+              noise_generator=torch.Generator().manual_seed(5))
+    engine = CorrelatedNoisePrivacyEngine(accountant="rdp")
+    crit = nn.MSELoss()
+    if mode == "ghost":
+        m, opt, crit, loader = engine.make_private(criterion=crit, **kw)
+    else:
+        m, opt, loader = engine.make_private(**kw)
+    for xb, yb in loader:
+        opt.zero_grad()
+        crit(m(xb), yb).backward()
+        opt.step()
+    return opt, [p.detach().clone() for p in m.parameters()]
+
+
+def test_correlated_noise_optimizer_in_ghost_mode_equals_hooks_mode():
+    from opacus_structured.optim.correlated_noise import CorrelatedNoiseMixin
+    from opacus_structured.optim.ghost_clipping import (
+        CorrelatedNoiseDPOptimizerFastGradientClipping,
+    )
+
+    _, _, fast_net = _nets(2, False)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(12, T, I, generator=g, dtype=torch.float64)
+    y = torch.randn(12, generator=g, dtype=torch.float64)
+    c = [1.0, 0.6, 0.2]
+    opt_h, p_h = _engine_run(fast_net, "hooks", x, y, c)
+    opt_g, p_g = _engine_run(fast_net, "ghost", x, y, c)
+    assert isinstance(opt_g, CorrelatedNoiseDPOptimizerFastGradientClipping)
+    assert isinstance(opt_g, CorrelatedNoiseMixin) and opt_g.noise_step == 3
+    for a, b in zip(p_g, p_h):
+        assert close(a, b)
+    _, p_plain = _engine_run(fast_net, "ghost", x, y, [1.0])  # DP-SGD noise differs
+    assert not all(close(a, b, 1e-3) for a, b in zip(p_plain, p_g))
+
+
+def test_ghost_norms_helper_and_clipping_mask():
+    from opacus_structured.optim.ghost_clipping import ghost_per_sample_norms, set_clipping_mask
+
+    _, _, fast_net = _nets(1, False)
+    x, y, lengths, hx = _inputs("packed", 1, False)
+    per = _per_sample(copy.deepcopy(fast_net), x, y, lengths, hx)  # sum-loss grads
+    clip = float(_norms(per).median())
+    ghost = GradSampleModuleFastGradientClipping(copy.deepcopy(fast_net), batch_first=True,
+                                                 loss_reduction="sum", max_grad_norm=clip)
+    with pytest.raises(ValueError, match="no per-sample norms"):
+        ghost_per_sample_norms(ghost)
+    opt = DPOptimizerFastGradientClipping(torch.optim.SGD(ghost.parameters(), lr=1.0),
+                                          noise_multiplier=0.0, max_grad_norm=clip,
+                                          expected_batch_size=B, loss_reduction="sum")
+    crit = DPLossFastGradientClipping(ghost, opt, nn.MSELoss(reduction="sum"), "sum")
+    mask = torch.tensor([0.0, 1, 1, 0, 1, 1], dtype=torch.float64)
+    set_clipping_mask(ghost, mask)
+    opt.zero_grad()
+    crit(ghost(x, lengths, hx), y).backward()
+    assert close(ghost_per_sample_norms(ghost), _norms(per))
+    factor = (clip / (_norms(per) + 1e-6)).clamp(max=1.0) * mask
+    for n, p in ghost.named_parameters():
+        expected = torch.einsum("b,b...->...", factor, per[n.removeprefix("_module.")])
+        assert close(p.grad, expected), n
+    with pytest.raises(ValueError, match="GradSampleModuleFastGradientClipping"):
+        ghost_per_sample_norms(fast_net)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        set_clipping_mask(ghost, torch.tensor([2.0]))
+    set_clipping_mask(ghost, torch.ones(3))
+    with pytest.raises(ValueError, match="3 entries"):
+        crit(ghost(x, lengths, hx), y).backward()
+    ghost._close()

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from opacus.grad_sample import GradSampleModule
+from opacus.grad_sample import GradSampleHooks, GradSampleModule
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleModuleFastGradientClipping,
 )
@@ -406,3 +406,72 @@ def test_ghost_norms_helper_and_clipping_mask():
     with pytest.raises(ValueError, match="3 entries"):
         crit(ghost(x, lengths, hx), y).backward()
     ghost._close()
+
+
+# ---- DeepAR wiring ------------------------------------------------------------------------------
+def _deepar_per_window_grads(lstm_impl):
+    from gluonts.itertools import select
+
+    from opacus_structured.forecasting.data import load_us_employment, train_test_split
+    from opacus_structured.forecasting.estimators import prepare_estimator
+    from opacus_structured.forecasting.training import WindowDataset, collate_windows
+
+    train, _ = train_test_split(load_us_employment().subset(range(0, 148, 18)), 6)
+    torch.manual_seed(0)
+    prep = prepare_estimator("deepar", freq="M", prediction_length=6, context_length=8,
+                             batch_size=4, num_layers=2, hidden_size=4, lags_seq=[1, 2, 12],
+                             lstm_impl=lstm_impl)
+    model = prep.module.model.double()
+    entries = list(prep.transformation.apply(train.to_gluonts(), is_train=True))
+    ds = WindowDataset(entries, prep.splitter, prep.input_names)
+    batch = collate_windows([ds[k] for k in [(0, 0), (1, 40), (2, 7), (3, 3)]])
+    batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+    hooks = GradSampleHooks(model, loss_reduction="mean")
+    model.loss(**select(prep.module.inputs, batch),
+               future_observed_values=batch["future_observed_values"],
+               future_target=batch["future_target"]).mean().backward()
+    out = {n: p.grad_sample.detach().clone() for n, p in model.named_parameters()}
+    hooks.cleanup()
+    return prep, out
+
+
+def test_deepar_fast_lstm_per_window_gradients_equal_opacus_dplstm():
+    pytest.importorskip("gluonts")
+    prep_fast, g_fast = _deepar_per_window_grads("fast")
+    prep_op, g_op = _deepar_per_window_grads("opacus")
+    rnn = prep_fast.module.model.rnn
+    assert isinstance(rnn, FastDPLSTM) and isinstance(prep_op.module.model.rnn, DPLSTM)
+    assert not any(isinstance(m, (nn.LSTM, DPLSTM)) for m in prep_fast.module.model.modules())
+    names = {n: n for n in g_op if not n.startswith("rnn.")}
+    names.update({k: v for k, v in _name_map(2, False).items() if k.startswith("rnn.")})
+    assert set(names) == set(g_op) and set(names.values()) == set(g_fast)
+    for n_op, n_fast in names.items():
+        assert close(g_fast[n_fast], g_op[n_op]), n_op
+    with pytest.raises(ValueError, match="lstm_impl"):
+        from opacus_structured.forecasting.estimators import prepare_estimator
+        prepare_estimator("deepar", freq="M", prediction_length=6, lstm_impl="cudnn")
+
+
+def test_train_forecaster_deepar_fast_two_dp_steps_and_forecast():
+    pytest.importorskip("lightning")
+    import numpy as np
+
+    from opacus_structured.commands.forecast import add_arguments
+    from opacus_structured.forecasting.data import load_us_employment, train_test_split
+    from opacus_structured.forecasting.training import train_forecaster
+
+    train, test = train_test_split(load_us_employment().subset(range(0, 148, 18)), 6)
+    res = train_forecaster("deepar", train, prediction_length=6, context_length=8,
+                           batch_size=4, noise_multiplier=1.0, delta=1e-5, max_steps=2,
+                           discretization=1e-3, lr=1e-2, lstm_impl="fast",
+                           estimator_kwargs=dict(num_layers=2, hidden_size=4,
+                                                 lags_seq=[1, 2, 12], num_parallel_samples=5))
+    assert res.steps == 2 and isinstance(res.prepared.module.model.rnn, FastDPLSTM)
+    fc = next(iter(res.create_predictor().predict(test.to_gluonts(), num_samples=5)))
+    assert np.isfinite(np.asarray(fc.quantile(0.5))).all()
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).lstm_impl == "fast"
+    assert parser.parse_args(["--lstm-impl", "opacus"]).lstm_impl == "opacus"

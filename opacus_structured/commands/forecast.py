@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-baselines", action="store_true",
                    help="skip the non-private and seasonal-naive baselines")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--lstm-impl", choices=("fast", "opacus"), default="fast",
+                   help="DP LSTM for DeepAR: fast (FastDPLSTM, default) or opacus (DPLSTM); "
+                        "same per-window gradients")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     p.add_argument("--output", default="forecast-report",
                    help="directory for report.json and forecasts.png (default %(default)s)")
@@ -145,7 +148,8 @@ def run_forecast(args, *, print_fn=print) -> dict:
     common = dict(prediction_length=args.prediction_length, context_length=args.context_length,
                   batch_size=args.batch_size, max_grad_norm=args.max_grad_norm, lr=args.lr,
                   max_steps=args.max_steps, epochs=args.epochs, device=args.device,
-                  seed=args.seed, progress=progress)
+                  seed=args.seed, progress=progress,
+                  lstm_impl=getattr(args, "lstm_impl", "fast"))
     log = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
     log(f"data: US employment (BLS), {len(train)} series, shortest training series "
         f"{train.min_length} months, test = last {args.prediction_length} months")

@@ -8,8 +8,10 @@ window splitter and the names of the model's training inputs.
 What "DP-safe" means here (each point is needed for per-window clipping to bound one window's
 influence, Algorithm 2 of Schuchardt et al., ICML 2025):
 
-* ``nn.LSTM`` is replaced by Opacus' ``DPLSTM`` (``ModuleValidator.fix``), so per-sample
-  gradients exist for every parameter.
+* ``nn.LSTM`` is replaced by :class:`~opacus_structured.forecasting.fast_lstm.FastDPLSTM`
+  (``lstm_impl="fast"``, the default: the same per-sample gradients, much faster) or by Opacus'
+  ``DPLSTM`` (``lstm_impl="opacus"``, via ``ModuleValidator.fix``), so per-sample gradients
+  exist for every parameter.
 * gluonts' ``MeanScaler`` without ``default_scale`` falls back to a **batch-wide** scale for a
   window whose context is entirely unobserved (e.g. the all-padding window at split point 0): the
   gradient of one window would then depend on the other windows in the batch, and per-window
@@ -30,10 +32,12 @@ from typing import Any, Optional
 
 from .._validation import check_int
 
-__all__ = ["MODELS", "build_estimator", "prepare_estimator", "PreparedModel",
+__all__ = ["MODELS", "LSTM_IMPLS", "build_estimator", "prepare_estimator", "PreparedModel",
            "per_window_scalers", "default_context_length"]
 
 MODELS = ("deepar", "dlinear", "simpleff")
+#: LSTM implementations for DP training: "fast" (FastDPLSTM) or "opacus" (DPLSTM).
+LSTM_IMPLS = ("fast", "opacus")
 
 
 def default_context_length(model: str, prediction_length: int) -> int:
@@ -155,16 +159,21 @@ def _training_input_names(model: str) -> list:
     return list(TRAINING_INPUT_NAMES)
 
 
-def prepare_estimator(model: str, estimator=None, **build_kwargs) -> PreparedModel:
+def prepare_estimator(model: str, estimator=None, *, lstm_impl: str = "fast",
+                      **build_kwargs) -> PreparedModel:
     """Build (or take) an estimator and return its :class:`PreparedModel` with DP-safe layers.
 
-    ``ModuleValidator.fix`` replaces ``nn.LSTM`` by ``DPLSTM`` (copying the weights), and
+    ``lstm_impl="fast"`` replaces ``nn.LSTM`` by ``FastDPLSTM``
+    (:func:`~opacus_structured.forecasting.fast_lstm.replace_lstm`), ``"opacus"`` lets
+    ``ModuleValidator.fix`` replace it by ``DPLSTM`` (both copy the weights); then
     :func:`per_window_scalers` removes batch-coupled scaling; ``ModuleValidator.validate``
     must then report no error, otherwise a ValueError lists them.
     """
     from opacus.validators import ModuleValidator
 
     _check_model(model)
+    if lstm_impl not in LSTM_IMPLS:
+        raise ValueError(f"lstm_impl must be one of {LSTM_IMPLS}, got {lstm_impl!r}")
     if estimator is None:
         estimator = build_estimator(model, **build_kwargs)
     elif build_kwargs:
@@ -174,6 +183,10 @@ def prepare_estimator(model: str, estimator=None, **build_kwargs) -> PreparedMod
                          "window starts right after the context)")
     transformation = estimator.create_transformation()
     module = estimator.create_lightning_module()
+    if lstm_impl == "fast":
+        from .fast_lstm import replace_lstm
+
+        module.model = replace_lstm(module.model)
     module.model = ModuleValidator.fix(module.model)
     per_window_scalers(module.model)
     errors = ModuleValidator.validate(module.model, strict=False)

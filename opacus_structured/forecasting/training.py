@@ -341,7 +341,8 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
                      seed: int = 0, progress: bool = False,
                      discretization: float = 1e-3, estimator_kwargs: Optional[dict] = None,
                      callbacks: Sequence = (), sampler_wrapper: Optional[Callable] = None,
-                     log: Optional[Callable[[str], None]] = None) -> TrainResult:
+                     log: Optional[Callable[[str], None]] = None,
+                     lstm_impl: str = "fast") -> TrainResult:
     """Train a gluonts model on ``train`` with structured-subsampling DP-SGD (or without DP).
 
     Privacy modes:
@@ -365,6 +366,9 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
         device: "cpu" or "cuda".
         discretization: PLD discretisation used for calibration and reporting (pessimistic).
         sampler_wrapper: optional ``f(sampler) -> batch_sampler`` (e.g. to record batches).
+        lstm_impl: "fast" (:class:`~opacus_structured.forecasting.fast_lstm.FastDPLSTM`,
+            default) or "opacus" (``DPLSTM``) for DeepAR's LSTM; both give the same per-window
+            gradients (``tests/test_fast_dp_lstm.py``), "fast" is much faster.
     """
     import torch
 
@@ -394,7 +398,8 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
     np.random.seed(seed)
     prepared = prepare_estimator(model, freq=train.freq, prediction_length=prediction_length,
                                  context_length=context_length, batch_size=batch_size, lr=lr,
-                                 weight_decay=weight_decay, **(estimator_kwargs or {}))
+                                 weight_decay=weight_decay, lstm_impl=lstm_impl,
+                                 **(estimator_kwargs or {}))
     scheme = make_scheme(train, prepared, batch_size)
     check_window_matches_scheme(scheme, prepared, train)
     per_epoch = scheme.steps_per_epoch()

@@ -559,6 +559,28 @@ def test_torch_backend_cuda():
     assert abs(ta.mean() - tb.mean()) < 5 * math.hypot(ta.std(), tb.std()) / math.sqrt(20000)
 
 
+@pytest.mark.cuda
+def test_torch_log_ratios_equal_numpy_on_cuda():
+    from opacus_structured.accounting.bminsep_mc_torch import TorchBandMF
+
+    rng = np.random.default_rng(23)
+    for mech in _torch_equality_mechanisms():
+        n, S = mech.iterations, 64
+        y = rng.normal(size=(n, S)) + 0.4
+        tb = TorchBandMF(mech, "cuda")
+        if mech.truncated_batch_size is None:
+            np.testing.assert_allclose(tb.log_ratio(y).cpu().numpy(), mech.log_ratio(y),
+                                       rtol=0, atol=1e-9)
+        else:
+            r = sample_other_counts(n, mech.sampling_prob, mech.min_sep, mech.dataset_size - 1,
+                                    S, rng, warm_start=mech.warm_start)
+            want = truncated_bminsep_log_ratios(
+                y, r, mech.strategy, mech.sampling_prob, mech.min_sep, mech.noise_multiplier,
+                mech.truncated_batch_size, warm_start=mech.warm_start)
+            for g, w in zip(tb.truncated_log_ratios(y, r), want):
+                np.testing.assert_allclose(g.cpu().numpy(), w, rtol=0, atol=1e-9)
+
+
 # ---------------------------------------------------------------------------------------------
 # Algorithm 5
 # ---------------------------------------------------------------------------------------------

@@ -165,7 +165,7 @@ def test_truncated_recursions_brute_force(warm):
             pr = w
             mp = np.array(x, float)
             mq = np.zeros(n)
-            for i, kept in zip(trunc, keep):
+            for i, kept in zip(trunc, keep, strict=True):
                 s = B / (r[i] + 1)
                 pr *= s if kept else 1 - s
                 mp[i] = 2.0 if kept else 0.0
@@ -229,7 +229,7 @@ def test_participation_sampler_matches_chain():
         S = 40000
         x = sample_bminsep_participation(n, p, b, S, rng, warm_start=warm)
         keys, counts = np.unique(x.T, axis=0, return_counts=True)
-        emp = {tuple(k.astype(int)): c / S for k, c in zip(keys, counts)}
+        emp = {tuple(k.astype(int)): c / S for k, c in zip(keys, counts, strict=True)}
         assert set(emp) <= set(pmf)
         for key, prob in pmf.items():
             se = math.sqrt(prob * (1 - prob) / S)
@@ -577,7 +577,7 @@ def test_torch_log_ratios_equal_numpy_on_cuda():
             want = truncated_bminsep_log_ratios(
                 y, r, mech.strategy, mech.sampling_prob, mech.min_sep, mech.noise_multiplier,
                 mech.truncated_batch_size, warm_start=mech.warm_start)
-            for g, w in zip(tb.truncated_log_ratios(y, r), want):
+            for g, w in zip(tb.truncated_log_ratios(y, r), want, strict=True):
                 np.testing.assert_allclose(g.cpu().numpy(), w, rtol=0, atol=1e-9)
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import math
 from typing import Optional
 
 import numpy as np

@@ -95,6 +95,12 @@ def test_delegation_and_local_expected_batch_size():
     assert s.expected_batch_size == pytest.approx(4.0)
     assert s.local_expected_batch_size == pytest.approx(1.0)
     assert s.scheme.expected_sample_rate() == inner.scheme.expected_sample_rate()
+    cyclic = DistributedBatchSampler(CyclicPoissonBatchSampler(20, 4.0, 2, seed=0),
+                                     num_replicas=2, rank=0)
+    assert cyclic.local_expected_batch_size == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="expected_batch_size"):
+        DistributedBatchSampler(BallsInBinsBatchSampler(20, 5, seed=0), num_replicas=2,
+                                rank=0).local_expected_batch_size
 
 
 def test_bad_arguments():

@@ -104,8 +104,23 @@ class DistributedBatchSampler(Sampler[list]):
     @property
     def local_expected_batch_size(self) -> float:
         """``expected_batch_size / num_replicas``: per-rank normaliser for ``DistributedDPOptimizer``
-        with ``loss_reduction="mean"`` (it divides the all-reduced sum by W once more)."""
-        return float(self.inner.expected_batch_size) / self.num_replicas
+        with ``loss_reduction="mean"`` (it divides the all-reduced sum by W once more).
+
+        The global size is the sampler's ``expected_batch_size``, else its ``batch_size``
+        (cyclic Poisson), else ``num_samples * sample_rate``; ``ValueError`` if it has none.
+        """
+        inner = self.inner
+        size = getattr(inner, "expected_batch_size", None)
+        if size is None:
+            size = getattr(inner, "batch_size", None)
+        if size is None and getattr(inner, "sample_rate", None) is not None and \
+                getattr(inner, "num_samples", None) is not None:
+            size = inner.num_samples * inner.sample_rate
+        if size is None:
+            raise ValueError(f"{type(inner).__name__} has no expected_batch_size, batch_size or "
+                             f"sample_rate: pass the per-rank expected_batch_size (E / "
+                             f"num_replicas) to the optimizer yourself")
+        return float(size) / self.num_replicas
 
     # ---- state: the global stream's, identical on every rank -----------------------------
     def state_dict(self) -> dict[str, Any]:

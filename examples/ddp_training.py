@@ -27,8 +27,10 @@ def train(args) -> None:
     from opacus_structured.optim.distributed import DistributedCorrelatedNoiseDPOptimizer
     from opacus_structured.optim.strategies import banded_toeplitz_coefficients
     from opacus_structured.samplers.cyclic_poisson import CyclicPoissonBatchSampler
-    from opacus_structured.samplers.distributed import (DistributedBatchSampler,
-                                                        distributed_data_loader)
+    from opacus_structured.samplers.distributed import (
+        DistributedBatchSampler,
+        distributed_data_loader,
+    )
     from opacus_structured.samplers.poisson import PoissonBatchSampler
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -96,5 +96,5 @@ def all_gather_cat(tensor: torch.Tensor, *, return_lengths: bool = False):
     padded[:tensor.numel()] = tensor.to(dev)
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded)
-    out = torch.cat([p[:k] for p, k in zip(parts, lengths)]).to(tensor.device)
+    out = torch.cat([p[:k] for p, k in zip(parts, lengths, strict=True)]).to(tensor.device)
     return (out, lengths) if return_lengths else out

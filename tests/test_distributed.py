@@ -99,7 +99,7 @@ def test_delegation_and_local_expected_batch_size():
                                      num_replicas=2, rank=0)
     assert cyclic.local_expected_batch_size == pytest.approx(2.0)
     with pytest.raises(ValueError, match="expected_batch_size"):
-        DistributedBatchSampler(BallsInBinsBatchSampler(20, 5, seed=0), num_replicas=2,
+        _ = DistributedBatchSampler(BallsInBinsBatchSampler(20, 5, seed=0), num_replicas=2,
                                 rank=0).local_expected_batch_size
 
 
@@ -285,7 +285,7 @@ def _reference_callback_states():
         p = torch.nn.Parameter(torch.zeros(2))
         p.grad_sample = torch.ones(len(batch), 2)
         active = filt.mask_and_record([p], batch, norms, SIGMA, CLIP)
-        decisions.append(dict(zip(batch.tolist(), active.tolist())))
+        decisions.append(dict(zip(batch.tolist(), active.tolist(), strict=True)))
     return tracker, filt, decisions
 
 
@@ -309,15 +309,15 @@ def test_two_processes_union_equals_single_process_batch(two_ranks, name):
 @pytest.mark.parametrize("kind,coefs", [("plain", None), ("correlated", COEFS)])
 def test_two_processes_final_parameters_equal_single_process(two_ranks, kind, coefs):
     ref = _train(0, 1, coefs, distributed=False)
-    sizes = [a + b for a, b in zip(two_ranks[0][kind]["sizes"], two_ranks[1][kind]["sizes"])]
+    sizes = [a + b for a, b in zip(two_ranks[0][kind]["sizes"], two_ranks[1][kind]["sizes"], strict=True)]
     assert sizes == ref["sizes"]
     assert 0 in two_ranks[1][kind]["sizes"]  # an empty shard was trained through
     for r in range(WORLD):
-        for p, q in zip(two_ranks[r][kind]["params"], ref["params"]):
+        for p, q in zip(two_ranks[r][kind]["params"], ref["params"], strict=True):
             torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
     # a wrong run (noise on every rank) would differ by far more than the tolerance
     moved = max(float((p - q.detach()).abs().max())
-                for p, q in zip(ref["params"], _model().parameters()))
+                for p, q in zip(ref["params"], _model().parameters(), strict=True))
     assert moved > 1e-2
     for r in range(WORLD):  # every rank ends in the single-process sampler state
         state = two_ranks[r][kind]["sampler"]
@@ -330,7 +330,7 @@ def test_two_processes_correlated_noise_state(two_ranks):
     ref = _train(0, 1, COEFS, distributed=False)["noise"]
     r0, r1 = two_ranks[0]["correlated"]["noise"], two_ranks[1]["correlated"]["noise"]
     assert r0["noise_step"] == r1["noise_step"] == ref["noise_step"] == STEPS
-    for a, b in zip(r0["buffers"], ref["buffers"]):
+    for a, b in zip(r0["buffers"], ref["buffers"], strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     assert all(b is None for b in r1["buffers"])  # only rank 0 keeps past noise
 
@@ -443,5 +443,5 @@ def test_lightning_ddp_dp_callback_equals_single_process(tmp_path):
         got = torch.load(tmp_path / f"lightning{r}.pt", weights_only=False)
         assert got["optimizer"] == "DistributedDPOptimizer"
         assert got["steps"] == ref["steps"] and got["epsilon"] == ref["epsilon"]
-        for p, q in zip(got["params"], ref["params"]):
+        for p, q in zip(got["params"], ref["params"], strict=True):
             torch.testing.assert_close(p, q, atol=1e-6, rtol=0)

@@ -117,45 +117,47 @@ class _LSTMRecurrence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z, h0, c0, w_hh, hs, cs, acts, tcs, mask):
-        ctx.save_for_backward(w_hh, h0, c0, hs, cs, acts, tcs,
+        # Whole-sequence factors of the BPTT step (computed once, so the backward time loop
+        # runs ~7 kernels per step): G_t = (dc_new, dc_new, dc_new, dh) * M_t.
+        H = hs.shape[-1]
+        i, f, g, o = acts.split(H, dim=2)
+        c_prev = torch.cat([c0.unsqueeze(1), cs[:, :-1]], dim=1)
+        m_fac = torch.cat([g * i * (1.0 - i), c_prev * f * (1.0 - f), i * (1.0 - g * g),
+                           tcs * o * (1.0 - o)], dim=2)
+        o_dtanh = o * (1.0 - tcs * tcs)
+        ctx.save_for_backward(w_hh, m_fac, o_dtanh, f.contiguous(),
                               mask if mask is not None else torch.empty(0))
         ctx.has_mask = mask is not None
         return hs.clone(), cs.clone()
 
     @staticmethod
     def backward(ctx, d_hs, d_cs):
-        w_hh, h0, c0, hs, cs, acts, tcs, mask = ctx.saved_tensors
-        B, T, H = hs.shape
-        grad_z = acts.new_empty(B, T, 4 * H)
-        dh = torch.zeros_like(h0)
-        dc = torch.zeros_like(c0)
+        w_hh, m_fac, o_dtanh, f, mask = ctx.saved_tensors
+        B, T, H = f.shape
+        dh = m_fac.new_zeros(B, H)
+        dc = m_fac.new_zeros(B, H)
+        grads = [None] * T
         for t in range(T - 1, -1, -1):
             if d_hs is not None:
                 dh = dh + d_hs[:, t]
             if d_cs is not None:
                 dc = dc + d_cs[:, t]
-            i, f, g, o = acts[:, t].split(H, dim=1)
-            c_prev = cs[:, t - 1] if t > 0 else c0
-            tc = tcs[:, t]
             if ctx.has_mask:
                 m = mask[:, t].to(dh.dtype)
                 dh_in, dc_in = dh * m, dc * m
             else:
                 dh_in, dc_in = dh, dc
-            dc_new = dc_in + dh_in * o * (1.0 - tc * tc)
-            gz = grad_z[:, t]
-            gz[:, :H] = dc_new * g * i * (1.0 - i)
-            gz[:, H:2 * H] = dc_new * c_prev * f * (1.0 - f)
-            gz[:, 2 * H:3 * H] = dc_new * i * (1.0 - g * g)
-            gz[:, 3 * H:] = dh_in * tc * o * (1.0 - o)
+            dc_new = torch.addcmul(dc_in, dh_in, o_dtanh[:, t])
+            gz = torch.cat([dc_new, dc_new, dc_new, dh_in], dim=1).mul_(m_fac[:, t])
+            grads[t] = gz
             dh_rec = gz @ w_hh
             if ctx.has_mask:
-                dc = dc_new * f + dc * (1.0 - m)
-                dh = dh_rec + dh * (1.0 - m)
+                dc = torch.addcmul(dc * (1.0 - m), dc_new, f[:, t])
+                dh = torch.addcmul(dh_rec, dh, 1.0 - m)
             else:
-                dc = dc_new * f
+                dc = dc_new * f[:, t]
                 dh = dh_rec
-        return grad_z, dh, dc, None, None, None, None, None, None
+        return torch.stack(grads, dim=1), dh, dc, None, None, None, None, None, None
 
 
 class FastDPLSTMLayer(nn.Module):

@@ -12,37 +12,16 @@ from __future__ import annotations
 from ..accounting import pld as pld_lib
 from ..schemes.balls_in_bins import BallsInBinsScheme
 from ..schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme
-from .base import SchemeAccountant  # noqa: F401
+from .base import SchemeAccountant
 
 __all__ = ["BandMFCyclicPoissonAccountant", "BallsInBinsAccountant"]
 
 
-class _UnitAccountant(SchemeAccountant):
-    """Chunks the step history into the scheme's accounting units (``steps_per_unit`` steps:
-    a cycle, or a whole balls-in-bins run), each priced at the smallest σ used in it (more
-    noise is never less private), and composes them."""
-
-    def _composed_epochs(self, discretization: float):
-        per_unit = self.scheme.steps_per_unit()
-        total = len(self)
-        self.scheme.compositions(total)  # validates (balls-in-bins: no more than planned)
-        sigmas, rates = [], []
-        for sigma, q, n in self.history:
-            sigmas.extend([sigma] * int(n))
-            rates.extend([q] * int(n))
-        parts: dict = {}
-        for start in range(0, total, per_unit):
-            key = (min(sigmas[start:start + per_unit]), rates[start])
-            parts[key] = parts.get(key, 0) + 1
-        return pld_lib.compose(
-            (self.scheme.pld(s, sample_rate=q, discretization=discretization), n)
-            for (s, q), n in parts.items())
-
-
-class BandMFCyclicPoissonAccountant(_UnitAccountant):
+class BandMFCyclicPoissonAccountant(SchemeAccountant):
     """BandMF + cyclic Poisson: ``ceil(steps/b)`` Poisson-subsampled Gaussians (``q = b·B/|D|``)."""
 
     mechanism_name = "bandmf-cyclic-poisson"
+    scheme_class = BandMFCyclicPoissonScheme
 
     def __init__(self, scheme: BandMFCyclicPoissonScheme = None, *,
                  discretization: float = pld_lib.DEFAULT_DISCRETIZATION):
@@ -52,10 +31,11 @@ class BandMFCyclicPoissonAccountant(_UnitAccountant):
         super().__init__(scheme, discretization=discretization)
 
 
-class BallsInBinsAccountant(_UnitAccountant):
+class BallsInBinsAccountant(SchemeAccountant):
     """DP-SGD with balls-in-bins (fixed bins), priced by pld-accounting."""
 
     mechanism_name = "balls-in-bins"
+    scheme_class = BallsInBinsScheme
 
     def __init__(self, scheme: BallsInBinsScheme = None, *,
                  discretization: float = pld_lib.DEFAULT_DISCRETIZATION):

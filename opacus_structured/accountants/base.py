@@ -6,6 +6,11 @@ The adapter only records steps and delegates pricing to the scheme (opacus' own 
 ``get_noise_multiplier`` / ``make_private_with_epsilon`` (which set
 ``accountant.history = [(sigma, sample_rate, steps)]`` on a fresh instance) work unchanged.
 
+``SchemeAccountant(scheme)`` returns the accountant class registered for the scheme's type
+(``scheme_class``), e.g. a ``BallsInBinsScheme`` gets a ``BallsInBinsAccountant``: code that only
+knows "some scheme" (callbacks, examples, user scripts) always gets the pricing that scheme
+needs, never the generic one by accident.
+
 A mismatch between the scheme and what Opacus reports (a different ``sample_rate`` because the
 DataLoader does not use the scheme's sampler, or gradient accumulation) raises at the first
 step instead of silently producing a wrong ε.
@@ -14,7 +19,6 @@ step instead of silently producing a wrong ε.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from typing import ClassVar, Optional
 
 from opacus.accountants.accountant import IAccountant
@@ -22,9 +26,21 @@ from opacus.accountants.registry import _ACCOUNTANTS, register_accountant
 
 from .._validation import check_open_unit, check_positive
 from ..accounting import pld as pld_lib
-from ..schemes.base import BoundKind, Scheme
+from ..schemes.base import Scheme
 
-__all__ = ["SchemeAccountant", "register_scheme_accountant"]
+__all__ = ["SchemeAccountant", "register_scheme_accountant", "accountant_class_for"]
+
+#: Scheme class -> the SchemeAccountant subclass that prices it (filled by ``scheme_class``).
+_ACCOUNTANT_FOR_SCHEME: dict[type, type] = {}
+
+
+def accountant_class_for(scheme: Scheme) -> type:
+    """The :class:`SchemeAccountant` subclass registered for ``type(scheme)`` (or a base class
+    of it); :class:`SchemeAccountant` itself when none is."""
+    for klass in type(scheme).__mro__:
+        if klass in _ACCOUNTANT_FOR_SCHEME:
+            return _ACCOUNTANT_FOR_SCHEME[klass]
+    return SchemeAccountant
 
 
 class SchemeAccountant(IAccountant):
@@ -42,6 +58,19 @@ class SchemeAccountant(IAccountant):
     default_scheme: ClassVar[Optional[Scheme]] = None
     #: Registry / mechanism name.
     mechanism_name: ClassVar[str] = ""
+    #: The Scheme subclass this accountant prices; ``SchemeAccountant(scheme)`` dispatches to it.
+    scheme_class: ClassVar[Optional[type]] = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        scheme_class = cls.__dict__.get("scheme_class")
+        if scheme_class is not None:
+            _ACCOUNTANT_FOR_SCHEME[scheme_class] = cls
+
+    def __new__(cls, scheme: Optional[Scheme] = None, *args, **kwargs):
+        if cls is SchemeAccountant and scheme is not None:
+            cls = accountant_class_for(scheme)
+        return super().__new__(cls)
 
     def __init__(self, scheme: Optional[Scheme] = None, *,
                  discretization: float = pld_lib.DEFAULT_DISCRETIZATION):
@@ -93,17 +122,19 @@ class SchemeAccountant(IAccountant):
         return self._cache[key]
 
     def _composed_epochs(self, discretization: float):
-        # Epoch-level schemes: an epoch is priced at the smallest noise multiplier used in it
-        # (more noise is post-processing-equivalent to less privacy loss: never under-reports).
-        per_epoch = self.scheme.steps_per_epoch()
+        # Multi-step units (an epoch, a BandMF cycle, a whole balls-in-bins run): chunk the
+        # history into ``steps_per_unit`` steps, each unit priced at the smallest noise
+        # multiplier used in it (more noise is post-processing: never under-reports).
+        per_unit = self.scheme.steps_per_unit()
+        self.scheme.compositions(len(self))  # validates (e.g. no more steps than planned)
         sigmas: list[float] = []
         rates: list[Optional[float]] = []
         for sigma, q, n in self.history:
             sigmas.extend([sigma] * int(n))
             rates.extend([q] * int(n))
         parts: dict[tuple, int] = {}
-        for start in range(0, len(sigmas), per_epoch):
-            s = min(sigmas[start:start + per_epoch])
+        for start in range(0, len(sigmas), per_unit):
+            s = min(sigmas[start:start + per_unit])
             parts[(s, rates[start])] = parts.get((s, rates[start]), 0) + 1
         return pld_lib.compose(
             (self.scheme.pld(s, sample_rate=q, discretization=discretization), n)

@@ -30,6 +30,7 @@ class BMinSepMonteCarloAccountant(SchemeAccountant):
     """
 
     mechanism_name = "bminsep-mc"
+    scheme_class = BMinSepMonteCarloScheme
 
     def __init__(self, scheme: Optional[BMinSepMonteCarloScheme] = None, **kwargs):
         super().__init__(scheme, **kwargs)

@@ -20,6 +20,7 @@ class PoissonAccountant(SchemeAccountant):
 
     default_scheme = PoissonScheme()
     mechanism_name = "poisson"
+    scheme_class = PoissonScheme
 
     def __init__(self, scheme: Optional[PoissonScheme] = None, *,
                  discretization: float = pld_lib.DEFAULT_DISCRETIZATION):

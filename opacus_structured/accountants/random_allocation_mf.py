@@ -25,6 +25,7 @@ class RandomAllocationMFAccountant(SchemeAccountant):
     register_scheme_accountant`."""
 
     mechanism_name = "random-allocation-mf"
+    scheme_class = RandomAllocationMFScheme
 
     def __init__(self, scheme: Optional[RandomAllocationMFScheme] = None, *,
                  discretization: float = pld_lib.DEFAULT_DISCRETIZATION):

@@ -42,6 +42,7 @@ class StructuredSubsamplingAccountant(SchemeAccountant):
     """
 
     mechanism_name = "structured"
+    scheme_class = StructuredScheme
 
     def __init__(self, scheme: Optional[StructuredScheme] = None, *,
                  discretization: float = pld_lib.DEFAULT_DISCRETIZATION):

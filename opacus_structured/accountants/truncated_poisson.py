@@ -34,6 +34,7 @@ class TruncatedPoissonAccountant(SchemeAccountant):
     """
 
     mechanism_name = "truncated-poisson"
+    scheme_class = TruncatedPoissonScheme
 
     def __init__(self, scheme: Optional[TruncatedPoissonScheme] = None, *,
                  discretization: float = pld_lib.DEFAULT_DISCRETIZATION):

@@ -90,11 +90,15 @@ class Scheme(abc.ABC):
     def compositions(self, steps: int) -> int:
         """Number of accounting units covering ``steps`` optimizer steps."""
         steps = check_int("steps", steps, minimum=0)
-        if self.unit == "step":
-            return steps
-        per_epoch = self.steps_per_epoch()
-        # A partial epoch is post-processing of a full one: round up (never under-report).
-        return math.ceil(steps / per_epoch)
+        # A partial unit is post-processing of a full one: round up (never under-report).
+        return math.ceil(steps / self.steps_per_unit())
+
+    def steps_per_unit(self) -> int:
+        """Optimizer steps covered by one :meth:`pld` (one accounting unit): 1 for per-step
+        schemes, :meth:`steps_per_epoch` for per-epoch ones. Schemes whose unit is something
+        else (a BandMF cycle, a whole balls-in-bins run) override it; accountants chunk the step
+        history by it, so it must be exactly the span of steps one :meth:`pld` prices."""
+        return 1 if self.unit == "step" else self.steps_per_epoch()
 
     def steps_per_epoch(self) -> int:
         """Optimizer steps per epoch (schemes with an epoch notion override this)."""

@@ -40,6 +40,10 @@ Families
 * BandInvMF (Kalinin et al. 2025): :func:`banded_inverse_coefficients`, ``C^{-1}`` banded Toeplitz
   with ``b`` bands minimising the same objective (``C`` dense, non-negative in practice;
   checked).
+* BLT (buffered linear Toeplitz; Dvijotham et al. 2024, McMahan et al. 2024):
+  :class:`BufferedToeplitz` / :func:`blt_strategy`. ``C`` and ``C^{-1}`` are dense Toeplitz but
+  ``C`` has a rational generating function, ``c_0 = 1``, ``c_k = Σ_j ω_j θ_j^{k−1}`` (``k ≥ 1``),
+  so the noise ``C^{-1}z`` streams with ``d`` buffers instead of ``n`` past noise vectors.
 
 BandMF objective
 ----------------
@@ -58,6 +62,7 @@ bounds ``c_0 ≥ 1e-6``, ``c_k ≥ 0`` (non-negativity is required by the amplif
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -82,13 +87,15 @@ __all__ = [
     "strategy_coefficients",
     "strategy_matrix",
     "validate_coefficients",
+    "BufferedToeplitz",
+    "blt_strategy",
 ]
 
 #: Strategy names accepted by :func:`strategy_coefficients` / :func:`strategy_matrix` and by the
 #: ``--strategy`` flag of the ``bandmf-cyclic-poisson`` scheme. All but ``banded-inverse`` /
 #: ``bisr`` are banded Toeplitz ``C`` (usable by the streaming optimizer and the banded
 #: accountants); the inverse families give dense ``C``.
-STRATEGIES = ("optimal-banded", "identity", "banded-sqrt", "banded-inverse", "bisr")
+STRATEGIES = ("optimal-banded", "identity", "banded-sqrt", "banded-inverse", "bisr", "blt")
 
 
 def _check_n_bands(n, bands):
@@ -377,14 +384,21 @@ def strategy_coefficients(name: str, n: int, bands: int) -> np.ndarray:
     if name == "banded-sqrt":
         _check_n_bands(n, bands)
         return banded_sqrt_coefficients(bands)
-    if name in ("banded-inverse", "bisr"):
-        raise ValueError(f"strategy {name!r} has a dense C (banded C^-1); it has no banded "
+    if name in ("banded-inverse", "bisr", "blt"):
+        raise ValueError(f"strategy {name!r} has a dense C; it has no banded "
                          f"first-column coefficients: use strategy_matrix()")
     raise ValueError(f"strategy must be one of {STRATEGIES}, got {name!r}")
 
 
 def strategy_matrix(name: str, n: int, bands: int = 1) -> np.ndarray:
-    """The ``n×n`` strategy matrix ``C`` of a named family (see :data:`STRATEGIES`)."""
+    """The ``n×n`` strategy matrix ``C`` of a named family (see :data:`STRATEGIES`).
+
+    For ``"blt"`` the ``bands`` argument is the number of buffers ``d`` of the optimised
+    :class:`BufferedToeplitz` (:func:`blt_strategy`); ``C`` is scaled to unit first-column norm.
+    """
+    if name == "blt":
+        n, bands = _check_n_bands(n, bands)
+        return toeplitz_matrix(blt_strategy(n, bands).normalized_coefficients(n), n)
     if name in ("banded-inverse", "bisr"):
         n, bands = _check_n_bands(n, bands)
         if name == "bisr":
@@ -393,3 +407,183 @@ def strategy_matrix(name: str, n: int, bands: int = 1) -> np.ndarray:
             return toeplitz_matrix(c / np.linalg.norm(c), n)
         return toeplitz_matrix(inverse_toeplitz_coefficients(banded_inverse_coefficients(n, bands), n), n)
     return toeplitz_matrix(strategy_coefficients(name, n, bands), n)
+
+
+# ---------------------------------------------------------------------------------------------
+# BLT: buffered linear Toeplitz strategies
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class BufferedToeplitz:
+    r"""A buffered linear Toeplitz (BLT) strategy ``C`` (Dvijotham et al. 2024, "Efficient and
+    near-optimal noise generation for streaming differential privacy"; McMahan et al. 2024).
+
+    ``C`` is lower-triangular Toeplitz with generating function
+    ``c(x) = 1 + Σ_j ω_j x / (1 − θ_j x)``, i.e. ``c_0 = 1`` and
+    ``c_k = Σ_{j=1}^{d} ω_j θ_j^{k−1}`` for ``k ≥ 1``, with buffer decays ``θ_j ∈ [0, 1]``
+    (``buf_decay``) and output scales ``ω_j`` (``output_scale``). With ``θ, ω ≥ 0`` every
+    ``c_k ≥ 0`` (the non-negativity the amplification analyses need).
+
+    **Streaming noise** (Algorithm 3 of McMahan et al. 2024): ``w = C^{-1} z`` is
+    ``w_t = z_t − Σ_j ω_j s_{j,t}``, ``s_{j,t+1} = θ_j s_{j,t} + w_t`` (``s_{j,0} = 0``),
+    because ``Σ_{k≥1} c_k w_{t−k} = Σ_j ω_j Σ_{k≥1} θ_j^{k−1} w_{t−k}``. The state is ``d``
+    buffers of the parameter's shape — memory ``d·|θ|`` for any horizon ``n``.
+
+    Scaling: the raw ``C`` has ``c_0 = 1``; :meth:`normalized_coefficients` divides by the norm
+    of the first column (``‖c_{0:n}‖₂``, the single-participation sensitivity; Toeplitz columns
+    are prefixes of the first, so it is the largest) — the convention of this module.
+    """
+
+    buf_decay: tuple[float, ...]
+    output_scale: tuple[float, ...]
+
+    def __post_init__(self):
+        theta = np.asarray(self.buf_decay, dtype=np.float64).ravel()
+        omega = np.asarray(self.output_scale, dtype=np.float64).ravel()
+        if theta.size == 0 or theta.size != omega.size:
+            raise ValueError(f"buf_decay and output_scale must be non-empty and of equal length, "
+                             f"got {theta.size} and {omega.size}")
+        if not (np.all(np.isfinite(theta)) and np.all((theta >= 0) & (theta <= 1))):
+            raise ValueError(f"buf_decay must lie in [0, 1], got {theta!r}")
+        if not (np.all(np.isfinite(omega)) and np.all(omega >= 0)):
+            raise ValueError(f"output_scale must be finite and >= 0 (non-negative C), "
+                             f"got {omega!r}")
+        object.__setattr__(self, "buf_decay", tuple(float(v) for v in theta))
+        object.__setattr__(self, "output_scale", tuple(float(v) for v in omega))
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self.buf_decay)
+
+    def coefficients(self, n: int) -> np.ndarray:
+        """Raw Toeplitz coefficients ``c_0..c_{n−1}`` (``c_0 = 1``)."""
+        n = check_int("n", n, minimum=1)
+        return _blt_coefficients(np.asarray(self.buf_decay), np.asarray(self.output_scale), n)
+
+    def normalized_coefficients(self, n: int) -> np.ndarray:
+        """``c / ‖c‖₂`` for horizon ``n``: unit single-participation sensitivity."""
+        c = self.coefficients(n)
+        return c / np.linalg.norm(c)
+
+    def inverse_apply(self, z: np.ndarray) -> np.ndarray:
+        """``C^{-1} z`` (raw ``C``) by the streaming buffer recursion; ``z`` has steps on axis 0."""
+        z = np.asarray(z, dtype=np.float64)
+        theta = np.asarray(self.buf_decay)
+        omega = np.asarray(self.output_scale)
+        bufs = np.zeros((theta.size,) + z.shape[1:])
+        out = np.empty_like(z)
+        for t in range(z.shape[0]):
+            out[t] = z[t] - np.tensordot(omega, bufs, axes=1)
+            bufs = theta.reshape((-1,) + (1,) * (z.ndim - 1)) * bufs + out[t]
+        return out
+
+    def prefix_sum_mse(self, n: int) -> float:
+        """The BandMF objective ``mean(cumsum(β²))·‖c‖²`` of this ``C`` at horizon ``n``."""
+        return _blt_loss_and_grad(np.asarray(self.buf_decay), np.asarray(self.output_scale),
+                                  check_int("n", n, minimum=1))[0]
+
+
+def _blt_coefficients(theta: np.ndarray, omega: np.ndarray, n: int) -> np.ndarray:
+    powers = np.arange(n - 1, dtype=np.float64)[:, None]
+    with np.errstate(under="ignore"):
+        tail = (theta[None, :] ** powers) @ omega if n > 1 else np.zeros(0)
+    return np.concatenate([[1.0], tail])
+
+
+def _blt_loss_and_grad(theta: np.ndarray, omega: np.ndarray, n: int):
+    """Prefix-sum loss of the BLT ``(θ, ω)`` and its gradient w.r.t. ``(θ, ω)``.
+
+    ``β = C^{-1} 1`` by the streaming recursion (``O(n·d)``), the adjoint ``λ = C^{-T}(2wβ)``
+    by the reversed recursion, ``∂f/∂c_k = −Σ_{i≥k} λ_i β_{i−k}`` (a correlation, by FFT), and
+    the chain rule through ``c_k = Σ_j ω_j θ_j^{k−1}``.
+    """
+    from scipy import signal
+
+    d = theta.size
+    weights = (n - np.arange(n)) / n
+    c = _blt_coefficients(theta, omega, n)
+    # beta = C^{-1} 1 (forward buffers); lam = C^{-T} r (backward buffers).
+    beta = np.empty(n)
+    bufs = np.zeros(d)
+    for t in range(n):
+        beta[t] = 1.0 - omega @ bufs
+        bufs = theta * bufs + beta[t]
+    f = float(weights @ beta**2)
+    norm2 = float(c @ c)
+    r = 2.0 * weights * beta
+    lam = np.empty(n)
+    bufs = np.zeros(d)
+    for t in range(n - 1, -1, -1):
+        lam[t] = r[t] - omega @ bufs
+        bufs = theta * bufs + lam[t]
+    # grad_f[k] = -sum_{i>=k} lam_i beta_{i-k}  (k = 0..n-1)
+    corr = signal.fftconvolve(lam, beta[::-1])[n - 1:]
+    grad_c = -corr * norm2 + f * 2.0 * c  # d(f * norm2)/dc_k
+    g = grad_c[1:]  # c_0 = 1 is fixed
+    k = np.arange(n - 1, dtype=np.float64)[:, None]
+    with np.errstate(under="ignore", divide="ignore", invalid="ignore"):
+        pw = theta[None, :] ** k  # θ^{k}, k = 0..n-2 (for c_{k+1})
+        dpw = np.where(k > 0, k * theta[None, :] ** np.maximum(k - 1, 0), 0.0)
+    grad_omega = g @ pw
+    grad_theta = (g @ dpw) * omega
+    return f * norm2, np.concatenate([grad_theta, grad_omega])
+
+
+def _blt_initial(n: int, buffers: int) -> tuple[np.ndarray, np.ndarray]:
+    """Decays spread geometrically towards 1, scales fitted (NNLS) to the max-error
+    coefficients ``binom(2k,k)/4^k`` (the Toeplitz square root of the prefix-sum workload)."""
+    target = max_error_coefficients(n)[1:]
+    theta = 1.0 - np.geomspace(0.5, min(0.5, 1.0 / n), buffers) if buffers > 1 else np.array([0.9])
+    theta = np.clip(theta, 0.0, 1.0 - 1e-6)
+    if n == 1:
+        return theta, np.zeros(buffers)
+    basis = theta[None, :] ** np.arange(n - 1, dtype=np.float64)[:, None]
+    omega, _ = optimize.nnls(basis, target)
+    return theta, omega
+
+
+@functools.lru_cache(maxsize=32)
+def _optimal_blt(n: int, buffers: int, max_iter: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    theta0, omega0 = _blt_initial(n, buffers)
+    if n == 1:
+        return tuple(theta0), tuple(omega0)
+    d = buffers
+
+    def fun(x):
+        with np.errstate(all="ignore"):
+            loss, grad = _blt_loss_and_grad(x[:d], x[d:], n)
+        if not (math.isfinite(loss) and loss > 0 and np.all(np.isfinite(grad))):
+            return 1e4, np.zeros_like(x)
+        return math.log(loss), grad / loss
+
+    x0 = np.concatenate([theta0, omega0])
+    bounds = [(0.0, 1.0)] * d + [(0.0, None)] * d
+    res = optimize.minimize(fun, x0, jac=True, method="L-BFGS-B", bounds=bounds,
+                            options={"maxiter": max_iter, "ftol": 0.0, "gtol": 1e-10,
+                                     "maxcor": 30})
+    x = np.asarray(res.x, dtype=np.float64)
+    if not fun(x)[0] <= fun(x0)[0]:  # never worse than the feasible initialisation
+        x = x0
+    theta, omega = np.clip(x[:d], 0.0, 1.0), np.maximum(x[d:], 0.0)
+    order = np.argsort(-theta)
+    return tuple(float(v) for v in theta[order]), tuple(float(v) for v in omega[order])
+
+
+def blt_strategy(n: int, buffers: int = 4, *, max_iter: int = 500) -> BufferedToeplitz:
+    """BLT with ``buffers`` buffers optimised for the prefix-sum workload at horizon ``n``.
+
+    Minimises the same objective as BandMF, ``mean(cumsum(β²))·‖c‖²`` with ``c`` the full
+    length-``n`` first column (module docstring; jax_privacy ``buffered_toeplitz.optimize`` with
+    single-participation sensitivity and mean error), over ``θ ∈ [0, 1]^d``, ``ω ≥ 0`` by
+    L-BFGS-B with an analytic gradient (:func:`_blt_loss_and_grad`) from an NNLS fit to the
+    max-error coefficients; never returns a point worse than that initialisation. Cached per
+    ``(n, buffers, max_iter)``.
+
+    Args:
+        n: horizon (number of steps), ≥ 1.
+        buffers: number of buffers ``d``, ``1 ≤ d ≤ n``.
+        max_iter: L-BFGS-B iteration cap.
+    """
+    n, buffers = _check_n_bands(n, buffers)
+    max_iter = check_int("max_iter", max_iter, minimum=1)
+    theta, omega = _optimal_blt(n, buffers, max_iter)
+    return BufferedToeplitz(theta, omega)

@@ -49,11 +49,7 @@ def _strategy_cached(strategy: str, n: int, bands: int) -> np.ndarray:
     if strategy == "identity":
         return np.eye(n)
     names = {"bandmf": "optimal-banded", "bandinvmf": "banded-inverse", "bsr": "banded-sqrt",
-             "bisr": "bisr"}
-    if strategy == "blt":
-        raise ValueError("strategy 'blt' is not available: opacus_structured.optim.strategies "
-                         "provides no BLT matrix yet; pass an explicit C to the accounting "
-                         "functions instead")
+             "bisr": "bisr", "blt": "blt"}
     return st.strategy_matrix(names[strategy], n, bands)
 
 
@@ -89,7 +85,8 @@ class RandomAllocationMFScheme(Scheme):
 
     Args:
         strategy: one of :data:`STRATEGY_CHOICES`.
-        bands: band count of the strategy (ignored for ``identity``).
+        bands: band count of the strategy (BandMF/BSR: of ``C``; BandInvMF/BISR: of ``C^{-1}``;
+            BLT: the number of buffers; ignored for ``identity``).
         epochs: ``k`` ≥ 1.
         batches_per_epoch: ``b`` ≥ 1.
         method: ``"renyi"``, ``"conditional"`` or ``"best"``.
@@ -100,7 +97,7 @@ class RandomAllocationMFScheme(Scheme):
     """
 
     name: ClassVar[str] = "random-allocation-mf"
-    summary: ClassVar[str] = ("matrix mechanism (identity/BandMF/BandInvMF/BSR/BISR) under "
+    summary: ClassVar[str] = ("matrix mechanism (identity/BandMF/BandInvMF/BSR/BISR/BLT) under "
                               "random allocation (balls-in-bins), Rényi DP / conditional "
                               "composition (Schuchardt & Kalinin); add/remove")
     unit: ClassVar[str] = "epoch"
@@ -127,8 +124,6 @@ class RandomAllocationMFScheme(Scheme):
             object.__setattr__(self, "renyi_bands",
                                check_int("renyi_bands", self.renyi_bands, minimum=1))
         object.__setattr__(self, "max_dp_cost", check_positive("max_dp_cost", self.max_dp_cost))
-        if self.strategy == "blt":
-            strategy_matrix("blt", 1, 1)  # raises the clear "not available" error now
 
     # ---- structure -----------------------------------------------------------------------
     @property
@@ -223,7 +218,8 @@ class RandomAllocationMFScheme(Scheme):
         parser.add_argument("--strategy", choices=STRATEGY_CHOICES, default="identity",
                             help="strategy matrix C (default identity = DP-SGD)")
         parser.add_argument("--bands", type=int, default=1, metavar="p",
-                            help="bands of the strategy (BandMF/BSR: C; BandInvMF/BISR: C^-1)")
+                            help="bands of the strategy (BandMF/BSR: C; BandInvMF/BISR: C^-1; "
+                                 "BLT: number of buffers)")
         parser.add_argument("--epochs", type=int, default=1, metavar="k",
                             help="epochs over the same bins (default 1)")
         parser.add_argument("--batches-per-epoch", type=int, required=True, metavar="b",

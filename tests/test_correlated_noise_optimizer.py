@@ -172,9 +172,14 @@ def test_mixin_class_for_other_clipping():
     cls = correlated_optimizer_class(DPPerLayerOptimizer)
     assert issubclass(cls, DPPerLayerOptimizer) and cls is correlated_optimizer_class(
         DPPerLayerOptimizer)
-    from opacus.optimizers import DistributedDPOptimizer
+    from opacus.optimizers import DistributedDPOptimizer, SimpleDistributedPerLayerOptimizer
+
+    from opacus_structured.optim.distributed import DistributedCorrelatedNoiseDPOptimizer
+    # noise once, on rank 0 (tests/test_distributed.py checks the 2-process equivalence)
+    assert correlated_optimizer_class(DistributedDPOptimizer) is \
+        DistributedCorrelatedNoiseDPOptimizer
     with pytest.raises(ValueError, match="not supported"):
-        correlated_optimizer_class(DistributedDPOptimizer)
+        correlated_optimizer_class(SimpleDistributedPerLayerOptimizer)
 
 
 @pytest.mark.cuda

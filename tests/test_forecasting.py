@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("gluonts")
 pytest.importorskip("lightning")
 
+from opacus_structured.accountants.structured import StructuredSubsamplingAccountant  # noqa: E402,E501
 from opacus_structured.accounting.calibration import calibrate_noise_multiplier  # noqa: E402
-from opacus_structured.forecasting import _structured  # noqa: E402
 from opacus_structured.forecasting.data import Panel, load_us_employment, train_test_split  # noqa: E402
 from opacus_structured.forecasting.estimators import prepare_estimator  # noqa: E402
 from opacus_structured.forecasting.training import (  # noqa: E402
@@ -23,6 +23,7 @@ from opacus_structured.forecasting.training import (  # noqa: E402
     max_steps_within_budget,
     train_forecaster,
 )
+from opacus_structured.schemes.structured import StructuredScheme  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -86,9 +87,9 @@ def test_model_window_matches_scheme(model, tiny):
     assert scheme.context_length == expected and scheme.forecast_length == H
     assert scheme.series_length == train.min_length and scheme.num_series == len(train)
     check_window_matches_scheme(scheme, prep, train)
-    wrong = _structured.new_scheme(num_series=len(train), series_length=train.min_length,
-                                   context_length=8 if model == "deepar" else 9,
-                                   forecast_length=H, batch_size=4)
+    wrong = StructuredScheme(num_series=len(train), series_length=train.min_length,
+                             context_length=8 if model == "deepar" else 9,
+                             forecast_length=H, batch_size=4)
     with pytest.raises(ValueError, match="context_length"):
         check_window_matches_scheme(wrong, prep, train)
 
@@ -158,8 +159,7 @@ def test_two_dp_steps_each_model(model, tiny):
                            estimator_kwargs=TINY[model], lr=1e-2)
     assert res.private and res.steps == 2
     acc = res.accountant
-    expected_cls = type(_structured.new_accountant(res.scheme, discretization=D))
-    assert type(acc) is expected_cls and len(acc) == 2
+    assert type(acc) is StructuredSubsamplingAccountant and len(acc) == 2
     assert acc.history[0][0] == res.noise_multiplier
     # ε is the accountant's, for the steps actually taken, and within the target
     assert res.epsilon == acc.get_epsilon(delta)

@@ -40,8 +40,9 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from .._validation import check_int, check_open_unit, check_positive
+from ..accountants.structured import StructuredSubsamplingAccountant
 from ..accounting.calibration import calibrate_noise_multiplier
-from . import _structured
+from ..schemes.structured import StructuredScheme
 from .data import Panel
 from .estimators import PreparedModel, prepare_estimator
 
@@ -126,7 +127,7 @@ def make_scheme(train: Panel, prepared: PreparedModel, batch_size: int, **kwargs
     if train.min_length < prepared.prediction_length:
         raise ValueError(f"the shortest training series ({train.min_length}) is shorter than "
                          f"the prediction length ({prepared.prediction_length})")
-    return _structured.new_scheme(
+    return StructuredScheme(
         num_series=len(train), series_length=train.min_length,
         context_length=prepared.past_length, forecast_length=prepared.prediction_length,
         batch_size=batch_size, **kwargs)
@@ -427,14 +428,14 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
             if steps == 0:
                 raise ValueError(f"noise_multiplier={noise_multiplier} exceeds epsilon="
                                  f"{epsilon} in a single step; raise the noise multiplier")
-        accountant = _structured.new_accountant(scheme, discretization=discretization)
+        accountant = StructuredSubsamplingAccountant(scheme, discretization=discretization)
     calibration_seconds = time.perf_counter() - t0
 
     # ---- data: transformed entries, structured sampler, loader ----
     entries = list(prepared.transformation.apply(train.to_gluonts(), is_train=True))
     dataset = WindowDataset(entries, prepared.splitter, prepared.input_names)
     generator = torch.Generator().manual_seed(seed)
-    sampler = _structured.new_sampler(scheme, train.lengths, generator=generator)
+    sampler = scheme.sampler(train.lengths, generator=generator)
     batch_sampler = sampler_wrapper(sampler) if sampler_wrapper is not None else sampler
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler,
                                          collate_fn=collate_windows, num_workers=0)

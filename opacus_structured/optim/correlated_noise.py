@@ -184,11 +184,19 @@ _CLASS_CACHE: dict = {}
 def correlated_optimizer_class(base: type) -> type:
     """A subclass of Opacus optimizer class ``base`` with correlated noise.
 
-    Only classes that use the stock per-parameter ``add_noise`` are supported; distributed
-    optimizers (noise on rank 0 only) and AdaClip raise ``ValueError``.
+    Only classes that use the stock per-parameter ``add_noise`` are supported, plus Opacus'
+    ``DistributedDPOptimizer`` (noise on rank 0 only), which maps to
+    :class:`~opacus_structured.optim.distributed.DistributedCorrelatedNoiseDPOptimizer`; other
+    distributed/FSDP optimizers and AdaClip raise ``ValueError``.
     """
     if base is DPOptimizer:
         return CorrelatedNoiseDPOptimizer
+    from opacus.optimizers import DistributedDPOptimizer
+
+    if base is DistributedDPOptimizer:
+        from .distributed import DistributedCorrelatedNoiseDPOptimizer
+
+        return DistributedCorrelatedNoiseDPOptimizer
     if not (isinstance(base, type) and issubclass(base, DPOptimizer)):
         raise ValueError(f"base must be an opacus DPOptimizer subclass, got {base!r}")
     name = base.__name__

@@ -66,8 +66,10 @@ class CorrelatedNoisePrivacyEngine(PrivacyEngine):
                 max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
                 loss_reduction=loss_reduction, distributed=distributed, clipping=clipping,
                 noise_generator=noise_generator, grad_sample_mode=grad_sample_mode, **kwargs)
-        if distributed:
-            raise ValueError("noise_correlation is not supported with distributed=True")
+        if distributed and (clipping != "flat" or grad_sample_mode == "ghost"):
+            raise ValueError("noise_correlation with distributed=True supports only flat "
+                             "clipping with per-sample gradients (DistributedDPOptimizer), got "
+                             f"clipping={clipping!r}, grad_sample_mode={grad_sample_mode!r}")
         if isinstance(optimizer, DPOptimizer):
             optimizer = optimizer.original_optimizer
         generator: Optional[object] = None
@@ -75,7 +77,7 @@ class CorrelatedNoisePrivacyEngine(PrivacyEngine):
             generator = self.secure_rng
         elif noise_generator is not None:
             generator = noise_generator
-        base = get_optimizer_class(clipping=clipping, distributed=False,
+        base = get_optimizer_class(clipping=clipping, distributed=distributed,
                                    grad_sample_mode=grad_sample_mode)
         cls = correlated_optimizer_class(base)
         return cls(optimizer=optimizer, noise_multiplier=noise_multiplier,

@@ -21,6 +21,7 @@ from torch import nn
 from opacus_structured.optim.correlated_noise import CorrelatedNoiseDPOptimizer
 from opacus_structured.optim.privacy_engine import CorrelatedNoisePrivacyEngine
 from opacus_structured.optim.strategies import banded_sqrt_coefficients
+from opacus_structured.schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme
 
 warnings.filterwarnings("ignore")
 
@@ -42,11 +43,14 @@ def bench_full_step(num_params, bands, device, repeats, batch=64):
     torch.manual_seed(0)
     model = _mlp(num_params).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    x = torch.randn(batch * 4, 1024)
-    y = torch.randint(0, 10, (batch * 4,))
+    rows = batch * max(4, bands or 1)  # cyclic Poisson needs bands * batch <= |D|
+    x = torch.randn(rows, 1024)
+    y = torch.randint(0, 10, (rows,))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch)
     kw = {} if bands is None else {"noise_correlation": banded_sqrt_coefficients(bands)}
-    engine = PrivacyEngine() if bands is None else CorrelatedNoisePrivacyEngine()
+    # the engine refuses correlated noise under an accountant that does not price it
+    engine = PrivacyEngine() if bands is None else CorrelatedNoisePrivacyEngine(
+        scheme=BandMFCyclicPoissonScheme(dataset_size=len(x), batch_size=batch, bands=bands))
     model, opt, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
         data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, **kw)

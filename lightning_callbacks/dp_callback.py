@@ -46,6 +46,7 @@ a scheme whose bound kind is "lower" is refused, since a lower bound is no guara
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import math
 from typing import Any, Callable, Optional, Union
@@ -110,13 +111,26 @@ def _describe_loader(loader: DataLoader) -> str:
 
 
 def build_sampler(scheme: Scheme, dataset, generator: torch.Generator):
-    """``scheme.sampler(len(dataset), generator=generator)``; for a :class:`PoissonScheme`
-    without that method, a :class:`PoissonBatchSampler` (same semantics).
+    """The scheme's sampler for ``dataset``.
 
-    Schemes whose sampler needs more than the dataset size (e.g. structured time-series
-    windows) raise: pass ``sampler=`` (an instance or a ``(dataset, generator)`` factory).
+    ``scheme.sampler(len(dataset), generator=generator)`` for schemes that take the dataset size;
+    ``scheme.sampler(generator=generator)`` for schemes that carry it (``dataset_size``, e.g.
+    BandMF with cyclic Poisson), after checking it equals ``len(dataset)``; for a
+    :class:`PoissonScheme` without a sampler, a :class:`PoissonBatchSampler` (same semantics).
+
+    Schemes whose sampler needs more than the dataset size (structured time-series windows, the
+    padded truncated-Poisson dataset) raise: pass ``sampler=`` (an instance or a
+    ``(dataset, generator)`` factory).
     """
+    size = getattr(scheme, "dataset_size", None)
+    params = inspect.signature(scheme.sampler).parameters
     try:
+        if size is not None and "num_samples" not in params and "padded" not in params \
+                and "pad" not in params:
+            if int(size) != len(dataset):
+                raise ValueError(f"scheme {scheme.name!r} is for dataset_size={size} but the "
+                                 f"train dataset has {len(dataset)} examples")
+            return scheme.sampler(generator=generator)
         return scheme.sampler(len(dataset), generator=generator)
     except NotImplementedError:
         if isinstance(scheme, PoissonScheme) and scheme.sample_rate is not None:
@@ -470,13 +484,8 @@ class DPCallback(pl.Callback):
                 else max(1, int(batch)), loss_reduction=self.loss_reduction,
                 generator=self.noise_generator, **self.optimizer_kwargs)
             trainer.strategy.optimizers = [opt]
-        bands = int(getattr(opt, "bands", 1) or 1)
-        if bands > 1 and not getattr(self.scheme, "prices_correlated_noise", False):
-            raise ValueError(
-                f"the optimizer adds correlated noise ({bands} bands) but scheme "
-                f"{self.scheme.name!r} prices independent Gaussian noise per step, which would "
-                f"give a wrong epsilon; use a matrix-mechanism scheme (e.g. "
-                f"'bandmf-cyclic-poisson') or a plain DPOptimizer")
+        coefficients = getattr(opt, "noise_coefficients", None)
+        self.scheme.check_noise_correlation([1.0] if coefficients is None else coefficients)
         previous = opt.step_hook
 
         def hook(optimizer, _previous=previous):

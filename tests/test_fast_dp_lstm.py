@@ -4,6 +4,7 @@ and the clipped, noised DP-SGD update equal Opacus ``DPLSTM`` + ``GradSampleModu
 materialised ones; the correlated-noise optimizer works in ghost mode."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -340,7 +341,11 @@ def _engine_run(net, mode, x, y, noise_correlation, steps=3):
               noise_multiplier=0.8, max_grad_norm=0.5, poisson_sampling=False,
               noise_correlation=noise_correlation, grad_sample_mode=mode,
               noise_generator=torch.Generator().manual_seed(5))
-    engine = CorrelatedNoisePrivacyEngine(accountant="rdp")
+    from opacus_structured.schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme
+
+    # a scheme that prices the correlated noise (the engine refuses Opacus' RDP for c != [1])
+    engine = CorrelatedNoisePrivacyEngine(scheme=BandMFCyclicPoissonScheme(
+        dataset_size=len(x), batch_size=len(x) // steps, bands=3))
     crit = nn.MSELoss()
     if mode == "ghost":
         m, opt, crit, loader = engine.make_private(criterion=crit, **kw)
@@ -363,7 +368,7 @@ def test_correlated_noise_optimizer_in_ghost_mode_equals_hooks_mode():
     g = torch.Generator().manual_seed(4)
     x = torch.randn(12, T, I, generator=g, dtype=torch.float64)
     y = torch.randn(12, generator=g, dtype=torch.float64)
-    c = [1.0, 0.6, 0.2]
+    c = [v / math.sqrt(1.4) for v in (1.0, 0.6, 0.2)]  # unit norm: sensitivity 1
     opt_h, p_h = _engine_run(fast_net, "hooks", x, y, c)
     opt_g, p_g = _engine_run(fast_net, "ghost", x, y, c)
     assert isinstance(opt_g, CorrelatedNoiseDPOptimizerFastGradientClipping)

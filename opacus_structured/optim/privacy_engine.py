@@ -66,6 +66,15 @@ class CorrelatedNoisePrivacyEngine(PrivacyEngine):
                 max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
                 loss_reduction=loss_reduction, distributed=distributed, clipping=clipping,
                 noise_generator=noise_generator, grad_sample_mode=grad_sample_mode, **kwargs)
+        scheme = getattr(self.accountant, "scheme", None)
+        if scheme is not None:
+            scheme.check_noise_correlation(noise_correlation)
+        elif len(list(noise_correlation)) > 1:
+            raise ValueError(
+                f"noise_correlation with {len(list(noise_correlation))} bands under Opacus' "
+                f"{self.accountant.mechanism()!r} accountant, which prices independent noise: "
+                f"the reported epsilon would be wrong. Pass scheme=... (e.g. "
+                f"BandMFCyclicPoissonScheme) to CorrelatedNoisePrivacyEngine")
         if distributed and (clipping != "flat" or grad_sample_mode == "ghost"):
             raise ValueError("noise_correlation with distributed=True supports only flat "
                              "clipping with per-sample gradients (DistributedDPOptimizer), got "

@@ -55,6 +55,7 @@ class BandMFCyclicPoissonScheme(Scheme):
     summary: ClassVar[str] = ("BandMF correlated noise with cyclic Poisson sampling "
                               "(Choquette-Choo et al. 2023), add/remove")
     unit: ClassVar[str] = "epoch"  # accounting unit = one cycle of `bands` steps (steps_per_unit)
+    prices_correlated_noise: ClassVar[bool] = True
 
     dataset_size: int = 1
     batch_size: float = 1.0
@@ -96,6 +97,23 @@ class BandMFCyclicPoissonScheme(Scheme):
     def compositions(self, steps: int) -> int:
         """``ceil(steps / bands)`` cycles (a partial cycle is rounded up)."""
         return -(-check_int("steps", steps, minimum=0) // self.bands)
+
+    def check_noise_correlation(self, coefficients) -> None:
+        """The cyclic-Poisson reduction holds for any non-negative banded Toeplitz ``c`` with at
+        most ``bands`` bands and ``‖c‖₂ ≤ 1`` (each participation has sensitivity ≤ 1 and
+        participations are ``bands`` steps apart); raise otherwise."""
+        import numpy as np
+
+        from ..optim.strategies import validate_coefficients
+
+        c = validate_coefficients(coefficients, name="noise_correlation")
+        if c.size > self.bands:
+            raise ValueError(f"the optimizer's noise_correlation has {c.size} bands but the "
+                             f"scheme prices at most bands={self.bands}")
+        if float(np.linalg.norm(c)) > 1.0 + 1e-9:
+            raise ValueError(f"the optimizer's noise_correlation has norm "
+                             f"{float(np.linalg.norm(c)):.6g} > 1: the scheme assumes unit "
+                             f"sensitivity (use scheme.noise_correlation(steps))")
 
     def accountant(self, **kwargs):
         """The Opacus accountant pricing this scheme."""

@@ -72,6 +72,21 @@ class Scheme(abc.ABC):
     #: noise; callbacks refuse a correlated-noise optimizer under any other scheme.
     prices_correlated_noise: ClassVar[bool] = False
 
+    def check_noise_correlation(self, coefficients) -> None:
+        """Raise ``ValueError`` unless this scheme's ε is valid for an optimizer adding
+        correlated noise with first-column coefficients ``coefficients`` (``[1]`` = DP-SGD).
+
+        Default: only independent noise (``len(c) == 1``) unless :attr:`prices_correlated_noise`;
+        matrix-mechanism schemes override this to check the strategy they price.
+        """
+        c = [float(v) for v in coefficients]
+        if len(c) > 1 and not self.prices_correlated_noise:
+            raise ValueError(
+                f"the optimizer adds correlated noise ({len(c)} bands) but scheme {self.name!r} "
+                f"prices independent Gaussian noise per step, which would give a wrong epsilon; "
+                f"use a matrix-mechanism scheme (e.g. 'bandmf-cyclic-poisson') or a plain "
+                f"DPOptimizer")
+
     # ---- pricing -------------------------------------------------------------------------
     @abc.abstractmethod
     def pld(self, noise_multiplier: float, *, sample_rate: float | None = None,

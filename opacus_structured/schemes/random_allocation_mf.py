@@ -101,6 +101,7 @@ class RandomAllocationMFScheme(Scheme):
                               "random allocation (balls-in-bins), Rényi DP / conditional "
                               "composition (Schuchardt & Kalinin); add/remove")
     unit: ClassVar[str] = "epoch"
+    prices_correlated_noise: ClassVar[bool] = True
 
     strategy: str = "identity"
     bands: int = 1
@@ -148,6 +149,23 @@ class RandomAllocationMFScheme(Scheme):
     def strategy_matrix(self) -> np.ndarray:
         return strategy_matrix(self.strategy, self.num_steps,
                                1 if self.strategy == "identity" else self.bands)
+
+    def check_noise_correlation(self, coefficients) -> None:
+        """The optimizer must stream exactly this scheme's ``C``: a banded Toeplitz strategy
+        whose first column equals ``coefficients`` (dense-``C`` strategies cannot be streamed
+        by the banded optimizer); raise otherwise."""
+        c = np.asarray([float(v) for v in coefficients])
+        C = self.strategy_matrix()
+        n = C.shape[0]
+        col = np.zeros(n)
+        col[:min(n, c.size)] = c[:n]
+        from ..optim.strategies import toeplitz_matrix
+
+        if not np.allclose(C, toeplitz_matrix(col, n), rtol=1e-9, atol=1e-12):
+            raise ValueError(f"the optimizer's noise_correlation {c.tolist()[:4]}... does not "
+                             f"generate this scheme's strategy matrix ({self.strategy!r}, "
+                             f"bands={self.bands}, N={n}); pass the first column of "
+                             f"scheme.strategy_matrix() (banded Toeplitz strategies only)")
 
     def means(self) -> np.ndarray:
         """Lemma 2.8 mixture means (``b × N``)."""

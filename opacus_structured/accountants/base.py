@@ -28,7 +28,8 @@ from .._validation import check_open_unit, check_positive
 from ..accounting import pld as pld_lib
 from ..schemes.base import Scheme
 
-__all__ = ["SchemeAccountant", "register_scheme_accountant", "accountant_class_for"]
+__all__ = ["SchemeAccountant", "WholeRunAccountant", "register_scheme_accountant",
+           "accountant_class_for"]
 
 #: Scheme class -> the SchemeAccountant subclass that prices it (filled by ``scheme_class``).
 _ACCOUNTANT_FOR_SCHEME: dict[type, type] = {}
@@ -183,6 +184,46 @@ class SchemeAccountant(IAccountant):
     def __repr__(self):
         return (f"{type(self).__name__}(scheme={self.scheme!r}, steps={len(self)}, "
                 f"discretization={self.discretization})")
+
+
+class WholeRunAccountant(SchemeAccountant):
+    """Prices the whole recorded run with one call to ``scheme.epsilon`` / ``scheme.delta``.
+
+    For schemes whose accounting unit is the planned run (balls-in-bins, random allocation of a
+    matrix mechanism). A history with several noise multipliers is priced at the smallest one
+    (``mixed_sigma = "min"``: more noise is post-processing, never under-reports) or refused
+    (``mixed_sigma = "raise"``).
+    """
+
+    mixed_sigma: ClassVar[str] = "min"
+
+    def _sigma_and_steps(self) -> tuple[Optional[float], int]:
+        sigmas = sorted({s for s, _, n in self.history if n})
+        steps = len(self)
+        if not sigmas:
+            return None, 0
+        if len(sigmas) > 1 and self.mixed_sigma == "raise":
+            raise ValueError(f"{self.scheme.name} prices a run with one noise multiplier; the "
+                             f"history has {sigmas}")
+        return sigmas[0], steps
+
+    def get_epsilon(self, delta: float, *, discretization: Optional[float] = None,
+                    **kwargs) -> float:
+        delta = check_open_unit("delta", delta)
+        sigma, steps = self._sigma_and_steps()
+        if sigma is None:
+            return 0.0
+        d = self.discretization if discretization is None else discretization
+        return self.scheme.epsilon(sigma, steps, delta, discretization=d)
+
+    def get_delta(self, epsilon: float, *, discretization: Optional[float] = None) -> float:
+        if math.isnan(epsilon):
+            raise ValueError("epsilon must not be NaN")
+        sigma, steps = self._sigma_and_steps()
+        if sigma is None:
+            return 0.0
+        d = self.discretization if discretization is None else discretization
+        return self.scheme.delta(sigma, steps, float(epsilon), discretization=d)
 
 
 def register_scheme_accountant(name: str, scheme: Scheme,

@@ -24,6 +24,14 @@ BatchNorm. The logged active counts and individual ε are *not* covered by the g
 Works with Opacus ``GradSampleModule`` / ``GradSampleHooks`` + ``DPOptimizer`` under
 ``lightning.pytorch`` (the DPOptimizer must be what ``configure_optimizers`` returns).
 
+**Ghost clipping** (``make_private(grad_sample_mode="ghost")``, no per-sample gradients are
+materialised): in a plain Opacus loop call :meth:`IndividualGDPFilter.attach_ghost` once and
+:meth:`IndividualGDPFilter.set_batch_indices` before each backward. The filter then decides
+between Opacus' two backward passes, from the first pass's per-sample norms, and multiplies
+the clipping coefficients by the active mask
+(:func:`opacus_structured.optim.ghost_clipping.set_clipping_mask`): an inactive example gets
+weight 0 in the second backward, exactly as a zeroed ``grad_sample`` row in hooks mode.
+
 Under DDP (``torch.distributed`` initialised with several processes, each holding a shard of the
 global batch) every step all-gathers the shards' indices and μ values, so every rank takes the
 decisions of the single-process filter on the global batch and keeps the same, complete state
@@ -140,12 +148,36 @@ class IndividualGDPFilter(Callback):
         self.mask_and_record(params, self._indices.to(norms.device), norms, sigma, clip)
         self._indices = None
 
+    def set_batch_indices(self, indices) -> None:
+        """Dataset indices of the next batch (plain Opacus loops; Lightning sets them itself)."""
+        self._indices = torch.as_tensor(indices)
+
+    def attach_ghost(self, module, optimizer) -> None:
+        """Filter inside Opacus' ghost-clipping backward (see module docstring).
+
+        ``module``/``optimizer`` are what ``make_private(grad_sample_mode="ghost")`` returned.
+        Each backward consumes the indices given by :meth:`set_batch_indices`.
+        """
+        from opacus_structured.optim.ghost_clipping import set_clipping_mask
+
+        def mask(norms: torch.Tensor) -> torch.Tensor:
+            if self._indices is None:
+                raise ValueError("call IndividualGDPFilter.set_batch_indices(indices) before "
+                                 "each backward")
+            sigma, clip = _dp_settings(optimizer)
+            active = self.mask_and_record([], self._indices.to(norms.device), norms, sigma, clip)
+            self._indices = None
+            return active.to(norms.dtype)
+
+        set_clipping_mask(module, mask)
+
     def mask_and_record(self, params, indices: torch.Tensor, norms: torch.Tensor, sigma: float,
                         clip: float) -> torch.Tensor:
-        """One filter step on tensors (used by the hook; callable without Lightning).
+        """One filter step on tensors (used by the hooks; callable without Lightning).
 
         Returns the boolean active mask of the batch rows; zeroes the inactive rows of every
-        ``p.grad_sample`` in place and records the active examples' μ².
+        ``p.grad_sample`` of ``params`` in place (pass ``[]`` in ghost mode, where the mask goes
+        into the clipping coefficients instead) and records the active examples' μ².
         """
         dev = norms.device
         if self.accountant.observed_mu_sq.device != dev:

@@ -480,3 +480,23 @@ def test_train_forecaster_deepar_fast_two_dp_steps_and_forecast():
     add_arguments(parser)
     assert parser.parse_args([]).lstm_impl == "fast"
     assert parser.parse_args(["--lstm-impl", "opacus"]).lstm_impl == "opacus"
+
+
+def test_ghost_loss_with_2d_per_sample_loss_is_refused():
+    # Opacus broadcasts coef (B,) x loss (B, 1) -> (B, B): the "clipped" sum is unclipped.
+    from opacus_structured.optim.privacy_engine import CorrelatedNoisePrivacyEngine
+    from opacus_structured.schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme
+
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    model = nn.Linear(3, 1)
+    engine = CorrelatedNoisePrivacyEngine(scheme=BandMFCyclicPoissonScheme(
+        dataset_size=8, batch_size=4, bands=1))
+    model, opt, crit, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
+                                                batch_size=4),
+        noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, criterion=nn.MSELoss(),
+        grad_sample_mode="ghost", noise_correlation=[1.0])
+    crit(model(x[:4]).squeeze(-1), y[:4, 0]).backward()  # the 1-d form works
+    with pytest.raises(ValueError, match="1-d per-sample loss"):
+        crit(model(x[:4]), y[:4])

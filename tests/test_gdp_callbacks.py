@@ -252,3 +252,57 @@ def test_tracker_and_filter_on_cuda():
     sq = filt.accountant.observed_mu_sq[idx].cpu().numpy()
     assert (sq <= 2.0 * (1 + 1e-12)).all()
     np.testing.assert_allclose(tracker.mu_squared()[idx].cpu().numpy(), sq, rtol=1e-12)
+
+
+@pytest.mark.parametrize("permanent_drop", [False, True])
+def test_filter_in_ghost_mode_equals_hooks_mode(permanent_drop):
+    # Ghost clipping never materialises per-sample gradients: the filter decides between the
+    # two backward passes from the first pass's norms and masks the clipping coefficients.
+    # Oracle: the hooks-mode filter (zeroed grad_sample rows) on the same data and noise.
+    from opacus import PrivacyEngine
+
+    g = torch.Generator().manual_seed(0)
+    n = 16
+    x = torch.randn(n, 6, generator=g, dtype=torch.float64)
+    x[3] *= 40.0  # large gradients: dropped early
+    y = torch.randn(n, generator=g, dtype=torch.float64)  # 1-d: Opacus' ghost loss wrapper
+    # broadcasts coef (B,) against a (B, 1) per-sample loss into (B, B), silently
+    idx = torch.arange(n)
+    sigma, clip, steps = 2.0, 1.0, 6
+
+    def run(mode):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 1), nn.Flatten(0)).double()
+        loader = DataLoader(TensorDataset(x, y), batch_size=n)
+        engine = PrivacyEngine()
+        kw = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                  data_loader=loader, noise_multiplier=sigma, max_grad_norm=clip,
+                  poisson_sampling=False, grad_sample_mode=mode,
+                  noise_generator=torch.Generator().manual_seed(7))
+        filt = IndividualGDPFilter(n, budget=1.2, permanent_drop=permanent_drop)
+        if mode == "ghost":
+            model, opt, crit, _ = engine.make_private(criterion=nn.MSELoss(), **kw)
+            filt.attach_ghost(model, opt)
+        else:
+            model, opt, _ = engine.make_private(**kw)
+            crit = nn.MSELoss()
+        for _ in range(steps):
+            opt.zero_grad()
+            filt.set_batch_indices(idx)
+            crit(model(x), y).backward()
+            if mode == "hooks":
+                params = [p for p in model.parameters() if p.requires_grad]
+                filt.mask_and_record(params, idx, per_sample_norms(params), sigma, clip)
+            opt.step()
+        return filt, [p.detach().clone() for p in model.parameters()], (model, crit)
+
+    f_h, p_h, _ = run("hooks")
+    f_g, p_g, (ghost_model, ghost_crit) = run("ghost")
+    assert f_h.active_counts() == f_g.active_counts()
+    assert min(f_h.active_counts()) < n  # the filter did drop someone
+    torch.testing.assert_close(f_g.accountant.observed_mu_sq, f_h.accountant.observed_mu_sq,
+                               rtol=1e-9, atol=1e-12)
+    for a, b in zip(p_g, p_h):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="set_batch_indices"):  # indices are per backward
+        ghost_crit(ghost_model(x), y).backward()

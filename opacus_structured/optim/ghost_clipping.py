@@ -70,16 +70,18 @@ def ghost_per_sample_norms(module) -> torch.Tensor:
     return norms.detach()
 
 
-def set_clipping_mask(module, mask: Optional[torch.Tensor]) -> None:
+def set_clipping_mask(module, mask) -> None:
     """Multiply the ghost clipping coefficients of the next backward(s) by ``mask`` (B,).
 
     ``mask[b] = 0`` removes example ``b`` from the clipped sum (its second-backward weight is
     0); ``None`` removes the mask. The mask must have one entry per example of the batch and
     values in [0, 1] (so the clipped norm stays ≤ C); a wrong length raises ValueError at the
-    backward.
+    backward. ``mask`` may also be a callable ``mask(norms) -> tensor`` evaluated between the
+    two backward passes with the per-sample norms of the first one (how the individual GDP
+    filter decides, per step, which examples stay active).
     """
     module = _ghost_module(module)
-    if mask is not None:
+    if mask is not None and not callable(mask):
         mask = torch.as_tensor(mask).detach()
         if mask.ndim != 1:
             raise ValueError(f"mask must be 1-d (one entry per example), got shape "
@@ -96,6 +98,10 @@ def set_clipping_mask(module, mask: Optional[torch.Tensor]) -> None:
         m = getattr(module, "_clipping_mask", None)
         if m is None:
             return coef
+        if callable(m):
+            m = torch.as_tensor(m(module.get_norm_sample().detach()))
+            if bool(((m < 0) | (m > 1)).any()):
+                raise ValueError("mask values must be in [0, 1]")
         if m.shape != coef.shape:
             raise ValueError(f"clipping mask has {m.shape[0]} entries but the batch has "
                              f"{coef.shape[0]} examples")

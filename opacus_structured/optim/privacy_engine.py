@@ -56,6 +56,15 @@ class CorrelatedNoisePrivacyEngine(PrivacyEngine):
             make = getattr(scheme, "accountant", None)
             self.accountant = make() if callable(make) else SchemeAccountant(scheme)
 
+    def make_private(self, *args, **kwargs):
+        """Opacus' ``make_private``; in ghost mode the returned criterion also refuses a
+        per-sample loss that is not 1-d (see :class:`CheckedGhostLoss`)."""
+        out = super().make_private(*args, **kwargs)
+        if len(out) == 4:
+            module, optimizer, criterion, loader = out
+            return module, optimizer, CheckedGhostLoss(criterion), loader
+        return out
+
     def _prepare_optimizer(self, *, optimizer, noise_multiplier, max_grad_norm,
                            expected_batch_size, loss_reduction="mean", distributed=False,
                            clipping="flat", noise_generator=None, grad_sample_mode="hooks",
@@ -93,3 +102,30 @@ class CorrelatedNoisePrivacyEngine(PrivacyEngine):
                    max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
                    loss_reduction=loss_reduction, generator=generator,
                    secure_mode=self.secure_mode, noise_correlation=noise_correlation, **kwargs)
+
+
+class CheckedGhostLoss:
+    """Opacus' ghost-clipping loss wrapper, refusing per-sample losses that are not 1-d.
+
+    Opacus 1.6's ``DPTensorFastGradientClipping.backward`` multiplies the clipping coefficients
+    (shape ``(B,)``) by the per-sample loss; a ``(B, 1)`` loss (e.g. ``MSELoss`` on a
+    ``(B, 1)`` regression head) broadcasts to ``(B, B)``, and the second backward then returns
+    ``(Σ_b coef_b)·Σ_b g_b`` — an *unclipped* sum, whose sensitivity the accountant does not
+    bound. This wrapper raises instead (squeeze the model output / target to ``(B,)``).
+    """
+
+    def __init__(self, criterion):
+        self._criterion = criterion
+
+    def __call__(self, *args, **kwargs):
+        out = self._criterion(*args, **kwargs)
+        loss = getattr(out, "loss_per_sample", None)
+        if loss is not None and loss.ndim != 1:
+            raise ValueError(
+                f"ghost clipping needs a 1-d per-sample loss, got shape {tuple(loss.shape)}: "
+                f"Opacus would broadcast the clipping coefficients and clip nothing; squeeze "
+                f"the output and target to shape (batch,) (or pass shape=(B, T) for sequences)")
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._criterion, name)

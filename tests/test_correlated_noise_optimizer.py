@@ -220,3 +220,74 @@ def test_engine_with_cyclic_poisson_scheme_end_to_end():
     assert opt.noise_step == len(loader) == 16
     eps = engine.get_epsilon(1e-5)
     assert eps == pytest.approx(scheme.epsilon(1.0, 16, 1e-5), rel=1e-9)
+
+
+# ---- BLT (dense C, streamed with d buffers) ------------------------------------------------
+def test_blt_noise_solves_C_w_equals_z_and_resumes():
+    n = 15
+    blt = st.blt_strategy(n, 3).normalized(n)
+    params = _params(torch.float64)
+    sigma, clip = 0.9, 1.5
+
+    def make(seed=3):
+        return CorrelatedNoiseDPOptimizer(torch.optim.SGD(_params(torch.float64), lr=0.1),
+                                          noise_multiplier=sigma, max_grad_norm=clip,
+                                          expected_batch_size=1,
+                                          generator=torch.Generator().manual_seed(seed),
+                                          noise_correlation=blt)
+
+    opt = make()
+    w = _noise_stream(opt, n)
+    assert all(b.shape[0] == 3 for b in opt._noise_buffers)  # d buffers, whatever n is
+    g = torch.Generator().manual_seed(3)
+    z = [[torch.normal(0, sigma * clip, size=p.shape, generator=g, dtype=torch.float64)
+          for p in params] for _ in range(n)]
+    C = torch.tensor(st.toeplitz_matrix(blt.coefficients(n), n))  # the dense C
+    assert abs(float(torch.linalg.norm(C[:, 0])) - 1.0) < 1e-12
+    for j in range(len(params)):
+        W = torch.stack([w[i][j].reshape(-1) for i in range(n)])
+        Z = torch.stack([z[i][j].reshape(-1) for i in range(n)])
+        torch.testing.assert_close(C @ W, Z, rtol=1e-10, atol=1e-10)
+    # resume mid-stream from a state dict: the same stream continues
+    first = make()
+    _noise_stream(first, 6)
+    resumed = make(seed=99)
+    resumed.load_state_dict(first.state_dict())
+    for a, b in zip(w[6:], _noise_stream(resumed, n - 6)):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+    banded = CorrelatedNoiseDPOptimizer(torch.optim.SGD(_params(torch.float64), lr=0.1),
+                                        noise_multiplier=sigma, max_grad_norm=clip,
+                                        expected_batch_size=1, noise_correlation=[1.0, 0.5])
+    with pytest.raises(ValueError, match="noise_correlation"):
+        banded.load_state_dict(first.state_dict())
+
+
+def test_blt_engine_priced_by_random_allocation_mf_only():
+    from opacus_structured.schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme
+    from opacus_structured.schemes.random_allocation_mf import RandomAllocationMFScheme
+
+    scheme = RandomAllocationMFScheme(strategy="blt", bands=2, epochs=2, batches_per_epoch=4)
+    N = scheme.num_steps
+    good = st.blt_strategy(N, 2).normalized(N)
+    scheme.check_noise_correlation(good)  # exactly the scheme's C
+    with pytest.raises(ValueError, match="does not generate"):
+        scheme.check_noise_correlation(st.BufferedToeplitz((0.5,), (0.3,)).normalized(N))
+    with pytest.raises(ValueError, match="dense C"):
+        BandMFCyclicPoissonScheme(dataset_size=64, batch_size=4, bands=4
+                                  ).check_noise_correlation(good)
+    x, y = torch.randn(32, 6), torch.randint(0, 2, (32,))
+    model = nn.Linear(6, 2)
+    sampler = scheme.sampler(32, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x, y), batch_sampler=sampler)
+    engine = CorrelatedNoisePrivacyEngine(scheme=scheme)
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+        noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, noise_correlation=good)
+    assert opt.noise_coefficients is good
+    other = nn.Linear(6, 2)
+    with pytest.raises(ValueError, match="independent noise"):
+        CorrelatedNoisePrivacyEngine().make_private(
+            module=other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0,
+            max_grad_norm=1.0, poisson_sampling=False, noise_correlation=good)

@@ -15,6 +15,12 @@ mechanism with columns of ``C`` as per-participation sensitivity: price it with 
 that knows ``C`` and the sampler (e.g. ``bandmf-cyclic-poisson`` with the cyclic Poisson sampler),
 *not* with the stock Poisson accountant. ``c = [1]`` is exactly DP-SGD (bit-identical noise).
 
+A :class:`~opacus_structured.optim.strategies.BufferedToeplitz` (BLT, dense ``C``) is streamed
+with ``d`` decaying buffers instead (Algorithm 3 of McMahan et al. 2024):
+``u_i = z_i − Σ_j ω_j s_{j,i}``, ``s_{j,i+1} = θ_j s_{j,i} + u_i``, ``w_i = u_i / scale`` — memory ``d·|θ|``
+for any number of steps. Pass ``blt.normalized(n)`` and price it with a scheme that knows the
+same ``C`` (``random-allocation-mf --strategy blt``).
+
 Security notes:
 
 * The ring buffer holds past noise. Anyone who reads it can subtract noise from past released
@@ -33,11 +39,19 @@ import torch
 from opacus.optimizers.optimizer import (DPOptimizer, _check_processed_flag, _generate_noise,
                                          _mark_as_processed)
 
-from .strategies import validate_coefficients
+from .strategies import BufferedToeplitz, validate_coefficients
 
 __all__ = ["CorrelatedNoiseMixin", "CorrelatedNoiseDPOptimizer", "correlated_optimizer_class"]
 
 _STATE_KEY = "correlated_noise"
+
+
+def _coefficients_key(coefs):
+    """Comparable form of banded coefficients (list) or BLT parameters (dict)."""
+    if isinstance(coefs, dict):
+        return ("blt", tuple(coefs["buf_decay"]), tuple(coefs["output_scale"]),
+                float(coefs["scale"]))
+    return [float(v) for v in coefs]
 
 
 class CorrelatedNoiseMixin:
@@ -51,10 +65,20 @@ class CorrelatedNoiseMixin:
     def _init_correlated_noise(self, noise_correlation) -> None:
         if noise_correlation is None:
             noise_correlation = [1.0]
-        c = validate_coefficients(noise_correlation, name="noise_correlation")
-        self.noise_coefficients = c
-        self._coef_list = [float(v) for v in c]
-        self.bands = int(c.size)
+        if isinstance(noise_correlation, BufferedToeplitz):
+            blt = noise_correlation
+            self._blt = (torch.tensor(blt.buf_decay, dtype=torch.float64),
+                         torch.tensor(blt.output_scale, dtype=torch.float64), blt.scale)
+            self.noise_coefficients = blt
+            self._coef_list = {"buf_decay": list(blt.buf_decay),
+                               "output_scale": list(blt.output_scale), "scale": blt.scale}
+            self.bands = None  # dense C
+        else:
+            self._blt = None
+            c = validate_coefficients(noise_correlation, name="noise_correlation")
+            self.noise_coefficients = c
+            self._coef_list = [float(v) for v in c]
+            self.bands = int(c.size)
         self.noise_step = 0  # number of noise vectors drawn so far (index i of the next w_i)
         self._noise_buffers: list[Optional[torch.Tensor]] = [None] * len(self.params)
 
@@ -67,10 +91,7 @@ class CorrelatedNoiseMixin:
             a[(i - k) % m] = self._coef_list[k]
         return torch.tensor(a, dtype=buf.dtype, device=buf.device)
 
-    def _correlate(self, idx: int, z: torch.Tensor) -> torch.Tensor:
-        c0 = self._coef_list[0]
-        if self.bands == 1:
-            return z if c0 == 1.0 else z / c0
+    def _new_buffer(self, idx: int, z: torch.Tensor, slots: int) -> torch.Tensor:
         buf = self._noise_buffers[idx]
         if buf is None or buf.shape[1:] != z.shape or buf.dtype != z.dtype or \
                 buf.device != z.device:
@@ -78,8 +99,26 @@ class CorrelatedNoiseMixin:
                 raise RuntimeError(
                     "correlated-noise buffer does not match the gradient (shape, dtype or "
                     "device changed mid-run); restore it with load_state_dict or restart")
-            buf = torch.zeros((self.bands - 1, *z.shape), dtype=z.dtype, device=z.device)
+            buf = torch.zeros((slots, *z.shape), dtype=z.dtype, device=z.device)
             self._noise_buffers[idx] = buf
+        return buf
+
+    def _correlate_blt(self, idx: int, z: torch.Tensor) -> torch.Tensor:
+        theta, omega, scale = self._blt
+        buf = self._new_buffer(idx, z, theta.numel())
+        theta = theta.to(device=z.device, dtype=z.dtype)
+        omega = omega.to(device=z.device, dtype=z.dtype)
+        u = z - torch.tensordot(omega, buf, dims=1)  # u = C_raw^{-1} z, buffers track u
+        buf.mul_(theta.view(-1, *([1] * z.ndim))).add_(u)
+        return u / scale
+
+    def _correlate(self, idx: int, z: torch.Tensor) -> torch.Tensor:
+        if self._blt is not None:
+            return self._correlate_blt(idx, z)
+        c0 = self._coef_list[0]
+        if self.bands == 1:
+            return z if c0 == 1.0 else z / c0
+        buf = self._new_buffer(idx, z, self.bands - 1)
         if self.noise_step > 0:
             w = z - torch.tensordot(self._slot_weights(buf), buf, dims=1)
         else:
@@ -108,15 +147,16 @@ class CorrelatedNoiseMixin:
         if isinstance(self.generator, torch.Generator) and not self.secure_mode:
             gen_state = self.generator.get_state()
         return {
-            "coefficients": list(self._coef_list),
+            "coefficients": self._coef_list if isinstance(self._coef_list, dict)
+            else list(self._coef_list),
             "noise_step": self.noise_step,
             "buffers": [None if b is None else b.detach().clone() for b in self._noise_buffers],
             "generator_state": gen_state,
         }
 
     def load_noise_state_dict(self, state: dict) -> None:
-        coefs = [float(v) for v in state["coefficients"]]
-        if coefs != self._coef_list:
+        coefs = _coefficients_key(state["coefficients"])
+        if coefs != _coefficients_key(self._coef_list):
             raise ValueError(f"checkpoint noise_correlation {coefs} differs from this "
                              f"optimizer's {self._coef_list}: build it with the same strategy")
         buffers = state["buffers"]
@@ -142,7 +182,8 @@ class CorrelatedNoiseMixin:
     def load_state_dict(self, state_dict) -> None:
         state_dict = dict(state_dict)
         noise = state_dict.pop(_STATE_KEY, None)
-        if noise is not None and [float(v) for v in noise["coefficients"]] != self._coef_list:
+        if noise is not None and _coefficients_key(noise["coefficients"]) != \
+                _coefficients_key(self._coef_list):
             raise ValueError(f"checkpoint noise_correlation {noise['coefficients']} differs "
                              f"from this optimizer's {self._coef_list}: build it with the "
                              f"same strategy")

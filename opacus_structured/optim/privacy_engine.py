@@ -32,6 +32,7 @@ from opacus import PrivacyEngine
 from opacus.optimizers import get_optimizer_class
 from opacus.optimizers.optimizer import DPOptimizer
 
+from ..schemes.base import noise_bands
 from .correlated_noise import correlated_optimizer_class
 
 __all__ = ["CorrelatedNoisePrivacyEngine"]
@@ -78,9 +79,9 @@ class CorrelatedNoisePrivacyEngine(PrivacyEngine):
         scheme = getattr(self.accountant, "scheme", None)
         if scheme is not None:
             scheme.check_noise_correlation(noise_correlation)
-        elif len(list(noise_correlation)) > 1:
+        elif noise_bands(noise_correlation) > 1:
             raise ValueError(
-                f"noise_correlation with {len(list(noise_correlation))} bands under Opacus' "
+                f"noise_correlation with {noise_bands(noise_correlation)} bands under Opacus' "
                 f"{self.accountant.mechanism()!r} accountant, which prices independent noise: "
                 f"the reported epsilon would be wrong. Pass scheme=... (e.g. "
                 f"BandMFCyclicPoissonScheme) to CorrelatedNoisePrivacyEngine")

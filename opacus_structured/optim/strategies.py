@@ -398,7 +398,7 @@ def strategy_matrix(name: str, n: int, bands: int = 1) -> np.ndarray:
     """
     if name == "blt":
         n, bands = _check_n_bands(n, bands)
-        return toeplitz_matrix(blt_strategy(n, bands).normalized_coefficients(n), n)
+        return toeplitz_matrix(blt_strategy(n, bands).normalized(n).coefficients(n), n)
     if name in ("banded-inverse", "bisr"):
         n, bands = _check_n_bands(n, bands)
         if name == "bisr":
@@ -428,13 +428,17 @@ class BufferedToeplitz:
     because ``Σ_{k≥1} c_k w_{t−k} = Σ_j ω_j Σ_{k≥1} θ_j^{k−1} w_{t−k}``. The state is ``d``
     buffers of the parameter's shape — memory ``d·|θ|`` for any horizon ``n``.
 
-    Scaling: the raw ``C`` has ``c_0 = 1``; :meth:`normalized_coefficients` divides by the norm
-    of the first column (``‖c_{0:n}‖₂``, the single-participation sensitivity; Toeplitz columns
-    are prefixes of the first, so it is the largest) — the convention of this module.
+    Scaling: the raw ``C`` has ``c_0 = 1``; ``scale`` multiplies it (``C = scale · C_raw``,
+    default 1). :meth:`normalized_coefficients` / :meth:`normalized` divide by the norm of the
+    first column (``‖c_{0:n}‖₂``, the single-participation sensitivity; Toeplitz columns are
+    prefixes of the first, so it is the largest) — the convention of this module. Pass
+    ``blt.normalized(n)`` as ``noise_correlation`` to the correlated-noise optimizer: it streams
+    ``w = C^{-1} z = C_raw^{-1} z / scale`` with ``d`` buffers per parameter.
     """
 
     buf_decay: tuple[float, ...]
     output_scale: tuple[float, ...]
+    scale: float = 1.0
 
     def __post_init__(self):
         theta = np.asarray(self.buf_decay, dtype=np.float64).ravel()
@@ -449,23 +453,34 @@ class BufferedToeplitz:
                              f"got {omega!r}")
         object.__setattr__(self, "buf_decay", tuple(float(v) for v in theta))
         object.__setattr__(self, "output_scale", tuple(float(v) for v in omega))
+        scale = float(self.scale)
+        if not (np.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a finite number > 0, got {self.scale!r}")
+        object.__setattr__(self, "scale", scale)
 
     @property
     def num_buffers(self) -> int:
         return len(self.buf_decay)
 
     def coefficients(self, n: int) -> np.ndarray:
-        """Raw Toeplitz coefficients ``c_0..c_{n−1}`` (``c_0 = 1``)."""
+        """Toeplitz coefficients ``c_0..c_{n−1}`` of ``C = scale · C_raw`` (``c_0 = scale``)."""
         n = check_int("n", n, minimum=1)
-        return _blt_coefficients(np.asarray(self.buf_decay), np.asarray(self.output_scale), n)
+        return self.scale * _blt_coefficients(np.asarray(self.buf_decay),
+                                              np.asarray(self.output_scale), n)
 
     def normalized_coefficients(self, n: int) -> np.ndarray:
         """``c / ‖c‖₂`` for horizon ``n``: unit single-participation sensitivity."""
         c = self.coefficients(n)
         return c / np.linalg.norm(c)
 
+    def normalized(self, n: int) -> "BufferedToeplitz":
+        """The same BLT scaled so that ``‖c_{0:n}‖₂ = 1`` (what the accountants assume)."""
+        raw = _blt_coefficients(np.asarray(self.buf_decay), np.asarray(self.output_scale),
+                                check_int("n", n, minimum=1))
+        return BufferedToeplitz(self.buf_decay, self.output_scale, 1.0 / float(np.linalg.norm(raw)))
+
     def inverse_apply(self, z: np.ndarray) -> np.ndarray:
-        """``C^{-1} z`` (raw ``C``) by the streaming buffer recursion; ``z`` has steps on axis 0."""
+        """``C^{-1} z`` by the streaming buffer recursion; ``z`` has steps on axis 0."""
         z = np.asarray(z, dtype=np.float64)
         theta = np.asarray(self.buf_decay)
         omega = np.asarray(self.output_scale)
@@ -474,12 +489,12 @@ class BufferedToeplitz:
         for t in range(z.shape[0]):
             out[t] = z[t] - np.tensordot(omega, bufs, axes=1)
             bufs = theta.reshape((-1,) + (1,) * (z.ndim - 1)) * bufs + out[t]
-        return out
+        return out / self.scale
 
     def prefix_sum_mse(self, n: int) -> float:
         """The BandMF objective ``mean(cumsum(β²))·‖c‖²`` of this ``C`` at horizon ``n``."""
         return _blt_loss_and_grad(np.asarray(self.buf_decay), np.asarray(self.output_scale),
-                                  check_int("n", n, minimum=1))[0]
+                                  check_int("n", n, minimum=1))[0]  # scale invariant
 
 
 def _blt_coefficients(theta: np.ndarray, omega: np.ndarray, n: int) -> np.ndarray:

@@ -106,6 +106,9 @@ class BandMFCyclicPoissonScheme(Scheme):
 
         from ..optim.strategies import validate_coefficients
 
+        if hasattr(coefficients, "buf_decay"):
+            raise ValueError("a BLT strategy has a dense C; the cyclic-Poisson BandMF reduction "
+                             "needs at most `bands` bands (price BLT with random-allocation-mf)")
         c = validate_coefficients(coefficients, name="noise_correlation")
         if c.size > self.bands:
             raise ValueError(f"the optimizer's noise_correlation has {c.size} bands but the "

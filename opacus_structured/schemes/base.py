@@ -56,6 +56,14 @@ def get_scheme_class(name: str) -> type["Scheme"]:
         raise ValueError(f"unknown scheme {name!r}; known schemes: {sorted(SCHEMES)}") from None
 
 
+def noise_bands(coefficients) -> float:
+    """Bands of an optimizer's ``noise_correlation``: ``len(c)`` for banded Toeplitz
+    coefficients, ``inf`` for a dense strategy (a ``BufferedToeplitz``)."""
+    if hasattr(coefficients, "buf_decay"):
+        return math.inf
+    return len([float(v) for v in coefficients])
+
+
 @dataclasses.dataclass(frozen=True)
 class Scheme(abc.ABC):
     """Base class of batching schemes (subclasses are frozen dataclasses).
@@ -79,10 +87,10 @@ class Scheme(abc.ABC):
         Default: only independent noise (``len(c) == 1``) unless :attr:`prices_correlated_noise`;
         matrix-mechanism schemes override this to check the strategy they price.
         """
-        c = [float(v) for v in coefficients]
-        if len(c) > 1 and not self.prices_correlated_noise:
+        bands = noise_bands(coefficients)
+        if bands > 1 and not self.prices_correlated_noise:
             raise ValueError(
-                f"the optimizer adds correlated noise ({len(c)} bands) but scheme {self.name!r} "
+                f"the optimizer adds correlated noise ({bands} bands) but scheme {self.name!r} "
                 f"prices independent Gaussian noise per step, which would give a wrong epsilon; "
                 f"use a matrix-mechanism scheme (e.g. 'bandmf-cyclic-poisson') or a plain "
                 f"DPOptimizer")

@@ -154,18 +154,22 @@ class RandomAllocationMFScheme(Scheme):
         """The optimizer must stream exactly this scheme's ``C``: a banded Toeplitz strategy
         whose first column equals ``coefficients`` (dense-``C`` strategies cannot be streamed
         by the banded optimizer); raise otherwise."""
-        c = np.asarray([float(v) for v in coefficients])
+        from ..optim.strategies import toeplitz_matrix
+
         C = self.strategy_matrix()
         n = C.shape[0]
+        if hasattr(coefficients, "buf_decay"):  # BufferedToeplitz: its first n coefficients
+            coefficients = coefficients.coefficients(n)
+        c = np.asarray([float(v) for v in coefficients])
         col = np.zeros(n)
         col[:min(n, c.size)] = c[:n]
-        from ..optim.strategies import toeplitz_matrix
 
         if not np.allclose(C, toeplitz_matrix(col, n), rtol=1e-9, atol=1e-12):
             raise ValueError(f"the optimizer's noise_correlation {c.tolist()[:4]}... does not "
                              f"generate this scheme's strategy matrix ({self.strategy!r}, "
                              f"bands={self.bands}, N={n}); pass the first column of "
-                             f"scheme.strategy_matrix() (banded Toeplitz strategies only)")
+                             f"scheme.strategy_matrix() (banded Toeplitz strategies) or, for "
+                             f"'blt', blt_strategy(N, bands).normalized(N)")
 
     def means(self) -> np.ndarray:
         """Lemma 2.8 mixture means (``b × N``)."""

@@ -10,6 +10,7 @@ forward/backward/clip/noise step on an MLP. Usage::
 from __future__ import annotations
 
 import argparse
+import json
 import time
 import warnings
 
@@ -104,7 +105,9 @@ def main(argv=None):
     ap.add_argument("--params", type=int, default=None)
     ap.add_argument("--bands", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
     args = ap.parse_args(argv)
+    rows = []
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     num_params = args.params or (10_000_000 if device.type == "cuda" else 2_000_000)
     print(f"device={device}, target params={num_params:,}")
@@ -112,17 +115,28 @@ def main(argv=None):
     print("|---|---|---|---|---|")
     n, stock, mem = bench_full_step(num_params, None, device, args.repeats)
     print(f"| stock DPOptimizer | {n:,} | {stock * 1e3:.2f} | 1.00 | {mem:.0f} |")
+    rows.append(dict(kind="full_step", bands=None, params=n, ms=stock * 1e3, ratio=1.0,
+                     peak_mib=mem))
     for b in args.bands:
         n, t, mem = bench_full_step(num_params, b, device, args.repeats)
         print(f"| BandMF b={b} | {n:,} | {t * 1e3:.2f} | {t / stock:.2f} | {mem:.0f} |")
+        rows.append(dict(kind="full_step", bands=b, params=n, ms=t * 1e3, ratio=t / stock,
+                         peak_mib=mem))
     print("\nadd_noise() alone:")
     print("| optimizer | params | median add_noise (ms) | × stock | noise state MiB |")
     print("|---|---|---|---|---|")
     stock, _ = bench_noise_only(num_params, None, device, args.repeats)
     print(f"| stock DPOptimizer | {num_params:,} | {stock * 1e3:.2f} | 1.00 | 0 |")
+    rows.append(dict(kind="add_noise", bands=None, params=num_params, ms=stock * 1e3,
+                     ratio=1.0, state_mib=0))
     for b in args.bands:
         t, state = bench_noise_only(num_params, b, device, args.repeats)
         print(f"| BandMF b={b} | {num_params:,} | {t * 1e3:.2f} | {t / stock:.2f} | {state:.0f} |")
+        rows.append(dict(kind="add_noise", bands=b, params=num_params, ms=t * 1e3,
+                         ratio=t / stock, state_mib=state))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"device": str(device), "rows": rows}, fh, indent=1, default=float)
 
 
 if __name__ == "__main__":

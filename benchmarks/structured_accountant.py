@@ -12,6 +12,7 @@ Run: ``python benchmarks/structured_accountant.py [--discretization 1e-4] [--rep
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -37,7 +38,9 @@ def main() -> None:
     ap.add_argument("--discretization", type=float, default=1e-4)
     ap.add_argument("--sigma", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
     args = ap.parse_args()
+    rows = []
     d, sigma = args.discretization, args.sigma
     # Fig. 2 setting: ρ = 0.1, r = 0.1
     scheme = StructuredScheme(num_series=320, series_length=20, context_length=1,
@@ -61,6 +64,8 @@ def main() -> None:
         t_o, _, e_o = best_of(lambda: ours(n), args.repeats)
         t_t, _, e_t = best_of(lambda: theirs(n), args.repeats)
         print(f"{n:>7} {t_o:9.3f} {t_t:9.3f} {t_o / t_t:7.2f} {e_o:10.4f} {e_t:10.4f}")
+        rows.append(dict(kind="accountant", steps=n, seconds_ours=t_o, seconds_dp_accounting=t_t,
+                         ratio=t_o / t_t, epsilon_ours=e_o, epsilon_dp_accounting=e_t))
     print("(eps differ on purpose: ours is the substitution-relation switching profile,"
           " dp_accounting reports max(remove, add) of the add/remove relation)")
 
@@ -74,6 +79,11 @@ def main() -> None:
         dt = time.perf_counter() - t0
         print(f"sampler {top}+{bottom}: {windows / dt:,.0f} windows/s "
               f"({windows} windows, {dt:.2f} s)")
+        rows.append(dict(kind="sampler", top_level=top, bottom_level=bottom,
+                         windows_per_second=windows / dt))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"sigma": sigma, "discretization": d, "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ import torch
 from torch.utils.data import Sampler
 
 from .._validation import check_int
-from ._generator import fresh_seed as _fresh_seed, resolve_generator  # noqa: F401
+from ._generator import fresh_seed as _fresh_seed  # noqa: F401
+from ._generator import resolve_generator
+from ._resumable import check_matching_params
 
 __all__ = ["MFBatchSampler"]
 
@@ -67,13 +69,7 @@ class MFBatchSampler(Sampler[list[int]]):
         if state_dict.get("class") != type(self).__name__:
             raise ValueError(f"sampler state is for {state_dict.get('class')!r}, not "
                              f"{type(self).__name__!r}")
-        for name in self._params:
-            if name not in state_dict:
-                raise ValueError(f"sampler state lacks {name!r}")
-            if state_dict[name] != getattr(self, name):
-                raise ValueError(f"sampler state has {name}={state_dict[name]!r} but this "
-                                 f"sampler has {name}={getattr(self, name)!r}; build it with "
-                                 f"the same parameters")
+        check_matching_params(state_dict, self, self._params)
         self.generator.set_state(torch.as_tensor(state_dict["generator_state"],
                                                  dtype=torch.uint8).clone())
         self.step = check_int("step", state_dict["step"], minimum=0)

@@ -32,7 +32,9 @@ from torch.utils.data import DataLoader, Sampler
 
 from .._validation import check_int, check_probability
 from ..schemes.poisson import PoissonScheme
-from ._generator import fresh_seed as _fresh_seed, resolve_generator  # noqa: F401
+from ._generator import fresh_seed as _fresh_seed  # noqa: F401
+from ._generator import resolve_generator
+from ._resumable import EpochResumableSampler
 
 __all__ = ["PoissonBatchSampler", "poisson_data_loader", "default_steps"]
 
@@ -44,7 +46,7 @@ def default_steps(sample_rate: float) -> int:
 
 
 
-class PoissonBatchSampler(Sampler[list[int]]):
+class PoissonBatchSampler(EpochResumableSampler, Sampler[list[int]]):
     """Poisson subsampling: every index joins each batch independently with probability q.
 
     Args:
@@ -80,49 +82,25 @@ class PoissonBatchSampler(Sampler[list[int]]):
         return self.steps
 
     def __iter__(self) -> Iterator[list[int]]:
-        if self._pending is not None:
-            state, self._pending = self._pending, None
-            self.generator.set_state(state["generator_state"])
-            self._position = int(state["position"])
-            self.epoch = int(state["epoch"])
-        else:
-            self._position = 0
+        self._resume()
         while self._position < self.steps:
             mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
-            self._position += 1
-            if self._position == self.steps:
-                self.epoch += 1
+            self._advance()
             yield mask.nonzero(as_tuple=False).reshape(-1).tolist()
 
     # ---- state ---------------------------------------------------------------------------
+    _KEYS = ("num_samples", "sample_rate", "steps")
+
     def state_dict(self) -> dict[str, Any]:
         """State *between* draws: generator state, position in the epoch, completed epochs.
 
         Taken after the last batch of an epoch it describes the start of the next epoch.
         """
-        if self._pending is not None:
-            return dict(self._pending)
-        position = self._position if self._position < self.steps else 0
-        return {"generator_state": self.generator.get_state().clone(), "position": position,
-                "epoch": self.epoch, "num_samples": self.num_samples,
-                "sample_rate": self.sample_rate, "steps": self.steps}
+        return self._epoch_state()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; the next ``iter()`` continues where it left off."""
-        for key in ("num_samples", "sample_rate", "steps"):
-            if key not in state_dict:
-                raise ValueError(f"sampler state lacks {key!r}")
-            if state_dict[key] != getattr(self, key):
-                raise ValueError(f"sampler state has {key}={state_dict[key]!r} but this sampler "
-                                 f"has {key}={getattr(self, key)!r}; build it with the same "
-                                 f"parameters")
-        position = check_int("position", state_dict["position"], minimum=0,
-                             maximum=self.steps - 1)
-        state = dict(state_dict)
-        state["position"] = position
-        state["generator_state"] = torch.as_tensor(state_dict["generator_state"],
-                                                   dtype=torch.uint8).clone()
-        self._pending = state
+        self._stage(state_dict)
 
     def __repr__(self) -> str:
         return (f"PoissonBatchSampler(num_samples={self.num_samples}, "

@@ -38,15 +38,16 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from .._validation import check_int
 from ..schemes.structured import StructuredScheme
-from ._generator import fresh_seed as _fresh_seed, resolve_generator  # noqa: F401
+from ._generator import fresh_seed as _fresh_seed  # noqa: F401
+from ._generator import resolve_generator
+from ._resumable import EpochResumableSampler
 
 __all__ = ["StructuredWindowSampler"]
 
 
 
-class StructuredWindowSampler(Sampler[list]):
+class StructuredWindowSampler(EpochResumableSampler, Sampler[list]):
     """Bi-level structured sampler: yields one list of ``(series, start)`` pairs per step.
 
     Args:
@@ -145,34 +146,29 @@ class StructuredWindowSampler(Sampler[list]):
         return idx[rows], starts
 
     def __iter__(self) -> Iterator[list]:
-        if self._pending is not None:
-            state, self._pending = self._pending, None
-            self.generator.set_state(state["generator_state"])
-            self._position = int(state["position"])
-            self.epoch = int(state["epoch"])
-            perm = state.get("permutation")
-            self._perm = None if perm is None else torch.as_tensor(perm, dtype=torch.int64)
-        else:
-            self._position = 0
-            self._perm = None
+        self._resume()
         while self._position < self.steps:
             series, starts = self._bottom(self._top(self._position))
-            self._position += 1
-            if self._position == self.steps:
-                self.epoch += 1
-                self._perm = None
+            self._advance()
             yield list(zip(series.tolist(), starts.tolist()))
+
+    def _restore_extra(self, state) -> None:
+        perm = None if state is None else state.get("permutation")
+        self._perm = None if perm is None else torch.as_tensor(perm, dtype=torch.int64)
+
+    def _end_epoch(self) -> None:
+        self._perm = None
 
     # ---- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """State between draws (generator, position, epoch, shuffle permutation, scheme)."""
         if self._pending is not None:
             return dict(self._pending)
-        position = self._position if self._position < self.steps else 0
-        perm = self._perm if position > 0 else None
-        return {"generator_state": self.generator.get_state().clone(), "position": position,
-                "epoch": self.epoch, "permutation": None if perm is None else perm.clone(),
-                "scheme": self.scheme.to_dict(), "lengths": self.lengths.tolist()}
+        state = self._epoch_state()
+        perm = self._perm if state["position"] > 0 else None
+        state.update({"permutation": None if perm is None else perm.clone(),
+                      "scheme": self.scheme.to_dict(), "lengths": self.lengths.tolist()})
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; the next ``iter()`` continues where it left off."""
@@ -184,13 +180,7 @@ class StructuredWindowSampler(Sampler[list]):
             raise ValueError(f"sampler state is for {saved!r}, not {self.scheme!r}")
         if list(state_dict["lengths"]) != self.lengths.tolist():
             raise ValueError("sampler state was taken over series of other lengths")
-        position = check_int("position", state_dict["position"], minimum=0,
-                             maximum=self.steps - 1)
-        state = dict(state_dict)
-        state["position"] = position
-        state["generator_state"] = torch.as_tensor(state_dict["generator_state"],
-                                                   dtype=torch.uint8).clone()
-        self._pending = state
+        self._stage(state_dict)
 
     def __repr__(self) -> str:
         s = self.scheme

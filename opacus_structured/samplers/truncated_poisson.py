@@ -33,15 +33,16 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .._validation import check_int
 from ..schemes.truncated_poisson import TruncatedPoissonScheme
-from ._generator import fresh_seed as _fresh_seed, resolve_generator  # noqa: F401
+from ._generator import fresh_seed as _fresh_seed  # noqa: F401
+from ._generator import resolve_generator
+from ._resumable import EpochResumableSampler
 
 __all__ = ["TruncatedPoissonSampler", "PaddedDataset", "masked_loss",
            "truncated_poisson_data_loader"]
 
 
-class TruncatedPoissonSampler(Sampler[list[int]]):
+class TruncatedPoissonSampler(EpochResumableSampler, Sampler[list[int]]):
     """Poisson(p) batches truncated to a uniform random B-subset and padded to exactly B.
 
     Args:
@@ -102,18 +103,10 @@ class TruncatedPoissonSampler(Sampler[list[int]]):
         return batch
 
     def __iter__(self) -> Iterator[list[int]]:
-        if self._pending is not None:
-            state, self._pending = self._pending, None
-            self.generator.set_state(state["generator_state"])
-            self._position = int(state["position"])
-            self.epoch = int(state["epoch"])
-        else:
-            self._position = 0
+        self._resume()
         while self._position < self.steps:
             batch = self.draw()
-            self._position += 1
-            if self._position == self.steps:
-                self.epoch += 1
+            self._advance()
             yield batch
 
     # ---- state -------------------------------------------------------------------------------
@@ -121,30 +114,11 @@ class TruncatedPoissonSampler(Sampler[list[int]]):
 
     def state_dict(self) -> dict[str, Any]:
         """State *between* draws: generator state, position in the epoch, completed epochs."""
-        if self._pending is not None:
-            return dict(self._pending)
-        position = self._position if self._position < self.steps else 0
-        state = {"generator_state": self.generator.get_state().clone(), "position": position,
-                 "epoch": self.epoch}
-        state.update({k: getattr(self, k) for k in self._KEYS})
-        return state
+        return self._epoch_state()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; the next ``iter()`` continues where it left off."""
-        for key in self._KEYS:
-            if key not in state_dict:
-                raise ValueError(f"sampler state lacks {key!r}")
-            if state_dict[key] != getattr(self, key):
-                raise ValueError(f"sampler state has {key}={state_dict[key]!r} but this sampler "
-                                 f"has {key}={getattr(self, key)!r}; build it with the same "
-                                 f"parameters")
-        state = dict(state_dict)
-        state["position"] = check_int("position", state_dict["position"], minimum=0,
-                                      maximum=self.steps - 1)
-        state["epoch"] = check_int("epoch", state_dict["epoch"], minimum=0)
-        state["generator_state"] = torch.as_tensor(state_dict["generator_state"],
-                                                   dtype=torch.uint8).clone()
-        self._pending = state
+        self._stage(state_dict)
 
     def __repr__(self) -> str:
         return (f"TruncatedPoissonSampler(num_samples={self.num_samples}, "

@@ -46,7 +46,6 @@ a scheme whose bound kind is "lower" is refused, since a lower bound is no guara
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 import math
 from typing import Any, Callable, Optional, Union
@@ -111,37 +110,20 @@ def _describe_loader(loader: DataLoader) -> str:
 
 
 def build_sampler(scheme: Scheme, dataset, generator: torch.Generator):
-    """The scheme's sampler for ``dataset``.
-
-    ``scheme.sampler(len(dataset), generator=generator)`` for schemes that take the dataset size;
-    ``scheme.sampler(generator=generator)`` for schemes that carry it (``dataset_size``, e.g.
-    BandMF with cyclic Poisson), after checking it equals ``len(dataset)``; for a
-    :class:`PoissonScheme` without a sampler, a :class:`PoissonBatchSampler` (same semantics).
+    """``scheme.sampler_for_dataset(len(dataset), generator=generator)``; for a
+    :class:`PoissonScheme` without a rate of its own, a :class:`PoissonBatchSampler`.
 
     Schemes whose sampler needs more than the dataset size (structured time-series windows, the
     padded truncated-Poisson dataset) raise: pass ``sampler=`` (an instance or a
     ``(dataset, generator)`` factory).
     """
-    size = getattr(scheme, "dataset_size", None)
-    params = inspect.signature(scheme.sampler).parameters
     try:
-        if size is not None and "num_samples" not in params and "padded" not in params \
-                and "pad" not in params:
-            if int(size) != len(dataset):
-                raise ValueError(f"scheme {scheme.name!r} is for dataset_size={size} but the "
-                                 f"train dataset has {len(dataset)} examples")
-            return scheme.sampler(generator=generator)
-        return scheme.sampler(len(dataset), generator=generator)
+        return scheme.sampler_for_dataset(len(dataset), generator=generator)
     except NotImplementedError:
         if isinstance(scheme, PoissonScheme) and scheme.sample_rate is not None:
             return PoissonBatchSampler(len(dataset), scheme.sample_rate, generator=generator)
         raise ValueError(f"scheme {scheme.name!r} has no sampler; pass DPCallback(sampler=...)"
                          ) from None
-    except TypeError as err:
-        raise ValueError(
-            f"could not build scheme {scheme.name!r}'s sampler from the dataset size ({err}); "
-            f"pass DPCallback(sampler=scheme.sampler(...)) or a factory "
-            f"sampler=lambda dataset, generator: ...") from None
 
 
 def loader_with_batch_sampler(loader: DataLoader, batch_sampler) -> DataLoader:

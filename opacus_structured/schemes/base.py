@@ -178,6 +178,13 @@ class Scheme(abc.ABC):
         """
         raise NotImplementedError(f"scheme {self.name!r} has no sampler")
 
+    def sampler_for_dataset(self, num_examples: int, *, generator=None):
+        """This scheme's sampler for a map-style dataset of ``num_examples`` examples (what
+        callbacks install in a DataLoader). Default: ``sampler(num_examples, generator=...)``;
+        schemes that carry their dataset size check it, schemes that need more than the size
+        raise ``ValueError`` saying what to pass instead."""
+        return self.sampler(num_examples, generator=generator)
+
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {"scheme": self.name, **dataclasses.asdict(self)}

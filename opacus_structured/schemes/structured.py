@@ -193,6 +193,12 @@ class StructuredScheme(Scheme):
         return _cached_pld(self, sigma, float(discretization))
 
     # ---- sampler -------------------------------------------------------------------------
+    def sampler_for_dataset(self, num_examples: int, *, generator=None):
+        """Refused: windows are drawn from series, so the sampler needs the series lengths."""
+        raise ValueError(f"scheme {self.name!r} draws (series, start) windows: build "
+                         f"scheme.sampler(series_lengths, ...) over a WindowDataset and pass it "
+                         f"explicitly")
+
     def sampler(self, series_lengths: Sequence[int] | None = None, *, generator=None, **kwargs):
         """The :class:`~opacus_structured.samplers.structured.StructuredWindowSampler` of this
         scheme over series of the given lengths (default: all of length ``series_length``)."""

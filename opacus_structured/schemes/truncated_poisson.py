@@ -167,6 +167,13 @@ class TruncatedPoissonScheme(Scheme):
                                        discretization=discretization)
 
     # ---- sampler -----------------------------------------------------------------------------
+    def sampler_for_dataset(self, num_examples: int, *, generator=None):
+        """Refused: the fixed-shape batches index a padded dataset (``PaddedDataset``) and the
+        loss must be masked; build the loader with ``truncated_poisson_data_loader``."""
+        raise ValueError(f"scheme {self.name!r} draws padded fixed-shape batches: wrap the "
+                         f"dataset with truncated_poisson_data_loader(...) (PaddedDataset + "
+                         f"masked_loss) and pass its batch_sampler explicitly")
+
     def sampler(self, *, generator=None, seed=None, pad: bool = True):
         """The :class:`~opacus_structured.samplers.truncated_poisson.TruncatedPoissonSampler`
         drawing exactly this scheme's batches (``len`` = :meth:`steps_per_epoch`)."""

@@ -75,3 +75,20 @@ def check_int(name: str, value, *, minimum: int | None = 0, maximum: int | None 
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return value
+
+
+def check_lower_triangular_matrix(name: str, value, *, why: str = ""):
+    """``value`` as a float64 non-empty, finite, square, lower-triangular numpy matrix.
+
+    ``why`` is appended to the lower-triangular error (e.g. the lemma that needs it).
+    """
+    import numpy as np
+
+    C = np.asarray(value, dtype=np.float64)
+    if C.ndim != 2 or C.shape[0] != C.shape[1] or C.shape[0] == 0:
+        raise ValueError(f"{name} must be a non-empty square matrix, got shape {C.shape}")
+    if not np.all(np.isfinite(C)):
+        raise ValueError(f"{name} must be finite")
+    if np.any(np.triu(C, 1) != 0):
+        raise ValueError(f"{name} must be lower-triangular{why}")
+    return C

@@ -53,12 +53,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Iterable, Sequence
 
 import numpy as np
 from scipy import special
 
-from .._validation import check_int, check_open_unit, check_positive
+from .._validation import (check_int, check_lower_triangular_matrix, check_open_unit,
+                           check_positive)
 
 __all__ = [
     "mixture_means",
@@ -87,13 +87,7 @@ _MAX_ORDER = 256
 # Dominating pair (Lemma 2.8)
 # ----------------------------------------------------------------------------------------------
 def _check_strategy(C) -> np.ndarray:
-    C = np.asarray(C, dtype=np.float64)
-    if C.ndim != 2 or C.shape[0] != C.shape[1] or C.shape[0] == 0:
-        raise ValueError(f"C must be a non-empty square matrix, got shape {C.shape}")
-    if not np.all(np.isfinite(C)):
-        raise ValueError("C must be finite")
-    if np.any(np.triu(C, 1) != 0):
-        raise ValueError("C must be lower-triangular (Lemma 2.8)")
+    C = check_lower_triangular_matrix("C", C, why=" (Lemma 2.8)")
     if np.any(C < 0):
         raise ValueError("C must be entrywise non-negative (Lemma 2.8 needs C >= 0; the "
                          "dominating pair of a C with negative entries is not covered)")

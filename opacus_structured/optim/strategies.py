@@ -69,7 +69,7 @@ import math
 import numpy as np
 from scipy import linalg, optimize
 
-from .._validation import check_int
+from .._validation import check_int, check_lower_triangular_matrix
 
 __all__ = [
     "STRATEGIES",
@@ -351,13 +351,7 @@ def prefix_sum_mse(C, *, sensitivity: float | None = None) -> float:
     ``sensitivity`` defaults to the single-participation sensitivity ``max_j ‖C[:, j]‖₂``; pass
     e.g. ``sqrt(k)`` times it for ``k`` participations under min-separation.
     """
-    C = np.asarray(C, dtype=np.float64)
-    if C.ndim != 2 or C.shape[0] != C.shape[1] or C.shape[0] == 0:
-        raise ValueError(f"C must be a non-empty square matrix, got shape {C.shape}")
-    if not np.all(np.isfinite(C)):
-        raise ValueError("C must be finite")
-    if np.any(np.triu(C, 1) != 0):
-        raise ValueError("C must be lower-triangular")
+    C = check_lower_triangular_matrix("C", C)
     if np.any(np.diag(C) == 0):
         raise ValueError("C must be invertible (non-zero diagonal)")
     n = C.shape[0]

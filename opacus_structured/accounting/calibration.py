@@ -74,3 +74,15 @@ def calibrate_noise_multiplier(epsilon_of_sigma: Callable[[float], float], targe
         else:
             lo = mid
     return hi
+
+
+def smallest_passing_int(ok: Callable[[int], bool], lo: int, hi: int) -> int:
+    """Smallest integer in ``(lo, hi]`` with ``ok`` true, by bisection, for a monotone ``ok``
+    (false up to some point, then true) with ``ok(lo)`` false and ``ok(hi)`` true."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi

@@ -46,6 +46,7 @@ from scipy import optimize
 
 from .._validation import check_int, check_nonnegative, check_open_unit, check_positive
 from .bminsep_mc import DIRECTIONS, BandMFMonteCarlo, sample_privacy_losses
+from .calibration import smallest_passing_int
 
 __all__ = [
     "MONTE_CARLO",
@@ -162,13 +163,7 @@ def minimum_samples(base_delta: float, target_delta: float) -> int:
         lo, hi = hi, hi * 2
         if hi > 1e18:
             raise ValueError("minimum_samples exceeds 1e18; base_delta too close to target_delta")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return smallest_passing_int(ok, lo, hi)
 
 
 # ---------------------------------------------------------------------------------------------

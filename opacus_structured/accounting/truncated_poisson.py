@@ -68,6 +68,7 @@ from scipy import stats
 
 from .._validation import check_int, check_open_unit, check_positive, check_probability
 from . import pld as pld_lib
+from .calibration import smallest_passing_int
 from .mixture import MixturePair
 from .profiles import PairProfile, WeightedProfile
 
@@ -387,13 +388,7 @@ def smallest_max_batch_size(dataset_size, sample_rate, noise_multiplier, steps, 
         lo = guess
         guess = min(n - 1, math.ceil(n * p + step * 2 ** k))
         k += 1
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return smallest_passing_int(ok, lo, hi)
 
 
 def largest_sample_rate(dataset_size, max_batch_size, noise_multiplier, steps, delta,

@@ -207,23 +207,27 @@ class WholeRunAccountant(SchemeAccountant):
                              f"history has {sigmas}")
         return sigmas[0], steps
 
-    def get_epsilon(self, delta: float, *, discretization: Optional[float] = None,
-                    **kwargs) -> float:
-        delta = check_open_unit("delta", delta)
+    def _priced(self, kind: str, value: float, discretization: Optional[float]) -> float:
+        # The run is one unit: the price depends on (σ, units), not on the step count, so a
+        # callback asking every step does not recompute it.
         sigma, steps = self._sigma_and_steps()
         if sigma is None:
             return 0.0
         d = self.discretization if discretization is None else discretization
-        return self.scheme.epsilon(sigma, steps, delta, discretization=d)
+        key = (kind, sigma, self.scheme.compositions(steps), value, d)
+        if key not in self._cache:
+            price = self.scheme.epsilon if kind == "epsilon" else self.scheme.delta
+            self._cache[key] = price(sigma, steps, value, discretization=d)
+        return self._cache[key]
+
+    def get_epsilon(self, delta: float, *, discretization: Optional[float] = None,
+                    **kwargs) -> float:
+        return self._priced("epsilon", check_open_unit("delta", delta), discretization)
 
     def get_delta(self, epsilon: float, *, discretization: Optional[float] = None) -> float:
         if math.isnan(epsilon):
             raise ValueError("epsilon must not be NaN")
-        sigma, steps = self._sigma_and_steps()
-        if sigma is None:
-            return 0.0
-        d = self.discretization if discretization is None else discretization
-        return self.scheme.delta(sigma, steps, float(epsilon), discretization=d)
+        return self._priced("delta", float(epsilon), discretization)
 
 
 def register_scheme_accountant(name: str, scheme: Scheme,

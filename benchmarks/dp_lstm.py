@@ -1,15 +1,20 @@
 """DP-SGD step time of a DeepAR-sized LSTM: cuDNN non-private vs Opacus DPLSTM vs FastDPLSTM.
 
+``--cell gru`` runs the same rows for ``nn.GRU`` / Opacus ``DPGRU`` / ``FastDPGRU``.
+
 Issue 10 setting (defaults): 2 layers, hidden 40, 10 input features, 60 time steps, batch 256,
 linear head with an MSE loss on every step. Rows (all with SGD, one full step each:
 forward, backward, [clip, noise], update):
 
 * ``nn.LSTM non-private`` — cuDNN on CUDA (the reference for the ratios);
 * ``opacus DPLSTM DP-SGD`` — ``ModuleValidator.fix`` + ``PrivacyEngine.make_private``;
-* ``FastDPLSTM DP-SGD (hooks)`` — per-sample gradients materialised by Opacus' Linear sampler;
-* ``FastDPLSTM DP-SGD (ghost)`` — ``grad_sample_mode="ghost"`` (norms by the Gram trick,
+* ``FastDPLSTM DP-SGD (hooks, …)`` — per-sample gradients materialised by Opacus' Linear
+  sampler;
+* ``FastDPLSTM DP-SGD (ghost, …)`` — ``grad_sample_mode="ghost"`` (norms by the Gram trick,
   clipped sum by a second backward);
-* ``FastDPLSTM non-private`` — our forward/backward without DP.
+  each with ``recurrence="native"`` (torch's LSTM kernel: cuDNN on CUDA) and ``"python"`` (our
+  time loop and hand-written BPTT); ``"auto"``, the default, is native on CUDA, python on CPU;
+* ``FastDPLSTM non-private`` — our forward/backward without DP (``"auto"``).
 
 Prints a table (ms/step median over ``--repeats`` after ``--warmup`` steps, peak memory, ratio
 to the non-private cuDNN step) and optionally writes ``--json OUT``. Needs only torch and
@@ -42,8 +47,8 @@ warnings.filterwarnings("ignore")
 
 def _load_fast_lstm():
     try:
-        from opacus_structured.forecasting.fast_lstm import FastDPLSTM, replace_lstm
-        return FastDPLSTM, replace_lstm
+        from opacus_structured.forecasting import fast_lstm
+        return fast_lstm
     except ImportError:  # only torch + opacus: load the module file without the package deps
         import importlib
 
@@ -55,10 +60,10 @@ def _load_fast_lstm():
             pkg.__path__ = [os.path.normpath(path)]
             sys.modules.setdefault(name, pkg)
         mod = importlib.import_module("opacus_structured.forecasting.fast_lstm")
-        return mod.FastDPLSTM, mod.replace_lstm
+        return mod
 
 
-FastDPLSTM, replace_lstm = _load_fast_lstm()
+fast_lstm = _load_fast_lstm()
 
 
 class Net(nn.Module):
@@ -98,8 +103,11 @@ def run(args):
     x = torch.randn(args.batch, args.steps, args.features, device=device)
     y = torch.randn(args.batch, args.steps, device=device)
     ds = torch.utils.data.TensorDataset(x, y)
-    lstm = nn.LSTM(args.features, args.hidden, num_layers=args.layers, batch_first=True)
-    base = Net(lstm, args.hidden).to(device)
+    torch_cls = nn.LSTM if args.cell == "lstm" else nn.GRU
+    rnn = torch_cls(args.features, args.hidden, num_layers=args.layers, batch_first=True)
+    base = Net(rnn, args.hidden).to(device)
+    replace = fast_lstm.replace_lstm if args.cell == "lstm" else fast_lstm.replace_gru
+    cell, fast = args.cell.upper(), "FastDP" + args.cell.upper()
     mse = nn.MSELoss()
 
     def plain(model):
@@ -135,16 +143,17 @@ def run(args):
 
     rows = []
     configs = [
-        ("nn.LSTM non-private" + (" (cuDNN)" if device.type == "cuda" else ""),
+        (f"nn.{cell} non-private" + (" (cuDNN)" if device.type == "cuda" else ""),
          lambda: plain(copy.deepcopy(base))),
-        ("opacus DPLSTM DP-SGD",
+        (f"opacus DP{cell} DP-SGD",
          lambda: private(ModuleValidator.fix(copy.deepcopy(base)).to(device), "hooks")),
-        ("FastDPLSTM DP-SGD (hooks)",
-         lambda: private(replace_lstm(copy.deepcopy(base)), "hooks")),
-        ("FastDPLSTM DP-SGD (ghost)",
-         lambda: private(replace_lstm(copy.deepcopy(base)), "ghost")),
-        ("FastDPLSTM non-private", lambda: plain(replace_lstm(copy.deepcopy(base)))),
     ]
+    for rec in ("native", "python") if args.cell == "lstm" else ("native",):
+        for mode in ("hooks", "ghost"):
+            configs.append((f"{fast} DP-SGD ({mode}, {rec})",
+                            lambda rec=rec, mode=mode: private(
+                                replace(copy.deepcopy(base), recurrence=rec), mode)))
+    configs.append((f"{fast} non-private", lambda: plain(replace(copy.deepcopy(base)))))
     for name, make in configs:
         if args.skip_opacus and name.startswith("opacus"):
             continue
@@ -166,10 +175,12 @@ def main(argv=None):
     p.add_argument("--features", type=int, default=10)
     p.add_argument("--hidden", type=int, default=40)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--cell", choices=("lstm", "gru"), default="lstm",
+                   help="gru: nn.GRU vs Opacus DPGRU vs FastDPGRU (native recurrence only)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--skip-opacus", action="store_true", help="skip the (slow) DPLSTM row")
+    p.add_argument("--skip-opacus", action="store_true", help="skip the (slow) Opacus row")
     p.add_argument("--json", default=None, help="write the rows and settings to this file")
     args = p.parse_args(argv)
     if args.threads:
@@ -178,7 +189,7 @@ def main(argv=None):
     dev = args.device
     if dev.startswith("cuda"):
         dev += f" ({torch.cuda.get_device_name()})"
-    print(f"device {dev}, torch {torch.__version__}; LSTM {args.layers}x{args.hidden}, "
+    print(f"device {dev}, torch {torch.__version__}; {args.cell.upper()} {args.layers}x{args.hidden}, "
           f"{args.features} features, T={args.steps}, batch {args.batch}; torch.compile: not "
           f"used (plain eager kernels)")
     print(f"{'method':<34}{'ms/step':>10}{'peak MiB':>10}{'x non-private':>15}")

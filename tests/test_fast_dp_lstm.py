@@ -1,7 +1,9 @@
-"""FastDPLSTM (issue 10): forward/backward equal ``nn.LSTM``; per-sample gradients, their norms
-and the clipped, noised DP-SGD update equal Opacus ``DPLSTM`` + ``GradSampleModule`` (float64,
-1e-5 relative) and an independent brute-force per-example loop; ghost-clipping norms equal the
-materialised ones; the correlated-noise optimizer works in ghost mode."""
+"""FastDPLSTM / FastDPGRU (issue 10): forward/backward equal ``nn.LSTM`` / ``nn.GRU``; per-sample
+gradients, their norms and the clipped, noised DP-SGD update equal Opacus ``DPLSTM`` / ``DPGRU`` +
+``GradSampleModule`` (float64, 1e-5 relative) and an independent brute-force per-example loop;
+ghost-clipping norms equal the materialised ones; the correlated-noise optimizer works in ghost
+mode. The equivalence tests run for every variant: LSTM with torch's kernel ("native") and with
+the Python recurrence, and the GRU (native)."""
 
 import copy
 import math
@@ -12,14 +14,14 @@ from opacus.grad_sample import GradSampleHooks, GradSampleModule
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleModuleFastGradientClipping,
 )
-from opacus.layers import DPLSTM
+from opacus.layers import DPGRU, DPLSTM
 from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
 from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from opacus.validators import ModuleValidator
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from opacus_structured.forecasting.fast_lstm import FastDPLSTM, replace_lstm
+from opacus_structured.forecasting.fast_lstm import FastDPGRU, FastDPLSTM, replace_gru, replace_lstm
 
 RTOL = 1e-5  # issue 10 acceptance: 1e-5 relative in float64
 B, T, I, HID = 6, 7, 3, 5
@@ -36,6 +38,7 @@ class Net(nn.Module):
 
     def __init__(self, rnn, num_directions):
         super().__init__()
+        self.gru = isinstance(rnn, nn.GRU)
         self.rnn = rnn
         self.head = nn.Linear(HID * num_directions, 1)
 
@@ -43,22 +46,34 @@ class Net(nn.Module):
         inp = x
         if lengths is not None:
             inp = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
-        out, (h, c) = self.rnn(inp, hx)
+        if hx is not None and self.gru:
+            hx = hx[0]
+        out, state = self.rnn(inp, hx)
+        h, c = (state, state) if self.gru else state
         if lengths is not None:
             out, _ = pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
         return self.head(out).squeeze(-1).sum(1) + (h * c).sum(0).sum(-1)
 
 
-def _nets(num_layers, bidirectional, seed=0):
+@pytest.fixture(params=[("lstm", "native"), ("lstm", "python"), ("gru", "native")],
+                ids=["lstm-native", "lstm-python", "gru"])
+def variant(request):
+    """(kind, variant): every equivalence test runs for each."""
+    return request.param
+
+
+def _nets(num_layers, bidirectional, variant=("lstm", "auto"), seed=0):
+    kind, recurrence = variant
     torch.manual_seed(seed)
-    lstm = nn.LSTM(I, HID, num_layers=num_layers, batch_first=True,
-                   bidirectional=bidirectional).double()
+    rnn = (nn.LSTM if kind == "lstm" else nn.GRU)(I, HID, num_layers=num_layers,
+                                                 batch_first=True, bidirectional=bidirectional)
     d = 2 if bidirectional else 1
-    ref = Net(lstm, d).double()
+    ref = Net(rnn.double(), d).double()
     opacus_net = ModuleValidator.fix(copy.deepcopy(ref)).double()  # fix builds float32
-    assert isinstance(opacus_net.rnn, DPLSTM)
-    fast_net = replace_lstm(ref)
-    assert isinstance(fast_net.rnn, FastDPLSTM)
+    assert isinstance(opacus_net.rnn, DPLSTM if kind == "lstm" else DPGRU)
+    replace = replace_lstm if kind == "lstm" else replace_gru
+    fast_net = replace(ref, recurrence=recurrence)
+    assert isinstance(fast_net.rnn, FastDPLSTM if kind == "lstm" else FastDPGRU)
     return ref, opacus_net, fast_net
 
 
@@ -108,7 +123,7 @@ def _brute_force(ref, x, y, lengths, hx):
     for b in range(B):
         ref.zero_grad()
         lb = None if lengths is None else lengths[b:b + 1]
-        hb = None if hx is None else (hx[0][:, b:b + 1], hx[1][:, b:b + 1])
+        hb = None if hx is None else tuple(h[:, b:b + 1] for h in hx)
         ((ref(x[b:b + 1], lb, hb) - y[b]) ** 2).sum().backward()
         grads.append({n: p.grad.detach().clone() for n, p in ref.named_parameters()})
     return grads
@@ -123,8 +138,8 @@ CASES = [(1, False, "plain"), (2, False, "hx"), (2, False, "packed"), (2, True, 
 
 
 @pytest.mark.parametrize("num_layers,bidirectional,case", CASES)
-def test_forward_and_input_gradients_equal_nn_lstm(num_layers, bidirectional, case):
-    ref, _, fast = _nets(num_layers, bidirectional)
+def test_forward_and_input_gradients_equal_nn_lstm(num_layers, bidirectional, case, variant):
+    ref, _, fast = _nets(num_layers, bidirectional, variant)
     x, y, lengths, hx = _inputs(case, num_layers, bidirectional)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     h1 = h2 = None
@@ -133,8 +148,9 @@ def test_forward_and_input_gradients_equal_nn_lstm(num_layers, bidirectional, ca
         h2 = tuple(h.clone().requires_grad_() for h in hx)
     out_ref, out_fast = ref(x1, lengths, h1), fast(x2, lengths, h2)
     assert close(out_fast, out_ref, 1e-12)
-    ins1 = [x1] + (list(h1) if h1 else [])
-    ins2 = [x2] + (list(h2) if h2 else [])
+    n_states = 2 if variant[0] == "lstm" else 1  # the GRU reads only hx[0]
+    ins1 = [x1] + (list(h1[:n_states]) if h1 else [])
+    ins2 = [x2] + (list(h2[:n_states]) if h2 else [])
     g1 = torch.autograd.grad(((out_ref - y) ** 2).sum(), ins1 + list(ref.parameters()))
     g2 = torch.autograd.grad(((out_fast - y) ** 2).sum(), ins2 + list(fast.parameters()))
     for a, b in zip(g2[:len(ins2)], g1[:len(ins1)]):
@@ -143,8 +159,8 @@ def test_forward_and_input_gradients_equal_nn_lstm(num_layers, bidirectional, ca
 
 @pytest.mark.parametrize("num_layers,bidirectional,case", CASES)
 def test_per_sample_gradients_equal_opacus_dplstm_and_brute_force(num_layers, bidirectional,
-                                                                  case):
-    ref, opacus_net, fast_net = _nets(num_layers, bidirectional)
+                                                                  case, variant):
+    ref, opacus_net, fast_net = _nets(num_layers, bidirectional, variant)
     x, y, lengths, hx = _inputs(case, num_layers, bidirectional)
     gs_opacus = _per_sample(opacus_net, x, y, lengths, hx)
     if lengths is not None:
@@ -205,12 +221,13 @@ def _dp_update(net, x, y, lengths, hx, *, sigma, clip, seed, mode="hooks"):
 
 @pytest.mark.parametrize("num_layers,bidirectional,case", [(2, False, "sorted_hx"),
                                                            (1, True, "plain")])
-def test_clipped_noised_update_equals_opacus_dplstm(num_layers, bidirectional, case):
+def test_clipped_noised_update_equals_opacus_dplstm(num_layers, bidirectional, case,
+                                                    variant):
     # Variable lengths in *descending* order only: with unsorted lengths Opacus' DPLSTM rows
     # are in packed (sorted) order while the head's rows are in batch order, so Opacus clips
     # mixed-up per-sample gradients (see the per-sample test); that case is checked against
     # the brute-force clipped sum below instead.
-    _, opacus_net, fast_net = _nets(num_layers, bidirectional)
+    _, opacus_net, fast_net = _nets(num_layers, bidirectional, variant)
     x, y, lengths, hx = _inputs(case, num_layers, bidirectional)
     norms = _norms(_per_sample(copy.deepcopy(fast_net), x, y, lengths, hx))
     clip = float(norms.median())  # some windows clipped, some not
@@ -225,8 +242,8 @@ def test_clipped_noised_update_equals_opacus_dplstm(num_layers, bidirectional, c
 
 
 @pytest.mark.parametrize("case", ["hx", "packed"])
-def test_ghost_norms_equal_materialised_norms_and_update(case):
-    _, _, fast_net = _nets(2, False)
+def test_ghost_norms_equal_materialised_norms_and_update(case, variant):
+    _, _, fast_net = _nets(2, False, variant)
     x, y, lengths, hx = _inputs(case, 2, False)
     # materialised (per-sample gradients) norms, mean reduction, MSE per sample
     gsm = GradSampleModule(copy.deepcopy(fast_net), batch_first=True, loss_reduction="mean")
@@ -270,6 +287,28 @@ def test_replace_lstm_nested_and_inplace():
     assert torch.allclose(replace_lstm(dpl)(x)[0], dpl(x)[0], atol=1e-6)
 
 
+def test_replace_gru_unbatched_seq_first_and_dpgru():
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(3, 3), nn.GRU(3, 4, num_layers=2, bidirectional=True))
+    fixed = replace_gru(model)
+    assert isinstance(model[1], nn.GRU) and isinstance(fixed[1], FastDPGRU)
+    assert ModuleValidator.validate(fixed, strict=False) == []
+    gru = model[1].double()
+    fast = replace_gru(gru)
+    x = torch.randn(6, 3, dtype=torch.float64)  # unbatched (T, I), seq-first
+    h0 = torch.randn(4, 4, dtype=torch.float64)
+    (o1, h1), (o2, h2) = gru(x, h0), fast(x, h0)
+    assert o2.shape == o1.shape and h2.shape == h1.shape
+    assert close(o2, o1, 1e-12) and close(h2, h1, 1e-12)
+    dpg = DPGRU(3, 4)
+    x = torch.randn(5, 2, 3)
+    assert torch.allclose(replace_gru(dpg)(x)[0], dpg(x)[0], atol=1e-6)
+    with pytest.raises(ValueError, match="FastDPLSTM only"):
+        FastDPGRU(3, 4, recurrence="python")
+    with pytest.raises(ValueError, match="hx must be 1 tensor"):
+        fast(x.double(), (h0, h0))
+
+
 def test_unbatched_seq_first_and_dropout_match_nn_lstm():
     torch.manual_seed(2)
     lstm = nn.LSTM(3, 4, num_layers=2).double()
@@ -284,9 +323,11 @@ def test_unbatched_seq_first_and_dropout_match_nn_lstm():
     assert a.shape == (4, 2, 4)
 
 
-def test_no_grad_inference_matches_training_forward():
+def test_no_grad_inference_matches_training_forward(variant):
     torch.manual_seed(3)
-    fast = FastDPLSTM(3, 4, num_layers=2, batch_first=True).double()
+    kind, recurrence = variant
+    fast = (FastDPLSTM if kind == "lstm" else FastDPGRU)(3, 4, num_layers=2, batch_first=True,
+                                                        recurrence=recurrence).double()
     x = torch.randn(2, 5, 3, dtype=torch.float64)
     with torch.no_grad():
         a = fast(x)[0]
@@ -305,6 +346,8 @@ def test_invalid_arguments():
         FastDPLSTM(3, 0)
     with pytest.raises(ValueError, match="num_layers"):
         FastDPLSTM(3, 4, num_layers=0)
+    with pytest.raises(ValueError, match="recurrence"):
+        FastDPLSTM(3, 4, recurrence="cudnn")
     fast = FastDPLSTM(3, 4, num_layers=2, batch_first=True)
     with pytest.raises(ValueError, match="input_size"):
         fast(torch.randn(2, 5, 7))
@@ -314,8 +357,8 @@ def test_invalid_arguments():
         fast(torch.randn(2, 5, 3), (torch.zeros(1, 2, 4), torch.zeros(1, 2, 4)))
 
 
-def test_clipped_sum_equals_brute_force_with_unsorted_lengths():
-    ref, _, fast_net = _nets(2, True)
+def test_clipped_sum_equals_brute_force_with_unsorted_lengths(variant):
+    ref, _, fast_net = _nets(2, True, variant)
     x, y, lengths, hx = _inputs("packed_hx", 2, True)
     brute = _brute_force(ref, x, y, lengths, hx)  # gradients of (f(x_b) - y_b)^2
     names = list(brute[0])
@@ -358,13 +401,13 @@ def _engine_run(net, mode, x, y, noise_correlation, steps=3):
     return opt, [p.detach().clone() for p in m.parameters()]
 
 
-def test_correlated_noise_optimizer_in_ghost_mode_equals_hooks_mode():
+def test_correlated_noise_optimizer_in_ghost_mode_equals_hooks_mode(variant):
     from opacus_structured.optim.correlated_noise import CorrelatedNoiseMixin
     from opacus_structured.optim.ghost_clipping import (
         CorrelatedNoiseDPOptimizerFastGradientClipping,
     )
 
-    _, _, fast_net = _nets(2, False)
+    _, _, fast_net = _nets(2, False, variant)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(12, T, I, generator=g, dtype=torch.float64)
     y = torch.randn(12, generator=g, dtype=torch.float64)
@@ -500,3 +543,22 @@ def test_ghost_loss_with_2d_per_sample_loss_is_refused():
     crit(model(x[:4]).squeeze(-1), y[:4, 0]).backward()  # the 1-d form works
     with pytest.raises(ValueError, match="1-d per-sample loss"):
         crit(model(x[:4]), y[:4])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("case", ["hx", "packed_hx"])
+def test_cudnn_recurrence_per_sample_gradients_equal_cpu(case, kind):
+    """On CUDA ``recurrence="auto"`` runs cuDNN; its per-sample gradients (float64) equal those
+    of the CPU recurrence (itself checked against Opacus and brute force above)."""
+    _, _, fast_cpu = _nets(2, True, (kind, "python" if kind == "lstm" else "native"))
+    x, y, lengths, hx = _inputs(case, 2, True)
+    fast_gpu = copy.deepcopy(fast_cpu).cuda()
+    for layer in fast_gpu.rnn.layers:
+        layer.recurrence = "auto"
+    hx_gpu = None if hx is None else tuple(h.cuda() for h in hx)
+    gs_gpu = _per_sample(fast_gpu, x.cuda(), y.cuda(), lengths, hx_gpu)
+    gs_cpu = _per_sample(fast_cpu, x, y, lengths, hx)
+    assert set(gs_gpu) == set(gs_cpu)
+    for name, g in gs_cpu.items():
+        assert close(gs_gpu[name].cpu(), g), name

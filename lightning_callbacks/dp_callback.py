@@ -64,7 +64,7 @@ from opacus.optimizers import DPOptimizer
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from opacus.validators import ModuleValidator
 
-from opacus_structured._validation import (check_open_unit, check_positive)
+from opacus_structured._validation import check_open_unit, check_positive
 from opacus_structured.accountants.base import SchemeAccountant
 from opacus_structured.accounting import pld as pld_lib
 from opacus_structured.samplers.poisson import PoissonBatchSampler, _fresh_seed

@@ -247,7 +247,7 @@ def conditional_composition_pld(means, noise_multiplier: float, bad_event_mass: 
     rem = step_pairs(means, sigma, bad_event_mass, "remove", temperatures=temperatures)
     add = step_pairs(means, sigma, bad_event_mass, "add", temperatures=temperatures)
     counts: dict[tuple, int] = {}
-    for r, a in zip(rem, add):
+    for r, a in zip(rem, add, strict=True):
         counts[(r, a)] = counts.get((r, a), 0) + 1
     parts = []
     for (r, a), c in counts.items():

@@ -47,8 +47,13 @@ from typing import Optional, Sequence
 import numpy as np
 from scipy import special
 
-from .._validation import check_int, check_nonnegative, check_open_unit, check_positive, \
-    check_probability
+from .._validation import (
+    check_int,
+    check_nonnegative,
+    check_open_unit,
+    check_positive,
+    check_probability,
+)
 from .gaussian import gdp_delta, gdp_epsilon, gdp_mu
 
 __all__ = [

@@ -118,11 +118,12 @@ class WeightedProfile(PrivacyProfile):
 
     def delta(self, epsilon):
         eps = np.asarray(epsilon, dtype=np.float64)
-        out = sum(w * np.asarray(p.delta(eps)) for w, p in zip(self.weights, self.profiles)
-                  if w > 0)
+        pairs = zip(self.weights, self.profiles, strict=True)
+        out = sum(w * np.asarray(p.delta(eps)) for w, p in pairs if w > 0)
         out = np.clip(out, 0.0, 1.0)
         return float(out) if np.ndim(out) == 0 else out
 
     def epsilon_range(self):
-        ranges = [p.epsilon_range() for w, p in zip(self.weights, self.profiles) if w > 0]
+        pairs = zip(self.weights, self.profiles, strict=True)
+        ranges = [p.epsilon_range() for w, p in pairs if w > 0]
         return min(r[0] for r in ranges), max(r[1] for r in ranges)

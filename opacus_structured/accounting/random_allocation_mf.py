@@ -57,8 +57,7 @@ import math
 import numpy as np
 from scipy import special
 
-from .._validation import (check_int, check_lower_triangular_matrix, check_open_unit,
-                           check_positive)
+from .._validation import check_int, check_lower_triangular_matrix, check_open_unit, check_positive
 
 __all__ = [
     "mixture_means",

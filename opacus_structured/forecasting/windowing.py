@@ -164,7 +164,8 @@ class WindowDataset(torch.utils.data.Dataset):
         try:
             n, start = (int(k) for k in key)
         except (TypeError, ValueError):
-            raise IndexError(f"WindowDataset keys are (series_index, start) pairs, got {key!r}")
+            raise IndexError(
+                f"WindowDataset keys are (series_index, start) pairs, got {key!r}") from None
         if not 0 <= n < len(self.series):
             raise IndexError(f"series index {n} out of range [0, {len(self.series)})")
         x = self.series[n]

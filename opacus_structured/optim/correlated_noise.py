@@ -36,8 +36,12 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-from opacus.optimizers.optimizer import (DPOptimizer, _check_processed_flag, _generate_noise,
-                                         _mark_as_processed)
+from opacus.optimizers.optimizer import (
+    DPOptimizer,
+    _check_processed_flag,
+    _generate_noise,
+    _mark_as_processed,
+)
 
 from .strategies import BufferedToeplitz, validate_coefficients
 
@@ -166,7 +170,7 @@ class CorrelatedNoiseMixin:
         self.noise_step = int(state["noise_step"])
         self._noise_buffers = [
             None if b is None else b.detach().clone().to(p.device)
-            for b, p in zip(buffers, self.params)]
+            for b, p in zip(buffers, self.params, strict=True)]
         if state.get("generator_state") is not None:
             if not isinstance(self.generator, torch.Generator):
                 raise ValueError("checkpoint holds a noise generator state but this optimizer "

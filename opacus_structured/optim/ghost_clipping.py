@@ -26,7 +26,6 @@ unchanged.
 
 from __future__ import annotations
 
-
 import torch
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleModuleFastGradientClipping,

@@ -150,7 +150,7 @@ class StructuredWindowSampler(EpochResumableSampler, Sampler[list]):
         while self._position < self.steps:
             series, starts = self._bottom(self._top(self._position))
             self._advance()
-            yield list(zip(series.tolist(), starts.tolist()))
+            yield list(zip(series.tolist(), starts.tolist(), strict=True))
 
     def _restore_extra(self, state) -> None:
         perm = None if state is None else state.get("permutation")

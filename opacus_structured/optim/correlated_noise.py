@@ -87,13 +87,26 @@ class CorrelatedNoiseMixin:
         self._noise_buffers: list[Optional[torch.Tensor]] = [None] * len(self.params)
 
     # ---- the streaming recursion --------------------------------------------------------
+    def _on_device(self, key: str, like: torch.Tensor, make) -> torch.Tensor:
+        """``make()`` (float64, CPU) moved to ``like``'s dtype/device once per step: one
+        host-to-device copy per step and device, not one per parameter."""
+        cache = self.__dict__.setdefault("_device_cache", {})
+        k = (key, self.noise_step, like.dtype, like.device)
+        if k not in cache:
+            if len(cache) > 16:
+                cache.clear()
+            cache[k] = make().to(dtype=like.dtype, device=like.device)
+        return cache[k]
+
     def _slot_weights(self, buf: torch.Tensor) -> torch.Tensor:
         """Weights ``a`` with ``Σ_slot a[slot] buf[slot] = Σ_{k=1}^{b-1} c_k w_{i−k}``."""
-        i, m = self.noise_step, self.bands - 1
-        a = [0.0] * m
-        for k in range(1, min(i, m) + 1):
-            a[(i - k) % m] = self._coef_list[k]
-        return torch.tensor(a, dtype=buf.dtype, device=buf.device)
+        def make():
+            i, m = self.noise_step, self.bands - 1
+            a = [0.0] * m
+            for k in range(1, min(i, m) + 1):
+                a[(i - k) % m] = self._coef_list[k]
+            return torch.tensor(a, dtype=torch.float64)
+        return self._on_device("slots", buf, make)
 
     def _new_buffer(self, idx: int, z: torch.Tensor, slots: int) -> torch.Tensor:
         buf = self._noise_buffers[idx]
@@ -110,8 +123,8 @@ class CorrelatedNoiseMixin:
     def _correlate_blt(self, idx: int, z: torch.Tensor) -> torch.Tensor:
         theta, omega, scale = self._blt
         buf = self._new_buffer(idx, z, theta.numel())
-        theta = theta.to(device=z.device, dtype=z.dtype)
-        omega = omega.to(device=z.device, dtype=z.dtype)
+        theta = self._on_device("theta", z, lambda: theta)
+        omega = self._on_device("omega", z, lambda: omega)
         u = z - torch.tensordot(omega, buf, dims=1)  # u = C_raw^{-1} z, buffers track u
         buf.mul_(theta.view(-1, *([1] * z.ndim))).add_(u)
         return u / scale

@@ -48,7 +48,7 @@ def _cached_pld(scheme: "StructuredScheme", sigma: float, discretization: float)
 
 @register_scheme
 @dataclasses.dataclass(frozen=True)
-class StructuredScheme(Scheme):
+class StructuredScheme(st.StructuredSetting, Scheme):
     """Bi-level structured subsampling of windows from time series (seed 000).
 
     Args:
@@ -76,19 +76,8 @@ class StructuredScheme(Scheme):
     summary = ("structured subsampling of time-series windows (Schuchardt et al. ICML 2025: "
                "Thm 4.2/4.4/E.8 tight, E.1/F.1/F.2/G.1 upper, 4.3/F.7/F.8 lower)")
 
-    num_series: int
-    series_length: int
-    context_length: int
-    forecast_length: int
-    batch_size: int
-    instances_per_series: int = 1
-    top_level: str = "wor"
-    bottom_level: str = "wr"
-    relation: str = "event"
-    w: int = 1
-    bound: str = "tight"  # type: ignore[assignment]  (shadows Scheme.bound with a field)
-    context_noise: float = 0.0
-    forecast_noise: float = 0.0
+    # The fields are those of :class:`~opacus_structured.accounting.structured.StructuredSetting`
+    # (inherited: one list of parameters; ``bound`` shadows ``Scheme.bound`` with a field).
 
     def __post_init__(self):
         ints = {

@@ -175,7 +175,7 @@ def _model():
     return torch.nn.Linear(D, 1)
 
 
-def _train(rank, world, noise_correlation, *, distributed):
+def _train(rank, world, noise_correlation, *, distributed, device="cpu"):
     """A few DP-SGD steps; returns final parameters, noise state, sampler state."""
     from opacus import GradSampleModule
     from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
@@ -183,8 +183,8 @@ def _train(rank, world, noise_correlation, *, distributed):
     from opacus_structured.optim.correlated_noise import CorrelatedNoiseDPOptimizer
     from opacus_structured.optim.distributed import DistributedCorrelatedNoiseDPOptimizer
 
-    X, Y = _data()
-    model = _model()
+    X, Y = (t.to(device) for t in _data())
+    model = _model().to(device)
     if distributed:
         from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
         model = DPDDP(model)
@@ -193,7 +193,7 @@ def _train(rank, world, noise_correlation, *, distributed):
     global_sampler = PoissonBatchSampler(N, Q, steps=STEPS, seed=123 + 1000 * rank)
     expected = N * Q
     kwargs = dict(noise_multiplier=SIGMA, max_grad_norm=CLIP, loss_reduction="mean",
-                  generator=torch.Generator().manual_seed(77 + 1000 * rank))
+                  generator=torch.Generator(device=device).manual_seed(77 + 1000 * rank))
     if distributed:
         sampler = DistributedBatchSampler(global_sampler)  # broadcasts rank 0's state
         kwargs["expected_batch_size"] = sampler.local_expected_batch_size
@@ -215,7 +215,7 @@ def _train(rank, world, noise_correlation, *, distributed):
         loss = torch.nn.functional.mse_loss(gsm(X[idx]), Y[idx])
         loss.backward()
         opt.step()
-    params = [p.detach().clone() for p in _model_params(gsm)]
+    params = [p.detach().cpu().clone() for p in _model_params(gsm)]
     noise = opt.noise_state_dict() if hasattr(opt, "noise_state_dict") else None
     return {"params": params, "noise": noise, "sampler": sampler.state_dict(), "sizes": sizes}
 
@@ -388,6 +388,34 @@ def test_nccl_two_gpus_union_of_shards(tmp_path):
         assert res[0]["batches"][step] + res[1]["batches"][step] == (
             shard(batch, 2, 0) + shard(batch, 2, 1))
     assert res[0]["cat"].tolist() == res[1]["cat"].tolist() == [0, 0, 1]
+
+
+def _cuda_gloo_worker(rank, world, port, out_dir):
+    """Both ranks on CUDA device 0 (gloo handles CUDA tensors; NCCL needs one GPU per rank)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = _train(rank, world, COEFS, distributed=True, device="cuda")
+        torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+def test_two_processes_on_one_gpu_correlated_noise_equals_single_process(tmp_path):
+    """DDP training on CUDA (two ranks sharing one GPU, the lent machine's shape): correlated
+    noise once (rank 0), final parameters equal the single-process CUDA run."""
+    mp.spawn(_cuda_gloo_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    res = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2)]
+    ref = _train(0, 1, COEFS, distributed=False, device="cuda")
+    assert [a + b for a, b in zip(res[0]["sizes"], res[1]["sizes"], strict=True)] == ref["sizes"]
+    for r in range(2):
+        for p, q in zip(res[r]["params"], ref["params"], strict=True):
+            torch.testing.assert_close(p, q, atol=1e-5, rtol=0)
+    assert res[0]["noise"]["noise_step"] == STEPS
+    assert all(b is None for b in res[1]["noise"]["buffers"])
 
 
 # ---- Lightning Trainer(strategy="ddp") with DPCallback (slow: ~45 s for the imports) -------

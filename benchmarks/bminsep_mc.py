@@ -13,7 +13,10 @@ available. ``--variant`` times our truncated + padded (``--truncate``) or multi-
 loop, so the speedup is only comparable for the default variant).
 
     python benchmarks/bminsep_mc.py [--n 1024] [--bands 4] [--samples 20000] \
-        [--variant plain|truncated|multi] [--json]
+        [--variant plain|truncated|multi] [--json [PATH]]
+
+``--json`` prints the record as one JSON line instead of the text table; ``--json PATH`` also
+writes it to ``PATH``.
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ def main(argv=None):
     ap.add_argument("--sigma", type=float, default=1.0)
     ap.add_argument("--variant", choices=("plain", "truncated", "multi"), default="plain")
     ap.add_argument("--torch-cpu-samples", type=int, default=20000)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                    help="print the record as JSON; with PATH, also write it to that file")
     args = ap.parse_args(argv)
     n, b = args.n, args.bands
     c = np.cumprod([1.0] + [(2 * j - 1) / (2 * j) for j in range(1, b)])
@@ -128,6 +132,9 @@ def main(argv=None):
         pass
     if args.json:
         print(json.dumps(record, sort_keys=True))
+        if args.json != "-":
+            with open(args.json, "w") as fh:
+                json.dump(record, fh, sort_keys=True, indent=1)
     else:
         for k, v in record.items():
             print(f"{k:>28}: {v:.6g}" if isinstance(v, float) else f"{k:>28}: {v}")

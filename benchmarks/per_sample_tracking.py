@@ -6,7 +6,10 @@ of an MLP with Opacus' DPOptimizer, with and without the ``PerSampleEpsilonTrack
 hooks run) on a per-example state of 10⁶ tracked examples. Uses CUDA when available (timings
 with ``torch.cuda.synchronize`` around the timed block only), CPU otherwise.
 
-    python benchmarks/per_sample_tracking.py [--num-examples 1000000] [--batch-size 1024]
+    python benchmarks/per_sample_tracking.py [--num-examples 1000000] [--batch-size 1024] \
+        [--json PATH]
+
+Prints the result as JSON; ``--json PATH`` also writes it to ``PATH``.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ def main(argv=None):
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the JSON here")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -84,6 +88,9 @@ def main(argv=None):
            **vars(args), "median_step_s": res,
            "overhead_pct": {m: 100 * (t - base) / base for m, t in res.items() if m != "plain"}}
     print(json.dumps(out, indent=1))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
 
 
 if __name__ == "__main__":

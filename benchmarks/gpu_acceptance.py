@@ -40,7 +40,10 @@ all       ``cuda_tests``          ``python -m pytest -q -m cuda tests``: no fail
 
 Output in ``--out DIR``: ``<check>.log`` (stdout + stderr of the subprocesses), ``<check>.json``
 (the script's own JSON; for ``forecast_lstm_impl`` ``{"fast": report, "opacus": report}``; for
-the pytest checks the parsed counts), and ``summary.json`` (settings, machine, every row).
+the pytest checks the parsed counts), and ``summary.json`` (settings, machine, every row;
+rewritten after each check, so a run killed from outside keeps what it measured). ``--budget S``
+caps the whole run (default 540 s with ``--quick``): each check gets at most what is left, and
+checks that cannot start are ERROR rows ("not run").
 
 Reading the table: one row per target — issue, check, measured value, target, status:
 
@@ -75,6 +78,8 @@ PASS, FAIL, REPORT, SKIP, ERROR, CPU = "PASS", "FAIL", "REPORT", "SKIP", "ERROR"
 #: How each status is printed in the table.
 STATUS_TEXT = {CPU: "CPU (not the target)"}
 MODES = ("full", "quick", "cpu")
+#: Default total budget per mode (s): --quick must fit a 10-minute device command.
+DEFAULT_BUDGET = {"quick": 540.0}
 
 # Targets (issue text).
 CRPS_WITHIN = 0.25          # issue 4: DP CRPS within 25 % of non-private
@@ -510,7 +515,8 @@ def _run_step(step: Step, log, timeout: float, env) -> tuple[int | None, str]:
 
 
 def run_check(name: str, mode: str, out: str, env, timeout: float | None = None) -> dict:
-    """Run one check's subprocesses, write ``<name>.log`` / ``<name>.json``, judge it."""
+    """Run one check's subprocesses (``timeout`` seconds for all of them; default: the
+    check's own for ``mode``), write ``<name>.log`` / ``<name>.json``, judge it."""
     check = CHECKS[name]
     timeout = check.timeouts[mode] if timeout is None else timeout
     steps = build_steps(name, mode, out)
@@ -609,13 +615,18 @@ def main(argv=None) -> int:
                         "test of this runner: GPU targets are then never judged)")
     p.add_argument("--timeout", type=float, default=None,
                    help="per-check timeout in seconds (default: per check and mode)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="total seconds for all checks; a check gets at most what is left and "
+                        "is not started (ERROR) when it is spent (default: 540 with --quick, "
+                        "none otherwise)")
     args = p.parse_args(argv)
     try:
         names = select(args.only)
     except ValueError as exc:
         p.error(str(exc))
-    if args.timeout is not None and not args.timeout > 0:
-        p.error(f"--timeout must be > 0, got {args.timeout}")
+    for opt in ("timeout", "budget"):
+        if getattr(args, opt) is not None and not getattr(args, opt) > 0:
+            p.error(f"--{opt} must be > 0, got {getattr(args, opt)}")
     machine = _machine()
     if not machine.get("cuda_available"):
         if not args.allow_cpu:
@@ -637,23 +648,36 @@ def main(argv=None) -> int:
         env["CUDA_VISIBLE_DEVICES"] = ""  # never touch a GPU in the smoke test
     print(f"gpu_acceptance: mode {mode}, checks {', '.join(names)}; "
           f"{machine.get('device_name', 'no GPU')}; output {out}", flush=True)
+    budget = args.budget if args.budget is not None else DEFAULT_BUDGET.get(mode)
     t0 = time.perf_counter()
-    checks = []
+    checks, results = [], []
     for name in names:
-        print(f"  running {name} (issue {CHECKS[name].issue}) ...", end=" ", flush=True)
-        rec = run_check(name, mode, out, env, args.timeout)
+        check = CHECKS[name]
+        left = None if budget is None else budget - (time.perf_counter() - t0)
+        if left is not None and left < 10:
+            rec = {"check": name, "issue": check.issue, "seconds": 0.0, "mode": mode,
+                   "log": None, "json": None, "results": [asdict(Result(
+                       check.issue, name, check.title, "-", "-", ERROR,
+                       f"not run: --budget {budget:.0f} s spent")) | {"status_text": ERROR}]}
+        else:
+            print(f"  running {name} (issue {check.issue}) ...", end=" ", flush=True)
+            timeout = args.timeout if args.timeout is not None else check.timeouts[mode]
+            rec = run_check(name, mode, out, env, timeout if left is None else
+                            min(timeout, left))
+            print(f"{rec['seconds']:.0f} s: "
+                  + ", ".join(r["status_text"] for r in rec["results"]), flush=True)
         checks.append(rec)
-        print(f"{rec['seconds']:.0f} s: "
-              + ", ".join(r["status_text"] for r in rec["results"]), flush=True)
-    results = [Result(**{k: v for k, v in r.items() if k != "status_text"})
-               for c in checks for r in c["results"]]
-    summary = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "mode": mode,
-               "quick": args.quick, "argv": sys.argv if argv is None else argv,
-               "machine": machine, "seconds": time.perf_counter() - t0, "checks": checks,
-               "counts": {s: sum(r.status == s for r in results)
-                          for s in (PASS, FAIL, REPORT, SKIP, ERROR, CPU)}}
-    with open(os.path.join(out, "summary.json"), "w") as fh:
-        json.dump(summary, fh, indent=1, default=str)
+        results = [Result(**{k: v for k, v in r.items() if k != "status_text"})
+                   for c in checks for r in c["results"]]
+        # rewritten after every check: a run killed from outside keeps what it measured
+        summary = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "mode": mode,
+                   "quick": args.quick, "argv": sys.argv if argv is None else argv,
+                   "machine": machine, "budget_s": budget, "seconds": time.perf_counter() - t0,
+                   "complete": len(checks) == len(names), "checks": checks,
+                   "counts": {s: sum(r.status == s for r in results)
+                              for s in (PASS, FAIL, REPORT, SKIP, ERROR, CPU)}}
+        with open(os.path.join(out, "summary.json"), "w") as fh:
+            json.dump(summary, fh, indent=1, default=str)
     print()
     print(format_table(results))
     print(f"\n{summary['counts']}; {summary['seconds']:.0f} s; summary: "

@@ -294,3 +294,16 @@ def test_allow_cpu_end_to_end_issue_10(tmp_path):
                                                                if r["check"] == name]
     lstm = json.loads((out / "dp_lstm.json").read_text())
     assert lstm["device"] == "cpu" and lstm["rows"][0]["method"] == "nn.LSTM non-private"
+
+
+def test_budget_spent_marks_checks_not_run(tmp_path):
+    out = tmp_path / "o"
+    proc = subprocess.run([sys.executable, SCRIPT, "--out", str(out), "--allow-cpu",
+                           "--only", "9", "all", "--budget", "5"], cwd=ROOT,
+                          env=_env_without_cuda(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] and summary["budget_s"] == 5
+    rows = [r for c in summary["checks"] for r in c["results"]]
+    assert [r["status"] for r in rows] == ["ERROR", "ERROR"]
+    assert all("not run" in r["note"] for r in rows)

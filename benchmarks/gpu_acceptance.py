@@ -27,6 +27,9 @@ issue     check                   target
                                   examples): step-time overhead of the per-sample ε tracker
                                   and of the individual GDP filter each ≤ 3 % of a plain
                                   DP-SGD step (``both`` and ``tracker+pld`` are reported).
+9         ``distributed_one_gpu`` the CUDA-marked DDP test of ``tests/test_distributed.py``
+                                  with two gloo ranks sharing one GPU (correlated noise;
+                                  parameters equal the single-process CUDA run).
 9         ``distributed_nccl``    the CUDA-marked NCCL test of ``tests/test_distributed.py``;
                                   needs 2 GPUs, else "skipped: 1 GPU".
 10        ``dp_lstm``             ``benchmarks/dp_lstm.py --device cuda``: FastDPLSTM DP-SGD
@@ -377,6 +380,8 @@ EVALUATORS = {
     "correlated_noise": eval_correlated_noise,
     "bminsep_mc": eval_bminsep_mc,
     "per_sample_tracking": eval_per_sample_tracking,
+    "distributed_one_gpu": lambda d: eval_pytest(d, issue="9", check="distributed_one_gpu",
+                                                 what="DDP 2 ranks on one GPU"),
     "distributed_nccl": lambda d: eval_pytest(d, issue="9", check="distributed_nccl",
                                               what="NCCL 2-process test", min_gpus=2),
     "dp_lstm": eval_dp_lstm,
@@ -405,6 +410,8 @@ CHECKS = {c.name: c for c in (
     Check("bminsep_mc", "6", "b-min-sep Monte Carlo", {"full": 600, "quick": 120, "cpu": 60}),
     Check("per_sample_tracking", "8", "per-sample ε / GDP overhead",
           {"full": 600, "quick": 120, "cpu": 60}),
+    Check("distributed_one_gpu", "9", "DDP 2 ranks on one GPU",
+          {"full": 300, "quick": 120, "cpu": 60}),
     Check("distributed_nccl", "9", "NCCL 2-process test", {"full": 300, "quick": 120, "cpu": 60}),
     Check("dp_lstm", "10", "FastDPLSTM step", {"full": 600, "quick": 150, "cpu": 60}),
     Check("forecast_lstm_impl", "10", "DP job fast vs opacus LSTM",
@@ -455,10 +462,11 @@ def build_steps(name: str, mode: str, out: str) -> list[Step]:
                  "cpu": ["--num-examples", "10000", "--batch-size", "32", "--dim", "16",
                          "--hidden", "16", "--iters", "2", "--warmup", "1"]}[mode]
         return [Step("result", _bench("per_sample_tracking.py") + ["--json", js] + extra, js)]
-    if name == "distributed_nccl":
+    if name in ("distributed_nccl", "distributed_one_gpu"):
+        key = "nccl" if name == "distributed_nccl" else "one_gpu"
         return [Step("pytest", [sys.executable, "-m", "pytest", "-q", "-rs", "-p",
                                 "no:cacheprovider", "-m", "cuda",
-                                "tests/test_distributed.py", "-k", "nccl"], None)]
+                                "tests/test_distributed.py", "-k", key], None)]
     if name == "dp_lstm":
         extra = {"full": ["--device", "cuda", "--repeats", "30"],
                  "quick": ["--device", "cuda"],

@@ -18,7 +18,7 @@ forward, backward, [clip, noise], update):
 
 Prints a table (ms/step median over ``--repeats`` after ``--warmup`` steps, peak memory, ratio
 to the non-private cuDNN step) and optionally writes ``--json OUT``. Needs only torch and
-opacus: if ``opacus_structured`` is not installed, ``fast_lstm.py`` is loaded from this
+opacus: if ``opacus_structured`` is not installed, ``fast_rnn.py`` is loaded from this
 checkout. Usage::
 
     python benchmarks/dp_lstm.py --device cuda --json dp_lstm_cuda.json
@@ -45,10 +45,10 @@ from torch import nn
 warnings.filterwarnings("ignore")
 
 
-def _load_fast_lstm():
+def _load_fast_rnn():
     try:
-        from opacus_structured.forecasting import fast_lstm
-        return fast_lstm
+        from opacus_structured.forecasting import fast_rnn
+        return fast_rnn
     except ImportError:  # only torch + opacus: load the module file without the package deps
         import importlib
 
@@ -59,11 +59,11 @@ def _load_fast_lstm():
             pkg = types.ModuleType(name)
             pkg.__path__ = [os.path.normpath(path)]
             sys.modules.setdefault(name, pkg)
-        mod = importlib.import_module("opacus_structured.forecasting.fast_lstm")
+        mod = importlib.import_module("opacus_structured.forecasting.fast_rnn")
         return mod
 
 
-fast_lstm = _load_fast_lstm()
+fast_rnn = _load_fast_rnn()
 
 
 class Net(nn.Module):
@@ -106,7 +106,7 @@ def run(args):
     torch_cls = nn.LSTM if args.cell == "lstm" else nn.GRU
     rnn = torch_cls(args.features, args.hidden, num_layers=args.layers, batch_first=True)
     base = Net(rnn, args.hidden).to(device)
-    replace = fast_lstm.replace_lstm if args.cell == "lstm" else fast_lstm.replace_gru
+    replace = fast_rnn.replace_lstm if args.cell == "lstm" else fast_rnn.replace_gru
     cell, fast = args.cell.upper(), "FastDP" + args.cell.upper()
     mse = nn.MSELoss()
 

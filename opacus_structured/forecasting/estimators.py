@@ -8,7 +8,7 @@ window splitter and the names of the model's training inputs.
 What "DP-safe" means here (each point is needed for per-window clipping to bound one window's
 influence, Algorithm 2 of Schuchardt et al., ICML 2025):
 
-* ``nn.LSTM`` is replaced by :class:`~opacus_structured.forecasting.fast_lstm.FastDPLSTM`
+* ``nn.LSTM`` is replaced by :class:`~opacus_structured.forecasting.fast_rnn.FastDPLSTM`
   (``lstm_impl="fast"``, the default: the same per-sample gradients, much faster) or by Opacus'
   ``DPLSTM`` (``lstm_impl="opacus"``, via ``ModuleValidator.fix``), so per-sample gradients
   exist for every parameter.
@@ -164,7 +164,7 @@ def prepare_estimator(model: str, estimator=None, *, lstm_impl: str = "fast",
     """Build (or take) an estimator and return its :class:`PreparedModel` with DP-safe layers.
 
     ``lstm_impl="fast"`` replaces ``nn.LSTM`` by ``FastDPLSTM``
-    (:func:`~opacus_structured.forecasting.fast_lstm.replace_lstm`), ``"opacus"`` lets
+    (:func:`~opacus_structured.forecasting.fast_rnn.replace_lstm`), ``"opacus"`` lets
     ``ModuleValidator.fix`` replace it by ``DPLSTM`` (both copy the weights); then
     :func:`per_window_scalers` removes batch-coupled scaling; ``ModuleValidator.validate``
     must then report no error, otherwise a ValueError lists them.
@@ -184,7 +184,7 @@ def prepare_estimator(model: str, estimator=None, *, lstm_impl: str = "fast",
     transformation = estimator.create_transformation()
     module = estimator.create_lightning_module()
     if lstm_impl == "fast":
-        from .fast_lstm import replace_lstm
+        from .fast_rnn import replace_lstm
 
         module.model = replace_lstm(module.model)
     module.model = ModuleValidator.fix(module.model)

@@ -367,9 +367,9 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
         device: "cpu" or "cuda".
         discretization: PLD discretisation used for calibration and reporting (pessimistic).
         sampler_wrapper: optional ``f(sampler) -> batch_sampler`` (e.g. to record batches).
-        lstm_impl: "fast" (:class:`~opacus_structured.forecasting.fast_lstm.FastDPLSTM`,
+        lstm_impl: "fast" (:class:`~opacus_structured.forecasting.fast_rnn.FastDPLSTM`,
             default) or "opacus" (``DPLSTM``) for DeepAR's LSTM; both give the same per-window
-            gradients (``tests/test_fast_dp_lstm.py``), "fast" is much faster.
+            gradients (``tests/test_fast_dp_rnn.py``), "fast" is much faster.
     """
     import torch
 

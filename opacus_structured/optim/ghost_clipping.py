@@ -14,7 +14,7 @@ unchanged.
   (the correlated-noise mixin over Opacus' ``DPOptimizerFastGradientClipping``) and returns
   Opacus' ``DPLossFastGradientClipping`` criterion as 4th value, exactly like
   ``PrivacyEngine.make_private``; the noise stream equals the hooks-mode one bit for bit
-  (``tests/test_fast_dp_lstm.py``).
+  (``tests/test_fast_dp_rnn.py``).
 * Per-sample norms for consumers that need them (individual GDP filter/accounting):
   :func:`ghost_per_sample_norms` returns the global per-sample norms of the ghost pass (the
   analogue of :func:`~opacus_structured.accountants.individual_gdp.per_sample_norms`, which

@@ -21,7 +21,7 @@ from opacus.validators import ModuleValidator
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from opacus_structured.forecasting.fast_lstm import FastDPGRU, FastDPLSTM, replace_gru, replace_lstm
+from opacus_structured.forecasting.fast_rnn import FastDPGRU, FastDPLSTM, replace_gru, replace_lstm
 
 RTOL = 1e-5  # issue 10 acceptance: 1e-5 relative in float64
 B, T, I, HID = 6, 7, 3, 5

@@ -51,7 +51,7 @@ formulation above needs no custom sampler at all (design choice, see the helper-
 
 Exactness: with the weights of an ``nn.LSTM`` (``replace_lstm`` copies them) the forward is the
 LSTM recurrence of ``torch.nn.LSTM`` and the per-sample gradients equal those of Opacus'
-``DPLSTM`` + ``GradSampleModule`` up to floating-point rounding (``tests/test_fast_dp_lstm.py``
+``DPLSTM`` + ``GradSampleModule`` up to floating-point rounding (``tests/test_fast_dp_rnn.py``
 checks 1e-5 relative in float64, with padding / variable lengths, multi-layer, bidirectional and
 given ``(h0, c0)``). Per-window clipping of these gradients gives the same sensitivity bound as
 ``DPLSTM``, so the privacy accounting is unchanged (Algorithm 2 of Schuchardt et al., ICML 2025,
@@ -517,7 +517,7 @@ class FastDPGRU(_FastDPRNN):
     input forms as :class:`FastDPLSTM`). The recurrence always runs in torch's GRU kernel (cuDNN
     on CUDA; ``recurrence`` ``"auto"``/``"native"``); ``ih``/``hh`` hold ``W_i{r,z,n}``,
     ``W_h{r,z,n}`` in Opacus' ``DPGRU`` order, and the per-sample gradients equal ``DPGRU``'s
-    (``tests/test_fast_dp_lstm.py``).
+    (``tests/test_fast_dp_rnn.py``).
     """
 
     layer_class = FastDPGRULayer

@@ -1,0 +1,232 @@
+r"""Ghost norms + book-keeping: per-sample clipping in ONE backward, no per-sample gradients.
+
+Opacus' ghost clipping (``grad_sample_mode="ghost"``) needs a second backward of the loss
+reweighted by the clipping coefficients, so the training loop must return a per-sample loss
+and call a special criterion — an unmodified LightningModule cannot. Book-keeping (Bu, Wang,
+Zha & Karypis, "Differentially private optimization on large model at small cost", ICML 2023)
+gets the same clipped sum from the *one* ordinary backward:
+
+* during the backward, each hooked ``nn.Linear`` keeps its input ``A`` (B, T, i) and output
+  gradient ``G`` (B, T, o) (Opacus' hooks capture both anyway); every other trainable layer
+  gets its per-sample gradients from Opacus' grad samplers (functorch as a fallback);
+* per-sample norms: ``‖∇W[b]‖² = Σ_{t,s} (a_{bt}·a_{bs})(g_{bt}·g_{bs})`` (the Gram / ghost
+  trick, Li et al. 2022) or ``‖G_bᵀA_b‖²_F`` materialised per sample, whichever costs fewer
+  flops; ``‖∇bias[b]‖² = ‖Σ_t g_{bt}‖²``; the global norm ``‖g_b‖`` over all parameters;
+* coefficients ``c_b = min(1, C / (‖g_b‖ + 1e-6))`` (Opacus' formula) times an optional mask
+  ``m_b ∈ [0, 1]`` (the individual GDP filter's active set);
+* the clipped sum, written to ``p.grad``: ``Σ_b c_b ∇W[b] = (c ⊙ G)ᵀ A`` — one matmul over
+  the flattened (B·T) rows, never a (B, o, i) tensor — ``Σ_b c_b Σ_t g_{bt}`` for the bias, and
+  ``einsum('b,b...->...', c, grad_sample)`` for the other layers.
+
+That is exactly ``Σ_b min(1, C/‖g_b‖) g_b``, the clipped sum of hooks mode (each summand has
+norm ≤ C, so the sensitivity and the accounting are unchanged); ``tests/test_bookkeeping.py``
+checks it against materialised per-sample gradients in float64. The optimizer then only adds
+noise: :func:`bookkeeping_optimizer_class` wraps Opacus' ``DPOptimizerFastGradientClipping``
+(or its correlated-noise variant) so that ``step()`` first writes the clipped sum.
+
+Limits (each refused with a clear error, never silently wrong): every hooked module runs once
+per optimizer step (no parameter tying, no recurrent re-use: use
+:class:`~opacus_structured.forecasting.fast_rnn.FastDPLSTM`, whose layers run once); one
+forward/backward per step (no gradient accumulation); every trainable parameter must be covered
+by the hooks (a gradient that the hooks did not see would otherwise be released unclipped).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from opacus.grad_sample import GradSampleHooks
+from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
+from opacus.optimizers import DPOptimizerFastGradientClipping
+from opacus.utils.module_utils import trainable_parameters
+from torch import nn
+
+__all__ = ["BookKeepingHooks", "bookkeeping_optimizer_class", "BookKeepingDPOptimizer"]
+
+
+class BookKeepingHooks(GradSampleHooks):
+    """Opacus hooks that record what the clipped sum needs instead of ``p.grad_sample``.
+
+    Args:
+        module: the model (hooks go on its sub-modules; the module is not replaced).
+        max_grad_norm: clipping norm C.
+        batch_first, loss_reduction, strict: as Opacus' ``GradSampleHooks``.
+
+    After ``loss.backward()``: :meth:`per_sample_norms` (B,), :meth:`set_mask`, then
+    :meth:`write_clipped_sum` (done by the optimizer's ``step``).
+    """
+
+    def __init__(self, module: nn.Module, *, max_grad_norm: float, batch_first: bool = True,
+                 loss_reduction: str = "mean", strict: bool = False):
+        super().__init__(module, batch_first=batch_first, loss_reduction=loss_reduction,
+                         strict=strict)
+        if not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+        self.max_grad_norm = float(max_grad_norm)
+        self.trainable_parameters = [p for _, p in trainable_parameters(self._module)]
+        self._reset()
+
+    # ---- recording (inside backward) -------------------------------------------------------
+    def _reset(self) -> None:
+        self._linear: list[tuple[nn.Linear, torch.Tensor, torch.Tensor]] = []
+        self._samples: dict[nn.Parameter, torch.Tensor] = {}
+        self._norms: Optional[torch.Tensor] = None
+        self._mask = None
+
+    def capture_activations_hook(self, module, forward_input, _forward_output):
+        super().capture_activations_hook(module, forward_input, _forward_output)
+        for _, p in trainable_parameters(module):
+            if getattr(p, "_forward_counter", 0) > 1:
+                raise ValueError(
+                    f"{type(module).__name__} ran more than once in one step (parameter tying "
+                    f"or a recurrent cell re-used over time): ghost/book-keeping clipping needs "
+                    f"one call per module and step; use grad_sample_mode='hooks' (or "
+                    f"FastDPLSTM instead of an LSTM cell loop)")
+
+    def capture_backprops_hook(self, module, _forward_input, forward_output, loss_reduction,
+                               batch_first):
+        if not self.hooks_enabled:
+            return
+        activations, backprops = self.rearrange_grad_samples(
+            module=module, backprops=forward_output[0].detach(), loss_reduction=loss_reduction,
+            batch_first=batch_first)
+        if type(module) is nn.Linear:
+            if any(m is module for m, _, _ in self._linear):
+                raise ValueError("a Linear layer got two backward passes in one step "
+                                 "(gradient accumulation is not supported in ghost mode)")
+            a = activations[0].to(backprops.dtype)
+            n = backprops.shape[0]
+            self._linear.append((module, a.reshape(n, -1, a.shape[-1]),
+                                 backprops.reshape(n, -1, backprops.shape[-1])))
+            self._norms = None
+        else:
+            sampler = self.GRAD_SAMPLERS.get(self._get_module_type(module),
+                                             ft_compute_per_sample_gradient)
+            for p, gs in sampler(module, activations, backprops).items():
+                if p in self._samples:
+                    raise ValueError("a parameter got two per-sample gradients in one step "
+                                     "(gradient accumulation is not supported in ghost mode)")
+                self._samples[p] = gs
+            self._norms = None
+        for _, p in trainable_parameters(module):
+            p._forward_counter -= 1
+        if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
+            del module.max_batch_len
+
+    # ---- norms, mask, clipped sum (after backward) -----------------------------------------
+    @staticmethod
+    def _linear_weight_sq_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        _, t, i = a.shape
+        o = g.shape[-1]
+        if t == 1:
+            return (a * a).sum((1, 2)) * (g * g).sum((1, 2))
+        if t * (i + o) <= i * o:  # Gram (ghost) trick: B·T²·(i+o) flops
+            return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))
+                    ).sum((1, 2)).clamp(min=0)
+        return torch.bmm(g.transpose(1, 2), a).pow(2).sum((1, 2))  # B·T·i·o flops
+
+    def per_sample_norms(self) -> torch.Tensor:
+        """Global per-sample gradient norms ‖g_b‖ (B,) of the last backward."""
+        if self._norms is None:
+            parts = []
+            for module, a, g in self._linear:
+                if module.weight.requires_grad:
+                    parts.append(self._linear_weight_sq_norms(a, g))
+                if module.bias is not None and module.bias.requires_grad:
+                    parts.append(g.sum(1).pow(2).sum(1))
+            for gs in self._samples.values():
+                parts.append(gs.reshape(gs.shape[0], -1).pow(2).sum(1))
+            if not parts:
+                raise ValueError("no per-sample gradients recorded: run the backward of a "
+                                 "training step first")
+            sizes = {int(p.shape[0]) for p in parts}
+            if len(sizes) != 1:
+                raise ValueError(f"layers disagree on the batch size {sorted(sizes)}")
+            self._norms = torch.stack([p.to(parts[0].device) for p in parts]).sum(0).sqrt()
+        return self._norms
+
+    def set_mask(self, mask) -> None:
+        """Weights ``m_b ∈ [0, 1]`` (B,) multiplying the clipping coefficients (``None``: all
+        1), or a callable ``mask(norms) -> tensor`` evaluated when the clipped sum is written."""
+        self._mask = mask
+
+    def clipping_coefficients(self) -> torch.Tensor:
+        norms = self.per_sample_norms()
+        coef = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        mask = self._mask(norms) if callable(self._mask) else self._mask
+        if mask is not None:
+            mask = torch.as_tensor(mask, device=coef.device).to(coef.dtype).reshape(-1)
+            if mask.numel() != coef.numel():
+                raise ValueError(f"mask has {mask.numel()} entries for a batch of "
+                                 f"{coef.numel()} examples")
+            if bool(((mask < 0) | (mask > 1)).any()):
+                raise ValueError("mask values must lie in [0, 1] (the clipped norm must stay "
+                                 "<= max_grad_norm)")
+            coef = coef * mask
+        return coef
+
+    def write_clipped_sum(self, params) -> None:
+        """Set ``p.grad = Σ_b c_b ∇p[b]`` for every parameter in ``params``, then forget the
+        step. Raises if a parameter with a gradient was not seen by the hooks."""
+        coef = self.clipping_coefficients()
+        written = set()
+        for module, a, g in self._linear:
+            gc = g * coef.to(g.dtype).view(-1, 1, 1)
+            if module.weight.requires_grad:
+                module.weight.grad = (gc.reshape(-1, gc.shape[-1]).t()
+                                      @ a.reshape(-1, a.shape[-1])).to(module.weight.dtype)
+                written.add(module.weight)
+            if module.bias is not None and module.bias.requires_grad:
+                module.bias.grad = gc.sum((0, 1)).to(module.bias.dtype)
+                written.add(module.bias)
+        for p, gs in self._samples.items():
+            p.grad = torch.einsum("b,b...->...", coef.to(gs.dtype), gs).to(p.dtype)
+            written.add(p)
+        for p in params:
+            if p.requires_grad and p not in written:
+                if p.grad is not None:
+                    raise ValueError(
+                        f"a trainable parameter of shape {tuple(p.shape)} has a gradient the "
+                        f"per-sample hooks did not see (a module Opacus cannot hook, or a "
+                        f"parameter used outside its module); its gradient would be released "
+                        f"unclipped")
+                p.grad = torch.zeros_like(p)  # unused this step: contributes nothing
+        self._reset()
+
+    def remove_hooks(self) -> None:
+        self._reset()
+        super().remove_hooks()
+
+
+class _BookKeepingMixin:
+    """``step()`` writes the book-keeping clipped sum into ``p.grad`` first; the wrapped
+    ``DPOptimizerFastGradientClipping`` then accumulates it, adds noise, scales and steps."""
+
+    bookkeeper: Optional[BookKeepingHooks] = None
+
+    def attach_bookkeeper(self, hooks: BookKeepingHooks) -> None:
+        if abs(hooks.max_grad_norm - self.max_grad_norm) > 1e-12 * self.max_grad_norm:
+            raise ValueError(f"hooks clip at {hooks.max_grad_norm} but the optimizer's "
+                             f"max_grad_norm is {self.max_grad_norm}")
+        self.bookkeeper = hooks
+
+    def pre_step(self, closure: Optional[Callable[[], float]] = None):
+        if self.bookkeeper is None:
+            raise ValueError("no BookKeepingHooks attached: call attach_bookkeeper(hooks)")
+        self.bookkeeper.write_clipped_sum(self.params)
+        return super().pre_step(closure)
+
+
+def bookkeeping_optimizer_class(base: type = DPOptimizerFastGradientClipping) -> type:
+    """The book-keeping variant of an Opacus fast-gradient-clipping optimizer class (e.g.
+    :data:`~opacus_structured.optim.ghost_clipping.CorrelatedNoiseDPOptimizerFastGradientClipping`).
+    """
+    if not (isinstance(base, type) and issubclass(base, DPOptimizerFastGradientClipping)):
+        raise ValueError(f"base must subclass opacus DPOptimizerFastGradientClipping, got "
+                         f"{base!r}")
+    return type(f"BookKeeping{base.__name__}", (_BookKeepingMixin, base), {})
+
+
+#: Plain DP-SGD noise over the book-keeping clipped sum.
+BookKeepingDPOptimizer = bookkeeping_optimizer_class(DPOptimizerFastGradientClipping)

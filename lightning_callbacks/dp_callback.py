@@ -8,8 +8,10 @@ Attaching :class:`DPCallback` to a :class:`lightning.pytorch.Trainer`
    an Opacus ``DPOptimizer``; no gradient accumulation; a train DataLoader that draws batches
    with the sampler the accountant prices (checked through the sampler's ``scheme``);
 2. **wraps** the module for per-sample gradients (Opacus ``GradSampleHooks``: hooks on the
-   sub-modules, the LightningModule itself is not replaced) and the optimizer
-   (``DPOptimizer`` or a supplied subclass such as a correlated-noise optimizer);
+   sub-modules, the LightningModule itself is not replaced; with ``grad_sample_mode="ghost"``
+   book-keeping hooks that clip without materialising per-sample gradients, see
+   :mod:`opacus_structured.optim.bookkeeping`) and the optimizer (``DPOptimizer`` or a
+   supplied subclass such as a correlated-noise optimizer);
 3. **installs** the scheme's sampler in the train DataLoader (``scheme.sampler(...)``, or a
    sampler / factory you pass), with Opacus' empty-batch collate wrapper;
 4. **prices** every optimizer step with the scheme's accountant (``SchemeAccountant(scheme)``
@@ -231,6 +233,13 @@ class DPCallback(pl.Callback):
         discretization: PLD discretisation of the default accountant (pessimistic).
         loss_reduction: "mean" or "sum", how the training loss aggregates the batch.
         log_prefix: prefix of the logged metric names.
+        grad_sample_mode: ``"hooks"`` (default: Opacus materialises per-sample gradients) or
+            ``"ghost"``: per-sample norms by the ghost (Gram) trick and the clipped sum by
+            book-keeping in the same single backward
+            (:mod:`opacus_structured.optim.bookkeeping`), no per-sample gradients for
+            ``nn.Linear`` layers and no second backward, so the LightningModule stays
+            unmodified. Same clipped sum, same noise, same ε. Needs the callback to wrap the
+            optimizer, one process, and every module run once per step.
     """
 
     def __init__(self, *, delta: float, noise_multiplier: Optional[float] = None,
@@ -242,8 +251,16 @@ class DPCallback(pl.Callback):
                  optimizer_kwargs: Optional[dict] = None, wrap_optimizer: bool = True,
                  install_sampler: bool = True, seed: Optional[int] = None,
                  discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
-                 loss_reduction: str = "mean", log_prefix: str = "dp/"):
+                 loss_reduction: str = "mean", log_prefix: str = "dp/",
+                 grad_sample_mode: str = "hooks"):
         super().__init__()
+        if grad_sample_mode not in ("hooks", "ghost"):
+            raise ValueError(f"grad_sample_mode must be 'hooks' or 'ghost', got "
+                             f"{grad_sample_mode!r}")
+        if grad_sample_mode == "ghost" and not wrap_optimizer:
+            raise ValueError("grad_sample_mode='ghost' needs DPCallback to wrap the optimizer "
+                             "(wrap_optimizer=True): the clipped sum is written by its step")
+        self.grad_sample_mode = grad_sample_mode
         self.delta = check_open_unit("delta", delta)
         self.target_epsilon = (None if target_epsilon is None
                                else check_positive("target_epsilon", target_epsilon))
@@ -320,6 +337,8 @@ class DPCallback(pl.Callback):
         loader = self._install_sampler(trainer)
         self._wrap_optimizer(trainer, loader)
         self._attach_grad_sampler(pl_module)
+        if self.grad_sample_mode == "ghost":
+            self.optimizer.attach_bookkeeper(self._hooks)
         self._ready = True
         if self._pending is not None:
             state, self._pending = self._pending, None
@@ -413,6 +432,8 @@ class DPCallback(pl.Callback):
 
     def _optimizer_class_for(self, world_size: int) -> type:
         cls = self.optimizer_class
+        if self.grad_sample_mode == "ghost":
+            return self._ghost_optimizer_class(world_size)
         if world_size <= 1 or "Distributed" in cls.__name__:
             return cls
         from opacus.optimizers import DistributedDPOptimizer
@@ -478,7 +499,39 @@ class DPCallback(pl.Callback):
         opt.attach_step_hook(hook)
         self.optimizer = opt
 
+    def _ghost_optimizer_class(self, world_size: int) -> type:
+        from opacus.optimizers import DPOptimizerFastGradientClipping
+
+        from opacus_structured.optim.bookkeeping import bookkeeping_optimizer_class
+        from opacus_structured.optim.correlated_noise import CorrelatedNoiseDPOptimizer
+        from opacus_structured.optim.ghost_clipping import (
+            CorrelatedNoiseDPOptimizerFastGradientClipping,
+        )
+
+        if world_size > 1:
+            raise ValueError("grad_sample_mode='ghost' is single-process; use "
+                             "grad_sample_mode='hooks' under DDP")
+        cls = self.optimizer_class
+        mapping = {DPOptimizer: DPOptimizerFastGradientClipping,
+                   CorrelatedNoiseDPOptimizer: CorrelatedNoiseDPOptimizerFastGradientClipping}
+        if cls in mapping:
+            cls = mapping[cls]
+        elif not issubclass(cls, DPOptimizerFastGradientClipping):
+            raise ValueError(f"grad_sample_mode='ghost' needs optimizer_class DPOptimizer, "
+                             f"CorrelatedNoiseDPOptimizer or a DPOptimizerFastGradientClipping "
+                             f"subclass, got {cls.__name__}")
+        return bookkeeping_optimizer_class(cls)
+
     def _attach_grad_sampler(self, pl_module) -> None:
+        if self.grad_sample_mode == "ghost":
+            if hasattr(pl_module, "autograd_grad_sample_hooks"):
+                raise ValueError("the module already has Opacus hooks; grad_sample_mode='ghost' "
+                                 "installs its own")
+            from opacus_structured.optim.bookkeeping import BookKeepingHooks
+
+            self._hooks = BookKeepingHooks(pl_module, max_grad_norm=self.max_grad_norm,
+                                           batch_first=True, loss_reduction=self.loss_reduction)
+            return
         if hasattr(pl_module, "autograd_grad_sample_hooks"):
             return  # already hooked (e.g. PrivacyEngine.make_private(module=self))
         self._hooks = GradSampleHooks(pl_module, batch_first=True,

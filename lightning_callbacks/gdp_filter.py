@@ -30,7 +30,9 @@ materialised): in a plain Opacus loop call :meth:`IndividualGDPFilter.attach_gho
 between Opacus' two backward passes, from the first pass's per-sample norms, and multiplies
 the clipping coefficients by the active mask
 (:func:`opacus_structured.optim.ghost_clipping.set_clipping_mask`): an inactive example gets
-weight 0 in the second backward, exactly as a zeroed ``grad_sample`` row in hooks mode.
+weight 0 in the second backward, exactly as a zeroed ``grad_sample`` row in hooks mode. Under
+Lightning with ``DPCallback(grad_sample_mode="ghost")`` (one backward, book-keeping) nothing
+is needed: the filter reads the norms from the optimizer's ``bookkeeper`` and sets its mask.
 
 Under DDP (``torch.distributed`` initialised with several processes, each holding a shard of the
 global batch) every step all-gathers the shards' indices and μ values, so every rank takes the
@@ -73,6 +75,16 @@ def dp_params(optimizer) -> list:
     if params is None:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     return list(params)
+
+
+def step_norms(optimizer) -> tuple[torch.Tensor, object]:
+    """Per-sample gradient norms of this step and the optimizer's book-keeping hooks (``None``
+    in hooks mode, where the norms come from ``p.grad_sample``). Examples a filter already
+    removed this step count with norm 0 in both modes."""
+    bookkeeper = getattr(optimizer, "bookkeeper", None)
+    if bookkeeper is not None:
+        return bookkeeper.released_norms(), bookkeeper
+    return per_sample_norms(dp_params(optimizer)), None
 
 
 def _dp_settings(optimizer) -> tuple[float, float]:
@@ -143,9 +155,11 @@ class IndividualGDPFilter(Callback):
         if self._indices is None:
             raise ValueError("no batch indices recorded for this step")
         sigma, clip = _dp_settings(optimizer)
-        params = dp_params(optimizer)
-        norms = per_sample_norms(params)
-        self.mask_and_record(params, self._indices.to(norms.device), norms, sigma, clip)
+        norms, bookkeeper = step_norms(optimizer)
+        params = dp_params(optimizer) if bookkeeper is None else []
+        active = self.mask_and_record(params, self._indices.to(norms.device), norms, sigma, clip)
+        if bookkeeper is not None:  # ghost mode: inactive examples get coefficient 0
+            bookkeeper.set_mask(active.to(norms.dtype))
         self._indices = None
 
     def set_batch_indices(self, indices) -> None:

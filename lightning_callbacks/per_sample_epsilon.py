@@ -45,14 +45,14 @@ except ImportError:  # pragma: no cover
     from pytorch_lightning import Callback
 
 from opacus_structured._validation import check_int
-from opacus_structured.accountants.individual_gdp import IndividualGDPAccountant, per_sample_norms
+from opacus_structured.accountants.individual_gdp import IndividualGDPAccountant
 from opacus_structured.accounting.individual_gdp import (
     ApproximateIndividualEpsilons,
     ApproximateIndividualPLDAccountant,
 )
 from opacus_structured.indexed_dataset import batch_indices
 
-from .gdp_filter import _dp_settings, dp_params
+from .gdp_filter import _dp_settings, step_norms
 
 __all__ = ["PerSampleEpsilonTracker"]
 
@@ -96,7 +96,7 @@ class PerSampleEpsilonTracker(Callback):
         if self._indices is None:
             raise ValueError("no batch indices recorded for this step")
         sigma, clip = _dp_settings(optimizer)
-        norms = per_sample_norms(dp_params(optimizer))
+        norms, _ = step_norms(optimizer)
         self.update(self._indices.to(norms.device), norms, sigma, clip)
         self._indices = None
 

@@ -146,6 +146,15 @@ class BookKeepingHooks(GradSampleHooks):
             self._norms = torch.stack([p.to(parts[0].device) for p in parts]).sum(0).sqrt()
         return self._norms
 
+    def released_norms(self) -> torch.Tensor:
+        """Per-sample norms of what this step will release: ``‖g_b‖·m_b`` once a tensor mask
+        is set (a masked-out example contributes nothing, as a zeroed ``grad_sample`` row in
+        hooks mode), else ``‖g_b‖``. A callable mask is not evaluated here (raw norms)."""
+        norms = self.per_sample_norms()
+        if self._mask is None or callable(self._mask):
+            return norms
+        return norms * torch.as_tensor(self._mask, device=norms.device).to(norms.dtype)
+
     def set_mask(self, mask) -> None:
         """Weights ``m_b ∈ [0, 1]`` (B,) multiplying the clipping coefficients (``None``: all
         1), or a callable ``mask(norms) -> tensor`` evaluated when the clipped sum is written."""

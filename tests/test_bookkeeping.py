@@ -193,3 +193,25 @@ def test_misuse_is_refused():
                                  noise_multiplier=1.0, max_grad_norm=2.0, expected_batch_size=B)
     with pytest.raises(ValueError, match="clip at"):
         opt.attach_bookkeeper(BookKeepingHooks(nn.Linear(2, 2), max_grad_norm=1.0))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_empty_batch_releases_noise_only(reduction):
+    """A Poisson step may draw no example: the clipped sum is 0, the update is noise only."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)).double()
+    before = [p.detach().clone() for p in m.parameters()]
+    hooks = BookKeepingHooks(m, max_grad_norm=1.0, loss_reduction=reduction)
+    opt = BookKeepingDPOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), noise_multiplier=1.0,
+                                 max_grad_norm=1.0, expected_batch_size=4,
+                                 loss_reduction=reduction,
+                                 generator=torch.Generator().manual_seed(1))
+    opt.attach_bookkeeper(hooks)
+    opt.zero_grad()
+    x, y = torch.randn(0, 3, dtype=torch.float64), torch.randint(0, 2, (0,))
+    nn.functional.cross_entropy(m(x), y, reduction=reduction).backward()
+    assert hooks.per_sample_norms().shape == (0,)
+    opt.step()
+    for p, q in zip(m.parameters(), before, strict=True):
+        assert torch.isfinite(p).all() and not torch.equal(p, q)
+    hooks.remove_hooks()

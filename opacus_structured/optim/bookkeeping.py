@@ -33,6 +33,7 @@ by the hooks (a gradient that the hooks did not see would otherwise be released 
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -96,9 +97,9 @@ class BookKeepingHooks(GradSampleHooks):
                 raise ValueError("a Linear layer got two backward passes in one step "
                                  "(gradient accumulation is not supported in ghost mode)")
             a = activations[0].to(backprops.dtype)
-            n = backprops.shape[0]
-            self._linear.append((module, a.reshape(n, -1, a.shape[-1]),
-                                 backprops.reshape(n, -1, backprops.shape[-1])))
+            n, t = backprops.shape[0], math.prod(backprops.shape[1:-1])  # (B, T, ·); B may be 0
+            self._linear.append((module, a.reshape(n, t, a.shape[-1]),
+                                 backprops.reshape(n, t, backprops.shape[-1])))
             self._norms = None
         else:
             sampler = self.GRAD_SAMPLERS.get(self._get_module_type(module),
@@ -136,7 +137,7 @@ class BookKeepingHooks(GradSampleHooks):
                 if module.bias is not None and module.bias.requires_grad:
                     parts.append(g.sum(1).pow(2).sum(1))
             for gs in self._samples.values():
-                parts.append(gs.reshape(gs.shape[0], -1).pow(2).sum(1))
+                parts.append(gs.reshape(gs.shape[0], math.prod(gs.shape[1:])).pow(2).sum(1))
             if not parts:
                 raise ValueError("no per-sample gradients recorded: run the backward of a "
                                  "training step first")

@@ -22,11 +22,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
-import time
 import warnings
 
 import torch
+from _timing import median_ms  # benchmarks/ is on sys.path (scripts run from there)
 from opacus.grad_sample import GradSampleModule
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleModuleFastGradientClipping,
@@ -55,27 +54,6 @@ class Net(nn.Module):
         if h.dim() == 3:
             h = h.mean(1)
         return self.head(h)
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _time(step, device, warmup, repeats):
-    for _ in range(warmup):
-        step()
-    _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
-    return statistics.median(times), peak
 
 
 def run(args):
@@ -139,7 +117,7 @@ def run(args):
         if device.type == "cuda":
             torch.cuda.empty_cache()
         try:
-            ms, peak = _time(make(), device, args.warmup, args.repeats)
+            ms, peak = median_ms(make(), device, args.warmup, args.repeats)
         except torch.OutOfMemoryError:
             ms, peak = float("nan"), float("nan")
         rows.append({"method": name, "ms_per_step": ms, "peak_mem_mib": peak})

@@ -31,13 +31,12 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import sys
-import time
 import types
 import warnings
 
 import torch
+from _timing import median_ms  # benchmarks/ is on sys.path (scripts run from there)
 from opacus import PrivacyEngine
 from opacus.validators import ModuleValidator
 from torch import nn
@@ -74,27 +73,6 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.head(self.rnn(x)[0]).squeeze(-1)
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _measure(step, device, warmup, repeats):
-    for _ in range(warmup):
-        step()
-    _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
-    return statistics.median(times), peak
 
 
 def run(args):
@@ -159,7 +137,7 @@ def run(args):
             continue
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        ms, peak = _measure(make(), device, args.warmup, args.repeats)
+        ms, peak = median_ms(make(), device, args.warmup, args.repeats)
         rows.append({"method": name, "ms_per_step": ms, "peak_mem_mib": peak})
     ref = rows[0]["ms_per_step"]
     for r in rows:

@@ -35,6 +35,8 @@ issue     check                   target
 10        ``dp_lstm``             ``benchmarks/dp_lstm.py --device cuda``: FastDPLSTM DP-SGD
                                   (hooks, native) and (ghost, native) step ≤ 5 × the
                                   non-private cuDNN ``nn.LSTM`` step (row 0), batch 256.
+10        ``bookkeeping``         ``benchmarks/bookkeeping.py --model seq``: book-keeping
+                                  ghost clipping vs Opacus ghost / hooks (reported).
 10        ``forecast_lstm_impl``  the DP forecasting main job (DeepAR, ε = 1, fixed
                                   ``--max-steps``) with ``--lstm-impl opacus`` vs ``fast``:
                                   training wall time ratio opacus / fast ≥ 5.
@@ -375,6 +377,23 @@ def eval_forecast_lstm_impl(data: dict) -> list[Result]:
                    f"{fast.get('steps')} steps (training wall time)")]
 
 
+def eval_bookkeeping(data: dict) -> list[Result]:
+    """Issue 10 deliverable 2 (ghost clipping in our wrappers) from ``bookkeeping.py --json``:
+    reported, no target."""
+    iss, chk = "10", "bookkeeping"
+    rows = {r.get("method"): r for r in data.get("rows") or []}
+    if "book-keeping" not in rows:
+        return [_err(iss, chk, "book-keeping step", "report", "row missing")]
+    cuda = _on_cuda(data.get("device"))
+    settings = data.get("settings") or {}
+    note = (f"model {settings.get('model')}, {_fmt(data.get('params'), ',.0f')} params, "
+            f"batch {settings.get('batch')}")
+    return [Result(iss, chk, f"{name} step", f"{_fmt(rows[name].get('ms_per_step'), '.2f')} ms "
+                   f"({_fmt(rows[name].get('ratio_vs_nonprivate'), '.2f')}× non-private)",
+                   "report", REPORT if cuda else CPU, note)
+            for name in ("book-keeping", "opacus ghost", "opacus hooks") if name in rows]
+
+
 EVALUATORS = {
     "forecast_deepar": eval_forecast_deepar,
     "correlated_noise": eval_correlated_noise,
@@ -386,6 +405,7 @@ EVALUATORS = {
                                               what="NCCL 2-process test", min_gpus=2),
     "dp_lstm": eval_dp_lstm,
     "forecast_lstm_impl": eval_forecast_lstm_impl,
+    "bookkeeping": eval_bookkeeping,
     "cuda_tests": lambda d: eval_pytest(d, issue="all", check="cuda_tests",
                                         what="pytest -m cuda tests"),
 }
@@ -416,6 +436,8 @@ CHECKS = {c.name: c for c in (
     Check("dp_lstm", "10", "FastDPLSTM step", {"full": 600, "quick": 150, "cpu": 60}),
     Check("forecast_lstm_impl", "10", "DP job fast vs opacus LSTM",
           {"full": 1200, "quick": 240, "cpu": 120}),
+    Check("bookkeeping", "10", "book-keeping ghost clipping step",
+          {"full": 600, "quick": 120, "cpu": 60}),
     Check("cuda_tests", "all", "all @pytest.mark.cuda tests",
           {"full": 900, "quick": 180, "cpu": 120}),
 )}
@@ -474,6 +496,12 @@ def build_steps(name: str, mode: str, out: str) -> list[Step]:
                          "--layers", "1", "--repeats", "1", "--warmup", "1", "--threads", "1",
                          "--skip-opacus"]}[mode]
         return [Step("rows", _bench("dp_lstm.py") + ["--json", js] + extra, js)]
+    if name == "bookkeeping":
+        extra = {"full": ["--device", "cuda", "--model", "seq", "--repeats", "10"],
+                 "quick": ["--device", "cuda", "--model", "seq", "--batch", "32"],
+                 "cpu": ["--device", "cpu", "--model", "seq", "--params", "20000", "--batch",
+                         "4", "--repeats", "1", "--warmup", "1", "--threads", "1"]}[mode]
+        return [Step("rows", _bench("bookkeeping.py") + ["--json", js] + extra, js)]
     if name == "forecast_lstm_impl":
         steps = {"full": "200", "quick": "50", "cpu": "2"}[mode]
         extra = ["--no-baselines"] + ([] if mode == "cpu" else

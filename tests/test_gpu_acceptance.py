@@ -236,9 +236,9 @@ def test_malformed_json_is_an_error_not_a_pass(check):
 def test_unknown_check_and_only_tokens():
     with pytest.raises(ValueError, match="check must be one of"):
         ga.evaluate("nope", {})
-    assert ga.select(["10"]) == ["dp_lstm", "forecast_lstm_impl"]
+    assert ga.select(["10"]) == ["dp_lstm", "forecast_lstm_impl", "bookkeeping"]
     assert ga.select(["4", "all", "dp_lstm", "10"]) == [
-        "forecast_deepar", "cuda_tests", "dp_lstm", "forecast_lstm_impl"]
+        "forecast_deepar", "cuda_tests", "dp_lstm", "forecast_lstm_impl", "bookkeeping"]
     assert ga.select(None) == list(ga.CHECKS)
     with pytest.raises(ValueError, match="--only: '7'"):
         ga.select(["7"])
@@ -287,13 +287,14 @@ def test_allow_cpu_end_to_end_issue_10(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mode"] == "cpu"
-    assert [c["check"] for c in summary["checks"]] == ["dp_lstm", "forecast_lstm_impl"]
+    assert [c["check"] for c in summary["checks"]] == ["dp_lstm", "forecast_lstm_impl",
+                                                        "bookkeeping"]
     rows = [r for c in summary["checks"] for r in c["results"]]
-    assert len(rows) == 3 and all(r["status"] == "CPU" for r in rows)
+    assert len(rows) == 6 and all(r["status"] == "CPU" for r in rows)
     table = [ln for ln in proc.stdout.splitlines() if ln.startswith("10 ")]
-    assert len(table) == 3 and all("| CPU (not the target)" in ln for ln in table), table
+    assert len(table) == 6 and all("| CPU (not the target)" in ln for ln in table), table
     assert not any("| PASS" in ln or "| FAIL" in ln for ln in proc.stdout.splitlines())
-    for name in ("dp_lstm", "forecast_lstm_impl"):
+    for name in ("dp_lstm", "forecast_lstm_impl", "bookkeeping"):
         assert (out / f"{name}.log").stat().st_size > 0
         data = json.loads((out / f"{name}.json").read_text())
         assert [r.status for r in ga.evaluate(name, data)] == [r["status"] for r in rows
@@ -313,3 +314,16 @@ def test_budget_spent_marks_checks_not_run(tmp_path):
     rows = [r for c in summary["checks"] for r in c["results"]]
     assert [r["status"] for r in rows] == ["ERROR", "ERROR", "ERROR"]  # 2 for issue 9, 1 all
     assert all("not run" in r["note"] for r in rows)
+
+
+def test_bookkeeping_rows_are_reported():
+    rows = [{"method": m, "ms_per_step": ms, "ratio_vs_nonprivate": ms / 2.0}
+            for m, ms in (("non-private", 2.0), ("opacus hooks", 9.0), ("opacus ghost", 6.0),
+                          ("book-keeping", 3.0))]
+    data = {"device": "cuda", "params": 10_000_000, "settings": {"model": "seq", "batch": 64},
+            "rows": rows}
+    res = ga.evaluate("bookkeeping", data)
+    assert [r.status for r in res] == ["REPORT"] * 3 and "1.50×" in res[0].measured
+    assert [r.status for r in ga.evaluate("bookkeeping", dict(data, device="cpu"))] == ["CPU"] * 3
+    assert [r.status for r in ga.evaluate("bookkeeping", {"rows": []})] == ["ERROR"]
+

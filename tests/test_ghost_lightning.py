@@ -132,3 +132,30 @@ def test_ghost_mode_refusals():
     with pytest.raises(ValueError, match="optimizer_class"):
         _fit("ghost", steps=1, optimizer_class=DPPerLayerOptimizer,
              optimizer_kwargs={})
+
+
+def test_forecaster_deepar_ghost_equals_hooks():
+    """The DP forecasting trainer with book-keeping (DeepAR: embedding, FastDPLSTM, distribution
+    head) takes the same steps as with Opacus hooks."""
+    pytest.importorskip("gluonts")
+    from opacus_structured.forecasting.data import load_us_employment, train_test_split
+    from opacus_structured.forecasting.training import train_forecaster
+
+    train, _ = train_test_split(load_us_employment().subset(range(0, 148, 18)), 6)
+    kw = dict(prediction_length=6, context_length=8, batch_size=4, noise_multiplier=1.0,
+              delta=1e-5, max_steps=3, discretization=1e-3, lr=1e-2, max_grad_norm=0.05,
+              estimator_kwargs=dict(num_layers=2, hidden_size=4, lags_seq=[1, 2, 12],
+                                    num_parallel_samples=5))
+    res = {mode: train_forecaster("deepar", train, grad_sample_mode=mode, **kw)
+           for mode in ("hooks", "ghost")}
+    assert res["ghost"].steps == res["hooks"].steps == 3
+    assert res["ghost"].epsilon == res["hooks"].epsilon
+    a = dict(res["ghost"].prepared.module.model.named_parameters())
+    b = dict(res["hooks"].prepared.module.model.named_parameters())
+    assert set(a) == set(b)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match="lstm_impl='fast'"):
+        train_forecaster("deepar", train, grad_sample_mode="ghost", lstm_impl="opacus", **kw)
+    with pytest.raises(ValueError, match="grad_sample_mode"):
+        train_forecaster("deepar", train, grad_sample_mode="fast", **kw)

@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lstm-impl", choices=("fast", "opacus"), default="fast",
                    help="DP LSTM for DeepAR: fast (FastDPLSTM, default) or opacus (DPLSTM); "
                         "same per-window gradients")
+    p.add_argument("--grad-sample-mode", choices=("hooks", "ghost"), default="hooks",
+                   help="per-window clipping: hooks (Opacus per-sample gradients, default) or "
+                        "ghost (book-keeping: norms by the Gram trick, clipped sum from the same "
+                        "backward; same update)")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     p.add_argument("--output", default="forecast-report",
                    help="directory for report.json and forecasts.png (default %(default)s)")
@@ -149,7 +153,8 @@ def run_forecast(args, *, print_fn=print) -> dict:
                   batch_size=args.batch_size, max_grad_norm=args.max_grad_norm, lr=args.lr,
                   max_steps=args.max_steps, epochs=args.epochs, device=args.device,
                   seed=args.seed, progress=progress,
-                  lstm_impl=getattr(args, "lstm_impl", "fast"))
+                  lstm_impl=getattr(args, "lstm_impl", "fast"),
+                  grad_sample_mode=getattr(args, "grad_sample_mode", "hooks"))
     log = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
     log(f"data: US employment (BLS), {len(train)} series, shortest training series "
         f"{train.min_length} months, test = last {args.prediction_length} months")
@@ -204,6 +209,7 @@ def run_forecast(args, *, print_fn=print) -> dict:
         "dataset": {"name": "us_employment", "num_series": len(train),
                     "min_train_length": train.min_length, "test_months": args.prediction_length},
         "baselines": baselines, "seed": args.seed, "device": args.device,
+        "grad_sample_mode": getattr(args, "grad_sample_mode", "hooks"),
         "total_seconds": time.perf_counter() - t_start, "rows": rows,
     }
     if args.output:

@@ -201,12 +201,14 @@ def _lightning():
 
 
 def _make_window_module(prepared: PreparedModel, *, lr: float, weight_decay: float,
-                        dp: Optional[dict]):
+                        dp: Optional[dict], grad_sample_mode: str = "hooks"):
     """Lightning module training ``prepared.module.model`` on window batches.
 
     With ``dp`` (keys noise_multiplier, max_grad_norm, expected_batch_size, accountant,
     sample_rate, generator) the optimizer is a stock Opacus ``DPOptimizer`` over Adam with
-    ``GradSampleHooks`` attached to the network, and the accountant's step hook.
+    ``GradSampleHooks`` attached to the network, and the accountant's step hook;
+    ``grad_sample_mode="ghost"`` uses book-keeping hooks and optimizer instead
+    (:mod:`opacus_structured.optim.bookkeeping`: same clipped sum, no per-sample gradients).
     """
     import torch
     from gluonts.itertools import select
@@ -241,12 +243,20 @@ def _make_window_module(prepared: PreparedModel, *, lr: float, weight_decay: flo
             from opacus.grad_sample import GradSampleHooks
             from opacus.optimizers import DPOptimizer
 
+            from ..optim.bookkeeping import BookKeepingDPOptimizer, BookKeepingHooks
+
+            ghost = grad_sample_mode == "ghost"
             if self.grad_hooks is None:
-                self.grad_hooks = GradSampleHooks(self.model, loss_reduction="mean")
-            opt = DPOptimizer(base, noise_multiplier=dp["noise_multiplier"],
-                              max_grad_norm=dp["max_grad_norm"],
-                              expected_batch_size=dp["expected_batch_size"],
-                              loss_reduction="mean", generator=dp.get("generator"))
+                self.grad_hooks = (
+                    BookKeepingHooks(self.model, max_grad_norm=dp["max_grad_norm"],
+                                     loss_reduction="mean") if ghost
+                    else GradSampleHooks(self.model, loss_reduction="mean"))
+            opt = (BookKeepingDPOptimizer if ghost else DPOptimizer)(
+                base, noise_multiplier=dp["noise_multiplier"],
+                max_grad_norm=dp["max_grad_norm"], expected_batch_size=dp["expected_batch_size"],
+                loss_reduction="mean", generator=dp.get("generator"))
+            if ghost:
+                opt.attach_bookkeeper(self.grad_hooks)
             opt.attach_step_hook(dp["accountant"].get_optimizer_hook_fn(
                 sample_rate=dp["sample_rate"]))
             self.dp_optimizer = opt
@@ -343,7 +353,7 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
                      discretization: float = 1e-3, estimator_kwargs: Optional[dict] = None,
                      callbacks: Sequence = (), sampler_wrapper: Optional[Callable] = None,
                      log: Optional[Callable[[str], None]] = None,
-                     lstm_impl: str = "fast") -> TrainResult:
+                     lstm_impl: str = "fast", grad_sample_mode: str = "hooks") -> TrainResult:
     """Train a gluonts model on ``train`` with structured-subsampling DP-SGD (or without DP).
 
     Privacy modes:
@@ -370,12 +380,22 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
         lstm_impl: "fast" (:class:`~opacus_structured.forecasting.fast_rnn.FastDPLSTM`,
             default) or "opacus" (``DPLSTM``) for DeepAR's LSTM; both give the same per-window
             gradients (``tests/test_fast_dp_rnn.py``), "fast" is much faster.
+        grad_sample_mode: "hooks" (Opacus materialises per-window gradients) or "ghost"
+            (book-keeping: per-window norms by the Gram trick and the clipped sum from the same
+            backward, :mod:`opacus_structured.optim.bookkeeping`); the same clipped sum, noise
+            and ε. "ghost" needs ``lstm_impl="fast"`` (Opacus' DPLSTM re-runs its cells).
     """
     import torch
 
     pl = _lightning()
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if grad_sample_mode not in ("hooks", "ghost"):
+        raise ValueError(f"grad_sample_mode must be 'hooks' or 'ghost', got "
+                         f"{grad_sample_mode!r}")
+    if grad_sample_mode == "ghost" and model == "deepar" and lstm_impl != "fast":
+        raise ValueError("grad_sample_mode='ghost' needs lstm_impl='fast': Opacus' DPLSTM runs "
+                         "its linear layers once per time step")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no CUDA device is available")
     seed = check_int("seed", seed, minimum=0)
@@ -449,7 +469,8 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
         dp = dict(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                   expected_batch_size=scheme.batch_size, accountant=accountant,
                   sample_rate=1.0 / len(loader), generator=noise_gen)
-    module = _make_window_module(prepared, lr=lr, weight_decay=weight_decay, dp=dp)
+    module = _make_window_module(prepared, lr=lr, weight_decay=weight_decay, dp=dp,
+                                 grad_sample_mode=grad_sample_mode)
     label = (f"{model} DP (sigma={noise_multiplier:.3g})" if private else f"{model} non-DP")
     with _quiet_lightning():
         trainer = pl.Trainer(

@@ -239,7 +239,7 @@ class DPCallback(pl.Callback):
             (:mod:`opacus_structured.optim.bookkeeping`), no per-sample gradients for
             ``nn.Linear`` layers and no second backward, so the LightningModule stays
             unmodified. Same clipped sum, same noise, same ε. Needs the callback to wrap the
-            optimizer, one process, and every module run once per step.
+            optimizer and every module run once per step; works under DDP too.
     """
 
     def __init__(self, *, delta: float, noise_multiplier: Optional[float] = None,
@@ -501,25 +501,34 @@ class DPCallback(pl.Callback):
 
     def _ghost_optimizer_class(self, world_size: int) -> type:
         from opacus.optimizers import DPOptimizerFastGradientClipping
+        from opacus.optimizers.ddpoptimizer_fast_gradient_clipping import (
+            DistributedDPOptimizerFastGradientClipping,
+        )
 
         from opacus_structured.optim.bookkeeping import bookkeeping_optimizer_class
         from opacus_structured.optim.correlated_noise import CorrelatedNoiseDPOptimizer
+        from opacus_structured.optim.distributed import (
+            DistributedCorrelatedNoiseDPOptimizerFastGradientClipping,
+        )
         from opacus_structured.optim.ghost_clipping import (
             CorrelatedNoiseDPOptimizerFastGradientClipping,
         )
 
-        if world_size > 1:
-            raise ValueError("grad_sample_mode='ghost' is single-process; use "
-                             "grad_sample_mode='hooks' under DDP")
         cls = self.optimizer_class
-        mapping = {DPOptimizer: DPOptimizerFastGradientClipping,
-                   CorrelatedNoiseDPOptimizer: CorrelatedNoiseDPOptimizerFastGradientClipping}
+        if world_size > 1:  # noise once (rank 0), then the all-reduce of the clipped sums
+            mapping = {DPOptimizer: DistributedDPOptimizerFastGradientClipping,
+                       CorrelatedNoiseDPOptimizer:
+                           DistributedCorrelatedNoiseDPOptimizerFastGradientClipping}
+        else:
+            mapping = {DPOptimizer: DPOptimizerFastGradientClipping,
+                       CorrelatedNoiseDPOptimizer: CorrelatedNoiseDPOptimizerFastGradientClipping}
         if cls in mapping:
             cls = mapping[cls]
-        elif not issubclass(cls, DPOptimizerFastGradientClipping):
+        elif not issubclass(cls, DPOptimizerFastGradientClipping) or (
+                world_size > 1 and "Distributed" not in cls.__name__):
             raise ValueError(f"grad_sample_mode='ghost' needs optimizer_class DPOptimizer, "
                              f"CorrelatedNoiseDPOptimizer or a DPOptimizerFastGradientClipping "
-                             f"subclass, got {cls.__name__}")
+                             f"subclass (a distributed one under DDP), got {cls.__name__}")
         return bookkeeping_optimizer_class(cls)
 
     def _attach_grad_sampler(self, pl_module) -> None:

@@ -175,8 +175,10 @@ def _model():
     return torch.nn.Linear(D, 1)
 
 
-def _train(rank, world, noise_correlation, *, distributed, device="cpu"):
-    """A few DP-SGD steps; returns final parameters, noise state, sampler state."""
+def _train(rank, world, noise_correlation, *, distributed, device="cpu", ghost=False):
+    """A few DP-SGD steps; returns final parameters, noise state, sampler state. ``ghost``:
+    book-keeping hooks and the fast-gradient-clipping optimizers instead of per-sample
+    gradients."""
     from opacus import GradSampleModule
     from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
 
@@ -188,7 +190,27 @@ def _train(rank, world, noise_correlation, *, distributed, device="cpu"):
     if distributed:
         from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
         model = DPDDP(model)
-    gsm = GradSampleModule(model, loss_reduction="mean")
+    if ghost:
+        from opacus.optimizers import DPOptimizerFastGradientClipping
+        from opacus.optimizers.ddpoptimizer_fast_gradient_clipping import (
+            DistributedDPOptimizerFastGradientClipping,
+        )
+
+        from opacus_structured.optim.bookkeeping import (
+            BookKeepingHooks,
+            bookkeeping_optimizer_class,
+        )
+        from opacus_structured.optim.distributed import (
+            DistributedCorrelatedNoiseDPOptimizerFastGradientClipping,
+        )
+        from opacus_structured.optim.ghost_clipping import (
+            CorrelatedNoiseDPOptimizerFastGradientClipping,
+        )
+
+        gsm = model
+        hooks = BookKeepingHooks(model, max_grad_norm=CLIP)
+    else:
+        gsm = GradSampleModule(model, loss_reduction="mean")
     base = torch.optim.SGD(gsm.parameters(), lr=LR)
     global_sampler = PoissonBatchSampler(N, Q, steps=STEPS, seed=123 + 1000 * rank)
     expected = N * Q
@@ -207,6 +229,15 @@ def _train(rank, world, noise_correlation, *, distributed, device="cpu"):
         kwargs["expected_batch_size"] = expected
         opt = (DPOptimizer(base, **kwargs) if noise_correlation is None else
                CorrelatedNoiseDPOptimizer(base, noise_correlation=noise_correlation, **kwargs))
+    if ghost:
+        cls = {(False, False): DPOptimizerFastGradientClipping,
+               (False, True): CorrelatedNoiseDPOptimizerFastGradientClipping,
+               (True, False): DistributedDPOptimizerFastGradientClipping,
+               (True, True): DistributedCorrelatedNoiseDPOptimizerFastGradientClipping}[
+            (distributed, noise_correlation is not None)]
+        extra = {} if noise_correlation is None else {"noise_correlation": noise_correlation}
+        opt = bookkeeping_optimizer_class(cls)(base, **kwargs, **extra)
+        opt.attach_bookkeeper(hooks)
     sizes = []
     for batch in sampler:
         idx = torch.as_tensor(batch, dtype=torch.int64)
@@ -237,6 +268,7 @@ def _worker(rank, world, port, out_dir):
         # (b) training, plain and correlated noise
         result["plain"] = _train(rank, world, None, distributed=True)
         result["correlated"] = _train(rank, world, COEFS, distributed=True)
+        result["correlated_ghost"] = _train(rank, world, COEFS, distributed=True, ghost=True)
         # (c) callbacks' distributed state
         result["callbacks"] = _callback_states(rank, world)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -306,7 +338,8 @@ def test_two_processes_union_equals_single_process_batch(two_ranks, name):
         assert _sorted(ranks[0][step] + ranks[1][step]) == _sorted(batch)
 
 
-@pytest.mark.parametrize("kind,coefs", [("plain", None), ("correlated", COEFS)])
+@pytest.mark.parametrize("kind,coefs", [("plain", None), ("correlated", COEFS),
+                                        ("correlated_ghost", COEFS)])
 def test_two_processes_final_parameters_equal_single_process(two_ranks, kind, coefs):
     ref = _train(0, 1, coefs, distributed=False)
     sizes = [a + b for a, b in zip(two_ranks[0][kind]["sizes"], two_ranks[1][kind]["sizes"], strict=True)]
@@ -419,7 +452,7 @@ def test_two_processes_on_one_gpu_correlated_noise_equals_single_process(tmp_pat
 
 
 # ---- Lightning Trainer(strategy="ddp") with DPCallback (slow: ~45 s for the imports) -------
-def _lightning_fit(devices, out):
+def _lightning_fit(devices, out, mode="hooks"):
     import lightning.pytorch as pl
 
     from lightning_callbacks.dp_callback import DPCallback
@@ -442,7 +475,8 @@ def _lightning_fit(devices, out):
 
     X, Y = _data()
     cb = DPCallback(delta=1e-5, noise_multiplier=SIGMA, max_grad_norm=CLIP,
-                    scheme=PoissonScheme(sample_rate=Q), seed=3, discretization=1e-2)
+                    scheme=PoissonScheme(sample_rate=Q), seed=3, discretization=1e-2,
+                    grad_sample_mode=mode)
     module = Tiny()
     trainer = pl.Trainer(accelerator="cpu", devices=devices,
                          strategy="ddp" if devices > 1 else "auto", use_distributed_sampler=False,
@@ -454,22 +488,27 @@ def _lightning_fit(devices, out):
                 "optimizer": type(cb.optimizer).__name__}, out)
 
 
-def _lightning_worker(rank, world, port, out_dir):
+def _lightning_worker(rank, world, port, out_dir, mode):
     # as torchrun would: Lightning sees LOCAL_RANK and does not launch processes itself
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
                       RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
-    _lightning_fit(world, os.path.join(out_dir, f"lightning{rank}.pt"))
+    _lightning_fit(world, os.path.join(out_dir, f"lightning{rank}.pt"), mode)
 
 
 @pytest.mark.slow
-def test_lightning_ddp_dp_callback_equals_single_process(tmp_path):
-    mp.spawn(_lightning_worker, args=(WORLD, _free_port(), str(tmp_path)), nprocs=WORLD,
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_lightning_ddp_dp_callback_equals_single_process(tmp_path, mode):
+    """DDP (2 gloo ranks) equals one process; in ghost mode (book-keeping) too, against the
+    single-process hooks run."""
+    mp.spawn(_lightning_worker, args=(WORLD, _free_port(), str(tmp_path), mode), nprocs=WORLD,
              join=True)
     _lightning_fit(1, str(tmp_path / "single.pt"))
     ref = torch.load(tmp_path / "single.pt", weights_only=False)
     for r in range(WORLD):
         got = torch.load(tmp_path / f"lightning{r}.pt", weights_only=False)
-        assert got["optimizer"] == "DistributedDPOptimizer"
+        assert got["optimizer"] == {
+            "hooks": "DistributedDPOptimizer",
+            "ghost": "BookKeepingDistributedDPOptimizerFastGradientClipping"}[mode]
         assert got["steps"] == ref["steps"] and got["epsilon"] == ref["epsilon"]
         for p, q in zip(got["params"], ref["params"], strict=True):
             torch.testing.assert_close(p, q, atol=1e-6, rtol=0)

@@ -32,30 +32,28 @@ from typing import Optional, Sequence
 
 import torch
 from opacus.optimizers import DistributedDPOptimizer
+from opacus.optimizers.ddpoptimizer_fast_gradient_clipping import (
+    DistributedDPOptimizerFastGradientClipping,
+)
 
 from .correlated_noise import CorrelatedNoiseMixin
 
-__all__ = ["DistributedCorrelatedNoiseDPOptimizer"]
+__all__ = ["DistributedCorrelatedNoiseDPOptimizer",
+           "DistributedCorrelatedNoiseDPOptimizerFastGradientClipping"]
 
 
-class DistributedCorrelatedNoiseDPOptimizer(CorrelatedNoiseMixin, DistributedDPOptimizer):
-    """``DistributedDPOptimizer`` with banded-Toeplitz correlated noise added once (rank 0).
-
-    Args: as :class:`~opacus_structured.optim.correlated_noise.CorrelatedNoiseDPOptimizer`
-    (``noise_correlation`` = first column ``c`` of ``C``). ``expected_batch_size`` is the
-    **per-rank** normaliser ``E / world_size`` for ``loss_reduction="mean"`` (as Opacus'
-    ``make_private(distributed=True)`` computes it). Needs an initialised process group.
-    """
+class _RankZeroCorrelatedNoiseMixin(CorrelatedNoiseMixin):
+    """Correlated noise added once, on rank 0, in front of an Opacus distributed optimizer."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
                  max_grad_norm: float, expected_batch_size: Optional[float],
                  noise_correlation: Optional[Sequence[float]] = None,
                  loss_reduction: str = "mean", generator=None, secure_mode: bool = False,
                  **kwargs):
-        DistributedDPOptimizer.__init__(
-            self, optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-            expected_batch_size=expected_batch_size, loss_reduction=loss_reduction,
-            generator=generator, secure_mode=secure_mode, **kwargs)
+        super().__init__(optimizer, noise_multiplier=noise_multiplier,
+                         max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
+                         loss_reduction=loss_reduction, generator=generator,
+                         secure_mode=secure_mode, **kwargs)
         self._init_correlated_noise(noise_correlation)
 
     def add_noise(self):
@@ -66,3 +64,19 @@ class DistributedCorrelatedNoiseDPOptimizer(CorrelatedNoiseMixin, DistributedDPO
         for p in self.params:
             p.grad = p.summed_grad.view_as(p)
         self.noise_step += 1
+
+
+class DistributedCorrelatedNoiseDPOptimizer(_RankZeroCorrelatedNoiseMixin, DistributedDPOptimizer):
+    """``DistributedDPOptimizer`` with banded-Toeplitz correlated noise added once (rank 0).
+
+    Args: as :class:`~opacus_structured.optim.correlated_noise.CorrelatedNoiseDPOptimizer`
+    (``noise_correlation`` = first column ``c`` of ``C``). ``expected_batch_size`` is the
+    **per-rank** normaliser ``E / world_size`` for ``loss_reduction="mean"`` (as Opacus'
+    ``make_private(distributed=True)`` computes it). Needs an initialised process group.
+    """
+
+
+class DistributedCorrelatedNoiseDPOptimizerFastGradientClipping(
+        _RankZeroCorrelatedNoiseMixin, DistributedDPOptimizerFastGradientClipping):
+    """The same over Opacus' ``DistributedDPOptimizerFastGradientClipping`` (ghost clipping /
+    book-keeping: the clipped sum is already in ``p.grad``)."""

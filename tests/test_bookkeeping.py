@@ -26,13 +26,13 @@ B, T = 6, 5
 class Mixed(nn.Module):
     """Embedding -> Conv1d -> Linear (3-D) -> LayerNorm -> FastDPLSTM -> Linear (2-D)."""
 
-    def __init__(self):
+    def __init__(self, recurrence="auto"):
         super().__init__()
         self.emb = nn.Embedding(11, 4)
         self.conv = nn.Conv1d(4, 4, 3, padding=1)
         self.proj = nn.Linear(4, 7)
         self.norm = nn.LayerNorm(7)
-        self.rnn = FastDPLSTM(7, 5, batch_first=True)
+        self.rnn = FastDPLSTM(7, 5, batch_first=True, recurrence=recurrence)
         self.head = nn.Linear(5, 1)
 
     def forward(self, tokens):
@@ -49,9 +49,9 @@ def _data(seed=0):
                                                                   dtype=torch.float64)
 
 
-def _model():
+def _model(recurrence="auto"):
     torch.manual_seed(1)
-    return Mixed().double()
+    return Mixed(recurrence).double()
 
 
 def _materialised(model, x, y, reduction):
@@ -65,9 +65,10 @@ def _materialised(model, x, y, reduction):
     return gs, norms
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_norms_and_clipped_sum_equal_materialised(reduction):
-    model = _model()
+@pytest.mark.parametrize("reduction,recurrence", [("mean", "python"), ("sum", "python"),
+                                                  ("mean", "native")])
+def test_norms_and_clipped_sum_equal_materialised(reduction, recurrence):
+    model = _model(recurrence)
     x, y = _data()
     gs, norms = _materialised(model, x, y, reduction)
     clip = float(norms.median())

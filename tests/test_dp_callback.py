@@ -155,11 +155,11 @@ def test_min_steps_past_budget_is_refused():
     assert cb.steps == 2
 
 
-@pytest.mark.parametrize("resume_step", [3, 8])
-def test_resume_matches_uninterrupted_run(tmp_path, resume_step):
+@pytest.mark.parametrize("resume_step,mode", [(3, "hooks"), (8, "hooks"), (3, "ghost")])
+def test_resume_matches_uninterrupted_run(tmp_path, resume_step, mode):
     total = 12  # 1.5 epochs of 8 steps
     torch.manual_seed(0)
-    model_a, cb_a = Tiny(), callback()
+    model_a, cb_a = Tiny(), callback(grad_sample_mode=mode)
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=resume_step, save_top_k=-1,
                            filename="{step}")
     trainer(cb_a, max_steps=total, callbacks=[ckpt]).fit(model_a, data())
@@ -167,7 +167,7 @@ def test_resume_matches_uninterrupted_run(tmp_path, resume_step):
     assert os.path.exists(path), glob.glob(str(tmp_path / "*"))
 
     torch.manual_seed(1)  # different init: everything must come from the checkpoint
-    model_b, cb_b = Tiny(), callback(seed=999)  # seeds too
+    model_b, cb_b = Tiny(), callback(seed=999, grad_sample_mode=mode)  # seeds too
     trainer(cb_b, max_steps=total).fit(model_b, data(), ckpt_path=path)
     assert cb_b.steps == cb_a.steps == total
     assert cb_b.epsilon() == cb_a.epsilon()

@@ -216,3 +216,31 @@ def test_empty_batch_releases_noise_only(reduction):
     for p, q in zip(m.parameters(), before, strict=True):
         assert torch.isfinite(p).all() and not torch.equal(p, q)
     hooks.remove_hooks()
+
+
+def test_embedding_with_padding_and_repeated_tokens_equals_brute_force():
+    """Embedding rows are summed per (example, token) and the padding row gets no gradient,
+    as torch's own per-example backward (Opacus' grad sampler would charge the padding row)."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Embedding(9, 3, padding_idx=0), nn.Flatten(),
+                          nn.Linear(12, 1)).double()
+    idx = torch.tensor([[1, 1, 0, 0], [2, 3, 2, 2], [0, 0, 0, 5], [8, 7, 6, 5]])
+    y = torch.randn(4, dtype=torch.float64)
+    grads = []
+    for b in range(4):
+        model.zero_grad()
+        ((model(idx[b:b + 1]).squeeze(-1) - y[b:b + 1]) ** 2).sum().backward()
+        grads.append([p.grad.detach().clone() for p in model.parameters()])
+    norms = torch.stack([torch.cat([g.reshape(-1) for g in gb]).norm() for gb in grads])
+    clip = float(norms.median())
+    coef = (clip / (norms + 1e-6)).clamp(max=1.0)
+    model.zero_grad()
+    hooks = BookKeepingHooks(model, max_grad_norm=clip, loss_reduction="sum")
+    ((model(idx).squeeze(-1) - y) ** 2).sum().backward()
+    assert torch.allclose(hooks.per_sample_norms(), norms, rtol=1e-12)
+    hooks.write_clipped_sum(list(model.parameters()))
+    for k, p in enumerate(model.parameters()):
+        want = sum(coef[b] * grads[b][k] for b in range(4))
+        assert torch.allclose(p.grad, want, rtol=1e-12, atol=1e-15), k
+    assert torch.equal(model[0].weight.grad[0], torch.zeros(3, dtype=torch.float64))
+    hooks.remove_hooks()

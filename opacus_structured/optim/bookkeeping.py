@@ -7,15 +7,19 @@ Zha & Karypis, "Differentially private optimization on large model at small cost
 gets the same clipped sum from the *one* ordinary backward:
 
 * during the backward, each hooked ``nn.Linear`` keeps its input ``A`` (B, T, i) and output
-  gradient ``G`` (B, T, o) (Opacus' hooks capture both anyway); every other trainable layer
-  gets its per-sample gradients from Opacus' grad samplers (functorch as a fallback);
+  gradient ``G`` (B, T, o) (Opacus' hooks capture both anyway), each ``nn.Embedding`` its token
+  ids and output gradient; every other trainable layer gets its per-sample gradients from
+  Opacus' grad samplers (functorch as a fallback);
 * per-sample norms: ``‖∇W[b]‖² = Σ_{t,s} (a_{bt}·a_{bs})(g_{bt}·g_{bs})`` (the Gram / ghost
   trick, Li et al. 2022) or ``‖G_bᵀA_b‖²_F`` materialised per sample, whichever costs fewer
-  flops; ``‖∇bias[b]‖² = ‖Σ_t g_{bt}‖²``; the global norm ``‖g_b‖`` over all parameters;
+  flops; ``‖∇bias[b]‖² = ‖Σ_t g_{bt}‖²``; for an embedding, the gradient rows summed per
+  (example, token id) (the padding row gets none, as in torch); the global norm ``‖g_b‖``;
 * coefficients ``c_b = min(1, C / (‖g_b‖ + 1e-6))`` (Opacus' formula) times an optional mask
   ``m_b ∈ [0, 1]`` (the individual GDP filter's active set);
 * the clipped sum, written to ``p.grad``: ``Σ_b c_b ∇W[b] = (c ⊙ G)ᵀ A`` — one matmul over
-  the flattened (B·T) rows, never a (B, o, i) tensor — ``Σ_b c_b Σ_t g_{bt}`` for the bias, and
+  the flattened (B·T) rows, never a (B, o, i) tensor — ``Σ_b c_b Σ_t g_{bt}`` for the bias, an
+  ``index_add`` of ``c_b g_{bt}`` into the rows ``idx_{bt}`` for an embedding (never a
+  (B, vocabulary, dim) tensor), and
   ``einsum('b,b...->...', c, grad_sample)`` for the other layers.
 
 That is exactly ``Σ_b min(1, C/‖g_b‖) g_b``, the clipped sum of hooks mode (each summand has
@@ -71,6 +75,7 @@ class BookKeepingHooks(GradSampleHooks):
     # ---- recording (inside backward) -------------------------------------------------------
     def _reset(self) -> None:
         self._linear: list[tuple[nn.Linear, torch.Tensor, torch.Tensor]] = []
+        self._embedding: list[tuple[nn.Embedding, torch.Tensor, torch.Tensor]] = []
         self._samples: dict[nn.Parameter, torch.Tensor] = {}
         self._norms: Optional[torch.Tensor] = None
         self._mask = None
@@ -101,6 +106,19 @@ class BookKeepingHooks(GradSampleHooks):
             self._linear.append((module, a.reshape(n, t, a.shape[-1]),
                                  backprops.reshape(n, t, backprops.shape[-1])))
             self._norms = None
+        elif type(module) is nn.Embedding and module.weight.requires_grad:
+            if module.sparse:
+                raise ValueError("nn.Embedding(sparse=True) is not supported in ghost mode")
+            if any(m is module for m, _, _ in self._embedding):
+                raise ValueError("an Embedding got two backward passes in one step "
+                                 "(gradient accumulation is not supported in ghost mode)")
+            n = backprops.shape[0]
+            idx = activations[0].reshape(n, -1)
+            g = backprops.reshape(n, idx.shape[1], backprops.shape[-1])
+            if module.padding_idx is not None:  # torch gives the padding row no gradient
+                g = g * (idx != module.padding_idx).unsqueeze(-1).to(g.dtype)
+            self._embedding.append((module, idx, g))
+            self._norms = None
         else:
             sampler = self.GRAD_SAMPLERS.get(self._get_module_type(module),
                                              ft_compute_per_sample_gradient)
@@ -127,6 +145,19 @@ class BookKeepingHooks(GradSampleHooks):
                     ).sum((1, 2)).clamp(min=0)
         return torch.bmm(g.transpose(1, 2), a).pow(2).sum((1, 2))  # B·T·i·o flops
 
+    @staticmethod
+    def _embedding_sq_norms(module: nn.Embedding, idx: torch.Tensor, g: torch.Tensor):
+        """``‖∇E[b]‖² = Σ_v ‖Σ_{t: idx_bt = v} g_bt‖²``: rows summed per (example, token)."""
+        n, t = idx.shape
+        out = g.new_zeros(n)
+        if n * t == 0:
+            return out
+        keys = torch.arange(n, device=idx.device).unsqueeze(1) * module.num_embeddings + idx
+        uniq, inverse = torch.unique(keys.reshape(-1), return_inverse=True)
+        rows = g.new_zeros(uniq.numel(), g.shape[-1]).index_add_(0, inverse,
+                                                                  g.reshape(n * t, -1))
+        return out.index_add_(0, uniq // module.num_embeddings, rows.pow(2).sum(1))
+
     def per_sample_norms(self) -> torch.Tensor:
         """Global per-sample gradient norms ‖g_b‖ (B,) of the last backward."""
         if self._norms is None:
@@ -136,6 +167,8 @@ class BookKeepingHooks(GradSampleHooks):
                     parts.append(self._linear_weight_sq_norms(a, g))
                 if module.bias is not None and module.bias.requires_grad:
                     parts.append(g.sum(1).pow(2).sum(1))
+            for module, idx, g in self._embedding:
+                parts.append(self._embedding_sq_norms(module, idx, g))
             for gs in self._samples.values():
                 parts.append(gs.reshape(gs.shape[0], math.prod(gs.shape[1:])).pow(2).sum(1))
             if not parts:
@@ -190,6 +223,11 @@ class BookKeepingHooks(GradSampleHooks):
             if module.bias is not None and module.bias.requires_grad:
                 module.bias.grad = gc.sum((0, 1)).to(module.bias.dtype)
                 written.add(module.bias)
+        for module, idx, g in self._embedding:
+            gc = (g * coef.to(g.dtype).view(-1, 1, 1)).reshape(-1, g.shape[-1])
+            module.weight.grad = torch.zeros_like(module.weight).index_add_(
+                0, idx.reshape(-1), gc.to(module.weight.dtype))
+            written.add(module.weight)
         for p, gs in self._samples.items():
             p.grad = torch.einsum("b,b...->...", coef.to(gs.dtype), gs).to(p.dtype)
             written.add(p)

@@ -110,6 +110,9 @@ def test_invalid_arguments(tiny):
     with pytest.raises(ValueError, match="device"):
         train_forecaster("dlinear", train, prediction_length=H, batch_size=4, max_steps=1,
                          device="tpu")
+    with pytest.raises(ValueError, match="num_workers"):
+        train_forecaster("dlinear", train, prediction_length=H, batch_size=4, max_steps=1,
+                         num_workers=-1)
 
 
 # ---- per-window clipping is valid: no cross-window coupling ---------------------------------------
@@ -220,8 +223,8 @@ def test_nonprivate_baseline_has_infinite_epsilon(tiny):
 
 
 # ---- privacy audit: consumed windows == sampled windows -----------------------------------------
-@pytest.mark.parametrize("model", ["dlinear", "deepar"])
-def test_consumed_windows_are_exactly_the_sampled_ones(model, tiny):
+@pytest.mark.parametrize("model,num_workers", [("dlinear", 0), ("deepar", 0), ("dlinear", 1)])
+def test_consumed_windows_are_exactly_the_sampled_ones(model, num_workers, tiny):
     import lightning.pytorch as pl
 
     train, _ = tiny
@@ -247,7 +250,7 @@ def test_consumed_windows_are_exactly_the_sampled_ones(model, tiny):
     res = train_forecaster(model, train, prediction_length=H, context_length=8, batch_size=4,
                            epsilon=4.0, delta=1e-5, max_steps=steps, discretization=D,
                            estimator_kwargs=TINY[model], sampler_wrapper=RecordingSampler,
-                           callbacks=[Consumed()], seed=3)
+                           callbacks=[Consumed()], seed=3, num_workers=num_workers)
     assert res.steps == steps == len(consumed) == len(res.accountant)
     assert len(sampled) >= steps
     L_C, L_F = res.scheme.context_length, res.scheme.forecast_length

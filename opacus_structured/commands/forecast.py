@@ -68,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-window clipping: hooks (Opacus per-sample gradients, default) or "
                         "ghost (book-keeping: norms by the Gram trick, clipped sum from the same "
                         "backward; same update)")
+    p.add_argument("--num-workers", type=int, default=0,
+                   help="DataLoader workers cutting the windows (same batches; > 0 overlaps "
+                        "data and GPU steps; default 0)")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     p.add_argument("--output", default="forecast-report",
                    help="directory for report.json and forecasts.png (default %(default)s)")
@@ -154,7 +157,8 @@ def run_forecast(args, *, print_fn=print) -> dict:
                   max_steps=args.max_steps, epochs=args.epochs, device=args.device,
                   seed=args.seed, progress=progress,
                   lstm_impl=getattr(args, "lstm_impl", "fast"),
-                  grad_sample_mode=getattr(args, "grad_sample_mode", "hooks"))
+                  grad_sample_mode=getattr(args, "grad_sample_mode", "hooks"),
+                  num_workers=getattr(args, "num_workers", 0))
     log = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
     log(f"data: US employment (BLS), {len(train)} series, shortest training series "
         f"{train.min_length} months, test = last {args.prediction_length} months")

@@ -353,7 +353,8 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
                      discretization: float = 1e-3, estimator_kwargs: Optional[dict] = None,
                      callbacks: Sequence = (), sampler_wrapper: Optional[Callable] = None,
                      log: Optional[Callable[[str], None]] = None,
-                     lstm_impl: str = "fast", grad_sample_mode: str = "hooks") -> TrainResult:
+                     lstm_impl: str = "fast", grad_sample_mode: str = "hooks",
+                     num_workers: int = 0) -> TrainResult:
     """Train a gluonts model on ``train`` with structured-subsampling DP-SGD (or without DP).
 
     Privacy modes:
@@ -384,6 +385,9 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
             (book-keeping: per-window norms by the Gram trick and the clipped sum from the same
             backward, :mod:`opacus_structured.optim.bookkeeping`); the same clipped sum, noise
             and ε. "ghost" needs ``lstm_impl="fast"`` (Opacus' DPLSTM re-runs its cells).
+        num_workers: DataLoader worker processes that cut and collate the windows (the
+            sampler, and so the batches, stay in the main process: same batches for any
+            value); > 0 hides the data time behind a GPU step.
     """
     import torch
 
@@ -399,6 +403,7 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no CUDA device is available")
     seed = check_int("seed", seed, minimum=0)
+    num_workers = check_int("num_workers", num_workers, minimum=0)
     max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
     discretization = check_positive("discretization", discretization)
     check_positive("lr", lr)
@@ -458,7 +463,8 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
     sampler = scheme.sampler(train.lengths, generator=generator)
     batch_sampler = sampler_wrapper(sampler) if sampler_wrapper is not None else sampler
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler,
-                                         collate_fn=collate_windows, num_workers=0)
+                                         collate_fn=collate_windows, num_workers=num_workers,
+                                         persistent_workers=num_workers > 0)
     if len(loader) != per_epoch:
         raise ValueError(f"the sampler yields {len(loader)} steps per epoch but the scheme "
                          f"says {per_epoch}")

@@ -455,6 +455,8 @@ def _forecast_cmd(mode, out_dir, extra):
     if mode == "cpu":  # tiny: 20 series, 1 step, few sample paths
         cmd += ["--num-series", "20", "--batch-size", "8", "--max-steps", "1",
                 "--num-samples", "2"]
+    else:  # cut windows in 2 workers while the GPU steps (same batches, both LSTM impls)
+        cmd += ["--num-workers", "2"]
     return cmd + extra
 
 

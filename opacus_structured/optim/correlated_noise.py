@@ -33,7 +33,7 @@ Security notes:
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from opacus.optimizers.optimizer import (
@@ -63,8 +63,13 @@ class CorrelatedNoiseMixin:
 
     Mix into any Opacus optimizer whose ``add_noise`` is the stock per-parameter one
     (:class:`~opacus.optimizers.DPOptimizer`, ``DPPerLayerOptimizer``,
-    ``DPOptimizerFastGradientClipping``); see :func:`correlated_optimizer_class`.
+    ``DPOptimizerFastGradientClipping``); see :func:`correlated_optimizer_class`. The
+    constructor takes the base optimizer's arguments plus ``noise_correlation``.
     """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, noise_correlation=None, **kwargs):
+        super().__init__(optimizer, **kwargs)
+        self._init_correlated_noise(noise_correlation)
 
     def _init_correlated_noise(self, noise_correlation) -> None:
         if noise_correlation is None:
@@ -224,17 +229,6 @@ class CorrelatedNoiseDPOptimizer(CorrelatedNoiseMixin, DPOptimizer):
         loss_reduction, generator, secure_mode: as in Opacus.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
-                 max_grad_norm: float, expected_batch_size: Optional[int],
-                 noise_correlation: Optional[Sequence[float]] = None,
-                 loss_reduction: str = "mean", generator=None, secure_mode: bool = False,
-                 **kwargs):
-        super().__init__(optimizer, noise_multiplier=noise_multiplier,
-                         max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
-                         loss_reduction=loss_reduction, generator=generator,
-                         secure_mode=secure_mode, **kwargs)
-        self._init_correlated_noise(noise_correlation)
-
 
 _CLASS_CACHE: dict = {}
 
@@ -262,10 +256,6 @@ def correlated_optimizer_class(base: type) -> type:
         raise ValueError(f"correlated noise is not supported with {name} (distributed/adaptive "
                          f"clipping optimizers generate noise differently)")
     if base not in _CLASS_CACHE:
-        def __init__(self, optimizer, *, noise_correlation=None, **kwargs):
-            base.__init__(self, optimizer, **kwargs)
-            self._init_correlated_noise(noise_correlation)
-
         _CLASS_CACHE[base] = type(f"CorrelatedNoise{name}", (CorrelatedNoiseMixin, base),
-                                  {"__init__": __init__, "__module__": __name__})
+                                  {"__module__": __name__})
     return _CLASS_CACHE[base]

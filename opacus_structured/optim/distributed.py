@@ -28,9 +28,6 @@ exactly ``DistributedDPOptimizer``.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
-
-import torch
 from opacus.optimizers import DistributedDPOptimizer
 from opacus.optimizers.ddpoptimizer_fast_gradient_clipping import (
     DistributedDPOptimizerFastGradientClipping,
@@ -44,17 +41,6 @@ __all__ = ["DistributedCorrelatedNoiseDPOptimizer",
 
 class _RankZeroCorrelatedNoiseMixin(CorrelatedNoiseMixin):
     """Correlated noise added once, on rank 0, in front of an Opacus distributed optimizer."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
-                 max_grad_norm: float, expected_batch_size: Optional[float],
-                 noise_correlation: Optional[Sequence[float]] = None,
-                 loss_reduction: str = "mean", generator=None, secure_mode: bool = False,
-                 **kwargs):
-        super().__init__(optimizer, noise_multiplier=noise_multiplier,
-                         max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
-                         loss_reduction=loss_reduction, generator=generator,
-                         secure_mode=secure_mode, **kwargs)
-        self._init_correlated_noise(noise_correlation)
 
     def add_noise(self):
         """Rank 0: ``p.grad = p.summed_grad + w_i``; other ranks: ``p.grad = p.summed_grad``."""

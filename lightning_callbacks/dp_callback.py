@@ -205,6 +205,34 @@ def _float32_up(x: float) -> float:
     return float(y)
 
 
+def _optimizer_variants() -> dict:
+    """``{base: {(ghost, distributed): class}}`` for the two optimizers DPCallback maps."""
+    from opacus.optimizers import (
+        DistributedDPOptimizer,
+        DPOptimizerFastGradientClipping,
+    )
+    from opacus.optimizers.ddpoptimizer_fast_gradient_clipping import (
+        DistributedDPOptimizerFastGradientClipping,
+    )
+
+    from opacus_structured.optim import distributed as dist_opt
+    from opacus_structured.optim.correlated_noise import CorrelatedNoiseDPOptimizer
+    from opacus_structured.optim.ghost_clipping import (
+        CorrelatedNoiseDPOptimizerFastGradientClipping,
+    )
+
+    return {
+        DPOptimizer: {(False, False): DPOptimizer, (False, True): DistributedDPOptimizer,
+                      (True, False): DPOptimizerFastGradientClipping,
+                      (True, True): DistributedDPOptimizerFastGradientClipping},
+        CorrelatedNoiseDPOptimizer: {
+            (False, False): CorrelatedNoiseDPOptimizer,
+            (False, True): dist_opt.DistributedCorrelatedNoiseDPOptimizer,
+            (True, False): CorrelatedNoiseDPOptimizerFastGradientClipping,
+            (True, True): dist_opt.DistributedCorrelatedNoiseDPOptimizerFastGradientClipping},
+    }
+
+
 # ---- the callback -----------------------------------------------------------------------
 class DPCallback(pl.Callback):
     """Differentially private training of an unmodified LightningModule (see module doc).
@@ -431,23 +459,28 @@ class DPCallback(pl.Callback):
                                        rank=trainer.global_rank)
 
     def _optimizer_class_for(self, world_size: int) -> type:
+        """The optimizer class for this mode: ``(ghost, distributed)`` picks the variant of
+        DPOptimizer / CorrelatedNoiseDPOptimizer; any other class must already be it."""
+        ghost, distributed = self.grad_sample_mode == "ghost", world_size > 1
         cls = self.optimizer_class
-        if self.grad_sample_mode == "ghost":
-            return self._ghost_optimizer_class(world_size)
-        if world_size <= 1 or "Distributed" in cls.__name__:
-            return cls
-        from opacus.optimizers import DistributedDPOptimizer
-
-        from opacus_structured.optim.correlated_noise import CorrelatedNoiseDPOptimizer
-        from opacus_structured.optim.distributed import DistributedCorrelatedNoiseDPOptimizer
-
-        mapping = {DPOptimizer: DistributedDPOptimizer,
-                   CorrelatedNoiseDPOptimizer: DistributedCorrelatedNoiseDPOptimizer}
-        if cls not in mapping:
+        variants = _optimizer_variants()
+        if cls in variants:
+            cls = variants[cls][(ghost, distributed)]
+        elif distributed and "Distributed" not in cls.__name__:
             raise ValueError(f"optimizer_class={cls.__name__} adds noise on every rank; under "
                              f"DDP pass a distributed optimizer class (noise on rank 0 only), "
                              f"e.g. opacus DistributedDPOptimizer")
-        return mapping[cls]
+        if not ghost:
+            return cls
+        from opacus.optimizers import DPOptimizerFastGradientClipping
+
+        from opacus_structured.optim.bookkeeping import bookkeeping_optimizer_class
+
+        if not issubclass(cls, DPOptimizerFastGradientClipping):
+            raise ValueError(f"grad_sample_mode='ghost' needs optimizer_class DPOptimizer, "
+                             f"CorrelatedNoiseDPOptimizer or a DPOptimizerFastGradientClipping "
+                             f"subclass (a distributed one under DDP), got {cls.__name__}")
+        return bookkeeping_optimizer_class(cls)
 
     def _wrap_optimizer(self, trainer, loader: DataLoader) -> None:
         optimizers = list(trainer.optimizers)
@@ -498,38 +531,6 @@ class DPCallback(pl.Callback):
 
         opt.attach_step_hook(hook)
         self.optimizer = opt
-
-    def _ghost_optimizer_class(self, world_size: int) -> type:
-        from opacus.optimizers import DPOptimizerFastGradientClipping
-        from opacus.optimizers.ddpoptimizer_fast_gradient_clipping import (
-            DistributedDPOptimizerFastGradientClipping,
-        )
-
-        from opacus_structured.optim.bookkeeping import bookkeeping_optimizer_class
-        from opacus_structured.optim.correlated_noise import CorrelatedNoiseDPOptimizer
-        from opacus_structured.optim.distributed import (
-            DistributedCorrelatedNoiseDPOptimizerFastGradientClipping,
-        )
-        from opacus_structured.optim.ghost_clipping import (
-            CorrelatedNoiseDPOptimizerFastGradientClipping,
-        )
-
-        cls = self.optimizer_class
-        if world_size > 1:  # noise once (rank 0), then the all-reduce of the clipped sums
-            mapping = {DPOptimizer: DistributedDPOptimizerFastGradientClipping,
-                       CorrelatedNoiseDPOptimizer:
-                           DistributedCorrelatedNoiseDPOptimizerFastGradientClipping}
-        else:
-            mapping = {DPOptimizer: DPOptimizerFastGradientClipping,
-                       CorrelatedNoiseDPOptimizer: CorrelatedNoiseDPOptimizerFastGradientClipping}
-        if cls in mapping:
-            cls = mapping[cls]
-        elif not issubclass(cls, DPOptimizerFastGradientClipping) or (
-                world_size > 1 and "Distributed" not in cls.__name__):
-            raise ValueError(f"grad_sample_mode='ghost' needs optimizer_class DPOptimizer, "
-                             f"CorrelatedNoiseDPOptimizer or a DPOptimizerFastGradientClipping "
-                             f"subclass (a distributed one under DDP), got {cls.__name__}")
-        return bookkeeping_optimizer_class(cls)
 
     def _attach_grad_sampler(self, pl_module) -> None:
         if self.grad_sample_mode == "ghost":

@@ -65,6 +65,7 @@ at ``L_b − 1``, as in ``nn.LSTM``); padded steps have ``G = 0`` and contribute
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import warnings
 from typing import Optional, Tuple
@@ -177,6 +178,13 @@ class _LSTMRecurrence(torch.autograd.Function):
 RECURRENCES = ("auto", "native", "python")
 
 
+@functools.lru_cache(maxsize=16)
+def _identity_input(size: int, dtype: torch.dtype, device: torch.device):
+    """The kernel's constant ``W_ih = I`` and ``b_ih = 0`` (made once, never written to)."""
+    return (torch.eye(size, dtype=dtype, device=device),
+            torch.zeros(size, dtype=dtype, device=device))
+
+
 def _native_rnn(mode: str, xp: Tensor, states: Tuple[Tensor, ...], w_hh: Tensor,
                 b_hh: Optional[Tensor], lengths: Optional[Tensor], train: bool):
     """Torch's own one-layer ``mode`` (``"lstm"``/``"gru"``) kernel — cuDNN on CUDA — on the
@@ -187,8 +195,8 @@ def _native_rnn(mode: str, xp: Tensor, states: Tuple[Tensor, ...], w_hh: Tensor,
     ``∂L/∂xp_t`` (for the LSTM: ``G_t = ∂L/∂z_t``). ``lengths`` (CPU, ≥ 1) runs a packed sequence
     (states frozen after each length, padded outputs 0). Returns ``(hs, final_states)``.
     """
-    eye = torch.eye(xp.shape[-1], dtype=xp.dtype, device=xp.device)
-    weights = [eye, w_hh] if b_hh is None else [eye, w_hh, torch.zeros_like(b_hh), b_hh]
+    eye, zero = _identity_input(xp.shape[-1], xp.dtype, xp.device)
+    weights = [eye, w_hh] if b_hh is None else [eye, w_hh, zero, b_hh]
     kernel = torch.lstm if mode == "lstm" else torch.gru
     hx = tuple(h.unsqueeze(0) for h in states)
     if lengths is None:

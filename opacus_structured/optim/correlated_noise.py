@@ -92,11 +92,13 @@ class CorrelatedNoiseMixin:
         self._noise_buffers: list[Optional[torch.Tensor]] = [None] * len(self.params)
 
     # ---- the streaming recursion --------------------------------------------------------
-    def _on_device(self, key: str, like: torch.Tensor, make) -> torch.Tensor:
-        """``make()`` (float64, CPU) moved to ``like``'s dtype/device once per step: one
-        host-to-device copy per step and device, not one per parameter."""
+    def _on_device(self, key: str, like: torch.Tensor, make, *, per_step: bool = True
+                   ) -> torch.Tensor:
+        """``make()`` (float64, CPU) moved to ``like``'s dtype/device once per step
+        (``per_step``) or once for the run: one host-to-device copy per step and device at
+        most, not one per parameter."""
         cache = self.__dict__.setdefault("_device_cache", {})
-        k = (key, self.noise_step, like.dtype, like.device)
+        k = (key, self.noise_step if per_step else None, like.dtype, like.device)
         if k not in cache:
             if len(cache) > 16:
                 cache.clear()
@@ -128,8 +130,8 @@ class CorrelatedNoiseMixin:
     def _correlate_blt(self, idx: int, z: torch.Tensor) -> torch.Tensor:
         theta, omega, scale = self._blt
         buf = self._new_buffer(idx, z, theta.numel())
-        theta = self._on_device("theta", z, lambda: theta)
-        omega = self._on_device("omega", z, lambda: omega)
+        theta = self._on_device("theta", z, lambda: theta, per_step=False)
+        omega = self._on_device("omega", z, lambda: omega, per_step=False)
         u = z - torch.tensordot(omega, buf, dims=1)  # u = C_raw^{-1} z, buffers track u
         buf.mul_(theta.view(-1, *([1] * z.ndim))).add_(u)
         return u / scale

@@ -342,7 +342,9 @@ def test_accountant_needs_a_scheme_and_registers_with_opacus():
 
     from opacus_structured.accountants import register_scheme_accountant
 
-    assert _ACCOUNTANTS["truncated-poisson"] is TruncatedPoissonAccountant
+    # not constructible without a scheme, so not registered under its bare name (Opacus'
+    # registry builds accountants without arguments); scheme-bound names are
+    assert "truncated-poisson" not in _ACCOUNTANTS
     with pytest.raises(ValueError, match="TruncatedPoissonScheme"):
         TruncatedPoissonAccountant()
     scheme = TruncatedPoissonScheme(1000, 0.05, 70)
@@ -350,6 +352,7 @@ def test_accountant_needs_a_scheme_and_registers_with_opacus():
                                      base=TruncatedPoissonAccountant)
     acc = cls(discretization=D)
     assert isinstance(acc, TruncatedPoissonAccountant) and acc.scheme == scheme
+    assert _ACCOUNTANTS["truncated-poisson-test"] is cls
 
 
 def test_cli_epsilon_and_bad_flags(capsys):

@@ -11,14 +11,30 @@ The adapter only records steps and delegates pricing to the scheme (opacus' own 
 knows "some scheme" (callbacks, examples, user scripts) always gets the pricing that scheme
 needs, never the generic one by accident.
 
-A mismatch between the scheme and what Opacus reports (a different ``sample_rate`` because the
-DataLoader does not use the scheme's sampler, or gradient accumulation) raises at the first
-step instead of silently producing a wrong ε.
+**The batches are the scheme's, or training stops.** When Opacus' ``make_private`` (or our
+``CorrelatedNoisePrivacyEngine``, or ``DPCallback``) attaches the accountant to the optimizer,
+the accountant checks the DataLoader that ``make_private`` returns: its batch sampler must
+implement this scheme with these parameters (not only the rate) over a dataset of the loader's
+size (:func:`~opacus_structured.samplers.verification.check_data_loader`). Opacus'
+``DPDataLoader`` substituted by ``poisson_sampling=True``, a shuffled or sequential loader, a
+sampler of another scheme or dataset size all raise there, naming the fix. At every step the
+hook then checks, cheaply, that the sampler has drawn a batch for every priced step (the loader
+checked is the loader trained on) and that the rate Opacus reports matches the scheme
+(gradient accumulation multiplies it); a scheme that prices a whole planned run
+(balls-in-bins, random allocation) raises at the first step beyond that run.
+
+**No ε from an accountant that saw nothing.** An accountant that was never attached to an
+optimizer's step hook and has recorded no step — e.g. one assigned to ``engine.accountant``
+*after* ``make_private``, whose hook still feeds the old accountant — raises on
+:meth:`~SchemeAccountant.get_epsilon` instead of returning 0. Offline use (``step()`` by hand,
+Opacus' ``get_noise_multiplier`` setting ``history``) is unaffected.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+import weakref
 from typing import ClassVar, Optional
 
 from opacus.accountants.accountant import IAccountant
@@ -26,10 +42,39 @@ from opacus.accountants.registry import _ACCOUNTANTS, register_accountant
 
 from .._validation import check_open_unit, check_positive
 from ..accounting import pld as pld_lib
+from ..samplers import verification
 from ..schemes.base import Scheme
 
 __all__ = ["SchemeAccountant", "WholeRunAccountant", "register_scheme_accountant",
-           "accountant_class_for"]
+           "accountant_class_for", "AccountantNotAttachedError", "data_loader_of_make_private"]
+
+
+class AccountantNotAttachedError(RuntimeError):
+    """``get_epsilon`` on an accountant that no optimizer step hook feeds and that recorded
+    nothing: its 0 would describe no training that happened."""
+
+
+def data_loader_of_make_private(max_depth: int = 4):
+    """The DataLoader that Opacus' ``PrivacyEngine.make_private`` is about to return, when the
+    caller (up to ``max_depth`` frames up) is ``make_private``; else ``None``.
+
+    Opacus builds the accountant's step hook inside ``make_private`` right after preparing the
+    DataLoader (``data_loader = self._prepare_data_loader(...)``; ``optimizer.attach_step_hook(
+    self.accountant.get_optimizer_hook_fn(sample_rate=...))``) but passes the hook factory only
+    the rate. Reading that local is how a stock ``PrivacyEngine`` lets the accountant check the
+    sampler; ``tests/test_wiring_soundness.py`` pins the Opacus behaviour it relies on.
+    """
+    from torch.utils.data import DataLoader
+
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "make_private":
+            loader = frame.f_locals.get("data_loader")
+            return loader if isinstance(loader, DataLoader) else None
+    return None
 
 #: Scheme class -> the SchemeAccountant subclass that prices it (filled by ``scheme_class``).
 _ACCOUNTANT_FOR_SCHEME: dict[type, type] = {}
@@ -82,6 +127,86 @@ class SchemeAccountant(IAccountant):
             raise ValueError(f"{type(self).__name__} needs a scheme")
         self.discretization = check_positive("discretization", discretization)
         self._cache: dict = {}
+        self._attached = False      # an optimizer step hook feeds this accountant
+        self._draw_source = None    # weakref to the sampler whose draws are checked
+        self._draws_at_attach = 0   # its batches_drawn when attached
+        self._hooked_steps = 0      # steps recorded through the hook since attached
+        self._attach_tick = 0       # draw clock when attached (discovery without a loader)
+        self._discover = False      # find the drawing sampler at the first step
+
+    # ---- attachment to a training run ----------------------------------------------------
+    @property
+    def attached(self) -> bool:
+        """Whether an optimizer step hook (or ``DPCallback``) feeds this accountant."""
+        return self._attached
+
+    def attach(self, data_loader=None) -> None:
+        """Declare that an optimizer's steps will be recorded here, drawn from ``data_loader``.
+
+        With a loader, its batch sampler must implement :attr:`scheme` (see
+        :func:`~opacus_structured.samplers.verification.check_data_loader`; raises
+        ``ValueError`` naming the fix otherwise) and its draws are checked at every hooked step.
+        Without one, the first hooked step looks for the sampler of this scheme that drew since
+        now and raises if none did. Called by :meth:`get_optimizer_hook_fn` (with the loader of
+        Opacus' ``make_private``), ``CorrelatedNoisePrivacyEngine`` and ``DPCallback``.
+        """
+        source = None
+        if data_loader is not None:
+            source = verification.check_data_loader(self.scheme, data_loader)
+        self._attached = True
+        self._hooked_steps = 0
+        self._attach_tick = verification.draw_clock()
+        self._discover = data_loader is None
+        self._draw_source = None if source is None else weakref.ref(source)
+        self._draws_at_attach = 0 if source is None else source.batches_drawn
+
+    def get_optimizer_hook_fn(self, sample_rate: float, *, data_loader=None):
+        """Opacus' step hook, plus the DataLoader checks of :meth:`attach`.
+
+        ``data_loader`` defaults to the loader of the enclosing Opacus ``make_private`` call.
+        """
+        if data_loader is None:
+            data_loader = data_loader_of_make_private()
+        self.attach(data_loader)
+
+        def hook_fn(optim):
+            self.check_draws()
+            self.step(noise_multiplier=optim.noise_multiplier,
+                      sample_rate=sample_rate * optim.accumulated_iterations)
+            self._hooked_steps += 1
+
+        return hook_fn
+
+    def check_draws(self) -> None:
+        """Before pricing a hooked step: the scheme's sampler must have drawn a batch for it.
+
+        Raises ``RuntimeError`` when no sampler of this scheme drew since :meth:`attach` (the
+        loader trained on is not the scheme's) or fewer batches than steps were drawn (the
+        loader checked at ``make_private`` is not the loader trained on).
+        """
+        if self._discover:
+            drawn = [s for s in verification.live_samplers_drawn_since(self._attach_tick)
+                     if verification.scheme_accepts(self.scheme, getattr(s, "scheme", None))]
+            if not drawn:
+                raise RuntimeError(
+                    f"the optimizer is stepping, but no sampler of scheme {self.scheme.name!r} "
+                    f"({self.scheme!r}) drew a batch since the accountant was attached: the "
+                    f"DataLoader trained on does not use scheme.sampler(...), so the epsilon "
+                    f"would not describe this training. Build the DataLoader with "
+                    f"batch_sampler=scheme.sampler(...) (and poisson_sampling=False in "
+                    f"make_private), or pass data_loader= to get_optimizer_hook_fn")
+            self._discover = False
+            self._draw_source = weakref.ref(drawn[0])
+            self._draws_at_attach = 0  # it had not drawn for this run before attach
+        source = self._draw_source() if self._draw_source is not None else None
+        if source is None:
+            return
+        drawn = source.batches_drawn - self._draws_at_attach
+        if drawn < self._hooked_steps + 1:
+            raise RuntimeError(
+                f"step {self._hooked_steps + 1} is being priced but the scheme's sampler drew "
+                f"only {drawn} batch(es) since make_private: the training loop iterates another "
+                f"DataLoader than the one make_private returned (use the returned loader)")
 
     @classmethod
     def mechanism(cls) -> str:
@@ -97,11 +222,33 @@ class SchemeAccountant(IAccountant):
         noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
         sample_rate = check_positive("sample_rate", sample_rate)
         self.scheme.check_sample_rate(sample_rate)
+        self._check_run_length(len(self) + int(num_steps))
         if self.history and self.history[-1][:2] == (noise_multiplier, sample_rate):
             last = self.history[-1]
             self.history[-1] = (last[0], last[1], last[2] + num_steps)
         else:
             self.history.append((noise_multiplier, sample_rate, num_steps))
+
+    def _check_run_length(self, steps: int) -> None:
+        """Schemes priced as one planned run raise when training goes beyond it."""
+        if self.scheme.unit == "step":
+            return
+        try:
+            self.scheme.compositions(steps)
+        except ValueError as err:
+            raise ValueError(
+                f"step {steps} goes beyond the run that scheme {self.scheme.name!r} prices "
+                f"({err}); the epsilon would not cover it. Stop training, or plan a longer run "
+                f"(a scheme with more epochs) from the start") from None
+
+    def _require_observed(self) -> None:
+        """Refuse to report for an accountant that no step hook feeds and that saw no step."""
+        if not self._attached and not self.history:
+            raise AccountantNotAttachedError(
+                f"{type(self).__name__} has recorded no step and is not attached to an "
+                f"optimizer: its epsilon would describe no training. If you assigned "
+                f"engine.accountant after make_private, the optimizer's step hook still feeds "
+                f"the previous accountant: assign it before make_private")
 
     def __len__(self) -> int:
         return sum(int(n) for _, _, n in self.history)
@@ -143,7 +290,11 @@ class SchemeAccountant(IAccountant):
 
     def get_epsilon(self, delta: float, *, discretization: Optional[float] = None,
                     **kwargs) -> float:
-        """ε(δ) for all steps recorded so far (``kwargs`` from Opacus are ignored)."""
+        """ε(δ) for all steps recorded so far (``kwargs`` from Opacus are ignored).
+
+        Raises :class:`AccountantNotAttachedError` if the accountant saw nothing (see module).
+        """
+        self._require_observed()
         delta = check_open_unit("delta", delta)
         d = self.discretization if discretization is None else check_positive(
             "discretization", discretization)
@@ -151,6 +302,7 @@ class SchemeAccountant(IAccountant):
 
     def get_delta(self, epsilon: float, *, discretization: Optional[float] = None) -> float:
         """δ(ε) for all steps recorded so far."""
+        self._require_observed()
         if math.isnan(epsilon):
             raise ValueError("epsilon must not be NaN")
         d = self.discretization if discretization is None else discretization
@@ -222,9 +374,11 @@ class WholeRunAccountant(SchemeAccountant):
 
     def get_epsilon(self, delta: float, *, discretization: Optional[float] = None,
                     **kwargs) -> float:
+        self._require_observed()
         return self._priced("epsilon", check_open_unit("delta", delta), discretization)
 
     def get_delta(self, epsilon: float, *, discretization: Optional[float] = None) -> float:
+        self._require_observed()
         if math.isnan(epsilon):
             raise ValueError("epsilon must not be NaN")
         return self._priced("delta", float(epsilon), discretization)

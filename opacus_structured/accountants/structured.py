@@ -1,4 +1,4 @@
-"""Opacus accountant for structured subsampling of time series (``"structured"``).
+"""Opacus accountant for structured subsampling of time series (mechanism ``"structured"``).
 
 Prices the steps Opacus reports with :class:`~opacus_structured.schemes.structured.StructuredScheme`
 (Theorems 4.2/4.4/E.8 tight, E.1/F.1/F.2/G.1 upper, 4.3/F.7/F.8 lower bounds of Schuchardt et
@@ -10,11 +10,11 @@ Construction: the scheme is read from the sampler, so they cannot disagree::
     sampler = scheme.sampler(series_lengths, generator=g)
     accountant = StructuredSubsamplingAccountant.from_sampler(sampler)
 
-Opacus' registry (``PrivacyEngine(accountant="structured")``, ``make_private_with_epsilon``)
+Opacus' registry (``PrivacyEngine(accountant=name)``, ``make_private_with_epsilon``)
 constructs accountants *without arguments*; a structured accountant cannot exist without its
-scheme, so the bare ``"structured"`` name raises a ``ValueError`` at construction that explains
-the fix: register a configured accountant with :meth:`StructuredSubsamplingAccountant.register`
-(``register("my-run", sampler)`` then ``PrivacyEngine(accountant="my-run")``).
+scheme, so the bare ``"structured"`` name is not registered. Register a configured accountant
+with :meth:`StructuredSubsamplingAccountant.register` (``register("my-run", sampler)`` then
+``PrivacyEngine(accountant="my-run")``).
 """
 
 from __future__ import annotations

@@ -20,12 +20,13 @@ from .._validation import check_int
 from ._generator import fresh_seed as _fresh_seed  # noqa: F401
 from ._generator import resolve_generator
 from ._resumable import check_matching_params
+from .verification import DrawLedger
 
 __all__ = ["MFBatchSampler"]
 
 
 
-class MFBatchSampler(Sampler[list[int]]):
+class MFBatchSampler(DrawLedger, Sampler[list[int]]):
     """Base class: subclasses implement :meth:`_draw` (one batch at ``self.step``) and list
     their tensor state in ``_state_tensors`` and their constructor parameters in ``_params``."""
 
@@ -49,6 +50,7 @@ class MFBatchSampler(Sampler[list[int]]):
         while True:
             batch = self._draw()
             self.step += 1
+            self._count_draw()
             yield batch
             if self.step % self.steps == 0:
                 return

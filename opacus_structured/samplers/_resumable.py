@@ -13,6 +13,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from .._validation import check_int
+from .verification import DrawLedger
 
 __all__ = ["EpochResumableSampler", "check_matching_params"]
 
@@ -28,7 +29,7 @@ def check_matching_params(state_dict: dict[str, Any], sampler, keys: Iterable[st
                              f"parameters")
 
 
-class EpochResumableSampler:
+class EpochResumableSampler(DrawLedger):
     """Mixin: ``__iter__`` calls :meth:`_resume` once and :meth:`_advance` after each draw.
 
     Subclasses set ``generator``, ``steps`` (draws per epoch), ``epoch`` and
@@ -53,6 +54,7 @@ class EpochResumableSampler:
 
     def _advance(self) -> None:
         """Count one draw; at the end of the epoch bump ``epoch``."""
+        self._count_draw()
         self._position += 1
         if self._position == self.steps:
             self.epoch += 1

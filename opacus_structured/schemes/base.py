@@ -145,6 +145,13 @@ class Scheme(abc.ABC):
                 f"this scheme's sampler (or uses gradient accumulation); pass "
                 f"scheme.sampler(...) as the DataLoader's batch_sampler")
 
+    def implemented_by(self, sampler_scheme) -> bool:
+        """Whether batches drawn by a sampler implementing ``sampler_scheme`` (its ``scheme``
+        attribute) are what this scheme prices. Default: the same scheme with the same
+        parameters; schemes that take a parameter from Opacus' hook (a rate-less
+        ``PoissonScheme``) or whose samplers carry a parameter record override it."""
+        return sampler_scheme == self
+
     def epsilon(self, noise_multiplier: float, steps: int, delta: float, *,
                 discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
                 sample_rate: float | None = None) -> float:

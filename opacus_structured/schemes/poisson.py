@@ -56,6 +56,14 @@ class PoissonScheme(Scheme):
     def expected_sample_rate(self):
         return self.sample_rate
 
+    def implemented_by(self, sampler_scheme) -> bool:
+        """Any Poisson sampler when the rate comes from Opacus' hook (``sample_rate=None``:
+        the hook reports ``1/len(loader)``, checked against nothing else); otherwise a Poisson
+        sampler at this rate."""
+        if self.sample_rate is None:
+            return isinstance(sampler_scheme, PoissonScheme)
+        return sampler_scheme == self
+
     def pld(self, noise_multiplier, *, sample_rate=None,
             discretization=pld_lib.DEFAULT_DISCRETIZATION):
         self.check_sample_rate(sample_rate)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from opacus_structured.optim import strategies as st
-from opacus_structured.optim.strategies import BufferedToeplitz, blt_strategy
+from opacus_structured.accounting import strategies as st
+from opacus_structured.accounting.strategies import BufferedToeplitz, blt_strategy
 
 
 def test_coefficients_and_loss_match_dense_computation():

@@ -9,7 +9,7 @@ from opacus.optimizers import DPOptimizer, DPPerLayerOptimizer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from opacus_structured.optim import strategies as st
+from opacus_structured.accounting import strategies as st
 from opacus_structured.optim.correlated_noise import (CorrelatedNoiseDPOptimizer,
                                                       correlated_optimizer_class)
 from opacus_structured.optim.privacy_engine import CorrelatedNoisePrivacyEngine

@@ -446,7 +446,7 @@ def test_cli_epsilon(capsys):
 
 # ---- BLT (dense C and C^-1) ------------------------------------------------------------------
 def test_blt_scheme_is_upper_bound_vs_bruteforce_and_monte_carlo():
-    from opacus_structured.optim.strategies import blt_strategy
+    from opacus_structured.accounting.strategies import blt_strategy
     from opacus_structured.schemes.random_allocation_mf import RandomAllocationMFScheme
 
     # tiny case: the τ-truncated DP on a dense BLT C is >= the exact Rényi sum (brute force)

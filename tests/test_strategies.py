@@ -1,4 +1,4 @@
-"""Strategy matrices (opacus_structured.optim.strategies).
+"""Strategy matrices (opacus_structured.accounting.strategies).
 
 Oracles: dense-matrix MSE computed from the definition (1/n)‖A C^{-1}‖_F² · max col norm²,
 finite-difference gradients, and an independent derivative-free optimiser (Nelder-Mead).
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import optimize
 
-from opacus_structured.optim import strategies as st
+from opacus_structured.accounting import strategies as st
 
 
 def test_module_has_no_torch_import():

@@ -241,7 +241,7 @@ def _loader(kind: str, scheme_kind: str, seed: int):
 def _collate(items):
     if not items:
         return torch.zeros(0, 3), torch.zeros(0, dtype=torch.long)
-    return tuple(torch.stack(t) for t in zip(*items))
+    return tuple(torch.stack(t) for t in zip(*items, strict=True))
 
 
 @settings(max_examples=24, deadline=None, derandomize=True,

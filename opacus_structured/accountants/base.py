@@ -43,6 +43,7 @@ from opacus.accountants.registry import _ACCOUNTANTS, register_accountant
 from .._validation import check_open_unit, check_positive
 from ..accounting import pld as pld_lib
 from ..samplers import verification
+from ..schemes import registry
 from ..schemes.base import Scheme
 
 __all__ = ["SchemeAccountant", "WholeRunAccountant", "register_scheme_accountant",
@@ -76,17 +77,11 @@ def data_loader_of_make_private(max_depth: int = 4):
             return loader if isinstance(loader, DataLoader) else None
     return None
 
-#: Scheme class -> the SchemeAccountant subclass that prices it (filled by ``scheme_class``).
-_ACCOUNTANT_FOR_SCHEME: dict[type, type] = {}
-
-
 def accountant_class_for(scheme: Scheme) -> type:
     """The :class:`SchemeAccountant` subclass registered for ``type(scheme)`` (or a base class
-    of it); :class:`SchemeAccountant` itself when none is."""
-    for klass in type(scheme).__mro__:
-        if klass in _ACCOUNTANT_FOR_SCHEME:
-            return _ACCOUNTANT_FOR_SCHEME[klass]
-    return SchemeAccountant
+    of it) in :mod:`opacus_structured.schemes.registry`; :class:`SchemeAccountant` itself when
+    none is."""
+    return registry.accountant_class_for(scheme) or SchemeAccountant
 
 
 class SchemeAccountant(IAccountant):
@@ -111,7 +106,7 @@ class SchemeAccountant(IAccountant):
         super().__init_subclass__(**kwargs)
         scheme_class = cls.__dict__.get("scheme_class")
         if scheme_class is not None:
-            _ACCOUNTANT_FOR_SCHEME[scheme_class] = cls
+            registry.register_accountant(scheme_class, cls)
 
     def __new__(cls, scheme: Optional[Scheme] = None, *args, **kwargs):
         if cls is SchemeAccountant and scheme is not None:

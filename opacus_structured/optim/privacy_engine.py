@@ -32,6 +32,7 @@ from opacus import PrivacyEngine
 from opacus.optimizers import get_optimizer_class
 from opacus.optimizers.optimizer import DPOptimizer
 
+from ..accountants.base import SchemeAccountant
 from ..schemes.base import noise_bands
 from .correlated_noise import correlated_optimizer_class
 
@@ -52,10 +53,7 @@ class CorrelatedNoisePrivacyEngine(PrivacyEngine):
     def __init__(self, *, accountant: str = "prv", secure_mode: bool = False, scheme=None):
         super().__init__(accountant=accountant, secure_mode=secure_mode)
         if scheme is not None:
-            from ..accountants.base import SchemeAccountant
-
-            make = getattr(scheme, "accountant", None)
-            self.accountant = make() if callable(make) else SchemeAccountant(scheme)
+            self.accountant = SchemeAccountant(scheme)
 
     def make_private(self, *args, **kwargs):
         """Opacus' ``make_private``; in ghost mode the returned criterion also refuses a

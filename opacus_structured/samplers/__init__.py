@@ -1,9 +1,13 @@
 """samplers subpackage (see docs/architecture.md): one torch batch sampler per scheme.
 
 Import a sampler from its module (``opacus_structured.samplers.poisson`` …); the distributed
-wrapper is re-exported here because it applies to all of them.
+wrapper is re-exported here because it applies to all of them. Every module is imported, so
+each registers its sampler for its scheme (``scheme.sampler(...)`` finds it).
 """
 
+from .._discovery import import_submodules
 from .distributed import DistributedBatchSampler, distributed_data_loader
+
+import_submodules(__name__)
 
 __all__ = ["DistributedBatchSampler", "distributed_data_loader"]

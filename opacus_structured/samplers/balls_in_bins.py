@@ -23,7 +23,12 @@ from typing import Optional
 import torch
 
 from .._validation import check_int
+from ..schemes.balls_in_bins import BallsInBinsScheme
+from ..schemes.base import Scheme
+from ..schemes.random_allocation_mf import RandomAllocationMFScheme
+from ..schemes.registry import register_sampler
 from ._mf_base import MFBatchSampler
+from .verification import adopt_scheme
 
 __all__ = ["BallsInBinsBatchSampler"]
 
@@ -35,12 +40,13 @@ class BallsInBinsBatchSampler(MFBatchSampler):
     _state_tensors = ("bins",)
 
     def __init__(self, num_samples: int, num_bins: int, *, epochs: int = 1,
-                 generator: Optional[torch.Generator] = None, seed: Optional[int] = None):
-        from ..schemes.balls_in_bins import BallsInBinsScheme
-
+                 generator: Optional[torch.Generator] = None, seed: Optional[int] = None,
+                 scheme: Optional[Scheme] = None):
         self.num_bins = check_int("num_bins", num_bins, minimum=1)
         self.epochs = check_int("epochs", epochs, minimum=1)
-        self.scheme = BallsInBinsScheme(num_bins=self.num_bins, epochs=self.epochs)
+        self.scheme = adopt_scheme(scheme, BallsInBinsScheme(num_bins=self.num_bins,
+                                                             epochs=self.epochs),
+                                   "BallsInBinsBatchSampler")
         super().__init__(num_samples, steps=self.num_bins, generator=generator, seed=seed)
         self.bins = torch.randint(0, self.num_bins, (self.num_samples,), generator=self.generator)
 
@@ -49,3 +55,14 @@ class BallsInBinsBatchSampler(MFBatchSampler):
             raise RuntimeError(f"balls-in-bins sampler planned for {self.epochs} epochs is "
                                f"exhausted; its accountant does not cover more epochs")
         return (self.bins == self.step % self.num_bins).nonzero().reshape(-1).tolist()
+
+
+@register_sampler(BallsInBinsScheme, RandomAllocationMFScheme)
+def balls_in_bins_sampler(scheme, num_samples: int, *, generator=None,
+                          seed=None) -> BallsInBinsBatchSampler:
+    """``scheme.sampler(num_samples, ...)`` for balls-in-bins and random-allocation MF schemes
+    (the same batches; the sampler carries ``scheme``)."""
+    bins = (scheme.num_bins if isinstance(scheme, BallsInBinsScheme)
+            else scheme.batches_per_epoch)
+    return BallsInBinsBatchSampler(num_samples, bins, epochs=scheme.epochs, generator=generator,
+                                   seed=seed, scheme=scheme)

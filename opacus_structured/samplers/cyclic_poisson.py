@@ -24,7 +24,9 @@ import torch
 
 from .._validation import check_int, check_positive
 from ..schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme, default_steps_per_epoch
+from ..schemes.registry import register_sampler
 from ._mf_base import MFBatchSampler
+from .verification import adopt_scheme
 
 __all__ = ["CyclicPoissonBatchSampler"]
 
@@ -37,9 +39,12 @@ class CyclicPoissonBatchSampler(MFBatchSampler):
 
     def __init__(self, num_samples: int, batch_size: float, cycle_length: int, *,
                  partition: str = "equal", steps: Optional[int] = None,
-                 generator: Optional[torch.Generator] = None, seed: Optional[int] = None):
-        self.scheme = BandMFCyclicPoissonScheme(dataset_size=num_samples, batch_size=batch_size,
-                                                bands=cycle_length, partition=partition)
+                 generator: Optional[torch.Generator] = None, seed: Optional[int] = None,
+                 scheme: Optional[BandMFCyclicPoissonScheme] = None):
+        self.scheme = adopt_scheme(
+            scheme, BandMFCyclicPoissonScheme(dataset_size=num_samples, batch_size=batch_size,
+                                              bands=cycle_length, partition=partition),
+            "CyclicPoissonBatchSampler")
         self.batch_size = check_positive("batch_size", batch_size)
         self.cycle_length = check_int("cycle_length", cycle_length, minimum=1)
         self.partition = partition
@@ -60,3 +65,12 @@ class CyclicPoissonBatchSampler(MFBatchSampler):
         members = (self.groups == self.step % self.cycle_length).nonzero().reshape(-1)
         keep = self._bernoulli(members.numel(), self.sample_rate)
         return members[keep].tolist()
+
+
+@register_sampler(BandMFCyclicPoissonScheme)
+def cyclic_poisson_sampler(scheme: BandMFCyclicPoissonScheme, *, generator=None, seed=None,
+                           steps: Optional[int] = None) -> CyclicPoissonBatchSampler:
+    """``scheme.sampler(...)``: cyclic Poisson over the scheme's ``bands`` groups."""
+    return CyclicPoissonBatchSampler(scheme.dataset_size, scheme.batch_size, scheme.bands,
+                                     partition=scheme.partition, steps=steps,
+                                     generator=generator, seed=seed, scheme=scheme)

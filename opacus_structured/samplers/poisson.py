@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from .._validation import check_int, check_probability
 from ..schemes.poisson import PoissonScheme
+from ..schemes.registry import register_sampler
 from ._generator import fresh_seed as _fresh_seed  # noqa: F401
 from ._generator import resolve_generator
 from ._resumable import EpochResumableSampler
@@ -73,6 +74,15 @@ class PoissonBatchSampler(EpochResumableSampler, Sampler[list[int]]):
         self._position = 0        # batches drawn in the current epoch
         self._pending: Optional[dict] = None  # loaded state not yet resumed from
 
+    @classmethod
+    def from_scheme(cls, scheme: PoissonScheme, num_samples: int, *,
+                    steps: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                    seed: Optional[int] = None) -> "PoissonBatchSampler":
+        """``PoissonScheme(q).sampler(num_samples, ...)``: this sampler at the scheme's rate."""
+        if scheme.sample_rate is None:
+            raise ValueError("PoissonScheme.sampler needs sample_rate to be set")
+        return cls(num_samples, scheme.sample_rate, steps=steps, generator=generator, seed=seed)
+
     @property
     def expected_batch_size(self) -> float:
         """E[batch size] = n q (the denominator Opacus' mean reduction uses is ``int(n q)``)."""
@@ -105,6 +115,9 @@ class PoissonBatchSampler(EpochResumableSampler, Sampler[list[int]]):
     def __repr__(self) -> str:
         return (f"PoissonBatchSampler(num_samples={self.num_samples}, "
                 f"sample_rate={self.sample_rate}, steps={self.steps})")
+
+
+register_sampler(PoissonScheme)(PoissonBatchSampler.from_scheme)
 
 
 def poisson_data_loader(dataset, sample_rate: float, *, steps: Optional[int] = None,

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from ..schemes.registry import register_sampler
 from ..schemes.structured import StructuredScheme
 from ._generator import fresh_seed as _fresh_seed  # noqa: F401
 from ._generator import resolve_generator
@@ -188,3 +189,13 @@ class StructuredWindowSampler(EpochResumableSampler, Sampler[list]):
                 f"bottom_level={s.bottom_level!r}, instances_per_series="
                 f"{s.instances_per_series}, batch_size={s.batch_size}, steps={self.steps})")
 
+
+@register_sampler(StructuredScheme)
+def structured_window_sampler(scheme: StructuredScheme,
+                              series_lengths: Optional[Sequence[int]] = None, *,
+                              generator=None, **kwargs) -> StructuredWindowSampler:
+    """``scheme.sampler(series_lengths, ...)``: windows over series of the given lengths
+    (default: all ``num_series`` of length ``series_length``)."""
+    if series_lengths is None:
+        series_lengths = [scheme.series_length] * scheme.num_series
+    return StructuredWindowSampler(scheme, series_lengths, generator=generator, **kwargs)

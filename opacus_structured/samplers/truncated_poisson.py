@@ -33,10 +33,13 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ..accounting.truncated_poisson import expected_batch_size
+from ..schemes.registry import register_sampler
 from ..schemes.truncated_poisson import TruncatedPoissonScheme
 from ._generator import fresh_seed as _fresh_seed  # noqa: F401
 from ._generator import resolve_generator
 from ._resumable import EpochResumableSampler
+from .verification import adopt_scheme
 
 __all__ = ["TruncatedPoissonSampler", "PaddedDataset", "masked_loss",
            "truncated_poisson_data_loader"]
@@ -61,11 +64,11 @@ class TruncatedPoissonSampler(EpochResumableSampler, Sampler[list[int]]):
 
     def __init__(self, num_samples: int, sample_rate: float, max_batch_size: int, *,
                  steps: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                 seed: Optional[int] = None, pad: bool = True):
-        scheme = TruncatedPoissonScheme(dataset_size=num_samples, sample_rate=sample_rate,
-                                        max_batch_size=max_batch_size,
-                                        epoch_steps=steps)
-        self.scheme = scheme
+                 seed: Optional[int] = None, pad: bool = True,
+                 scheme: Optional[TruncatedPoissonScheme] = None):
+        own = TruncatedPoissonScheme(dataset_size=num_samples, sample_rate=sample_rate,
+                                     max_batch_size=max_batch_size, epoch_steps=steps)
+        self.scheme = scheme = adopt_scheme(scheme, own, "TruncatedPoissonSampler")
         self.num_samples = scheme.dataset_size
         self.sample_rate = scheme.sample_rate
         self.max_batch_size = scheme.max_batch_size
@@ -84,7 +87,6 @@ class TruncatedPoissonSampler(EpochResumableSampler, Sampler[list[int]]):
     @property
     def expected_batch_size(self) -> float:
         """E[number of real rows] = E[min(Bin(n, p), B)]."""
-        from ..accounting.truncated_poisson import expected_batch_size
         return expected_batch_size(self.num_samples, self.sample_rate, self.max_batch_size)
 
     def __len__(self) -> int:
@@ -124,6 +126,16 @@ class TruncatedPoissonSampler(EpochResumableSampler, Sampler[list[int]]):
         return (f"TruncatedPoissonSampler(num_samples={self.num_samples}, "
                 f"sample_rate={self.sample_rate}, max_batch_size={self.max_batch_size}, "
                 f"steps={self.steps}, pad={self.pad})")
+
+
+@register_sampler(TruncatedPoissonScheme)
+def truncated_poisson_sampler(scheme: TruncatedPoissonScheme, *, generator=None, seed=None,
+                              pad: bool = True) -> TruncatedPoissonSampler:
+    """``scheme.sampler(...)``: exactly this scheme's batches (``len`` =
+    ``scheme.steps_per_epoch()``); the sampler carries ``scheme`` (relation, analysis)."""
+    return TruncatedPoissonSampler(scheme.dataset_size, scheme.sample_rate, scheme.max_batch_size,
+                                   steps=scheme.steps_per_epoch(), generator=generator, seed=seed,
+                                   pad=pad, scheme=scheme)
 
 
 def _zeros_like(item):

@@ -35,7 +35,7 @@ from ..schemes.base import Scheme
 from ..schemes.poisson import PoissonScheme
 
 __all__ = ["DrawLedger", "scheme_of_batch_sampler", "innermost_sampler", "check_data_loader",
-           "describe_loader", "live_samplers_drawn_since", "draw_clock"]
+           "describe_loader", "live_samplers_drawn_since", "draw_clock", "adopt_scheme"]
 
 _CLOCK = itertools.count(1)
 _LAST_TICK = 0
@@ -64,6 +64,21 @@ class DrawLedger:
         self.batches_drawn = self.batches_drawn + 1
         self.last_draw_tick = _LAST_TICK = next(_CLOCK)
         _DRAWN.add(self)
+
+
+def adopt_scheme(given: Optional[Scheme], own: Scheme, owner: str) -> Scheme:
+    """The scheme a sampler carries: ``given`` if it draws the batches ``own`` (the scheme the
+    sampler's parameters describe) draws — same :meth:`~Scheme.batch_distribution` — else
+    ``ValueError``; ``own`` when ``given`` is ``None``. This is how one sampler carries a
+    scheme with pricing-only fields (a relation, an analysis, a noise strategy)."""
+    if given is None:
+        return own
+    if not isinstance(given, Scheme):
+        raise ValueError(f"scheme must be a Scheme, got {type(given).__name__}")
+    if given.batch_distribution() != own.batch_distribution():
+        raise ValueError(f"{owner} with these parameters draws the batches of {own!r}, not "
+                         f"those of {given!r}; build it with scheme.sampler(...)")
+    return given
 
 
 def live_samplers_drawn_since(tick: int) -> list:

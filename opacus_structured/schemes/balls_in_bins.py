@@ -28,6 +28,7 @@ from .._validation import check_int
 from ..accounting import bandmf as bandmf_lib
 from ..accounting import pld as pld_lib
 from .base import Scheme, register_scheme
+from .random_allocation_mf import RandomAllocationMFScheme
 
 __all__ = ["BallsInBinsScheme"]
 
@@ -66,12 +67,6 @@ class BallsInBinsScheme(Scheme):
                              f"{steps}")
         return 1 if steps else 0
 
-    def accountant(self, **kwargs):
-        """The Opacus accountant pricing this scheme."""
-        from ..accountants.bandmf import BallsInBinsAccountant
-
-        return BallsInBinsAccountant(self, **kwargs)
-
     def expected_sample_rate(self) -> float:
         return 1.0 / self.num_bins
 
@@ -83,8 +78,6 @@ class BallsInBinsScheme(Scheme):
 
     def renyi_scheme(self):
         """The same run as ``random-allocation-mf`` with ``C = I`` (Rényi accountant)."""
-        from .random_allocation_mf import RandomAllocationMFScheme
-
         return RandomAllocationMFScheme(strategy="identity", epochs=self.epochs,
                                         batches_per_epoch=self.num_bins, method="renyi")
 
@@ -108,11 +101,9 @@ class BallsInBinsScheme(Scheme):
         return min(d, self.renyi_scheme().delta(noise_multiplier, steps, epsilon,
                                                 discretization=discretization))
 
-    def sampler(self, num_samples: int, *, generator=None, seed=None):
-        from ..samplers.balls_in_bins import BallsInBinsBatchSampler
-
-        return BallsInBinsBatchSampler(num_samples, self.num_bins, epochs=self.epochs,
-                                       generator=generator, seed=seed)
+    def batch_distribution(self) -> tuple:
+        """Balls-in-bins with ``num_bins`` bins reused for ``epochs`` epochs."""
+        return ("balls-in-bins", self.num_bins, self.epochs)
 
     @classmethod
     def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:

@@ -21,9 +21,12 @@ import argparse
 import dataclasses
 from typing import ClassVar
 
+import numpy as np
+
 from .._validation import check_int, check_positive
 from ..accounting import bandmf as bandmf_lib
 from ..accounting import pld as pld_lib
+from ..accounting.strategies import strategy_coefficients, validate_coefficients
 from .base import Scheme, register_scheme
 
 __all__ = ["BandMFCyclicPoissonScheme", "BANDED_STRATEGIES", "default_steps_per_epoch"]
@@ -102,10 +105,6 @@ class BandMFCyclicPoissonScheme(Scheme):
         """The cyclic-Poisson reduction holds for any non-negative banded Toeplitz ``c`` with at
         most ``bands`` bands and ``‖c‖₂ ≤ 1`` (each participation has sensitivity ≤ 1 and
         participations are ``bands`` steps apart); raise otherwise."""
-        import numpy as np
-
-        from ..optim.strategies import validate_coefficients
-
         if hasattr(coefficients, "buf_decay"):
             raise ValueError("a BLT strategy has a dense C; the cyclic-Poisson BandMF reduction "
                              "needs at most `bands` bands (price BLT with random-allocation-mf)")
@@ -117,12 +116,6 @@ class BandMFCyclicPoissonScheme(Scheme):
             raise ValueError(f"the optimizer's noise_correlation has norm "
                              f"{float(np.linalg.norm(c)):.6g} > 1: the scheme assumes unit "
                              f"sensitivity (use scheme.noise_correlation(steps))")
-
-    def accountant(self, **kwargs):
-        """The Opacus accountant pricing this scheme."""
-        from ..accountants.bandmf import BandMFCyclicPoissonAccountant
-
-        return BandMFCyclicPoissonAccountant(self, **kwargs)
 
     def expected_sample_rate(self) -> float:
         """``1/len(sampler)`` that Opacus' hook reports with :meth:`sampler` as batch sampler."""
@@ -137,8 +130,6 @@ class BandMFCyclicPoissonScheme(Scheme):
 
     def noise_correlation(self, steps: int):
         """Coefficients ``c`` for :class:`CorrelatedNoiseDPOptimizer` over ``steps`` steps."""
-        from ..optim.strategies import strategy_coefficients
-
         return strategy_coefficients(self.strategy, check_int("steps", steps, minimum=self.bands),
                                      self.bands)
 
@@ -149,14 +140,9 @@ class BandMFCyclicPoissonScheme(Scheme):
                              f"the train dataset has {num_examples} examples")
         return self.sampler(generator=generator)
 
-    def sampler(self, *, generator=None, seed=None, steps=None):
-        from ..samplers.cyclic_poisson import CyclicPoissonBatchSampler
-
-        s = CyclicPoissonBatchSampler(self.dataset_size, self.batch_size, self.bands,
-                                      partition=self.partition, steps=steps,
-                                      generator=generator, seed=seed)
-        s.scheme = self
-        return s
+    def batch_distribution(self) -> tuple:
+        """Cyclic Poisson over ``bands`` groups (the strategy only changes the pricing)."""
+        return ("cyclic-poisson", self.dataset_size, self.batch_size, self.bands, self.partition)
 
     @classmethod
     def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import argparse
 import dataclasses
+import enum
 import math
 from typing import Any, ClassVar
 
@@ -24,36 +25,29 @@ from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 
 from .._validation import check_int, check_positive
 from ..accounting import pld as pld_lib
+from .registry import SCHEMES, get_scheme_class, register_scheme, sampler_factory_for
 
 __all__ = ["Scheme", "SCHEMES", "register_scheme", "get_scheme_class", "BoundKind"]
 
-SCHEMES: dict[str, type["Scheme"]] = {}
 
+class BoundKind(str, enum.Enum):
+    """What a computed ε is: a guarantee, or only a lower bound / an estimate (labelled).
 
-class BoundKind:
-    """What a computed ε is: a guarantee, or only a lower bound / estimate (labelled)."""
+    A ``str`` enum: ``BoundKind.TIGHT == "tight"``, and JSON / f-strings show the value.
+    """
 
-    UPPER = "upper"  # a sound guarantee (tight or not)
-    TIGHT = "tight"  # a sound guarantee that is also attained by some mechanism
-    LOWER = "lower"  # an optimistic lower bound: never a guarantee
+    TIGHT = "tight"              # a guarantee that some mechanism attains
+    UPPER = "upper"              # a guarantee (an upper bound on the true ε)
+    LOWER = "lower"              # an optimistic lower bound: never a guarantee
+    MONTE_CARLO = "monte-carlo"  # a Monte Carlo estimate: a guarantee only once certified
 
+    __str__ = str.__str__
+    __format__ = str.__format__
 
-def register_scheme(cls: type["Scheme"]) -> type["Scheme"]:
-    """Class decorator adding a scheme to :data:`SCHEMES` under ``cls.name``."""
-    if not getattr(cls, "name", None):
-        raise TypeError(f"{cls.__name__} must define a class attribute `name`")
-    if cls.name in SCHEMES and SCHEMES[cls.name] is not cls:
-        raise ValueError(f"scheme name {cls.name!r} is already registered by "
-                         f"{SCHEMES[cls.name].__name__}")
-    SCHEMES[cls.name] = cls
-    return cls
-
-
-def get_scheme_class(name: str) -> type["Scheme"]:
-    try:
-        return SCHEMES[name]
-    except KeyError:
-        raise ValueError(f"unknown scheme {name!r}; known schemes: {sorted(SCHEMES)}") from None
+    @property
+    def is_guarantee(self) -> bool:
+        """True for the kinds that bound ε from above with certainty (tight, upper)."""
+        return self in (BoundKind.TIGHT, BoundKind.UPPER)
 
 
 def noise_bands(coefficients) -> float:
@@ -106,7 +100,7 @@ class Scheme(abc.ABC):
         """
 
     @property
-    def bound(self) -> str:
+    def bound(self) -> BoundKind:
         """:class:`BoundKind` of the ε this scheme's :meth:`pld` yields."""
         return BoundKind.UPPER
 
@@ -174,16 +168,28 @@ class Scheme(abc.ABC):
         return pld_lib.delta_for_epsilon(pld_lib.self_compose(step, n) if step else None,
                                          epsilon)
 
+    def batch_distribution(self) -> tuple:
+        """What determines the batches this scheme draws (and nothing about how they are
+        priced): two schemes with equal ``batch_distribution()`` are drawn by the same sampler.
+        Default: every field. Schemes with pricing-only fields (a neighbouring relation, an
+        analysis, a noise strategy) override it, so one sampler can carry any of them."""
+        return (self.name, *dataclasses.astuple(self))
+
     # ---- sampler -------------------------------------------------------------------------
     def sampler(self, *args, generator=None, **kwargs):
-        """The torch batch sampler implementing exactly this scheme.
+        """The torch batch sampler implementing exactly this scheme (registered by its sampler
+        module with :func:`~opacus_structured.schemes.registry.register_sampler`; the
+        arguments are that factory's, e.g. the dataset size).
 
         Samplers follow one protocol: ``__iter__`` yields lists of dataset indices (or, for
         structured schemes, ``(series, start)`` pairs), ``__len__`` is the number of steps per
-        epoch, a ``scheme`` attribute holds the scheme they implement, and
-        ``state_dict()`` / ``load_state_dict()`` make a resumed run continue exactly.
+        epoch, a ``scheme`` attribute holds this scheme, and ``state_dict()`` /
+        ``load_state_dict()`` make a resumed run continue exactly.
         """
-        raise NotImplementedError(f"scheme {self.name!r} has no sampler")
+        factory = sampler_factory_for(self)
+        if factory is None:
+            raise NotImplementedError(f"scheme {self.name!r} has no sampler")
+        return factory(self, *args, generator=generator, **kwargs)
 
     def sampler_for_dataset(self, num_examples: int, *, generator=None):
         """This scheme's sampler for a map-style dataset of ``num_examples`` examples (what

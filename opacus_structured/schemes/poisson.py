@@ -75,15 +75,6 @@ class PoissonScheme(Scheme):
         return pld_lib.pld_from_profile(PairProfile(pair), PairProfile(pair.reversed()),
                                         discretization=discretization)
 
-    def sampler(self, num_samples, *, steps=None, generator=None, seed=None):
-        """The :class:`~opacus_structured.samplers.poisson.PoissonBatchSampler` of this scheme."""
-        if self.sample_rate is None:
-            raise ValueError("PoissonScheme.sampler needs sample_rate to be set")
-        from ..samplers.poisson import PoissonBatchSampler
-
-        return PoissonBatchSampler(num_samples, self.sample_rate, steps=steps,
-                                   generator=generator, seed=seed)
-
     @classmethod
     def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--sample-rate", type=float, required=True, metavar="q",

@@ -33,6 +33,8 @@ from .._validation import check_int, check_open_unit, check_positive
 from ..accounting import conditional_composition as cc_lib
 from ..accounting import pld as pld_lib
 from ..accounting import random_allocation_mf as ra_lib
+from ..accounting import strategies as st
+from ..accounting.strategies import toeplitz_matrix
 from .base import Scheme, register_scheme
 
 __all__ = ["RandomAllocationMFScheme", "strategy_matrix", "STRATEGY_CHOICES", "METHODS"]
@@ -44,8 +46,6 @@ _CC_BAD_EVENT_GRID = (0.5, 0.1, 0.9)  # fractions of a target δ tried by delta(
 
 @functools.lru_cache(maxsize=16)
 def _strategy_cached(strategy: str, n: int, bands: int) -> np.ndarray:
-    from ..optim import strategies as st
-
     if strategy == "identity":
         return np.eye(n)
     names = {"bandmf": "optimal-banded", "bandinvmf": "banded-inverse", "bsr": "banded-sqrt",
@@ -154,8 +154,6 @@ class RandomAllocationMFScheme(Scheme):
         """The optimizer must stream exactly this scheme's ``C``: a banded Toeplitz strategy
         whose first column equals ``coefficients`` (dense-``C`` strategies cannot be streamed
         by the banded optimizer); raise otherwise."""
-        from ..optim.strategies import toeplitz_matrix
-
         C = self.strategy_matrix()
         n = C.shape[0]
         if hasattr(coefficients, "buf_decay"):  # BufferedToeplitz: its first n coefficients
@@ -227,13 +225,10 @@ class RandomAllocationMFScheme(Scheme):
         return float(out)
 
     # ---- sampler / CLI -------------------------------------------------------------------
-    def sampler(self, num_samples: int, *, generator=None, seed=None):
-        from ..samplers.balls_in_bins import BallsInBinsBatchSampler
-
-        s = BallsInBinsBatchSampler(num_samples, self.batches_per_epoch, epochs=self.epochs,
-                                    generator=generator, seed=seed)
-        s.scheme = self
-        return s
+    def batch_distribution(self) -> tuple:
+        """Balls-in-bins with ``batches_per_epoch`` bins reused for ``epochs`` epochs (the
+        strategy and method only change the pricing)."""
+        return ("balls-in-bins", self.batches_per_epoch, self.epochs)
 
     @classmethod
     def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:

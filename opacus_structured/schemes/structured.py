@@ -188,15 +188,6 @@ class StructuredScheme(st.StructuredSetting, Scheme):
                          f"scheme.sampler(series_lengths, ...) over a WindowDataset and pass it "
                          f"explicitly")
 
-    def sampler(self, series_lengths: Sequence[int] | None = None, *, generator=None, **kwargs):
-        """The :class:`~opacus_structured.samplers.structured.StructuredWindowSampler` of this
-        scheme over series of the given lengths (default: all of length ``series_length``)."""
-        from ..samplers.structured import StructuredWindowSampler
-
-        if series_lengths is None:
-            series_lengths = [self.series_length] * self.num_series
-        return StructuredWindowSampler(self, series_lengths, generator=generator, **kwargs)
-
     # ---- CLI -----------------------------------------------------------------------------
     @classmethod
     def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:

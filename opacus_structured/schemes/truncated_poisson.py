@@ -174,16 +174,11 @@ class TruncatedPoissonScheme(Scheme):
                          f"dataset with truncated_poisson_data_loader(...) (PaddedDataset + "
                          f"masked_loss) and pass its batch_sampler explicitly")
 
-    def sampler(self, *, generator=None, seed=None, pad: bool = True):
-        """The :class:`~opacus_structured.samplers.truncated_poisson.TruncatedPoissonSampler`
-        drawing exactly this scheme's batches (``len`` = :meth:`steps_per_epoch`)."""
-        from ..samplers.truncated_poisson import TruncatedPoissonSampler
-
-        sampler = TruncatedPoissonSampler(self.dataset_size, self.sample_rate,
-                                          self.max_batch_size, steps=self.steps_per_epoch(),
-                                          generator=generator, seed=seed, pad=pad)
-        sampler.scheme = self  # keep this scheme's relation and analysis
-        return sampler
+    def batch_distribution(self) -> tuple:
+        """Poisson at rate p truncated to ``max_batch_size``, ``steps_per_epoch()`` batches per
+        epoch (the relation and the analysis only change the pricing)."""
+        return ("truncated-poisson", self.dataset_size, self.sample_rate, self.max_batch_size,
+                self.steps_per_epoch())
 
     # ---- command line --------------------------------------------------------------------------
     @classmethod

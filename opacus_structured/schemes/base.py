@@ -17,7 +17,6 @@ from __future__ import annotations
 import abc
 import argparse
 import dataclasses
-import enum
 import math
 from typing import Any, ClassVar
 
@@ -25,29 +24,10 @@ from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 
 from .._validation import check_int, check_positive
 from ..accounting import pld as pld_lib
+from ..accounting.bounds import BoundKind
 from .registry import SCHEMES, get_scheme_class, register_scheme, sampler_factory_for
 
 __all__ = ["Scheme", "SCHEMES", "register_scheme", "get_scheme_class", "BoundKind"]
-
-
-class BoundKind(str, enum.Enum):
-    """What a computed ε is: a guarantee, or only a lower bound / an estimate (labelled).
-
-    A ``str`` enum: ``BoundKind.TIGHT == "tight"``, and JSON / f-strings show the value.
-    """
-
-    TIGHT = "tight"              # a guarantee that some mechanism attains
-    UPPER = "upper"              # a guarantee (an upper bound on the true ε)
-    LOWER = "lower"              # an optimistic lower bound: never a guarantee
-    MONTE_CARLO = "monte-carlo"  # a Monte Carlo estimate: a guarantee only once certified
-
-    __str__ = str.__str__
-    __format__ = str.__format__
-
-    @property
-    def is_guarantee(self) -> bool:
-        """True for the kinds that bound ε from above with certainty (tight, upper)."""
-        return self in (BoundKind.TIGHT, BoundKind.UPPER)
 
 
 def noise_bands(coefficients) -> float:

@@ -77,7 +77,8 @@ class StructuredScheme(st.StructuredSetting, Scheme):
                "Thm 4.2/4.4/E.8 tight, E.1/F.1/F.2/G.1 upper, 4.3/F.7/F.8 lower)")
 
     # The fields are those of :class:`~opacus_structured.accounting.structured.StructuredSetting`
-    # (inherited: one list of parameters; ``bound`` shadows ``Scheme.bound`` with a field).
+    # (inherited: one list of parameters). The ``bound`` field is the user's choice of
+    # analysis and satisfies the ``Scheme.bound`` contract: it is stored as a BoundKind.
 
     def __post_init__(self):
         ints = {
@@ -99,6 +100,7 @@ class StructuredScheme(st.StructuredSetting, Scheme):
                              ("relation", st.RELATIONS), ("bound", st.BOUNDS)):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key} must be one of {allowed}, got {getattr(self, key)!r}")
+        object.__setattr__(self, "bound", BoundKind(self.bound))
         st.start_positions(self.series_length, self.forecast_length)  # L >= L_F
         self.setting().rho()  # floor(Λ/λ) <= N
         if (self.num_series * self.instances_per_series) // self.batch_size < 1:
@@ -133,12 +135,6 @@ class StructuredScheme(st.StructuredSetting, Scheme):
     def unit(self) -> str:  # type: ignore[override]
         """``"step"`` for WOR top level, ``"epoch"`` for deterministic/shuffle."""
         return "step" if self.top_level == "wor" else "epoch"
-
-    @property
-    def bound_kind(self) -> str:
-        """:class:`BoundKind` of the ε this scheme yields (same as :attr:`bound`)."""
-        return {"tight": BoundKind.TIGHT, "upper": BoundKind.UPPER,
-                "lower": BoundKind.LOWER}[self.bound]
 
     @property
     def theorem(self) -> str:

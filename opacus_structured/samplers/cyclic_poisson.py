@@ -26,7 +26,7 @@ from .._validation import check_int, check_positive
 from ..schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme, default_steps_per_epoch
 from ..schemes.registry import register_sampler
 from ._mf_base import MFBatchSampler
-from .verification import adopt_scheme
+from .verification import adopt_scheme, check_dataset_size
 
 __all__ = ["CyclicPoissonBatchSampler"]
 
@@ -68,9 +68,12 @@ class CyclicPoissonBatchSampler(MFBatchSampler):
 
 
 @register_sampler(BandMFCyclicPoissonScheme)
-def cyclic_poisson_sampler(scheme: BandMFCyclicPoissonScheme, *, generator=None, seed=None,
+def cyclic_poisson_sampler(scheme: BandMFCyclicPoissonScheme, num_samples: Optional[int] = None,
+                           *, generator=None, seed=None,
                            steps: Optional[int] = None) -> CyclicPoissonBatchSampler:
-    """``scheme.sampler(...)``: cyclic Poisson over the scheme's ``bands`` groups."""
+    """``scheme.sampler([num_samples], ...)``: cyclic Poisson over the scheme's ``bands`` groups
+    (``num_samples``, if given, must be the scheme's ``dataset_size``)."""
+    check_dataset_size(num_samples, scheme.dataset_size, scheme.name)
     return CyclicPoissonBatchSampler(scheme.dataset_size, scheme.batch_size, scheme.bands,
                                      partition=scheme.partition, steps=steps,
                                      generator=generator, seed=seed, scheme=scheme)

@@ -39,7 +39,7 @@ from ..schemes.truncated_poisson import TruncatedPoissonScheme
 from ._generator import fresh_seed as _fresh_seed  # noqa: F401
 from ._generator import resolve_generator
 from ._resumable import EpochResumableSampler
-from .verification import adopt_scheme
+from .verification import adopt_scheme, check_dataset_size
 
 __all__ = ["TruncatedPoissonSampler", "PaddedDataset", "masked_loss",
            "truncated_poisson_data_loader"]
@@ -129,10 +129,13 @@ class TruncatedPoissonSampler(EpochResumableSampler, Sampler[list[int]]):
 
 
 @register_sampler(TruncatedPoissonScheme)
-def truncated_poisson_sampler(scheme: TruncatedPoissonScheme, *, generator=None, seed=None,
+def truncated_poisson_sampler(scheme: TruncatedPoissonScheme, num_samples: Optional[int] = None,
+                              *, generator=None, seed=None,
                               pad: bool = True) -> TruncatedPoissonSampler:
-    """``scheme.sampler(...)``: exactly this scheme's batches (``len`` =
-    ``scheme.steps_per_epoch()``); the sampler carries ``scheme`` (relation, analysis)."""
+    """``scheme.sampler([num_samples], ...)``: exactly this scheme's batches (``len`` =
+    ``scheme.steps_per_epoch()``); the sampler carries ``scheme`` (relation, analysis).
+    ``num_samples``, if given, must be the scheme's ``dataset_size``."""
+    check_dataset_size(num_samples, scheme.dataset_size, scheme.name)
     return TruncatedPoissonSampler(scheme.dataset_size, scheme.sample_rate, scheme.max_batch_size,
                                    steps=scheme.steps_per_epoch(), generator=generator, seed=seed,
                                    pad=pad, scheme=scheme)

@@ -81,6 +81,13 @@ def adopt_scheme(given: Optional[Scheme], own: Scheme, owner: str) -> Scheme:
     return given
 
 
+def check_dataset_size(num_samples: Optional[int], dataset_size: int, scheme_name: str) -> None:
+    """For schemes that fix the dataset size: ``num_samples`` (if given) must equal it."""
+    if num_samples is not None and int(num_samples) != dataset_size:
+        raise ValueError(f"scheme {scheme_name!r} is for dataset_size={dataset_size} but the "
+                         f"dataset has {num_samples} examples")
+
+
 def live_samplers_drawn_since(tick: int) -> list:
     """Samplers (still alive) whose last draw came after ``tick``, most recent first."""
     found = [s for s in list(_DRAWN) if s.last_draw_tick > tick]

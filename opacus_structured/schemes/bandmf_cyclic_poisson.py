@@ -133,13 +133,6 @@ class BandMFCyclicPoissonScheme(Scheme):
         return strategy_coefficients(self.strategy, check_int("steps", steps, minimum=self.bands),
                                      self.bands)
 
-    def sampler_for_dataset(self, num_examples: int, *, generator=None):
-        """:meth:`sampler`, after checking ``num_examples == dataset_size``."""
-        if int(num_examples) != self.dataset_size:
-            raise ValueError(f"scheme {self.name!r} is for dataset_size={self.dataset_size} but "
-                             f"the train dataset has {num_examples} examples")
-        return self.sampler(generator=generator)
-
     def batch_distribution(self) -> tuple:
         """Cyclic Poisson over ``bands`` groups (the strategy only changes the pricing)."""
         return ("cyclic-poisson", self.dataset_size, self.batch_size, self.bands, self.partition)

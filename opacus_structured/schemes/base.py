@@ -156,10 +156,16 @@ class Scheme(abc.ABC):
         return (self.name, *dataclasses.astuple(self))
 
     # ---- sampler -------------------------------------------------------------------------
-    def sampler(self, *args, generator=None, **kwargs):
+    def sampler(self, data=None, *, generator=None, seed=None, **options):
         """The torch batch sampler implementing exactly this scheme (registered by its sampler
-        module with :func:`~opacus_structured.schemes.registry.register_sampler`; the
-        arguments are that factory's, e.g. the dataset size).
+        module with :func:`~opacus_structured.schemes.registry.register_sampler`).
+
+        One signature for every scheme: ``data`` is what the DataLoader's dataset holds — the
+        number of examples, or for time-series windows the series lengths. Schemes that fix it
+        (``dataset_size`` of truncated Poisson and cyclic Poisson, ``num_series ×
+        series_length`` of structured windows) take it as optional and check it when given.
+        ``generator`` (a dedicated ``torch.Generator``) or ``seed`` seed the draws; without
+        either, OS entropy does. ``options`` are scheme-specific (``steps``, ``pad``).
 
         Samplers follow one protocol: ``__iter__`` yields lists of dataset indices (or, for
         structured schemes, ``(series, start)`` pairs), ``__len__`` is the number of steps per
@@ -169,7 +175,8 @@ class Scheme(abc.ABC):
         factory = sampler_factory_for(self)
         if factory is None:
             raise NotImplementedError(f"scheme {self.name!r} has no sampler")
-        return factory(self, *args, generator=generator, **kwargs)
+        args = () if data is None else (data,)
+        return factory(self, *args, generator=generator, seed=seed, **options)
 
     def sampler_for_dataset(self, num_examples: int, *, generator=None):
         """This scheme's sampler for a map-style dataset of ``num_examples`` examples (what

@@ -36,6 +36,7 @@ from ..schemes.registry import register_sampler
 from ._generator import fresh_seed as _fresh_seed  # noqa: F401
 from ._generator import resolve_generator
 from ._resumable import EpochResumableSampler
+from .verification import adopt_scheme
 
 __all__ = ["PoissonBatchSampler", "poisson_data_loader", "default_steps"]
 
@@ -63,13 +64,15 @@ class PoissonBatchSampler(EpochResumableSampler, Sampler[list[int]]):
     """
 
     def __init__(self, num_samples: int, sample_rate: float, *, steps: Optional[int] = None,
-                 generator: Optional[torch.Generator] = None, seed: Optional[int] = None):
+                 generator: Optional[torch.Generator] = None, seed: Optional[int] = None,
+                 scheme: Optional[PoissonScheme] = None):
         self.num_samples = check_int("num_samples", num_samples, minimum=1)
         self.sample_rate = check_probability("sample_rate", sample_rate)
         self.steps = default_steps(self.sample_rate) if steps is None else check_int(
             "steps", steps, minimum=1)
         self.generator = resolve_generator(generator, seed, "PoissonBatchSampler")
-        self.scheme = PoissonScheme(sample_rate=self.sample_rate)
+        self.scheme = adopt_scheme(scheme, PoissonScheme(sample_rate=self.sample_rate),
+                                   "PoissonBatchSampler")
         self.epoch = 0            # completed epochs
         self._position = 0        # batches drawn in the current epoch
         self._pending: Optional[dict] = None  # loaded state not yet resumed from
@@ -81,7 +84,8 @@ class PoissonBatchSampler(EpochResumableSampler, Sampler[list[int]]):
         """``PoissonScheme(q).sampler(num_samples, ...)``: this sampler at the scheme's rate."""
         if scheme.sample_rate is None:
             raise ValueError("PoissonScheme.sampler needs sample_rate to be set")
-        return cls(num_samples, scheme.sample_rate, steps=steps, generator=generator, seed=seed)
+        return cls(num_samples, scheme.sample_rate, steps=steps, generator=generator, seed=seed,
+                   scheme=scheme)
 
     @property
     def expected_batch_size(self) -> float:

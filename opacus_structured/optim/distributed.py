@@ -28,6 +28,7 @@ exactly ``DistributedDPOptimizer``.
 
 from __future__ import annotations
 
+import opacus.optimizers as opacus_optimizers
 from opacus.optimizers import DistributedDPOptimizer
 from opacus.optimizers.ddpoptimizer_fast_gradient_clipping import (
     DistributedDPOptimizerFastGradientClipping,
@@ -36,7 +37,8 @@ from opacus.optimizers.ddpoptimizer_fast_gradient_clipping import (
 from .correlated_noise import CorrelatedNoiseMixin
 
 __all__ = ["DistributedCorrelatedNoiseDPOptimizer",
-           "DistributedCorrelatedNoiseDPOptimizerFastGradientClipping"]
+           "DistributedCorrelatedNoiseDPOptimizerFastGradientClipping",
+           "adds_noise_once_across_ranks"]
 
 
 class _RankZeroCorrelatedNoiseMixin(CorrelatedNoiseMixin):
@@ -66,3 +68,20 @@ class DistributedCorrelatedNoiseDPOptimizerFastGradientClipping(
         _RankZeroCorrelatedNoiseMixin, DistributedDPOptimizerFastGradientClipping):
     """The same over Opacus' ``DistributedDPOptimizerFastGradientClipping`` (ghost clipping /
     book-keeping: the clipped sum is already in ``p.grad``)."""
+
+
+def _opacus_distributed_bases() -> tuple[type, ...]:
+    names = ("DistributedDPOptimizer", "DistributedPerLayerOptimizer",
+             "SimpleDistributedPerLayerOptimizer", "DistributedDPOptimizerFastGradientClipping")
+    found = tuple(getattr(opacus_optimizers, n) for n in names if hasattr(opacus_optimizers, n))
+    return found + (DistributedDPOptimizerFastGradientClipping,)
+
+
+def adds_noise_once_across_ranks(optimizer) -> bool:
+    """Whether ``optimizer`` (an instance or a class) is safe under DDP: it adds the Gaussian
+    noise once for the global batch (rank 0) and all-reduces, as Opacus' distributed optimizers
+    and ours do. A single-process ``DPOptimizer`` under DDP would add ``world_size`` noise
+    copies to the sum while the accountant prices one. Decided by the class hierarchy, not
+    by the class name."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    return issubclass(cls, _opacus_distributed_bases())

@@ -674,7 +674,7 @@ def _small_scheme(**kw):
     from opacus_structured.schemes.bminsep_mc import BMinSepMonteCarloScheme
 
     args = dict(bands=2, dataset_size=320, batch_size=10, samples=3000, warm_start=True,
-                strategy="max-error", workers=1)
+                strategy="max-error", workers=1, seed=0)
     args.update(kw)
     return BMinSepMonteCarloScheme(**args)
 
@@ -718,7 +718,7 @@ def test_cli_epsilon_and_command(capsys):
     from opacus_structured.cli import main
 
     flags = ["--bands", "2", "--dataset-size", "320", "--batch-size", "10", "--samples", "2000",
-             "--warm-start", "--strategy", "max-error", "--workers", "1"]
+             "--warm-start", "--strategy", "max-error", "--workers", "1", "--seed", "0"]
     assert main(["epsilon", "bminsep-mc", *flags, "--noise-multiplier", "1.0", "--steps", "32",
                  "--delta", "1e-2"]) == 0
     out = capsys.readouterr().out
@@ -730,7 +730,7 @@ def test_cli_epsilon_and_command(capsys):
     assert main(["bminsep-mc", "estimate", *flags, "--noise-multiplier", "1.0", "--steps", "32",
                  "--delta", "2"]) == 2  # bad delta: clean error, exit 2
     cert = ["--bands", "1", "--dataset-size", "160", "--batch-size", "10", "--strategy",
-            "max-error", "--workers", "1"]
+            "max-error", "--workers", "1", "--seed", "0"]
     assert main(["bminsep-mc", "certify", *cert, "--steps", "16", "--delta", "0.05",
                  "--target-epsilon", "2", "--sigma-min", "1.2", "--json"]) == 0
     rec = json.loads(capsys.readouterr().out)
@@ -743,7 +743,7 @@ def test_cli_epsilon_and_command(capsys):
 # ---------------------------------------------------------------------------------------------
 def _multi_scheme(**kw):
     args = dict(bands=2, dataset_size=400, batch_size=8, samples=4000, max_user_examples=2,
-                sampling_probability=0.05, strategy="max-error", workers=1)
+                sampling_probability=0.05, strategy="max-error", workers=1, seed=0)
     args.update(kw)
     from opacus_structured.schemes.bminsep_mc import BMinSepMonteCarloScheme
 
@@ -830,8 +830,8 @@ def test_cli_multi_attribution(capsys):
     from opacus_structured.cli import main
 
     flags = ["--bands", "2", "--dataset-size", "400", "--batch-size", "8", "--samples", "2000",
-             "--strategy", "max-error", "--workers", "1", "--max-user-examples", "2",
-             "--sampling-prob", "0.05"]
+             "--strategy", "max-error", "--workers", "1", "--seed", "0",
+             "--max-user-examples", "2", "--sampling-prob", "0.05"]
     run = ["--noise-multiplier", "1.0", "--steps", "16", "--delta", "1e-2"]
     assert main(["bminsep-mc", "estimate", *flags, *run, "--json"]) == 0
     rec = json.loads(capsys.readouterr().out)

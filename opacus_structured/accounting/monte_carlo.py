@@ -29,6 +29,15 @@ of direction ``d`` always draws from ``SeedSequence(seed, spawn_key=(d, k))``), 
 process pool, saves each to ``<dir>/<direction>-<k>.npz`` and resumes from what is there. The
 merged samples are the concatenation in shard order, so a run split over processes or machines
 and merged is bit-identical to one run; estimates use ``math.fsum`` (order independent).
+
+**Seeds.** Every random check draws a fresh seed from OS entropy unless one is given
+(``seed=None``, the default) and records the seed it used (:attr:`MonteCarloSamples.seed`,
+:attr:`CertifiedCalibration.seed`, a shard directory's ``meta.json``) so that an auditor can
+recompute it; a Monte Carlo seed is not a privacy secret. What voids the stated confidence is
+*choosing* among seeds: re-running a check that failed (or an estimate that came out too high)
+with another seed and keeping the better result is multiple testing, and the "probability
+≥ 1 − q" no longer holds. Decide the configuration first, run each check once; a resumed run
+(same ``directory``) reuses the recorded seed.
 """
 
 from __future__ import annotations
@@ -46,10 +55,12 @@ from scipy import optimize
 
 from .._validation import check_int, check_nonnegative, check_open_unit, check_positive
 from .bminsep_mc import DIRECTIONS, BandMFMonteCarlo, sample_privacy_losses
+from .bounds import BoundKind
 from .calibration import smallest_passing_int
 
 __all__ = [
     "MONTE_CARLO",
+    "fresh_monte_carlo_seed",
     "kl_bernoulli",
     "hoeffding_failure_probability",
     "overall_delta",
@@ -71,8 +82,8 @@ __all__ = [
     "certify_noise_multiplier",
 ]
 
-#: The bound kind of every Monte Carlo result (see :class:`~opacus_structured.schemes.BoundKind`).
-MONTE_CARLO = "monte-carlo"
+#: The bound kind of every Monte Carlo result.
+MONTE_CARLO = BoundKind.MONTE_CARLO
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,13 +247,21 @@ def delta_upper_confidence(delta_hat: float, num_samples: int, failure_probabili
     return float(min(1.0, root * (1 + 1e-9)))
 
 
+def fresh_monte_carlo_seed() -> int:
+    """A 63-bit seed from the OS entropy pool: the default of every Monte Carlo check (a fixed
+    default seed would invite re-running a failed check with "another" seed)."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
 @dataclasses.dataclass
 class MonteCarloSamples:
     """Privacy-loss samples per direction (``"remove"``: ln P/Q under P; ``"add"``: ln Q/P
-    under Q). Merge with ``+`` (concatenation: exact)."""
+    under Q). Merge with ``+`` (concatenation: exact). ``seed`` is the run seed they were drawn
+    with (:func:`collect_privacy_losses`; ``None`` for merged or hand-made samples)."""
 
     remove: np.ndarray
     add: np.ndarray
+    seed: Optional[int] = None
 
     def __post_init__(self):
         self.remove = _as_losses(self.remove)
@@ -386,7 +405,27 @@ def _fingerprint(mech_dict: dict, seed: int, shard_size: int, device: Optional[s
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def collect_privacy_losses(mechanism: BandMFMonteCarlo, num_samples: int, *, seed: int = 0,
+def _recorded_seed(directory: Optional[str], mech_dict: dict, shard_size: int,
+                   device: Optional[str]) -> Optional[int]:
+    """The seed in ``directory``'s ``meta.json`` if it records this same run (mechanism, shard
+    size, backend), so that ``seed=None`` resumes it; else ``None``."""
+    if directory is None:
+        return None
+    meta_path = os.path.join(directory, "meta.json")
+    if not os.path.exists(meta_path):
+        return None
+    with open(meta_path) as fh:
+        meta = json.load(fh)
+    seed = meta.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        return None
+    if meta.get("fingerprint") != _fingerprint(mech_dict, seed, shard_size, device):
+        return None  # another run: the fingerprint check below refuses the directory
+    return seed
+
+
+def collect_privacy_losses(mechanism: BandMFMonteCarlo, num_samples: int, *,
+                           seed: Optional[int] = None,
                            shard_size: int = 16384, shards: Optional[Sequence[int]] = None,
                            workers: Optional[int] = None, directory: Optional[str] = None,
                            progress: bool = False, device: Optional[str] = None
@@ -398,7 +437,10 @@ def collect_privacy_losses(mechanism: BandMFMonteCarlo, num_samples: int, *, see
         num_samples: samples per direction.
         seed: run seed; shard ``k`` of direction ``d`` uses ``SeedSequence(seed, (d, k))``, so
             the samples do not depend on ``workers``, on resuming, or on which machine ran a
-            shard (merge shard directories by copying the files).
+            shard (merge shard directories by copying the files). ``None`` (default): the seed
+            recorded in ``directory`` when resuming the same run there, else fresh OS
+            entropy; the seed used is returned as ``samples.seed`` and saved in
+            ``meta.json``. Pass one explicitly to split a run over machines.
         shard_size: samples per shard (the last one may be smaller).
         shards: compute only these shard indices (both directions) into ``directory`` and
             return ``None`` — to split a run over machines; a later call without ``shards``
@@ -420,6 +462,11 @@ def collect_privacy_losses(mechanism: BandMFMonteCarlo, num_samples: int, *, see
     workers = (os.cpu_count() or 1) if workers is None else check_int("workers", workers,
                                                                       minimum=1)
     mech_dict = mechanism.to_dict()
+    if seed is None:
+        seed = _recorded_seed(directory, mech_dict, shard_size, device)
+    if seed is None:
+        seed = fresh_monte_carlo_seed()
+    seed = check_int("seed", seed, minimum=0)
     fp = _fingerprint(mech_dict, seed, shard_size, device)
     if directory is not None:
         os.makedirs(directory, exist_ok=True)
@@ -481,7 +528,7 @@ def collect_privacy_losses(mechanism: BandMFMonteCarlo, num_samples: int, *, see
     if shards is not None:
         return None
     per_dir = {d: np.concatenate([results[(d, k)] for k in range(n_shards)]) for d in directions}
-    return MonteCarloSamples(per_dir["remove"], per_dir["add"])
+    return MonteCarloSamples(per_dir["remove"], per_dir["add"], seed=seed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -586,7 +633,9 @@ class CertifiedCalibration:
     ``noise_multiplier``" is ``(epsilon, overall_delta)``-DP with ``overall_delta ≤
     target_delta`` — a certified guarantee of the randomised procedure (not of the chosen σ in
     isolation) under the theorem's assumptions: candidates ordered by privacy, independent
-    verifications, and a fallback with a closed-form guarantee.
+    verifications, and a fallback with a closed-form guarantee. ``seed`` is the run seed of the
+    verifications (recorded for audit); the statement is void if this run was chosen among
+    several with different seeds (multiple testing).
     """
 
     noise_multiplier: float
@@ -600,6 +649,7 @@ class CertifiedCalibration:
     candidates: tuple
     verified: tuple  # (sigma, passed, delta_remove, delta_add) for each verified candidate
     kind: str = "algorithm-5"
+    seed: Optional[int] = None  # the run seed the verifications drew from (for audit)
 
     @property
     def statement(self) -> str:
@@ -609,7 +659,8 @@ class CertifiedCalibration:
                 f"(epsilon={self.epsilon:g}, delta={self.overall_delta:.4g})-DP with "
                 f"noise_multiplier={self.noise_multiplier:.6g} ({how}; base delta "
                 f"{self.base_delta:.4g}, {self.num_samples} fresh samples per direction and "
-                f"candidate)")
+                f"candidate" + ("" if self.seed is None else f", Monte Carlo seed {self.seed}")
+                + ")")
 
 
 def verify_candidate(mechanism: BandMFMonteCarlo, epsilon: float, base_delta_: float,
@@ -624,11 +675,38 @@ def verify_candidate(mechanism: BandMFMonteCarlo, epsilon: float, base_delta_: f
     return (dr <= base_delta_ and da <= base_delta_), dr, da
 
 
+def _certification_seed(directory: Optional[str], seed: Optional[int]) -> int:
+    """The run seed of a certification: ``seed``, else the one recorded in ``directory``
+    (resume), else fresh entropy; recorded in ``<directory>/certify.json``. A directory that
+    recorded another seed is refused (a second certification with a new seed is multiple
+    testing)."""
+    if seed is not None:
+        seed = check_int("seed", seed, minimum=0)
+    recorded = None
+    path = None if directory is None else os.path.join(directory, "certify.json")
+    if path is not None and os.path.exists(path):
+        with open(path) as fh:
+            recorded = json.load(fh).get("seed")
+    if recorded is not None and seed is not None and seed != recorded:
+        raise ValueError(
+            f"directory {directory!r} holds a certification with seed {recorded}, not {seed}: "
+            f"re-running Algorithm 5 with another seed and keeping the better outcome voids its "
+            f"guarantee (multiple testing); resume with seed={recorded} (or seed=None)")
+    seed = seed if seed is not None else recorded if recorded is not None else \
+        fresh_monte_carlo_seed()
+    if path is not None and recorded is None:
+        os.makedirs(directory, exist_ok=True)
+        with open(path, "w") as fh:
+            json.dump({"seed": int(seed)}, fh)
+    return int(seed)
+
+
 def certify_noise_multiplier(mechanism: BandMFMonteCarlo, epsilon: float, target_delta: float, *,
                              sigma_min: float, sigma_max: Optional[float] = None,
                              ratio: float = 1.01, num_samples: Optional[int] = None,
                              base_delta_: Optional[float] = None,
-                             fallback: Optional[Fallback] = None, seed: int = 0,
+                             fallback: Optional[Fallback] = None,
+                             seed: Optional[int] = None,
                              workers: int = 1, shard_size: int = 16384,
                              device: Optional[str] = None, directory: Optional[str] = None,
                              progress: Optional[Callable[[float, bool], None]] = None
@@ -648,6 +726,11 @@ def certify_noise_multiplier(mechanism: BandMFMonteCarlo, epsilon: float, target
         base_delta_: ``δ′``; default ``δ_t/2`` (the paper's recipe), or :func:`base_delta`
             ``(s, δ_t)`` when ``num_samples`` is given.
         fallback: ``M_k``; default :func:`unamplified_fallback` at ``(ε, δ′)``.
+        seed: run seed of the verifications; ``None`` (default): the seed recorded in
+            ``directory`` when resuming there, else fresh OS entropy. Returned as
+            ``result.seed``. Run the certification **once**: re-running after a failed check
+            with another seed and keeping the better outcome is multiple testing and voids
+            Theorem A.1's guarantee. A directory refuses a different seed for the same reason.
     """
     eps = check_positive("epsilon", epsilon)
     dt = check_open_unit("target_delta", target_delta)
@@ -666,6 +749,7 @@ def certify_noise_multiplier(mechanism: BandMFMonteCarlo, epsilon: float, target
         raise ValueError(f"the fallback must be ({eps:g}, delta)-DP with delta <= base_delta="
                          f"{dp:.4g} (Theorem A.1 (b)); got ({fb.epsilon:g}, {fb.delta:g})")
     hi = fb.noise_multiplier if sigma_max is None else check_positive("sigma_max", sigma_max)
+    seed = _certification_seed(directory, seed)
     grid = sigma_grid(sigma_min, hi, ratio)
     grid = grid[grid < hi] if sigma_max is None else grid
     verified = []
@@ -686,4 +770,4 @@ def certify_noise_multiplier(mechanism: BandMFMonteCarlo, epsilon: float, target
     return CertifiedCalibration(
         noise_multiplier=float(chosen), fallback_used=used_fallback, fallback=fb, epsilon=eps,
         target_delta=dt, base_delta=dp, overall_delta=od, num_samples=s,
-        candidates=tuple(float(g) for g in grid), verified=tuple(verified))
+        candidates=tuple(float(g) for g in grid), verified=tuple(verified), seed=seed)

@@ -10,6 +10,12 @@ b-min-sep with explicit labels.
   (``--samples`` applies to ``estimate`` only).
 
 (The generic ``epsilon bminsep-mc`` prints the same labelled upper estimate.)
+
+Seeds: without ``--seed`` every run draws a fresh seed from OS entropy (``--directory`` resumes
+with the seed recorded there) and reports the seed it used (``seed`` in ``--json``, and in the
+text). A Monte Carlo seed is no secret, but choosing one is: re-running a failed ``certify`` or a
+disappointing ``estimate`` with another seed and keeping the better result is multiple testing
+and voids the stated confidence.
 """
 
 from __future__ import annotations
@@ -54,14 +60,17 @@ def _run(args) -> int:
     scheme = BMinSepMonteCarloScheme.from_cli_args(args)
     if args.action == "estimate":
         mech = scheme.mechanism(args.noise_multiplier, args.steps)
-        samples = collect_privacy_losses(mech, scheme.samples, seed=scheme.seed,
+        # --seed, else the seed recorded in --directory (resume), else fresh entropy
+        samples = collect_privacy_losses(mech, scheme.samples, seed=args.seed,
                                          workers=scheme.workers, device=scheme.device,
                                          directory=args.directory, shard_size=args.shard_size,
                                          progress=args.progress)
         est = samples.estimate(args.delta, scheme.failure_probability)
         record = {**est.to_dict(), "noise_multiplier": args.noise_multiplier,
-                  "steps": args.steps, "bound": "monte-carlo", "parameters": scheme.describe()}
-        print(json.dumps(record, sort_keys=True) if args.json else est.statement)
+                  "steps": args.steps, "bound": "monte-carlo", "seed": samples.seed,
+                  "parameters": {**scheme.describe(), "seed": samples.seed}}
+        print(json.dumps(record, sort_keys=True) if args.json
+              else f"{est.statement} [Monte Carlo seed {samples.seed}]")
         return 0
     mech = scheme.mechanism(1.0, args.steps)
     dp = args.delta / 2
@@ -76,7 +85,7 @@ def _run(args) -> int:
               "fallback": res.fallback.description, "epsilon": res.epsilon,
               "overall_delta": res.overall_delta, "base_delta": res.base_delta,
               "num_samples": res.num_samples, "verified": res.verified,
-              "bound": res.kind, "statement": res.statement}
+              "bound": res.kind, "seed": res.seed, "statement": res.statement}
     print(json.dumps(record, sort_keys=True) if args.json else res.statement)
     return 0
 

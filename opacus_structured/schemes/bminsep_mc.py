@@ -48,6 +48,7 @@ from ..accounting.monte_carlo import (
     MonteCarloSamples,
     certify_noise_multiplier,
     collect_privacy_losses,
+    fresh_monte_carlo_seed,
 )
 from .base import Scheme, register_scheme
 
@@ -98,7 +99,12 @@ class BMinSepMonteCarloScheme(Scheme):
             ``max_user_examples > 1`` and not allowed otherwise (then ``p`` follows from
             ``batch_size``, see :attr:`sampling_prob`).
         strategy: see :data:`STRATEGY_CHOICES`; ``C`` is pure Toeplitz with ``‖c‖ = 1``.
-        seed: Monte Carlo seed. failure_probability: ``q`` of the upper estimate.
+        seed: Monte Carlo seed; ``None`` (default) draws a fresh one from OS entropy at
+            construction, stored in the scheme (``describe()``, ``to_dict()``, the
+            accountant's ``state_dict``) for audit and so that the scheme prices consistently.
+            Do not rebuild the scheme with new seeds until an estimate or a certification
+            looks good: picking among seeds voids the confidence (multiple testing).
+        failure_probability: ``q`` of the upper estimate.
         workers: processes (``None``: all cores). device: ``None`` (numpy) or a torch device.
     """
 
@@ -115,7 +121,7 @@ class BMinSepMonteCarloScheme(Scheme):
     max_user_examples: int = 1
     sampling_probability: Optional[float] = None
     strategy: str = "optimal-banded"
-    seed: int = 0
+    seed: Optional[int] = None
     failure_probability: float = 1e-3
     workers: Optional[int] = None
     device: Optional[str] = None
@@ -156,6 +162,8 @@ class BMinSepMonteCarloScheme(Scheme):
         if self.strategy not in STRATEGY_CHOICES:
             raise ValueError(f"strategy must be one of {STRATEGY_CHOICES}, got {self.strategy!r}")
         check_open_unit("failure_probability", self.failure_probability)
+        set_("seed", fresh_monte_carlo_seed() if self.seed is None
+             else check_int("seed", self.seed, minimum=0))
         if self.workers is not None:
             set_("workers", check_int("workers", self.workers, minimum=1))
 
@@ -248,7 +256,11 @@ class BMinSepMonteCarloScheme(Scheme):
                             help="interim sampling rate p of Algorithm 3 (only with "
                                  "--max-user-examples > 1)")
         parser.add_argument("--strategy", choices=STRATEGY_CHOICES, default="optimal-banded")
-        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--seed", type=int, default=None,
+                            help="Monte Carlo seed (default: fresh OS entropy; the seed used "
+                                 "is printed/recorded for audit). Never re-run a failed check "
+                                 "or a disappointing estimate with another seed: choosing "
+                                 "among seeds voids the confidence (multiple testing)")
         parser.add_argument("--confidence-failure", type=float, default=1e-3, metavar="q",
                             help="failure probability q of the Monte Carlo upper estimate")
         parser.add_argument("--workers", type=int, default=None)

@@ -29,6 +29,12 @@ Security notes:
 * ``secure_mode`` / ``generator`` are Opacus' own (:func:`opacus.optimizers.optimizer._generate_noise`):
   the fresh ``z_i`` come from the same call stock Opacus uses. The state of a plain
   ``torch.Generator`` is checkpointed; a secure (CSPRNG) generator is not (and cannot be).
+* Without a ``generator`` the noise does **not** come from torch's global RNG (stock Opacus
+  does that, and scripts routinely seed it with a public constant such as
+  ``torch.manual_seed(0)``, which makes the noise reproducible by anyone): each device gets its
+  own ``torch.Generator`` seeded with 63 bits of OS entropy, which is not checkpointed (a
+  resumed run draws fresh noise; its ring buffers still come from the checkpoint). It is not a
+  CSPRNG: for that, use Opacus' ``secure_mode`` (torchcsprng) or pass your own generator.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from opacus.optimizers.optimizer import (
     _mark_as_processed,
 )
 
+from ..samplers._generator import fresh_seed
 from .strategies import BufferedToeplitz, validate_coefficients
 
 __all__ = ["CorrelatedNoiseMixin", "CorrelatedNoiseDPOptimizer", "correlated_optimizer_class"]
@@ -90,6 +97,17 @@ class CorrelatedNoiseMixin:
             self.bands = int(c.size)
         self.noise_step = 0  # number of noise vectors drawn so far (index i of the next w_i)
         self._noise_buffers: list[Optional[torch.Tensor]] = [None] * len(self.params)
+
+    def _noise_generator(self, reference: torch.Tensor):
+        """The caller's ``generator``, else this optimizer's OS-entropy generator for
+        ``reference``'s device (never torch's global, possibly publicly seeded, RNG)."""
+        if self.generator is not None:
+            return self.generator
+        own = self.__dict__.setdefault("_entropy_generators", {})
+        device = reference.device
+        if device not in own:
+            own[device] = torch.Generator(device=device).manual_seed(fresh_seed())
+        return own[device]
 
     # ---- the streaming recursion --------------------------------------------------------
     def _on_device(self, key: str, like: torch.Tensor, make, *, per_step: bool = True
@@ -158,7 +176,8 @@ class CorrelatedNoiseMixin:
         for idx, p in enumerate(self.params):
             _check_processed_flag(p.summed_grad)
             z = _generate_noise(std=sigma * self.max_grad_norm, reference=p.summed_grad,
-                                generator=self.generator, secure_mode=self.secure_mode)
+                                generator=self._noise_generator(p.summed_grad),
+                                secure_mode=self.secure_mode)
             w = self._correlate(idx, z)
             p.grad = (p.summed_grad + w).view_as(p)
             _mark_as_processed(p.summed_grad)
@@ -228,7 +247,9 @@ class CorrelatedNoiseDPOptimizer(CorrelatedNoiseMixin, DPOptimizer):
         noise_correlation: first column ``c`` of the banded Toeplitz strategy ``C`` (``c_0 > 0``,
             ``c ≥ 0``), e.g. :func:`~opacus_structured.optim.strategies.banded_toeplitz_coefficients`.
             ``None`` or ``[1.0]`` is DP-SGD.
-        loss_reduction, generator, secure_mode: as in Opacus.
+        loss_reduction, secure_mode: as in Opacus.
+        generator: ``torch.Generator`` (or Opacus' secure generator) for the fresh ``z_i``;
+            ``None``: a per-device generator seeded from OS entropy (not Opacus' global RNG).
     """
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Callable
 
@@ -23,7 +24,7 @@ from .accounting import pld as pld_lib
 from .accounting.calibration import calibrate_noise_multiplier
 from .schemes import SCHEMES, Scheme
 
-__all__ = ["main", "build_parser", "register_command"]
+__all__ = ["main", "build_parser", "register_command", "epochs_to_steps"]
 
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
 
@@ -48,11 +49,31 @@ def _add_common(p: argparse.ArgumentParser, *, calibrate: bool) -> None:
         length = p.add_mutually_exclusive_group(required=True)
         length.add_argument("--steps", type=int, help="number of optimizer steps, >= 0")
         length.add_argument("--epochs", type=float,
-                            help="number of epochs (steps = epochs × steps per epoch)")
+                            help="number of epochs (steps = epochs × steps per epoch, rounded "
+                                 "up: a partial epoch is priced as run)")
     p.add_argument("--delta", type=float, required=True, help="target δ in (0, 1)")
     p.add_argument("--discretization", type=float, default=pld_lib.DEFAULT_DISCRETIZATION,
                    help="privacy-loss discretisation interval (pessimistic; default %(default)g)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def epochs_to_steps(epochs: float, steps_per_epoch: int) -> int:
+    """Optimizer steps of ``epochs`` epochs of ``steps_per_epoch`` steps, **rounded up**.
+
+    A fractional epoch starts its partial last epoch, so rounding to the nearest integer could
+    price fewer steps than run (1.04 epochs of 10 steps: the nearest integer prices 10 steps,
+    a loop that takes the started 11th step ran 11). Products within a relative ``1e-9`` of an
+    integer are float round-off and snap to it (``0.14 × 50 = 7.000000000000001`` is 7 steps,
+    ``2.9999999999`` is 3).
+    """
+    x = float(epochs) * int(steps_per_epoch)
+    if not math.isfinite(x) or x < 0:
+        raise ValueError(f"epochs × steps per epoch must be finite and >= 0, got {epochs} × "
+                         f"{steps_per_epoch}")
+    nearest = round(x)
+    if abs(x - nearest) <= 1e-9 * max(1.0, x):
+        return int(nearest)
+    return int(math.ceil(x))
 
 
 def _steps(scheme: Scheme, args) -> int:
@@ -60,13 +81,14 @@ def _steps(scheme: Scheme, args) -> int:
         if args.steps < 0:
             raise ValueError(f"--steps must be >= 0, got {args.steps}")
         return args.steps
-    if getattr(args, "epochs", None) is None or args.epochs < 0:
-        raise ValueError(f"--epochs must be >= 0, got {args.epochs}")
+    epochs = getattr(args, "epochs", None)
+    if epochs is None or not (0 <= epochs < float("inf")):
+        raise ValueError(f"--epochs must be finite and >= 0, got {epochs}")
     try:
         per_epoch = scheme.steps_per_epoch()
     except NotImplementedError:
         raise ValueError(f"scheme {scheme.name!r} has no epochs; pass --steps") from None
-    return int(round(args.epochs * per_epoch))
+    return epochs_to_steps(args.epochs, per_epoch)
 
 
 def _emit(args, record: dict, text: str) -> None:
@@ -84,8 +106,10 @@ def _run_epsilon(args) -> int:
     record = {"scheme": scheme.name, "epsilon": eps, "delta": args.delta,
               "noise_multiplier": args.noise_multiplier, "steps": steps, "bound": scheme.bound,
               "discretization": args.discretization, "parameters": scheme.describe()}
+    seed = getattr(scheme, "seed", None)
     label = {"lower": "  (LOWER BOUND, not a guarantee)",
-             "monte-carlo": "  (MONTE CARLO estimate, holds only with high probability)"}.get(
+             "monte-carlo": "  (MONTE CARLO estimate, holds only with high probability"
+                            + ("" if seed is None else f"; seed {seed}") + ")"}.get(
         scheme.bound, "")
     _emit(args, record, f"epsilon = {eps:.6g} at delta = {args.delta:g} after {steps} steps "
                         f"(scheme {scheme.name}, noise multiplier {args.noise_multiplier:g}){label}")

@@ -3,7 +3,6 @@ each gluonts model, the privacy audit of consumed windows, and the ``forecast`` 
 
 import json
 import math
-import warnings
 
 import numpy as np
 import pytest
@@ -24,8 +23,6 @@ from opacus_structured.forecasting.training import (  # noqa: E402
     train_forecaster,
 )
 from opacus_structured.schemes.structured import StructuredScheme  # noqa: E402
-
-warnings.filterwarnings("ignore", category=FutureWarning)
 
 D = 1e-3  # discretization used by the training runs below (pessimistic)
 H = 6
@@ -289,6 +286,9 @@ def test_forecast_command_json(tmp_path, capsys):
     assert rep["baselines"]["non_private"]["crps"] > 0
     assert rep["baselines"]["seasonal_naive"]["crps"] > 0
     assert rep["bound"] == "tight"
+    # a default run draws its sampler and noise from OS entropy and records no seed
+    assert rep["private"] is True and rep["not_private_reason"] is None
+    assert "seed" not in rep and "init_seed" not in rep
     saved = json.loads((out / "report.json").read_text())
     assert saved["epsilon"] == rep["epsilon"]
     assert (out / "forecasts.png").stat().st_size > 1000

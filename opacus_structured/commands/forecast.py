@@ -5,6 +5,13 @@ Trains a gluonts model (DLinear by default) with structured-subsampling DP-SGD t
 with the same model trained without DP (ε = ∞) and seasonal naive. Writes ``report.json`` and
 ``forecasts.png`` to ``--output``.
 
+The window sampler and the DP noise draw fresh OS entropy that is written nowhere. ``--seed``
+makes them reproducible — and the run **not private** (anyone with the seed regenerates and
+subtracts the noise): it prints ``NOT PRIVATE: reproducible noise (--seed given); for
+evaluation only``, and the report says ``"private": false`` with the reason. ``--init-seed``
+seeds only the public randomness (weight initialisation, dropout, forecast sampling); the run
+stays private.
+
 Example::
 
     opacus-structured forecast --model dlinear --epsilon 1 --delta 1e-7
@@ -18,14 +25,21 @@ import math
 import os
 import sys
 import time
-import warnings
 
 from ..cli import register_command
+from ..forecasting.warning_filters import known_harmless_warnings_filtered
+from ..samplers._generator import fresh_seed
 
-__all__ = ["add_arguments", "run", "run_forecast"]
+__all__ = ["add_arguments", "run", "run_forecast", "NOT_PRIVATE_SEEDED"]
 
 DEFAULTS = dict(model="dlinear", epsilon=1.0, delta=1e-7, max_steps=200, batch_size=64,
-                prediction_length=12, max_grad_norm=1e-4, lr=1e-2, seed=0, num_samples=100)
+                prediction_length=12, max_grad_norm=1e-4, lr=1e-2, num_samples=100)
+
+#: Printed (and put on the plot) for a DP run whose noise was seeded with ``--seed``.
+NOT_PRIVATE_SEEDED = "NOT PRIVATE: reproducible noise (--seed given); for evaluation only"
+#: ``report["not_private_reason"]`` of such a run.
+SEEDED_REASON = ("reproducible noise: seeded with --seed (whoever knows the seed regenerates the "
+                 "sampler draws and the noise and can subtract it)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     length.add_argument("--max-steps", type=int, default=None,
                         help=f"optimizer steps (default {DEFAULTS['max_steps']})")
     length.add_argument("--epochs", type=float, default=None,
-                        help="epochs of floor(N / batch size) steps")
+                        help="epochs of floor(N / batch size) steps (a fractional count is "
+                             "rounded up to whole steps)")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
                    help="series per step Λ (one window each; default %(default)s)")
     p.add_argument("--prediction-length", type=int, default=DEFAULTS["prediction_length"],
@@ -71,7 +86,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-workers", type=int, default=0,
                    help="DataLoader workers cutting the windows (same batches; > 0 overlaps "
                         "data and GPU steps; default 0)")
-    p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed the privacy coins (window sampler and DP noise) and, unless "
+                        "--init-seed is given, the weight initialisation: the run becomes "
+                        "reproducible and NOT PRIVATE (the seed regenerates the noise), for "
+                        "evaluation only; it is written to the report with that label. "
+                        "Default: fresh OS entropy, recorded nowhere")
+    p.add_argument("--init-seed", type=int, default=None,
+                   help="seed only the public randomness (weight initialisation, dropout, "
+                        "forecast sampling at evaluation); the run stays private. Default: "
+                        "--seed, else fresh")
     p.add_argument("--output", default="forecast-report",
                    help="directory for report.json and forecasts.png (default %(default)s)")
     p.add_argument("--no-plot", action="store_true", help="do not write forecasts.png")
@@ -97,7 +121,8 @@ def _table(rows: list[dict]) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
 
 
-def _plot(path, panel_test, forecasts_by_method: dict, series_idx, prediction_length):
+def _plot(path, panel_test, forecasts_by_method: dict, series_idx, prediction_length,
+          banner=None):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,6 +146,8 @@ def _plot(path, panel_test, forecasts_by_method: dict, series_idx, prediction_le
         ax.axvline(len(y) - prediction_length - 0.5, color="grey", ls=":", lw=0.8)
     axes[0, 0].legend(fontsize=7, loc="upper left")
     axes[-1, 0].set_xlabel("month index (shaded: 10–90% band; right of dotted line: test)")
+    if banner:  # e.g. NOT_PRIVATE_SEEDED
+        fig.suptitle(banner, color="tab:red", fontsize=10, fontweight="bold")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -141,7 +168,17 @@ def run_forecast(args, *, print_fn=print) -> dict:
         args.max_steps = DEFAULTS["max_steps"]
     if args.num_samples < 1:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
-    private = math.isfinite(args.epsilon) or args.noise_multiplier is not None
+    seed = getattr(args, "seed", None)
+    given_init = getattr(args, "init_seed", None)
+    for flag, value in (("--seed", seed), ("--init-seed", given_init)):
+        if value is not None and value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
+    dp_sgd = math.isfinite(args.epsilon) or args.noise_multiplier is not None
+    # public init seed shared by the DP model and its non-private baseline (same weights at
+    # step 0); written to the report only when the user chose it (--init-seed or --seed)
+    init_seed = given_init if given_init is not None else (seed if seed is not None
+                                                           else fresh_seed())
+    seeded_dp = dp_sgd and seed is not None
 
     t_start = time.perf_counter()
     panel = load_us_employment(min_length=args.min_length)
@@ -155,11 +192,13 @@ def run_forecast(args, *, print_fn=print) -> dict:
     common = dict(prediction_length=args.prediction_length, context_length=args.context_length,
                   batch_size=args.batch_size, max_grad_norm=args.max_grad_norm, lr=args.lr,
                   max_steps=args.max_steps, epochs=args.epochs, device=args.device,
-                  seed=args.seed, progress=progress,
+                  seed=seed, init_seed=init_seed, progress=progress,
                   lstm_impl=getattr(args, "lstm_impl", "fast"),
                   grad_sample_mode=getattr(args, "grad_sample_mode", "hooks"),
                   num_workers=getattr(args, "num_workers", 0))
     log = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
+    if seeded_dp:  # said up front, on stderr even with --json (stdout then holds the JSON)
+        print(NOT_PRIVATE_SEEDED, file=sys.stderr)
     log(f"data: US employment (BLS), {len(train)} series, shortest training series "
         f"{train.min_length} months, test = last {args.prediction_length} months")
 
@@ -176,16 +215,20 @@ def run_forecast(args, *, print_fn=print) -> dict:
 
     result = train_forecaster(args.model, train,
                               epsilon=args.epsilon if math.isfinite(args.epsilon) else None,
-                              delta=args.delta if private else None,
+                              delta=args.delta if dp_sgd else None,
                               noise_multiplier=args.noise_multiplier, log=log, **common)
-    label = f"{args.model} (DP)" if private else f"{args.model} (non-private)"
+    if result.dp_sgd != dp_sgd or result.reproducible_noise != seeded_dp:
+        raise RuntimeError("the trainer's privacy mode differs from the command's")
+    label = (f"{args.model} (DP)" if result.private else
+             f"{args.model} (DP-SGD, seeded: NOT PRIVATE)" if seeded_dp else
+             f"{args.model} (non-private)")
     main_row = evaluate(label, result.create_predictor(), {
         "epsilon": result.epsilon, "noise_multiplier": result.noise_multiplier,
         "steps": result.steps, "seconds": result.train_seconds})
 
     baselines = {}
     if not args.no_baselines:
-        if private:
+        if dp_sgd:
             np_result = train_forecaster(args.model, train, epsilon=None, delta=None, **common)
             row = evaluate(f"{args.model} (non-private)", np_result.create_predictor(), {
                 "epsilon": math.inf, "steps": np_result.steps,
@@ -199,8 +242,10 @@ def run_forecast(args, *, print_fn=print) -> dict:
         baselines["seasonal_naive"] = {k: row[k] for k in ("crps", "mase")}
 
     report = {
-        "model": args.model, "private": private,
-        "epsilon": result.epsilon, "delta": args.delta if private else None,
+        "model": args.model, "private": result.private, "dp_sgd": result.dp_sgd,
+        "reproducible_noise": result.reproducible_noise,
+        "not_private_reason": (SEEDED_REASON if seeded_dp else result.not_private_reason),
+        "epsilon": result.epsilon, "delta": args.delta if dp_sgd else None,
         "target_epsilon": args.epsilon, "bound": result.bound,
         "noise_multiplier": result.noise_multiplier, "max_grad_norm": result.max_grad_norm,
         "steps": result.steps, "batch_size": args.batch_size,
@@ -212,10 +257,18 @@ def run_forecast(args, *, print_fn=print) -> dict:
         "scheme": None if result.scheme is None else result.scheme.describe(),
         "dataset": {"name": "us_employment", "num_series": len(train),
                     "min_train_length": train.min_length, "test_months": args.prediction_length},
-        "baselines": baselines, "seed": args.seed, "device": args.device,
+        "baselines": baselines, "device": args.device,
         "grad_sample_mode": getattr(args, "grad_sample_mode", "hooks"),
         "total_seconds": time.perf_counter() - t_start, "rows": rows,
     }
+    # Seeds only when the user chose them: the privacy coins of a default run are OS entropy
+    # that is written nowhere, and its (public) init seed is left out too.
+    if seed is not None:
+        report["seed"] = seed
+    if seeded_dp:
+        report["notice"] = NOT_PRIVATE_SEEDED
+    if seed is not None or given_init is not None:
+        report["init_seed"] = init_seed
     if args.output:
         os.makedirs(args.output, exist_ok=True)
         with open(os.path.join(args.output, "report.json"), "w") as fh:
@@ -228,7 +281,7 @@ def run_forecast(args, *, print_fn=print) -> dict:
             else:
                 picks = sorted(set([0, len(test) // 3, (2 * len(test)) // 3, len(test) - 1]))
                 _plot(os.path.join(args.output, "forecasts.png"), test, forecasts, picks,
-                      args.prediction_length)
+                      args.prediction_length, banner=NOT_PRIVATE_SEEDED if seeded_dp else None)
                 report["plot"] = os.path.join(args.output, "forecasts.png")
     report["table"] = _table(rows)
     return report
@@ -246,9 +299,7 @@ def _finite(obj):
 
 
 def run(args) -> int:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        warnings.simplefilter("ignore", UserWarning)
+    with known_harmless_warnings_filtered():  # named, known-harmless messages only
         report = run_forecast(args)
     if args.json:
         out = {k: v for k, v in report.items() if k != "table"}
@@ -256,8 +307,11 @@ def run(args) -> int:
     else:
         print(report["table"])
         eps = report["epsilon"]
-        if report["private"]:
-            print(f"\nprivacy: epsilon = {eps:.4g} at delta = {report['delta']:g} "
+        if report["dp_sgd"]:
+            if report["reproducible_noise"]:
+                print(f"\n{NOT_PRIVATE_SEEDED}")
+            print(f"\n{'privacy' if report['private'] else 'mechanism (NOT this model)'}: "
+                  f"epsilon = {eps:.4g} at delta = {report['delta']:g} "
                   f"({report['bound']} bound, structured subsampling, Thm 4.4 of Schuchardt "
                   f"et al. ICML 2025), sigma = {report['noise_multiplier']:.4g}, "
                   f"{report['steps']} steps")

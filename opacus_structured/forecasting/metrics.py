@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import io
+import warnings
 from typing import Optional, Sequence
+
+from .warning_filters import known_harmless_warnings_filtered
 
 __all__ = ["QUANTILES", "evaluate_predictor", "evaluate_forecasts"]
 
 QUANTILES = tuple(round(0.1 * i, 1) for i in range(1, 10))
 
 
+@known_harmless_warnings_filtered()
 def evaluate_forecasts(forecasts: Sequence, series: Sequence,
                        quantiles: Sequence[float] = QUANTILES,
                        season_length: Optional[int] = None) -> dict:
@@ -41,12 +45,19 @@ def evaluate_forecasts(forecasts: Sequence, series: Sequence,
                          f"{len(series)} series")
     evaluator = Evaluator(quantiles=list(quantiles), num_workers=0,
                           seasonality=season_length)
-    with contextlib.redirect_stderr(io.StringIO()):  # gluonts' own progress bar
-        agg, _ = evaluator(iter(series), iter(forecasts), num_series=len(series))
+    # gluonts' own progress bar writes to stderr; warnings raised meanwhile are re-issued
+    # after it (so they are shown, not swallowed with the bar)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with contextlib.redirect_stderr(io.StringIO()):
+            agg, _ = evaluator(iter(series), iter(forecasts), num_series=len(series))
+    for key in dict.fromkeys((w.category, str(w.message), w.filename, w.lineno) for w in caught):
+        warnings.warn_explicit(key[1], key[0], key[2], key[3])  # once per message and place
     return {"crps": float(agg["mean_wQuantileLoss"]), "mase": float(agg["MASE"]),
             "mse": float(agg["MSE"]), "nd": float(agg["ND"])}
 
 
+@known_harmless_warnings_filtered()
 def evaluate_predictor(predictor, test_dataset, *, num_samples: int = 100,
                        quantiles: Sequence[float] = QUANTILES,
                        season_length: Optional[int] = None) -> tuple[dict, list, list]:

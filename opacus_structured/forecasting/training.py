@@ -22,6 +22,16 @@ before the step that would exceed the budget. The model input window and the acc
 ``L_C``/``L_F`` are taken from the same splitter and checked against each other
 (:func:`check_window_matches_scheme`), so they cannot disagree.
 
+Randomness. The *privacy coins* — the structured sampler's draws and the Gaussian noise — come
+from OS entropy (:func:`~opacus_structured.samplers._generator.fresh_seed`, one fresh 63-bit
+seed each) unless ``seed`` is given; those seeds are never returned or written anywhere. With
+``seed`` the run is reproducible and **not private**: whoever knows the seed regenerates the
+noise and subtracts it from the released model (:attr:`TrainResult.private` is ``False`` and
+:attr:`TrainResult.not_private_reason` says why). ``init_seed`` seeds only the public
+randomness — weight initialisation, dropout and the process RNGs later used to sample
+forecasts — which DP-SGD does not need to hide (the guarantee holds for every fixed
+initialisation and dropout mask).
+
 Not covered by the guarantee (documented limits): the *test* months (used only for scoring),
 hyper-parameter choices, and the train-loss values shown on the progress bar (visible to the
 operator only; nothing selects a checkpoint by them and no learning-rate schedule uses them).
@@ -34,7 +44,6 @@ import dataclasses
 import logging
 import math
 import time
-import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -42,9 +51,11 @@ import numpy as np
 from .._validation import check_int, check_open_unit, check_positive
 from ..accountants.structured import StructuredSubsamplingAccountant
 from ..accounting.calibration import calibrate_noise_multiplier
+from ..samplers._generator import fresh_seed
 from ..schemes.structured import StructuredScheme
 from .data import Panel
 from .estimators import PreparedModel, prepare_estimator
+from .warning_filters import known_harmless_warnings_filtered
 
 __all__ = ["WindowDataset", "collate_windows", "ForecastTrainer", "TrainResult",
            "train_forecaster", "check_window_matches_scheme", "make_scheme",
@@ -175,18 +186,30 @@ def max_steps_within_budget(epsilon_of_steps: Callable[[int], float], target_eps
     return lo
 
 
+def _epochs_to_steps(epochs: float, steps_per_epoch: int) -> int:
+    """``ceil(epochs × steps_per_epoch)``, products within a relative 1e-9 of an integer snapped
+    to it (float round-off). The same rule as :func:`opacus_structured.cli.epochs_to_steps`
+    (the CLI is a higher layer than this module; a test checks that the two agree)."""
+    x = float(epochs) * int(steps_per_epoch)
+    if not math.isfinite(x) or x < 0:
+        raise ValueError(f"epochs × steps per epoch must be finite and >= 0, got {epochs} × "
+                         f"{steps_per_epoch}")
+    nearest = round(x)
+    return int(nearest) if abs(x - nearest) <= 1e-9 * max(1.0, x) else int(math.ceil(x))
+
+
 @contextlib.contextmanager
 def _quiet_lightning():
-    """Silence Lightning's INFO banners (GPU available, tips, max_steps reached)."""
+    """Silence Lightning's INFO banners (GPU available, tips, max_steps reached) and the
+    named, known-harmless warnings of :mod:`.warning_filters`; every other warning (Opacus'
+    included) is shown."""
     names = ("lightning.pytorch", "lightning.fabric", "lightning", "pytorch_lightning")
     loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.WARNING)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", module="lightning")
-            warnings.filterwarnings("ignore", module="opacus")
+        with known_harmless_warnings_filtered():
             yield
     finally:
         for lg, lv in zip(loggers, levels, strict=False):
@@ -304,12 +327,19 @@ class TrainResult:
 
     ``epsilon`` is the accountant's ε at ``delta`` for the steps actually taken (``inf`` for
     non-private training); ``bound`` says whether it is a guarantee ("tight"/"upper").
+
+    ``private`` is ``True`` only if the released model carries that guarantee: DP-SGD ran
+    (``dp_sgd``) *and* its sampler and noise drew secret OS entropy. A run with a ``seed`` has
+    ``dp_sgd=True`` but ``private=False``: its noise is reproducible from the seed, so ε
+    describes the mechanism, not this model (``not_private_reason`` says so). ``seed`` is the
+    caller's seed (``None``: OS entropy, recorded nowhere); ``init_seed`` the public seed of the
+    weight initialisation.
     """
 
     prepared: PreparedModel
     scheme: Any
     accountant: Any
-    private: bool
+    dp_sgd: bool
     noise_multiplier: Optional[float]
     max_grad_norm: Optional[float]
     steps: int
@@ -319,6 +349,28 @@ class TrainResult:
     bound: Optional[str]
     train_seconds: float
     calibration_seconds: float
+    seed: Optional[int] = None
+    init_seed: Optional[int] = None
+
+    @property
+    def reproducible_noise(self) -> bool:
+        """DP-SGD with seeded (reproducible, hence public) sampler and noise coins."""
+        return self.dp_sgd and self.seed is not None
+
+    @property
+    def private(self) -> bool:
+        """The (ε, δ) guarantee holds for the released model: DP-SGD with secret coins."""
+        return self.dp_sgd and self.seed is None
+
+    @property
+    def not_private_reason(self) -> Optional[str]:
+        """Why the released model is not private (``None`` when it is)."""
+        if not self.dp_sgd:
+            return "non-private training (no DP-SGD)"
+        if self.seed is not None:
+            return ("reproducible noise: the sampler and noise were seeded with seed="
+                    f"{self.seed}, which regenerates the noise")
+        return None
 
     @property
     def step_seconds(self) -> float:
@@ -329,8 +381,10 @@ class TrainResult:
 
     def summary(self) -> dict:
         """JSON-ready record (no model objects)."""
-        return {
-            "model": self.prepared.name, "private": self.private,
+        out = {
+            "model": self.prepared.name, "private": self.private, "dp_sgd": self.dp_sgd,
+            "reproducible_noise": self.reproducible_noise,
+            "not_private_reason": self.not_private_reason,
             "epsilon": self.epsilon, "delta": self.delta, "target_epsilon": self.target_epsilon,
             "noise_multiplier": self.noise_multiplier, "max_grad_norm": self.max_grad_norm,
             "steps": self.steps, "bound": self.bound, "train_seconds": self.train_seconds,
@@ -339,9 +393,15 @@ class TrainResult:
             "prediction_length": self.prepared.prediction_length,
             "scheme": None if self.scheme is None else self.scheme.describe(),
         }
+        if self.seed is not None:  # only a caller's seed; OS-entropy coins are never recorded
+            out["seed"] = self.seed
+        if self.init_seed is not None:
+            out["init_seed"] = self.init_seed
+        return out
 
 
 # ---- driver ----------------------------------------------------------------------------------
+@known_harmless_warnings_filtered()
 def train_forecaster(model: str, train: Panel, *, prediction_length: int,
                      context_length: Optional[int] = None, batch_size: int = 32,
                      epsilon: Optional[float] = None, delta: Optional[float] = None,
@@ -349,7 +409,8 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
                      max_grad_norm: float = DEFAULT_MAX_GRAD_NORM,
                      max_steps: Optional[int] = None, epochs: Optional[float] = None,
                      lr: float = 1e-3, weight_decay: float = 1e-8, device: str = "cpu",
-                     seed: int = 0, progress: bool = False,
+                     seed: Optional[int] = None, init_seed: Optional[int] = None,
+                     progress: bool = False,
                      discretization: float = 1e-3, estimator_kwargs: Optional[dict] = None,
                      callbacks: Sequence = (), sampler_wrapper: Optional[Callable] = None,
                      log: Optional[Callable[[str], None]] = None,
@@ -360,8 +421,8 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
     Privacy modes:
 
     * ``epsilon`` finite, ``noise_multiplier=None``: σ is calibrated so that the planned steps
-      (``max_steps``, or ``epochs × floor(N/Λ)``) spend at most ``epsilon`` at ``delta``;
-      all planned steps run.
+      (``max_steps``, or ``epochs × floor(N/Λ)`` rounded up) spend at most ``epsilon`` at
+      ``delta``; all planned steps run.
     * ``epsilon`` finite and ``noise_multiplier`` given: training stops before the first step
       that would exceed ``epsilon`` (or at the step budget).
     * ``epsilon`` None and ``noise_multiplier`` given: DP with that σ; ε is reported.
@@ -376,6 +437,13 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
         batch_size: Λ = series per step (one window each, λ = 1).
         max_grad_norm: per-window clipping norm C.
         device: "cpu" or "cuda".
+        seed: seeds the privacy coins — sampler (``seed``) and noise (``seed + 1``) — and,
+            unless ``init_seed`` is given, the weight initialisation. ``None`` (default): fresh
+            OS entropy, recorded nowhere. A seeded run is reproducible and **not private**
+            (``result.private`` is ``False``): use it for evaluation only.
+        init_seed: seeds the weight initialisation, dropout and the process RNGs (torch,
+            numpy) that later sample forecasts: public randomness, the run stays private.
+            Default ``seed``, or fresh entropy. Returned as ``result.init_seed``.
         discretization: PLD discretisation used for calibration and reporting (pessimistic).
         sampler_wrapper: optional ``f(sampler) -> batch_sampler`` (e.g. to record batches).
         lstm_impl: "fast" (:class:`~opacus_structured.forecasting.fast_rnn.FastDPLSTM`,
@@ -402,15 +470,22 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
                          "its linear layers once per time step")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no CUDA device is available")
-    seed = check_int("seed", seed, minimum=0)
+    if seed is not None:
+        seed = check_int("seed", seed, minimum=0)
+    if init_seed is not None:
+        init_seed = check_int("init_seed", init_seed, minimum=0)
+    elif seed is not None:
+        init_seed = seed
+    else:
+        init_seed = fresh_seed()
     num_workers = check_int("num_workers", num_workers, minimum=0)
     max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
     discretization = check_positive("discretization", discretization)
     check_positive("lr", lr)
-    private = noise_multiplier is not None or (epsilon is not None and math.isfinite(epsilon))
+    dp_sgd = noise_multiplier is not None or (epsilon is not None and math.isfinite(epsilon))
     if epsilon is not None and not (epsilon > 0):
         raise ValueError(f"epsilon must be > 0 (or inf for non-private), got {epsilon}")
-    if private:
+    if dp_sgd:
         if delta is None:
             raise ValueError("delta is required for private training")
         delta = check_open_unit("delta", delta)
@@ -420,8 +495,9 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
         raise ValueError("pass exactly one of max_steps and epochs")
     say = log or (lambda msg: None)
 
-    torch.manual_seed(seed)
-    np.random.seed(seed)
+    # public randomness only (weights, dropout, forecast sampling): never the privacy coins
+    torch.manual_seed(init_seed)
+    np.random.seed(init_seed % 2**32)
     prepared = prepare_estimator(model, freq=train.freq, prediction_length=prediction_length,
                                  context_length=context_length, batch_size=batch_size, lr=lr,
                                  weight_decay=weight_decay, lstm_impl=lstm_impl,
@@ -433,13 +509,15 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
         steps = check_int("max_steps", max_steps, minimum=1)
     else:
         epochs = check_positive("epochs", epochs)
-        steps = max(1, int(round(epochs * per_epoch)))
+        if not math.isfinite(epochs):
+            raise ValueError(f"epochs must be finite, got {epochs}")
+        steps = max(1, _epochs_to_steps(epochs, per_epoch))  # rounded up: price every step run
 
     # ---- privacy calibration (before touching any data) ----
     t0 = time.perf_counter()
     accountant = None
     eps_of = None
-    if private:
+    if dp_sgd:
         def eps_of(sigma, n):
             return scheme.epsilon(sigma, n, delta, discretization=discretization)
 
@@ -459,7 +537,8 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
     # ---- data: transformed entries, structured sampler, loader ----
     entries = list(prepared.transformation.apply(train.to_gluonts(), is_train=True))
     dataset = WindowDataset(entries, prepared.splitter, prepared.input_names)
-    generator = torch.Generator().manual_seed(seed)
+    # privacy coins: OS entropy unless the caller seeded them (then labelled not private)
+    generator = torch.Generator().manual_seed(fresh_seed() if seed is None else seed)
     sampler = scheme.sampler(train.lengths, generator=generator)
     batch_sampler = sampler_wrapper(sampler) if sampler_wrapper is not None else sampler
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler,
@@ -470,14 +549,15 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
                          f"says {per_epoch}")
 
     dp = None
-    if private:
-        noise_gen = torch.Generator(device=device).manual_seed(seed + 1)
+    if dp_sgd:
+        noise_gen = torch.Generator(device=device).manual_seed(
+            fresh_seed() if seed is None else seed + 1)
         dp = dict(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                   expected_batch_size=scheme.batch_size, accountant=accountant,
                   sample_rate=1.0 / len(loader), generator=noise_gen)
     module = _make_window_module(prepared, lr=lr, weight_decay=weight_decay, dp=dp,
                                  grad_sample_mode=grad_sample_mode)
-    label = (f"{model} DP (sigma={noise_multiplier:.3g})" if private else f"{model} non-DP")
+    label = (f"{model} DP (sigma={noise_multiplier:.3g})" if dp_sgd else f"{model} non-DP")
     with _quiet_lightning():
         trainer = pl.Trainer(
             max_steps=steps, max_epochs=-1, accelerator="gpu" if device == "cuda" else "cpu",
@@ -497,7 +577,7 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
     prepared.module.to("cpu" if device == "cpu" else "cuda")
     prepared.module.eval()
 
-    if private:
+    if dp_sgd:
         if len(accountant) != taken:
             raise RuntimeError(f"the accountant recorded {len(accountant)} steps but "
                                f"{taken} optimizer steps ran")
@@ -505,11 +585,12 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
         bound = accountant.bound
     else:
         spent, bound = math.inf, None
-    return TrainResult(prepared=prepared, scheme=scheme, accountant=accountant, private=private,
-                       noise_multiplier=noise_multiplier if private else None,
-                       max_grad_norm=max_grad_norm if private else None, steps=taken,
+    return TrainResult(prepared=prepared, scheme=scheme, accountant=accountant, dp_sgd=dp_sgd,
+                       noise_multiplier=noise_multiplier if dp_sgd else None,
+                       max_grad_norm=max_grad_norm if dp_sgd else None, steps=taken,
                        epsilon=spent, delta=delta, target_epsilon=epsilon, bound=bound,
-                       train_seconds=train_seconds, calibration_seconds=calibration_seconds)
+                       train_seconds=train_seconds, calibration_seconds=calibration_seconds,
+                       seed=seed, init_seed=init_seed)
 
 
 class ForecastTrainer:

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from .._validation import check_int, check_nonnegative, check_positive
+from ..samplers._generator import resolve_generator
 
 __all__ = ["WindowDataset", "collate_windows"]
 
@@ -57,14 +58,17 @@ class WindowDataset(torch.utils.data.Dataset):
         value_bound: :math:`v`, the bound on a changed value in the :math:`(w, v)` relation;
             required when augmenting.
         scaling: ``None`` or ``"mean"`` (per-window mean-absolute scaling of the observed past).
-        generator: :class:`torch.Generator` for the augmentation noise (seed ``seed`` if None).
+        generator: :class:`torch.Generator` for the augmentation noise, or ``seed`` for a new
+            one; neither (default): fresh OS entropy. The augmentation noise is part of the
+            priced mechanism (Theorem G.1): a seeded generator makes it reproducible by whoever
+            knows the seed, who can then remove it — seed for tests and evaluation only.
     """
 
     def __init__(self, series: Sequence, context_length: int, forecast_length: int, *,
                  lags: Sequence[int] = (), context_noise: float = 0.0,
                  forecast_noise: float = 0.0, value_bound: Optional[float] = None,
                  scaling: Optional[str] = None, generator: Optional[torch.Generator] = None,
-                 seed: int = 0, dtype: torch.dtype = torch.float32):
+                 seed: Optional[int] = None, dtype: torch.dtype = torch.float32):
         self.context_length = check_int("context_length", context_length, minimum=0)
         self.forecast_length = check_int("forecast_length", forecast_length, minimum=1)
         self.lags = tuple(check_int("lag", lag, minimum=1) for lag in lags)
@@ -97,8 +101,7 @@ class WindowDataset(torch.utils.data.Dataset):
                 raise ValueError(f"series {n} contains NaN or infinite values")
         self.series = tensors
         self.lengths = [int(t.shape[0]) for t in tensors]
-        self.generator = generator if generator is not None else torch.Generator().manual_seed(
-            check_int("seed", seed, minimum=0))
+        self.generator = resolve_generator(generator, seed, "WindowDataset")
 
     # ---- geometry ------------------------------------------------------------------------
     @property

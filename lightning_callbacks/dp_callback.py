@@ -71,7 +71,10 @@ from opacus_structured.accountants.base import SchemeAccountant
 from opacus_structured.accounting import pld as pld_lib
 from opacus_structured.samplers.poisson import PoissonBatchSampler, _fresh_seed
 from opacus_structured.schemes.base import BoundKind, Scheme
+from opacus_structured.schemes.gdp import GDPScheme
 from opacus_structured.schemes.poisson import PoissonScheme
+
+from .batch_indices import BatchIndexRecorder, FullBatchSampler
 
 __all__ = ["DPCallback", "scheme_of_batch_sampler", "build_sampler",
            "loader_with_batch_sampler"]
@@ -113,7 +116,9 @@ def _describe_loader(loader: DataLoader) -> str:
 
 def build_sampler(scheme: Scheme, dataset, generator: torch.Generator):
     """``scheme.sampler_for_dataset(len(dataset), generator=generator)``; for a
-    :class:`PoissonScheme` without a rate of its own, a :class:`PoissonBatchSampler`.
+    :class:`PoissonScheme` without a rate of its own, a :class:`PoissonBatchSampler`; for
+    :class:`~opacus_structured.schemes.gdp.GDPScheme` (full-batch DP-GD) a
+    :class:`~lightning_callbacks.batch_indices.FullBatchSampler` (every example every step).
 
     Schemes whose sampler needs more than the dataset size (structured time-series windows, the
     padded truncated-Poisson dataset) raise: pass ``sampler=`` (an instance or a
@@ -122,6 +127,8 @@ def build_sampler(scheme: Scheme, dataset, generator: torch.Generator):
     try:
         return scheme.sampler_for_dataset(len(dataset), generator=generator)
     except NotImplementedError:
+        if isinstance(scheme, GDPScheme):
+            return FullBatchSampler(len(dataset))
         if isinstance(scheme, PoissonScheme) and scheme.sample_rate is not None:
             return PoissonBatchSampler(len(dataset), scheme.sample_rate, generator=generator)
         raise ValueError(f"scheme {scheme.name!r} has no sampler; pass DPCallback(sampler=...)"
@@ -149,12 +156,14 @@ def loader_with_batch_sampler(loader: DataLoader, batch_sampler) -> DataLoader:
     return DataLoader(loader.dataset, batch_sampler=batch_sampler, collate_fn=collate, **kwargs)
 
 
-class _TrackedBatchSampler(Sampler):
+class _TrackedBatchSampler(BatchIndexRecorder, Sampler):
     """Wraps a protocol sampler and snapshots its ``state_dict()`` before every draw.
 
     Lightning prefetches a batch (and workers prefetch more), so the sampler's own state at
     checkpoint time is ahead of training; the snapshot taken before drawing batch ``k`` is the
-    state to resume from once ``k`` batches of the epoch have been trained on.
+    state to resume from once ``k`` batches of the epoch have been trained on. It also records
+    the index list of every batch drawn (:class:`~.batch_indices.BatchIndexRecorder`), which
+    is how the individual-accounting callbacks know which examples each batch holds.
     """
 
     def __init__(self, inner):
@@ -171,6 +180,7 @@ class _TrackedBatchSampler(Sampler):
         k, self._offset = self._offset, 0
         self.consumed = k
         self._snapshots = {}
+        self._start_recording()
         it = iter(self.inner)
         while True:
             self._snapshots[k] = self.inner.state_dict()
@@ -179,6 +189,7 @@ class _TrackedBatchSampler(Sampler):
             except StopIteration:
                 return
             k += 1
+            self._record(batch)
             yield batch
 
     def state_for_consumed(self):

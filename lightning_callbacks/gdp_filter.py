@@ -15,14 +15,41 @@ noise: too late). The noise is unchanged and Opacus divides by its fixed public
 is :math:`B`-GDP for every example under add/remove (Thm 1; ε(δ) by Cor. C.2, see
 :meth:`IndividualGDPFilter.epsilon`).
 
-Requirements for the guarantee (checked where possible): full-batch DP-GD (every example in
-every step; ``require_full_batch`` checks the batch has ``num_examples`` indices), one backward
-pass per optimizer step, deterministic per-sample gradients between the norm and the sum (one
-pass, as here), a maximum number of steps fixed in advance, and no data-dependent layers such as
-BatchNorm. The logged active counts and individual ε are *not* covered by the guarantee.
+**Which examples are in a batch** is found without touching the batch: the batch sampler records
+the index list of every batch it draws (:mod:`lightning_callbacks.batch_indices`), so the
+LightningModule's ``training_step`` receives exactly what it would without the filter. With
+:class:`~lightning_callbacks.dp_callback.DPCallback` its sampler records (for
+``GDPScheme()`` it installs a :class:`~lightning_callbacks.batch_indices.FullBatchSampler`);
+without it (a module whose ``configure_optimizers`` returns an Opacus ``DPOptimizer``) the
+filter wraps the train DataLoader's batch sampler in a recorder at fit start. The older
+convention, an :class:`~opacus_structured.indexed_dataset.IndexedDataset` whose batches end with
+the index tensor, still works with ``index_fn=batch_indices``.
 
-Works with Opacus ``GradSampleModule`` / ``GradSampleHooks`` + ``DPOptimizer`` under
-``lightning.pytorch`` (the DPOptimizer must be what ``configure_optimizers`` returns).
+**Batches the certificate covers.** Theorem 1 is stated for full-batch DP-GD (every example in
+every step). It also holds under **Poisson subsampling** with the filter charging an example
+only in the steps it was sampled (what this filter does): conditioned on all the sampling coins,
+the run is Algorithm 1 on fixed, data-independent batches (an example not in batch :math:`j`
+has :math:`\mu_j^{(i)} = 0`), which is :math:`B`-GDP for every coin pattern by Theorem 1; the
+real output is the mixture over the coins, against the same mixture for :math:`X^{-i}` (the
+coins of the other examples are unchanged by removing :math:`x_i`), and the hockey-stick
+divergence is jointly convex, so the mixture is :math:`B`-GDP as well (both directions). The
+certificate then uses no subsampling amplification (the run's population ε from ``DPCallback``
+still holds, and the smaller of the two applies). Shuffled fixed-size batches are **not**
+covered (removing an example moves others between batches). With the default
+``require_full_batch=None`` the filter accepts full batches, and any batch when the train batch
+sampler implements :class:`~opacus_structured.schemes.poisson.PoissonScheme`, and raises
+otherwise; ``require_full_batch=False`` lets other samplers run, and then
+:meth:`IndividualGDPFilter.epsilon` refuses to certify.
+
+Other requirements (checked where possible): independent Gaussian noise per step (a
+correlated-noise optimizer is refused), one backward pass per optimizer step, deterministic
+per-sample gradients between the norm and the sum (one pass, as here), a maximum number of steps
+fixed in advance, a fixed public normaliser (Opacus' ``expected_batch_size``), and no
+data-dependent layers such as BatchNorm. The logged active counts and individual ε are *not*
+covered by the guarantee.
+
+Works with ``DPCallback`` (an unmodified LightningModule), or with Opacus ``GradSampleModule`` /
+``GradSampleHooks`` + ``DPOptimizer`` returned by ``configure_optimizers``.
 
 **Ghost clipping** (``make_private(grad_sample_mode="ghost")``, no per-sample gradients are
 materialised): in a plain Opacus loop call :meth:`IndividualGDPFilter.attach_ghost` once and
@@ -58,7 +85,10 @@ from opacus_structured.accounting.individual_gdp import filter_epsilon
 from opacus_structured.distributed import all_gather_cat as _all_gather_cat
 from opacus_structured.distributed import all_reduce_sum as _all_reduce_sum
 from opacus_structured.distributed import is_distributed as _is_distributed
-from opacus_structured.indexed_dataset import batch_indices
+from opacus_structured.schemes.base import noise_bands
+from opacus_structured.schemes.poisson import PoissonScheme
+
+from .batch_indices import IndexSource, train_scheme
 
 __all__ = ["IndividualGDPFilter", "dp_params"]
 
@@ -92,12 +122,30 @@ def _dp_settings(optimizer) -> tuple[float, float]:
     clip = getattr(optimizer, "max_grad_norm", None)
     if sigma is None or clip is None:
         raise ValueError("the optimizer is not an Opacus DPOptimizer (no noise_multiplier / "
-                         "max_grad_norm); return the DPOptimizer from configure_optimizers")
+                         "max_grad_norm); return the DPOptimizer from configure_optimizers or "
+                         "add DPCallback")
+    coefficients = getattr(optimizer, "noise_coefficients", None)
+    if coefficients is not None and noise_bands(coefficients) > 1:
+        raise ValueError(f"{type(optimizer).__name__} adds correlated noise across steps; "
+                         f"individual GDP accounting prices each step as a Gaussian mechanism "
+                         f"with independent noise (mu = min(||g||, C) / (sigma C)), which "
+                         f"correlated noise is not: use a plain DPOptimizer")
     return float(sigma), float(clip)
 
 
+def check_batch_rows(indices: torch.Tensor, norms: torch.Tensor, owner: str) -> None:
+    """The per-sample gradients must have one row per index drawn."""
+    if norms.shape[0] != indices.shape[0]:
+        raise ValueError(
+            f"{owner}: the per-sample gradients have {norms.shape[0]} rows but the batch drawn "
+            f"holds {indices.shape[0]} examples; the training step must use every example of "
+            f"the batch once, in the order drawn (a collate function that drops, reorders or "
+            f"repeats rows breaks the mapping to dataset indices)")
+
+
 class IndividualGDPFilter(Callback):
-    """Algorithm 1 (individual GDP filter) for full-batch DP-GD with Opacus + Lightning.
+    """Algorithm 1 (individual GDP filter) for full-batch DP-GD or Poisson-subsampled DP-SGD
+    with Opacus + Lightning (see the module doc for what the certificate covers).
 
     Args:
         num_examples: dataset size N.
@@ -105,28 +153,41 @@ class IndividualGDPFilter(Callback):
             ``budget_from_steps(T0, sigma)``.
         permanent_drop: once refused, never re-admit (the released code's policy); the default
             is the literal Algorithm 1 (re-entry when a later μ fits). Both satisfy Thm 1.
-        require_full_batch: raise unless every batch holds all N examples (the theorem's
-            DP-GD setting). Set False only if you accept that a subsampled run's filter
-            decisions depend on the sampling pattern (not covered by Thm 1).
+        require_full_batch: ``None`` (default): accept full batches (all N examples), and any
+            batch when the train batch sampler implements Poisson sampling (certified too, see
+            the module doc); raise for other samplers. ``True``: every batch must hold all N
+            examples (the paper's DP-GD setting, even under Poisson). ``False``: no check;
+            steps from other samplers are counted in :attr:`uncertified_steps` and
+            :meth:`epsilon` then refuses.
         tolerance: relative slack on B² for float round-off at equality (certified budget is
             :attr:`effective_budget`).
-        index_fn: ``batch -> LongTensor`` of dataset indices (default: last batch element, as
-            produced by :class:`~opacus_structured.indexed_dataset.IndexedDataset`).
+        index_fn: ``batch -> LongTensor`` of dataset indices, read from the batch (e.g.
+            :func:`~opacus_structured.indexed_dataset.batch_indices` for an
+            :class:`~opacus_structured.indexed_dataset.IndexedDataset`). Default: the indices
+            the train batch sampler recorded (the batch is not touched).
     """
 
     def __init__(self, num_examples: int, budget: float, *, permanent_drop: bool = False,
-                 require_full_batch: bool = True, tolerance: float = 1e-12,
+                 require_full_batch: Optional[bool] = None, tolerance: float = 1e-12,
                  index_fn: Optional[Callable] = None):
         super().__init__()
         self.num_examples = check_int("num_examples", num_examples, minimum=1)
         self.budget = check_positive("budget", budget)
         self.tolerance = check_nonnegative("tolerance", tolerance)
         self.permanent_drop = bool(permanent_drop)
-        self.require_full_batch = bool(require_full_batch)
-        self.index_fn = index_fn or batch_indices
+        if require_full_batch not in (None, True, False):
+            raise ValueError(f"require_full_batch must be None, True or False, got "
+                             f"{require_full_batch!r}")
+        self.require_full_batch = require_full_batch
+        self._source = IndexSource("IndividualGDPFilter", index_fn)
+        self.index_fn = index_fn
         self.accountant = IndividualGDPAccountant(self.num_examples)
         self.dropped = torch.zeros(self.num_examples, dtype=torch.bool)
         self.active_history: list[torch.Tensor] = []  # per-step active counts (device scalars)
+        #: Filtered steps whose batches the certificate does not cover (see module doc).
+        self.uncertified_steps = 0
+        self._poisson = False
+        self._covered = True
         self._indices: Optional[torch.Tensor] = None
         self.last_active: Optional[torch.Tensor] = None
 
@@ -135,20 +196,47 @@ class IndividualGDPFilter(Callback):
         return (self.budget ** 2 * (1.0 + self.tolerance)) ** 0.5
 
     def epsilon(self, delta: float) -> float:
-        """ε(δ) certified for every example by Theorem 1 (Cor. C.2 at the budget)."""
+        """ε(δ) certified for every example by Theorem 1 (Cor. C.2 at the budget).
+
+        Raises ``ValueError`` if some filtered step drew a batch the certificate does not cover
+        (neither all N examples nor Poisson sampling; only possible with
+        ``require_full_batch=False``).
+        """
+        if self.uncertified_steps:
+            raise ValueError(
+                f"IndividualGDPFilter ran {self.uncertified_steps} step(s) on batches that are "
+                f"neither full (all {self.num_examples} examples) nor Poisson-sampled "
+                f"(require_full_batch=False): Theorem 1 does not cover them, so the filter "
+                f"certifies no epsilon for this run (use DPCallback's population epsilon)")
         return filter_epsilon(self.effective_budget, delta)
 
     # ---- hooks ---------------------------------------------------------------------------
+    def on_fit_start(self, trainer, pl_module):
+        self._source.on_fit_start(trainer)
+
+    def on_train_start(self, trainer, pl_module):
+        self._source.on_train_start(trainer)
+        self._poisson = isinstance(train_scheme(trainer), PoissonScheme)
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        idx = self.index_fn(batch)
-        size = idx.shape[0]
-        if self.require_full_batch and _is_distributed():
-            size = int(_all_reduce_sum(torch.tensor([size], dtype=torch.int64)).item())
-        if self.require_full_batch and size != self.num_examples:
-            raise ValueError(
-                f"IndividualGDPFilter needs full-batch DP-GD: got a batch of {size} "
-                f"examples, num_examples={self.num_examples} (use batch_size=N, no "
-                f"subsampling, or require_full_batch=False)")
+        idx = self._source.indices(trainer, batch)
+        poisson_ok = self._poisson and self.require_full_batch is not True
+        full = True
+        if not poisson_ok:
+            size = idx.shape[0]
+            if _is_distributed():
+                size = int(_all_reduce_sum(torch.tensor([size], dtype=torch.int64)).item())
+            full = size == self.num_examples
+            if not full and self.require_full_batch is not False:
+                why = ("require_full_batch=True" if self.require_full_batch else
+                       "the train batch sampler does not implement Poisson sampling")
+                raise ValueError(
+                    f"IndividualGDPFilter needs full-batch DP-GD or Poisson sampling: got a "
+                    f"batch of {size} examples, num_examples={self.num_examples} ({why}). Use "
+                    f"DPCallback(scheme=GDPScheme()) or a batch of all N examples, or Poisson "
+                    f"sampling (DPCallback(scheme=PoissonScheme(q))); require_full_batch=False "
+                    f"trains anyway but certifies nothing")
+        self._covered = full or poisson_ok
         self._indices = idx
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
@@ -156,10 +244,13 @@ class IndividualGDPFilter(Callback):
             raise ValueError("no batch indices recorded for this step")
         sigma, clip = _dp_settings(optimizer)
         norms, bookkeeper = step_norms(optimizer)
+        check_batch_rows(self._indices, norms, "IndividualGDPFilter")
         params = dp_params(optimizer) if bookkeeper is None else []
         active = self.mask_and_record(params, self._indices.to(norms.device), norms, sigma, clip)
         if bookkeeper is not None:  # ghost mode: inactive examples get coefficient 0
             bookkeeper.set_mask(active.to(norms.dtype))
+        if not self._covered:
+            self.uncertified_steps += 1
         self._indices = None
 
     def set_batch_indices(self, indices) -> None:
@@ -231,7 +322,8 @@ class IndividualGDPFilter(Callback):
     def state_dict(self):
         return {"accountant": self.accountant.state_dict(), "dropped": self.dropped.cpu(),
                 "budget": self.budget, "tolerance": self.tolerance,
-                "active_counts": self.active_counts()}
+                "active_counts": self.active_counts(),
+                "uncertified_steps": self.uncertified_steps}
 
     def load_state_dict(self, state_dict):
         if abs(float(state_dict["budget"]) - self.budget) > 0:
@@ -240,3 +332,4 @@ class IndividualGDPFilter(Callback):
         self.accountant.load_state_dict(state_dict["accountant"])
         self.dropped = torch.as_tensor(state_dict["dropped"], dtype=torch.bool).clone()
         self.active_history = [torch.tensor(c) for c in state_dict.get("active_counts", [])]
+        self.uncertified_steps = int(state_dict.get("uncertified_steps", 0))

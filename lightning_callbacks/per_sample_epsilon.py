@@ -6,20 +6,55 @@ Keeps, in tensors indexed by dataset index (see
 * the individual GDP state, :math:`(\mu^{(i)})^2 = \sum_j (\mu_j^{(i)})^2` with
   :math:`\mu_j^{(i)} = \min(\lVert g_{ij}\rVert,C)/(\sigma C)` when :math:`i` is in the batch and
   the worst case :math:`1/\sigma` when it is not (Koskela et al. 2023, eq. (4.2), Thm 2). For
-  full-batch DP-GD this is the paper's individual GDP value; with Poisson subsampling it
-  ignores amplification (valid but loose);
+  full-batch DP-GD this is the paper's individual GDP value (:meth:`gdp_epsilons`);
+* for a run whose scheme it knows (``GDPScheme``, or ``PoissonScheme(q)``: read from
+  ``DPCallback`` / the train batch sampler, or passed as ``scheme=``), the **population** ε of
+  the same steps (:meth:`population_epsilon`: the Poisson-subsampled Gaussian PLD composition,
+  as ``DPCallback`` prices it), a guarantee for every example;
 * optionally, for Poisson-subsampled DP-SGD, the integer σ-grid histogram ``K[i, b]`` of the
   **APPROXIMATE** App. D individual PLD accountant
   (:class:`~opacus_structured.accounting.individual_gdp.ApproximateIndividualPLDAccountant`).
   Steps where :math:`i` was not sampled are charged the worst bucket (σ̃ = σ), because its norm
   is unknown there (digest pitfall 8). Its ε values are estimates, **not certified bounds**.
 
+**Per-example ε** (:meth:`epsilons`) is the smaller of the individual GDP ε and the population
+ε. Both bound example :math:`i`'s privacy loss, so the minimum does too.
+
+*Why the individual GDP ε alone is far above the population ε under Poisson sampling* (e.g.
+q = 1/8, σ = 1, 16 steps, δ = 1e-5: 24.38 for an example whose gradient norm is always ≥ C,
+against a population ε of 4.02). The individual GDP value composes one μ per step by
+Theorem 2, which is valid for fully adaptive, data-dependent μ; but no per-step μ can capture
+subsampling amplification: one Poisson-subsampled Gaussian step with sensitivity C is μ-GDP only
+for μ ≥ 1/σ. Its privacy curve has the same Gaussian tail as the unsampled step: the μ
+matching its δ(ε) at q = 1/8, σ = 1 is 0.36 at ε = 1, 0.65 at ε = 4, 0.79 at ε = 8, and tends
+to 1. Amplification appears only in the PLD of the whole composition. So the tracker charges an
+unsampled step the worst case 1/σ and a sampled one min(‖g‖, C)/(σC). This is sound but
+ignores amplification. The population PLD bound uses amplification, and it applies to every
+example because each example's contribution is clipped to C at every step. Hence
+``epsilons()`` reports min(24.38, 4.02) = 4.02 for such an example: exactly the population ε.
+
+An amplified *individual* value below the population ε would need two things the tracker does
+not have:
+
+* each example's gradient norm at every step, including the steps where it was not sampled (an
+  extra pass over the whole dataset per step; digest pitfall 8). The tracker sees only the
+  batch, so an unsampled step must be charged the worst case, and with q = 1/8 that is 7/8 of
+  the steps;
+* a composition theorem for PLDs chosen adaptively, since the norms depend on the released
+  model. The paper leaves this open; its App. D accountant (``approximate_pld=``) is an
+  estimate.
+
+With a full batch every example is in every step, and the individual GDP value is the paper's
+(and is never above the population value).
+
 Updates happen in ``on_before_optimizer_step`` (per-sample gradients are populated; put this
 callback *after* an :class:`~lightning_callbacks.gdp_filter.IndividualGDPFilter` so excluded
 examples are seen with zero gradient) with ``index_add_`` / ``index_put_(accumulate=True)``: no
-Python loop over examples and no host synchronisation per step. Export with :meth:`mu`,
-:meth:`epsilons`, :meth:`histogram`, :meth:`to_csv`, :meth:`plot_histogram`; the state is saved in
-Lightning checkpoints (``state_dict`` / ``load_state_dict``).
+Python loop over examples and no host synchronisation per step. The dataset indices of a batch
+come from its batch sampler (:mod:`lightning_callbacks.batch_indices`), so the LightningModule
+is unmodified. Export with :meth:`mu`, :meth:`epsilons`, :meth:`histogram`, :meth:`to_csv`,
+:meth:`plot_histogram`. The state is saved in Lightning checkpoints
+(``state_dict`` / ``load_state_dict``).
 
 Reported individual ε values are data-dependent and are not themselves protected (digest §6).
 
@@ -34,6 +69,7 @@ of a step is in exactly one shard) and returns the full vector, identical on eve
 from __future__ import annotations
 
 import csv
+import math
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -44,21 +80,28 @@ try:
 except ImportError:  # pragma: no cover
     from pytorch_lightning import Callback
 
-from opacus_structured._validation import check_int
+from opacus_structured._validation import check_int, check_open_unit, check_positive
+from opacus_structured.accountants.base import SchemeAccountant
 from opacus_structured.accountants.individual_gdp import IndividualGDPAccountant
+from opacus_structured.accounting import pld as pld_lib
 from opacus_structured.accounting.individual_gdp import (
     ApproximateIndividualEpsilons,
     ApproximateIndividualPLDAccountant,
 )
-from opacus_structured.indexed_dataset import batch_indices
+from opacus_structured.schemes.base import Scheme
+from opacus_structured.schemes.gdp import GDPScheme
+from opacus_structured.schemes.poisson import PoissonScheme
 
-from .gdp_filter import _dp_settings, step_norms
+from .batch_indices import IndexSource, train_scheme
+from .dp_callback import DPCallback
+from .gdp_filter import _dp_settings, check_batch_rows, step_norms
 
 __all__ = ["PerSampleEpsilonTracker"]
 
 
 class PerSampleEpsilonTracker(Callback):
-    """Per-example Σμ² (and optional APPROXIMATE App. D PLD histogram) tracker.
+    """Per-example Σμ², per-example ε (with the population bound) and optional APPROXIMATE
+    App. D PLD histogram.
 
     Args:
         num_examples: dataset size N (10⁶ is fine: 16 bytes per example, plus
@@ -66,47 +109,122 @@ class PerSampleEpsilonTracker(Callback):
         approximate_pld: an :class:`ApproximateIndividualPLDAccountant` whose
             ``noise_multiplier`` and ``sample_rate`` match the run; enables the approximate
             per-example PLD state (labelled approximate everywhere).
-        index_fn: ``batch -> LongTensor`` of dataset indices (default: last batch element).
+        index_fn: ``batch -> LongTensor`` of dataset indices read from the batch (e.g.
+            :func:`~opacus_structured.indexed_dataset.batch_indices` for an
+            ``IndexedDataset``). Default: the indices the train batch sampler recorded (the
+            batch is not touched; see :mod:`lightning_callbacks.batch_indices`).
+        scheme: the run's batching scheme. Default: read at fit start from ``DPCallback`` or
+            the train batch sampler. With :class:`~opacus_structured.schemes.gdp.GDPScheme` or
+            a :class:`~opacus_structured.schemes.poisson.PoissonScheme` with a rate, the tracker
+            also prices the population (every-example) ε of the steps it saw, and
+            :meth:`epsilons` reports the smaller of the two bounds; pass it when calling
+            :meth:`update` by hand.
+        discretization: PLD discretisation of that population accountant (pessimistic);
+            default: ``DPCallback``'s when one is attached (so both report the same population
+            ε), else the package default.
     """
 
     def __init__(self, num_examples: int, *,
                  approximate_pld: Optional[ApproximateIndividualPLDAccountant] = None,
-                 index_fn: Optional[Callable] = None):
+                 index_fn: Optional[Callable] = None, scheme: Optional[Scheme] = None,
+                 discretization: Optional[float] = None):
         super().__init__()
         self.num_examples = check_int("num_examples", num_examples, minimum=1)
         self.accountant = IndividualGDPAccountant(self.num_examples)
+        if approximate_pld is not None and not isinstance(
+                approximate_pld, ApproximateIndividualPLDAccountant):
+            raise ValueError(f"approximate_pld must be an ApproximateIndividualPLDAccountant, "
+                             f"got {type(approximate_pld).__name__}")
         self.approximate_pld = approximate_pld
-        self.index_fn = index_fn or batch_indices
+        self._discretization_given = discretization is not None
+        self.discretization = (pld_lib.DEFAULT_DISCRETIZATION if discretization is None
+                               else check_positive("discretization", discretization))
+        self._source = IndexSource("PerSampleEpsilonTracker", index_fn)
+        self.index_fn = index_fn
         self.pld_counts = None
         if approximate_pld is not None:
             # buckets 1.. only; bucket 0 (the worst case) = steps - sum(others)
             self.pld_counts = torch.zeros(self.num_examples, approximate_pld.num_sigmas,
                                           dtype=torch.int32)
+        self.scheme: Optional[Scheme] = None
+        #: Accountant of the population ε (every example) of the steps recorded, or ``None``.
+        self.population = None
+        if scheme is not None:
+            self._set_scheme(scheme)
         self._indices: Optional[torch.Tensor] = None
 
     @property
     def steps(self) -> int:
         return self.accountant.recorded_steps
 
+    # ---- the run's scheme ----------------------------------------------------------------
+    def _set_scheme(self, scheme: Scheme) -> None:
+        if not isinstance(scheme, Scheme):
+            raise ValueError(f"scheme must be a Scheme (e.g. PoissonScheme(sample_rate=q) or "
+                             f"GDPScheme()), got {type(scheme).__name__}")
+        if isinstance(scheme, PoissonScheme) and scheme.sample_rate is None:
+            raise ValueError("scheme=PoissonScheme() needs its sample_rate to price the "
+                             "population epsilon: pass PoissonScheme(sample_rate=q)")
+        if self.scheme is not None:
+            if scheme != self.scheme:
+                raise ValueError(f"PerSampleEpsilonTracker prices {self.scheme!r} (given or "
+                                 f"restored) but the run draws batches with {scheme!r}")
+            return
+        self.scheme = scheme
+        if isinstance(scheme, (GDPScheme, PoissonScheme)):
+            self.population = SchemeAccountant(scheme, discretization=self.discretization)
+        rate = scheme.expected_sample_rate()
+        acc = self.approximate_pld
+        if acc is not None and rate is not None and not math.isclose(acc.sample_rate, rate):
+            raise ValueError(f"approximate_pld has sample_rate={acc.sample_rate} but the run "
+                             f"samples at {rate} ({scheme!r})")
+
+    def _sample_rate(self) -> Optional[float]:
+        return None if self.scheme is None else self.scheme.expected_sample_rate()
+
     # ---- hooks ---------------------------------------------------------------------------
+    def on_fit_start(self, trainer, pl_module):
+        self._source.on_fit_start(trainer)
+
+    def on_train_start(self, trainer, pl_module):
+        self._source.on_train_start(trainer)
+        scheme = train_scheme(trainer)
+        dps = [cb for cb in trainer.callbacks if isinstance(cb, DPCallback)]
+        if dps and not self._discretization_given:
+            self.discretization = dps[0].discretization
+            if self.population is not None:
+                self.population.discretization = self.discretization
+        if isinstance(scheme, PoissonScheme) and scheme.sample_rate is None:
+            rate = dps[0].sample_rate if dps else None
+            # the rate Opacus' hook reports (1/len(loader) >= q): pricing at it never
+            # under-reports
+            scheme = PoissonScheme(sample_rate=rate) if rate is not None else None
+        if scheme is not None:
+            self._set_scheme(scheme)
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._indices = self.index_fn(batch)
+        self._indices = self._source.indices(trainer, batch)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if self._indices is None:
             raise ValueError("no batch indices recorded for this step")
         sigma, clip = _dp_settings(optimizer)
         norms, _ = step_norms(optimizer)
+        check_batch_rows(self._indices, norms, "PerSampleEpsilonTracker")
         self.update(self._indices.to(norms.device), norms, sigma, clip)
         self._indices = None
 
     def update(self, indices: torch.Tensor, norms: torch.Tensor, noise_multiplier: float,
                max_grad_norm: float) -> None:
-        """Record one optimizer step for the examples ``indices`` with per-sample ``norms``."""
+        """Record one optimizer step for the examples ``indices`` with per-sample ``norms``
+        (and one step of the population accountant, if the scheme is known)."""
         dev = norms.device
         if self.accountant.observed_mu_sq.device != dev:
             self.accountant.to(dev)
         self.accountant.record_norms(indices, norms, noise_multiplier, max_grad_norm)
+        if self.population is not None:
+            self.population.step(noise_multiplier=noise_multiplier,
+                                 sample_rate=self._sample_rate())
         if self.pld_counts is not None:
             acc = self.approximate_pld
             if noise_multiplier != acc.noise_multiplier:
@@ -144,12 +262,32 @@ class PerSampleEpsilonTracker(Callback):
         """Tensor [N] of individual GDP μ^(i)."""
         return self.mu_squared().sqrt()
 
-    def epsilons(self, delta: float) -> np.ndarray:
-        """numpy [N] of individual GDP ε(δ) (Cor. C.2)."""
+    def gdp_epsilons(self, delta: float) -> np.ndarray:
+        """numpy [N] of the individual GDP ε(δ) (Cor. C.2 at μ^(i); no amplification)."""
         return self.accountant.individual_epsilons(delta)
 
+    def population_epsilon(self, delta: float) -> Optional[float]:
+        """ε(δ) of the steps recorded for *every* example, priced by the run's scheme
+        (Poisson-subsampled Gaussian PLD, or the full-batch Gaussian); ``None`` when the
+        scheme is not known to the tracker (see ``scheme``)."""
+        if self.population is None:
+            return None
+        delta = check_open_unit("delta", delta)
+        if len(self.population) == 0:
+            return 0.0
+        return float(self.population.get_epsilon(delta))
+
+    def epsilons(self, delta: float) -> np.ndarray:
+        """numpy [N] of per-example ε(δ): the smaller of the individual GDP ε
+        (:meth:`gdp_epsilons`) and the population ε (:meth:`population_epsilon`), both upper
+        bounds for the example (module doc). Under Poisson sampling an example whose gradient
+        norm is always ≥ C gets exactly the population ε."""
+        eps = self.gdp_epsilons(delta)
+        pop = self.population_epsilon(delta)
+        return eps if pop is None else np.minimum(eps, pop)
+
     def histogram(self, delta: float, bins: int | Sequence[float] = 50):
-        """``(counts, edges)`` of the individual GDP ε(δ) (numpy)."""
+        """``(counts, edges)`` of the per-example ε(δ) (:meth:`epsilons`, numpy)."""
         return np.histogram(self.epsilons(delta), bins=bins)
 
     def approximate_pld_counts(self) -> torch.Tensor:
@@ -170,17 +308,22 @@ class PerSampleEpsilonTracker(Callback):
         return self.approximate_pld.approximate_epsilons(k.numpy(), delta, **kwargs)
 
     def to_csv(self, path, delta: float) -> None:
-        """Write ``index, mu, epsilon_gdp`` for every example."""
+        """Write ``index, mu, epsilon, epsilon_gdp`` for every example (``epsilon`` is
+        :meth:`epsilons`, ``epsilon_gdp`` the individual GDP value without amplification)."""
         mu = self.mu().cpu().numpy()
-        eps = self.epsilons(delta)
+        gdp = self.gdp_epsilons(delta)
+        pop = self.population_epsilon(delta)
+        eps = gdp if pop is None else np.minimum(gdp, pop)
         with open(path, "w", newline="") as fh:
             w = csv.writer(fh)
-            w.writerow(["index", "mu", f"epsilon_gdp_delta_{delta:g}"])
+            w.writerow(["index", "mu", f"epsilon_delta_{delta:g}",
+                        f"epsilon_gdp_delta_{delta:g}"])
             for i in range(self.num_examples):
-                w.writerow([i, repr(float(mu[i])), repr(float(eps[i]))])
+                w.writerow([i, repr(float(mu[i])), repr(float(eps[i])), repr(float(gdp[i]))])
 
     def plot_histogram(self, path, delta: float, bins: int = 50, worst_case: bool = True):
-        """Save a histogram of the individual GDP ε(δ) (matplotlib, Agg backend)."""
+        """Save a histogram of the per-example ε(δ) (matplotlib, Agg backend); the dashed line
+        is the population ε (or, with no known scheme, the worst case √T/σ)."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -189,8 +332,11 @@ class PerSampleEpsilonTracker(Callback):
         fig, ax = plt.subplots(figsize=(5, 3.2))
         ax.hist(self.epsilons(delta), bins=bins)
         if worst_case:
-            e = self.accountant.get_epsilon(delta)
-            ax.axvline(e, color="k", ls="--", label=f"worst case ε = {e:.3g}")
+            e = self.population_epsilon(delta)
+            label = "population"
+            if e is None:
+                e, label = self.accountant.get_epsilon(delta), "worst case"
+            ax.axvline(e, color="k", ls="--", label=f"{label} ε = {e:.3g}")
             ax.legend()
         ax.set_xlabel(f"individual ε (δ = {delta:g})")
         ax.set_ylabel("examples")
@@ -203,10 +349,20 @@ class PerSampleEpsilonTracker(Callback):
         state = {"accountant": self.accountant.state_dict()}
         if self.pld_counts is not None:
             state["pld_counts"] = self.pld_counts.cpu().clone()
+        if self.scheme is not None:
+            state["scheme"] = self.scheme.to_dict()
+        if self.population is not None:
+            state["population"] = self.population.state_dict()
         return state
 
     def load_state_dict(self, state_dict):
+        if "scheme" in state_dict:
+            self._set_scheme(Scheme.from_dict(state_dict["scheme"]))
         self.accountant.load_state_dict(state_dict["accountant"])
+        if self.population is not None:
+            if "population" not in state_dict:
+                raise ValueError("checkpoint has no population accountant state")
+            self.population.load_state_dict(state_dict["population"])
         if self.pld_counts is not None:
             if "pld_counts" not in state_dict:
                 raise ValueError("checkpoint has no approximate PLD counts")

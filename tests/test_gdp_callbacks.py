@@ -4,15 +4,14 @@ import csv
 import math
 import warnings
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-import lightning.pytorch as pl
 from opacus import GradSampleModule
 from opacus.optimizers import DPOptimizer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_callbacks.gdp_filter import IndividualGDPFilter
 from lightning_callbacks.per_sample_epsilon import PerSampleEpsilonTracker
@@ -120,7 +119,7 @@ def test_filter_drops_exactly_at_budget_and_sum_matches_manual():
         gs = probe.grads[j]
         flat = torch.cat([g.reshape(N, -1) for g in gs], 1)
         factor = (C / (flat.norm(dim=1) + 1e-6)).clamp(max=1.0) * active
-        for g, s in zip(gs, probe.summed[j]):
+        for g, s in zip(gs, probe.summed[j], strict=True):
             manual = torch.einsum("i,i...->...", factor, g)
             torch.testing.assert_close(s, manual, rtol=1e-5, atol=1e-6)
 
@@ -302,7 +301,35 @@ def test_filter_in_ghost_mode_equals_hooks_mode(permanent_drop):
     assert min(f_h.active_counts()) < n  # the filter did drop someone
     torch.testing.assert_close(f_g.accountant.observed_mu_sq, f_h.accountant.observed_mu_sq,
                                rtol=1e-9, atol=1e-12)
-    for a, b in zip(p_g, p_h):
+    for a, b in zip(p_g, p_h, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
     with pytest.raises(ValueError, match="set_batch_indices"):  # indices are per backward
         ghost_crit(ghost_model(x), y).backward()
+
+
+def test_index_fn_reads_indexed_dataset_batches_and_recorder_agrees():
+    # IndexedDataset (indices as the last batch element) still works with
+    # index_fn=batch_indices; without index_fn the recorded sampler indices are used. Shuffled
+    # full batches: the row order differs from 0..N-1, so a wrong mapping would show.
+    class IdxProbe(_Probe):
+        def __init__(self):
+            super().__init__()
+            self.idx = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.idx.append(batch_indices(batch).clone())
+
+    states = []
+    for index_fn in (batch_indices, None):
+        probe = IdxProbe()
+        tracker = PerSampleEpsilonTracker(N, index_fn=index_fn)
+        torch.manual_seed(3)
+        dl = DataLoader(_data(), batch_size=N, shuffle=True)
+        _trainer([probe, tracker], 3).fit(_Net(), dl)
+        assert any(i.tolist() != list(range(N)) for i in probe.idx)
+        want = np.zeros(N)
+        for idx, n in zip(probe.idx, probe.norms, strict=True):
+            want[idx.numpy()] += np.minimum(n.double().numpy(), C) ** 2 / (SIGMA * C) ** 2
+        np.testing.assert_allclose(tracker.mu_squared().numpy(), want, rtol=1e-9)
+        states.append(tracker.mu_squared())
+    torch.testing.assert_close(states[0], states[1])

@@ -43,6 +43,22 @@ prices exactly the single-process mechanism; every rank keeps an identical accou
 
 The ε reported is what the scheme's accountant proves: an upper bound (``accountant.bound``);
 a scheme whose bound kind is "lower" is refused, since a lower bound is no guarantee.
+
+**Estimates are labelled, never logged as ``dp/epsilon``.** An accountant whose bound kind is
+not a guarantee (``BoundKind.MONTE_CARLO``, e.g. ``bminsep-mc``: a high-confidence estimate
+that holds with probability ≥ 1 − q) is refused unless ``allow_estimate=True``. Then
+:meth:`DPCallback.epsilon` returns the accountant's labelled value (a
+:class:`~opacus_structured.accounting.monte_carlo.MonteCarloEpsilon`, which prints its label),
+the value is logged as ``dp/epsilon_mc_estimate`` (``dp/epsilon_estimate`` for another
+non-guarantee kind; :attr:`DPCallback.epsilon_metric`) and never as ``dp/epsilon``, and
+``target_epsilon`` is refused unless ``stop_on_estimate=True`` (stopping on an estimate stops
+within the budget only with the estimate's confidence).
+
+**No ε from a callback that priced nothing.** :meth:`DPCallback.epsilon` and
+:meth:`DPCallback.prospective_epsilon` raise
+:class:`~opacus_structured.accountants.base.AccountantNotAttachedError` on a callback that was
+never attached to a fit (``on_fit_start`` never ran) and holds no restored steps: its 0 would
+describe no training. After fit start and before the first step, 0 is the honest value.
 """
 
 from __future__ import annotations
@@ -67,7 +83,7 @@ from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from opacus.validators import ModuleValidator
 
 from opacus_structured._validation import check_open_unit, check_positive
-from opacus_structured.accountants.base import SchemeAccountant
+from opacus_structured.accountants.base import AccountantNotAttachedError, SchemeAccountant
 from opacus_structured.accounting import pld as pld_lib
 from opacus_structured.samplers.poisson import PoissonBatchSampler, _fresh_seed
 from opacus_structured.schemes.base import BoundKind, Scheme
@@ -279,6 +295,12 @@ class DPCallback(pl.Callback):
             ``nn.Linear`` layers and no second backward, so the LightningModule stays
             unmodified. Same clipped sum, same noise, same ε. Needs the callback to wrap the
             optimizer and every module run once per step; works under DDP too.
+        allow_estimate: accept an accountant whose ε is an estimate, not a guarantee (bound
+            kind ``"monte-carlo"``). Its value is logged as ``<log_prefix>epsilon_mc_estimate``
+            (never as ``<log_prefix>epsilon``) and :meth:`epsilon` returns it labelled. Default
+            False: such an accountant is refused.
+        stop_on_estimate: with ``allow_estimate``, allow ``target_epsilon`` to stop training on
+            the estimate (default False: ``target_epsilon`` with an estimate is refused).
     """
 
     def __init__(self, *, delta: float, noise_multiplier: Optional[float] = None,
@@ -291,7 +313,8 @@ class DPCallback(pl.Callback):
                  install_sampler: bool = True, seed: Optional[int] = None,
                  discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
                  loss_reduction: str = "mean", log_prefix: str = "dp/",
-                 grad_sample_mode: str = "hooks"):
+                 grad_sample_mode: str = "hooks", allow_estimate: bool = False,
+                 stop_on_estimate: bool = False):
         super().__init__()
         if grad_sample_mode not in ("hooks", "ghost"):
             raise ValueError(f"grad_sample_mode must be 'hooks' or 'ghost', got "
@@ -351,6 +374,31 @@ class DPCallback(pl.Callback):
                              f"which is no privacy guarantee; pick a scheme with an upper bound")
         self.accountant = accountant if accountant is not None else SchemeAccountant(
             self.scheme, discretization=self.discretization)
+        self.allow_estimate = bool(allow_estimate)
+        self.stop_on_estimate = bool(stop_on_estimate)
+        kind = self.bound_kind
+        if kind == BoundKind.LOWER:
+            raise ValueError(f"the accountant ({type(self.accountant).__name__}) only yields a "
+                             f"lower bound on ε, which is no privacy guarantee")
+        if not self.is_guarantee:
+            if not self.allow_estimate:
+                raise ValueError(
+                    f"the accountant's ε is a {kind} estimate (bound kind {str(kind)!r}), not a "
+                    f"guarantee: DPCallback would log it as {log_prefix}epsilon and stop on it "
+                    f"as if it bounded ε. Pass allow_estimate=True to log it, labelled, as "
+                    f"{log_prefix}{self._estimate_metric(kind)} (certify the noise multiplier "
+                    f"first, e.g. scheme.certify(...)), or use a scheme with an upper bound")
+            if self.target_epsilon is not None and not self.stop_on_estimate:
+                raise ValueError(
+                    f"target_epsilon={self.target_epsilon} with a {kind} estimate of ε: "
+                    f"stopping on an estimate keeps ε below the target only with the "
+                    f"estimate's confidence; pass stop_on_estimate=True to stop on it anyway, "
+                    f"or drop target_epsilon")
+        elif stop_on_estimate:
+            raise ValueError("stop_on_estimate=True needs an accountant whose ε is an estimate "
+                             "(and allow_estimate=True); this accountant gives a guarantee")
+        self.epsilon_metric = (f"{log_prefix}epsilon" if self.is_guarantee
+                               else f"{log_prefix}{self._estimate_metric(kind)}")
         self._sampler_arg = sampler
         seed = _fresh_seed() if seed is None else int(seed)
         self.sampler_generator = torch.Generator().manual_seed(seed)
@@ -364,6 +412,29 @@ class DPCallback(pl.Callback):
         self._pending: Optional[dict] = None
         self._ready = False
         self._memo: dict = {}
+
+    # ---- what kind of ε -------------------------------------------------------------------
+    @property
+    def bound_kind(self):
+        """The accountant's bound kind (its ``bound``, else the scheme's): a
+        :class:`~opacus_structured.accounting.bounds.BoundKind` when it is a known one."""
+        kind = getattr(self.accountant, "bound", None)
+        if kind is None:
+            kind = self.scheme.bound
+        try:
+            return BoundKind(kind)
+        except ValueError:
+            return kind
+
+    @property
+    def is_guarantee(self) -> bool:
+        """Whether the reported ε is a certain upper bound (bound kind tight or upper)."""
+        kind = self.bound_kind
+        return isinstance(kind, BoundKind) and kind.is_guarantee
+
+    @staticmethod
+    def _estimate_metric(kind) -> str:
+        return "epsilon_mc_estimate" if kind == BoundKind.MONTE_CARLO else "epsilon_estimate"
 
     # ---- verification + wrapping at fit start -------------------------------------------
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -574,25 +645,55 @@ class DPCallback(pl.Callback):
         except TypeError:
             return None
 
+    def _require_priced(self) -> None:
+        if not self._ready and len(self.accountant) == 0:
+            raise AccountantNotAttachedError(
+                "DPCallback was never attached to a Trainer (pass callbacks=[dp] to Trainer and "
+                "call fit): no step was priced, so its epsilon would describe no training")
+
     def epsilon(self) -> float:
-        """ε(δ) of all steps taken so far (0 before the first step)."""
+        """ε(δ) of all steps taken so far (0 after fit start, before the first step).
+
+        A guarantee is returned as a float; with ``allow_estimate`` the accountant's labelled
+        estimate (e.g. a ``MonteCarloEpsilon``) is returned as is, label included. Raises
+        ``AccountantNotAttachedError`` if the callback never took part in a fit and holds no
+        restored steps.
+        """
+        self._require_priced()
         if len(self.accountant) == 0:
             return 0.0
         key = self._key()
         if key is not None and key in self._memo:
             return self._memo[key]
-        eps = float(self.accountant.get_epsilon(self.delta))
+        eps = self.accountant.get_epsilon(self.delta)
+        if self.is_guarantee:
+            if getattr(eps, "estimate", None) is not None:  # a labelled estimate after all
+                raise ValueError(
+                    f"the accountant reports bound kind {str(self.bound_kind)!r} but returned "
+                    f"an estimate ({eps}); refusing to report it as a guarantee")
+            eps = float(eps)
         if key is not None:
             self._memo = {key: eps}
         return eps
 
     def prospective_epsilon(self) -> float:
         """ε(δ) if one more step were taken at the current noise multiplier."""
+        self._require_priced()
         sigma = (self.optimizer.noise_multiplier if self.optimizer is not None
                  else self.noise_multiplier)
+        rate = self.sample_rate
+        if rate is None:  # restored before fit: the last recorded step's rate
+            history = getattr(self.accountant, "history", None) or []
+            rate = history[-1][1] if history else self.scheme.expected_sample_rate()
+        if sigma is None:
+            history = getattr(self.accountant, "history", None) or []
+            sigma = history[-1][0] if history else None
+        if sigma is None or rate is None:
+            raise ValueError("prospective_epsilon needs the noise multiplier and sample rate "
+                             "of the next step: pass noise_multiplier= or call it during fit")
         saved = copy.deepcopy(self.accountant.state_dict())
         memo = dict(self._memo)
-        self.accountant.step(noise_multiplier=sigma, sample_rate=self.sample_rate)
+        self.accountant.step(noise_multiplier=sigma, sample_rate=rate)
         try:
             eps = self.epsilon()
             memo[self._key()] = eps
@@ -602,7 +703,11 @@ class DPCallback(pl.Callback):
         return eps
 
     def _budget_exhausted(self) -> bool:
-        return self.target_epsilon is not None and self.prospective_epsilon() > self.target_epsilon
+        if self.target_epsilon is None:
+            return False
+        if not self.is_guarantee and not self.stop_on_estimate:  # refused at construction
+            return False
+        return self.prospective_epsilon() > self.target_epsilon
 
     # ---- training hooks -----------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
@@ -625,7 +730,7 @@ class DPCallback(pl.Callback):
             self.sampler.prune()
         eps = self.epsilon()
         self.epsilon_history.append((self.steps, eps))
-        pl_module.log(f"{self.log_prefix}epsilon", _float32_up(eps), on_step=True, on_epoch=False,
+        pl_module.log(self.epsilon_metric, _float32_up(eps), on_step=True, on_epoch=False,
                       prog_bar=True, logger=True, batch_size=1)
         pl_module.log(f"{self.log_prefix}delta", self.delta, on_step=True, on_epoch=False,
                       logger=True, batch_size=1)
@@ -635,7 +740,7 @@ class DPCallback(pl.Callback):
             trainer.should_stop = True
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        pl_module.log(f"{self.log_prefix}epsilon_epoch", _float32_up(self.epsilon()), on_step=False,
+        pl_module.log(f"{self.epsilon_metric}_epoch", _float32_up(self.epsilon()), on_step=False,
                       on_epoch=True, logger=True, batch_size=1)
 
     def on_fit_end(self, trainer, pl_module) -> None:
@@ -672,7 +777,9 @@ class DPCallback(pl.Callback):
                              f"prices {self.scheme!r}; resume with the same scheme")
         if self._ready:
             self._apply_state(state_dict)
-        else:  # objects are built at fit start
+        else:  # objects are built at fit start; the priced steps count from now on
+            self.accountant.load_state_dict(state_dict["accountant"])
+            self._memo = {}
             self._pending = state_dict
 
     def _apply_state(self, state: dict[str, Any]) -> None:

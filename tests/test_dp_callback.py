@@ -11,10 +11,9 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 pl = pytest.importorskip("lightning.pytorch")
+from dp_accounting.pld import privacy_loss_distribution as dp_pld  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers.logger import Logger  # noqa: E402
-
-from dp_accounting.pld import privacy_loss_distribution as dp_pld  # noqa: E402
 from opacus.optimizers import DPOptimizer  # noqa: E402
 
 from lightning_callbacks.dp_callback import DPCallback  # noqa: E402
@@ -125,7 +124,7 @@ def test_logged_epsilon_equals_accountant_epsilon():
                                           value_discretization_interval=DISC).self_compose(5)
     assert logged[-1] >= peer.get_epsilon_for_delta(DELTA) - 2e-3
     assert logged[-1] == pytest.approx(peer.get_epsilon_for_delta(DELTA), abs=2e-2)
-    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     # hooks are removed after fit: the model is a plain module again
     assert not hasattr(model, "autograd_grad_sample_hooks")
 
@@ -145,7 +144,7 @@ def test_target_below_one_step_trains_nothing():
     before = [p.detach().clone() for p in model.parameters()]
     trainer(cb, max_steps=20).fit(model, data())
     assert cb.steps == 0
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_min_steps_past_budget_is_refused():
@@ -171,7 +170,7 @@ def test_resume_matches_uninterrupted_run(tmp_path, resume_step, mode):
     trainer(cb_b, max_steps=total).fit(model_b, data(), ckpt_path=path)
     assert cb_b.steps == cb_a.steps == total
     assert cb_b.epsilon() == cb_a.epsilon()
-    for a, b in zip(model_a.parameters(), model_b.parameters()):
+    for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -263,7 +262,7 @@ def test_correlated_noise_optimizer_state_resumes(tmp_path, monkeypatch):
     trainer(cb_b, max_steps=4).fit(model_b, data(),
                                    ckpt_path=os.path.join(tmp_path, "step=2.ckpt"))
     assert cb_b.optimizer.noise_step == cb_a.optimizer.noise_step == 4
-    for a, b in zip(model_a.parameters(), model_b.parameters()):
+    for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -303,3 +302,122 @@ def test_balls_in_bins_scheme_in_callback():
     trainer(cb, max_steps=10).fit(Tiny(), data())
     assert isinstance(cb.accountant, BallsInBinsAccountant) and cb.steps == 10
     assert cb.epsilon() == pytest.approx(scheme.epsilon(SIGMA, 16, DELTA, discretization=DISC))
+
+
+# ---- issue 22: no epsilon from a callback that priced nothing ----------------------------
+def test_epsilon_of_a_callback_never_attached_raises():
+    from opacus_structured.accountants.base import AccountantNotAttachedError
+
+    cb = callback()
+    with pytest.raises(AccountantNotAttachedError, match="never attached to a Trainer"):
+        cb.epsilon()
+    with pytest.raises(AccountantNotAttachedError, match="callbacks=\\[dp\\]"):
+        cb.prospective_epsilon()
+    # after fit started and before any step, 0 is the honest value
+    cb = callback(target_epsilon=reference_epsilon(1) * 0.9)
+    trainer(cb, max_steps=5).fit(Tiny(), data())
+    assert cb.steps == 0 and cb.epsilon() == 0.0
+
+
+def test_restored_callback_reports_its_steps_without_fit():
+    torch.manual_seed(0)
+    trained = callback()
+    trainer(trained, max_steps=3).fit(Tiny(), data())
+    restored = callback()
+    restored.load_state_dict(trained.state_dict())
+    assert restored.steps == 3
+    assert restored.epsilon() == trained.epsilon() == pytest.approx(reference_epsilon(3),
+                                                                    rel=1e-12)
+    assert restored.prospective_epsilon() == pytest.approx(reference_epsilon(4), rel=1e-12)
+
+
+def test_gdp_scheme_gets_a_full_batch_sampler():
+    from lightning_callbacks.batch_indices import FullBatchSampler
+    from opacus_structured.schemes.gdp import GDPScheme
+
+    torch.manual_seed(0)
+    cb = callback(scheme=GDPScheme())
+    t = trainer(cb, max_steps=3)
+    t.fit(Tiny(), data())
+    assert isinstance(t.train_dataloader.batch_sampler.inner, FullBatchSampler)
+    assert cb.optimizer.expected_batch_size == 64
+    peer = dp_pld.from_gaussian_mechanism(SIGMA, value_discretization_interval=DISC)
+    assert cb.epsilon() == pytest.approx(peer.self_compose(3).get_epsilon_for_delta(DELTA),
+                                         abs=1e-9)
+    assert cb.epsilon() >= GDPScheme().gdp_epsilon(SIGMA, 3, DELTA)  # closed form, exact
+
+
+# ---- issue 22: a Monte Carlo estimate keeps its label ------------------------------------
+MC_DELTA = 1e-2  # the Monte Carlo upper estimate needs a delta its samples can resolve
+
+
+class PoissonMonteCarloAccountant(SchemeAccountant):
+    """Poisson DP-SGD at q = 1/8 priced by Monte Carlo. b-min-sep sampling with b = 1 and a
+    one-band strategy *is* Poisson sampling with independent noise, so
+    ``BMinSepMonteCarloScheme`` estimates exactly this mechanism (a real estimate: labelled
+    ``MonteCarloEpsilon``, bound kind "monte-carlo")."""
+
+    def __init__(self):
+        from opacus_structured.schemes.bminsep_mc import BMinSepMonteCarloScheme
+
+        super().__init__(PoissonScheme(sample_rate=Q))
+        self.mc = BMinSepMonteCarloScheme(bands=1, min_sep=1, dataset_size=64, batch_size=8,
+                                          samples=20_000, workers=1)
+
+    @property
+    def bound(self):
+        from opacus_structured.accounting.monte_carlo import MONTE_CARLO
+
+        return MONTE_CARLO
+
+    def get_epsilon(self, delta, **kwargs):
+        sigma = min(s for s, _, n in self.history if n)
+        return self.mc.epsilon(sigma, len(self), delta)
+
+
+def mc_callback(**kw):
+    return callback(accountant=PoissonMonteCarloAccountant(), delta=MC_DELTA, **kw)
+
+
+def test_monte_carlo_accountant_is_refused_without_opt_in():
+    assert PoissonMonteCarloAccountant().mc.sampling_prob == Q
+    with pytest.raises(ValueError, match=r"(?s)monte-carlo estimate.*allow_estimate=True"):
+        mc_callback()
+    with pytest.raises(ValueError, match="stop_on_estimate=True"):
+        mc_callback(allow_estimate=True, target_epsilon=5.0)
+    with pytest.raises(ValueError, match="stop_on_estimate"):
+        callback(stop_on_estimate=True)  # a guarantee has nothing to opt into
+
+
+def test_monte_carlo_estimate_is_logged_labelled_and_never_as_dp_epsilon():
+    from opacus_structured.accounting.monte_carlo import MonteCarloEpsilon
+
+    torch.manual_seed(0)
+    cb, logger = mc_callback(allow_estimate=True), MemLogger()
+    trainer(cb, max_steps=4, logger=logger).fit(Tiny(), data())
+    assert cb.steps == 4 and not cb.is_guarantee
+    keys = {k for _, m in logger.rows for k in m}
+    assert "dp/epsilon" not in keys and "dp/epsilon_epoch" not in keys
+    logged = logger.values("dp/epsilon_mc_estimate")
+    assert len(logged) == 4
+    eps = cb.epsilon()
+    assert isinstance(eps, MonteCarloEpsilon) and "Monte Carlo" in f"{eps:.3f}"
+    assert logged[-1] == pytest.approx(float(eps), rel=1e-6) and logged[-1] >= float(eps)
+    for steps, value in cb.epsilon_history:
+        assert isinstance(value, MonteCarloEpsilon)
+        exact = cb.accountant.mc.epsilon(SIGMA, steps, MC_DELTA)
+        assert float(value) == float(exact)
+    # an upper estimate at confidence 1 - 1e-3: above the certified PLD value of the same run
+    pld = SchemeAccountant(PoissonScheme(sample_rate=Q), discretization=DISC)
+    pld.step(noise_multiplier=SIGMA, sample_rate=Q, num_steps=4)
+    assert float(eps) >= pld.get_epsilon(MC_DELTA) - 1e-3
+
+
+def test_monte_carlo_estimate_stops_training_only_when_allowed():
+    acc = PoissonMonteCarloAccountant()
+    target = (float(acc.mc.epsilon(SIGMA, 2, MC_DELTA))
+              + float(acc.mc.epsilon(SIGMA, 3, MC_DELTA))) / 2
+    torch.manual_seed(0)
+    cb = mc_callback(allow_estimate=True, stop_on_estimate=True, target_epsilon=target)
+    trainer(cb, max_steps=10).fit(Tiny(), data())
+    assert cb.steps == 2

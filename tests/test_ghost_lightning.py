@@ -142,7 +142,7 @@ def test_forecaster_deepar_ghost_equals_hooks():
     from opacus_structured.forecasting.training import train_forecaster
 
     train, _ = train_test_split(load_us_employment().subset(range(0, 148, 18)), 6)
-    kw = dict(prediction_length=6, context_length=8, batch_size=4, noise_multiplier=1.0,
+    kw = dict(seed=0, prediction_length=6, context_length=8, batch_size=4, noise_multiplier=1.0,
               delta=1e-5, max_steps=3, discretization=1e-3, lr=1e-2, max_grad_norm=0.05,
               estimator_kwargs=dict(num_layers=2, hidden_size=4, lags_seq=[1, 2, 12],
                                     num_parallel_samples=5))

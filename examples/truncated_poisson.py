@@ -2,7 +2,7 @@
 
 Run: ``python examples/truncated_poisson.py`` (about a minute on 2 CPU cores), or
 ``python examples/truncated_poisson.py --plot docs/guides/truncated_poisson_eps_vs_b.png`` to
-redraw the guide's figure (digest §8.1 setting: n = 10000, p = 0.01, σ = 1, T = 1000, δ = 1e-5).
+redraw the guide's figure (its setting: n = 10000, p = 0.01, σ = 1, T = 1000, δ = 1e-5).
 
 1. Price the setting (Ganesh 2025 Thm 3.1 versus dp_accounting's event and the
    (ε, δ + e^ε η) baseline) and pick the smallest B within 1% of untruncated Poisson.

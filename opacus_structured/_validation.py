@@ -1,7 +1,7 @@
 """Argument checks shared by every public entry point.
 
 Each check raises ``ValueError`` naming the argument and the allowed range, so that bad input
-never turns into a NaN epsilon, a hang or a silent fallback (DEVELOPERS.md, non-negotiable 4).
+never turns into a NaN epsilon, a hang or a silent fallback.
 """
 
 from __future__ import annotations

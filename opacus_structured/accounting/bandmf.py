@@ -3,7 +3,7 @@
 No torch imports.
 
 1. BandMF with cyclic Poisson sampling (Choquette-Choo et al. 2023, "Amplified banded matrix
-   factorization", Theorem 4 / the reduction of digest ``seed1-bandmf-bminsep.md`` §3.2).
+   factorization", Theorem 4; restated by Dong & Ganesh, arXiv:2602.09338, §3).
    The dataset is split into ``b`` groups; step ``i`` Poisson-samples group ``i mod b`` at rate
    ``q = b·p0`` (``p0 = B/|D|``). With a ``b``-banded lower-triangular non-negative ``C`` the
    participations of one example (steps ``j, j+b, j+2b, …``) touch disjoint rows of ``C x``,
@@ -18,7 +18,8 @@ No torch imports.
    * *k-of-t random allocation*, fresh every epoch: each example is in ``k`` uniformly random
      distinct steps of each epoch of ``t`` steps; an epoch is priced by
      ``PLD_accounting.gaussian_allocation_pld(num_steps=t, num_selected=k)`` (dominating bound).
-   * *balls-in-bins with the bins reused for ``E`` epochs* (digest seed 4 §2): each example has
+   * *balls-in-bins with the bins reused for ``E`` epochs* (Schuchardt & Kalinin, Definition 2.7):
+     each example has
      one uniform bin of ``T`` and participates in steps ``bin, bin+T, …``. With ``C = I`` the
      ``T`` mixture means ``m_i = Σ_e e_{i+eT}`` are orthogonal with norm ``√E``, so by rotation
      invariance of the Gaussian the pair equals the 1-of-T allocation pair at noise multiplier

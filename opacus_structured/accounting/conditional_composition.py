@@ -1,6 +1,7 @@
 r"""Conditional-composition accountant for matrix mechanisms under random allocation.
 
-Schuchardt & Kalinin (seed 004), Section 4, Algorithm 4, Appendices D–F (digest §6). Pure
+Schuchardt & Kalinin, "Sampling-Free Privacy Accounting for Matrix Mechanisms under Random Allocation",
+Section 4, Algorithm 4, Appendices D–F. Pure
 numpy/scipy + dp_accounting (through :mod:`.pld`).
 
 **Conditional composition** (Lemma 4.1; Theorem 3.1 of Choquette-Choo et al. 2024). For the
@@ -28,13 +29,13 @@ gives :math:`\bar\lambda_i = s(-\log(i-1) - \tau_i)`.
 **Variational tail bounds** (Lemma 4.7, Theorem 4.8, Lemma D.2, Theorem D.3). For any categorical
 ψ, :math:`\log\sum_{j\in R} e^{L_{ij}} \ge E_\psi[L_{ij}] + H(\psi)` and :math:`E_\psi L_{ij}(x)` is
 affine in ``x``, hence Gaussian under each component of the prefix law: under REMOVE the prefix
-follows the full mixture :math:`\frac1b\sum_k \mathcal N(\mu_k, \sigma^2 I)` (Theorem D.3; the
-digest's §6.4 pitfall: Algorithm 4's partial sum over ``k ≥ i`` is not used), under ADD
+follows the full mixture :math:`\frac1b\sum_k \mathcal N(\mu_k, \sigma^2 I)` (Theorem D.3;
+Algorithm 4's partial sum over ``k ≥ i`` is not used: it does not follow from D.3), under ADD
 :math:`\mathcal N(0, \sigma^2 I)` (Theorem 4.8, closed form). The family is Option 1 (uniform)
 and Option 3 (:math:`\psi_j \propto e^{-\|\mu_i-\mu_j\|^2/t}`, ``t ∈ {10^{-1}, …, 10}``), the
 largest ``τ`` wins (Appendix F).
 
-Two always-valid refinements (digest §6.4–6.5, made exact here):
+Two always-valid refinements (Remark D.5 and Lemma 4.2, made exact here):
 
 * Components ``j`` with :math:`\mu_j = \mu_i` exactly have :math:`L_{ij} \equiv 0` (Remark D.5);
   they are kept out of ψ and enter exactly: :math:`L_i \ge \log(|E| + e^{\tau_R}) - \log(i-1)`.
@@ -44,7 +45,7 @@ Two always-valid refinements (digest §6.4–6.5, made exact here):
 
 **Failure budget** (Appendix E): a union bound, ``δ_E/N`` per step (split evenly over the
 components that need a bound). The paper's "max"/"hybrid" allocations are not implemented: their
-validity is not argued in the paper (digest §6.7). ``δ_E = δ/2`` (App. B.2).
+validity is not argued in the paper. ``δ_E = δ/2`` (App. B.2).
 
 **Composition**: the ``N`` univariate pairs are discretised pessimistically (connect-the-dots,
 :func:`.pld.pld_from_profile`) with the remove pair from the REMOVE weights and the add pair from

@@ -18,7 +18,7 @@ divergence is then attained on a half line,
     \qquad S_\varepsilon = \{x : L(x) > \varepsilon\},
 
 and is evaluated exactly with the normal survival function after solving :math:`L(x^*) = \varepsilon`
-(bracketed on a grid, then Newton steps). Both the one-sided pairs of seed 000 (mixture versus
+(bracketed on a grid, then Newton steps). Both the one-sided pairs of structured subsampling (mixture versus
 :math:`\mathcal{N}(0, \sigma^2)`) and the two-sided "double mixture" pairs (Theorems E.1 and E.8:
 :math:`\mathrm{MoG}(-\mu, p)` versus :math:`\mathrm{MoG}(+\mu, p)`) are of this form.
 

@@ -3,7 +3,7 @@ r"""Privacy profiles: :math:`\delta(\varepsilon)` curves that a PLD is built fro
 A *privacy profile* :math:`H(e^\varepsilon)` of a mechanism (Balle et al. 2018) is what the
 connect-the-dots discretisation (Doroshenko et al. 2022, Algorithm 1) needs: the values of
 :math:`\delta(\varepsilon)` on a finite grid of :math:`\varepsilon`, for negative
-:math:`\varepsilon` too. Seed 000 uses three kinds:
+:math:`\varepsilon` too. Structured subsampling (Schuchardt et al., ICML 2025) uses three kinds:
 
 * :class:`PairProfile` — :math:`H_{e^\varepsilon}(P\|Q)` of a dominating pair, for all
   :math:`\varepsilon`;

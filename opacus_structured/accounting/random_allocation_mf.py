@@ -1,7 +1,7 @@
 r"""Rényi accountant for matrix mechanisms under random allocation (balls-in-bins).
 
 Schuchardt & Kalinin, "Sampling-Free Privacy Accounting for Matrix Mechanisms under Random
-Allocation" (digest ``seed4-random-allocation-mf.md``). Pure numpy/scipy.
+Allocation". Pure numpy/scipy.
 
 Sampling (Definition 2.7). ``k`` epochs of ``b`` batches, ``N = k·b`` steps. Every example draws
 one bin ``i ∈ {0..b-1}`` uniformly and independently of all others, **once**, and takes part in

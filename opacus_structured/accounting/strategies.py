@@ -2,8 +2,10 @@
 
 Pure numpy/scipy (no torch import), so the accountants can use it.
 
-Background (Choquette-Choo et al. 2023, "Amplified banded matrix factorization", §2;
-digest ``seed1-bandmf-bminsep.md`` §2 and ``seed4-random-allocation-mf.md`` §3). Training with
+Background (Choquette-Choo et al. 2023, "Amplified banded matrix factorization", §2; Dong &
+Ganesh, "Privacy Amplification for BandMF via b-Min-Sep Subsampling", arXiv:2602.09338, §2;
+Schuchardt & Kalinin, "Sampling-Free Privacy Accounting for Matrix Mechanisms under Random
+Allocation", §3). Training with
 ``n`` steps releases noisy prefix sums of the clipped-gradient sums ``G`` (rows = steps),
 ``A (G + C^{-1} Z)`` with ``A`` the all-ones lower-triangular workload and ``Z`` i.i.d.
 ``N(0, σ² clip²)``. Step ``i`` adds the noise row ``w_i = (C^{-1} Z)_i`` instead of ``z_i``.
@@ -22,7 +24,7 @@ Conventions used throughout (they are the ones the accountants assume):
   ``c = (c_0, …, c_{b-1})``, ``C[i, j] = c_{i-j}`` for ``0 ≤ i-j < b`` (``b`` bands). It is
   **pure Toeplitz** (the last ``b-1`` columns are truncated, *not* column-normalised) and
   ``‖c‖₂ = 1``, so every participation has sensitivity ≤ 1 and σ is the noise multiplier in units
-  of the clip norm (digest §2.2 pitfall and §2.4). An accountant must use exactly these
+  of the clip norm (Choquette-Choo et al. 2023, §2). An accountant must use exactly these
   columns: column ``j`` is ``c[:min(b, n-j)]`` (:func:`toeplitz_columns`).
 * For a banded Toeplitz ``C`` the noise is generated online by forward substitution
   ``w_i = (z_i − Σ_{k=1}^{b-1} c_k w_{i−k}) / c_0`` (Algorithm 9 of Choquette-Choo et al. 2023),
@@ -47,7 +49,7 @@ Families
 
 BandMF objective
 ----------------
-As in jax_privacy ``toeplitz.optimize_banded_toeplitz`` (digest §2.3).
+As in jax_privacy ``toeplitz.optimize_banded_toeplitz``.
 With ``β = C^{-1} 1`` (the first column of ``A C^{-1}``; for Toeplitz ``C`` the row ``i`` of
 ``A C^{-1}`` is ``(β_i, β_{i-1}, …, β_0)``) the per-query error of prefix sum ``i`` is
 ``cumsum(β²)_i`` and
@@ -136,7 +138,7 @@ def banded_sqrt_coefficients(bands: int, *, normalize: bool = True) -> np.ndarra
     """BSR (Kalinin & Lampert 2024): the first ``bands`` max-error coefficients.
 
     ``normalize=True`` scales to ``‖c‖₂ = 1`` (this module's convention);
-    ``normalize=False`` keeps ``c_0 = 1`` (the seed-004 digest §11 convention).
+    ``normalize=False`` keeps ``c_0 = 1`` (the convention of Schuchardt & Kalinin's tables).
     """
     c = max_error_coefficients(check_int("bands", bands, minimum=1))
     return c / np.linalg.norm(c) if normalize else c
@@ -173,7 +175,7 @@ def toeplitz_matrix(c, n: int) -> np.ndarray:
 def toeplitz_columns(c, n: int) -> list[np.ndarray]:
     """Nonzero entries of each column of the pure banded Toeplitz ``C``: column ``j`` is
     ``c[:min(len(c), n−j)]`` (the last ``len(c)−1`` columns are truncated, not renormalised).
-    These are the ``c_i`` an accountant must use (digest §2.2 pitfall)."""
+    These are the ``c_i`` an accountant must use (not the un-normalised ones)."""
     n = check_int("n", n, minimum=1)
     c = np.asarray(c, dtype=np.float64)
     return [c[:min(c.size, n - j)] for j in range(n)]

@@ -33,7 +33,7 @@ function          sampling                    kind        unit      pair
 true ε is at least as large. They are baselines for comparisons and are never returned where a
 guarantee is asked for (the scheme labels them ``bound="lower"``).
 
-Errata applied (digest §5): Theorem 4.3/F.7 weights are ``Binomial(i − 1 | λ, r)`` for mean
+Errata applied (checked against the proofs): Theorem 4.3/F.7 weights are ``Binomial(i − 1 | λ, r)`` for mean
 ``2(i − 1)``; Theorems F.1/F.2 hold for general λ; for λ > 1 the upper bound uses the two-sided
 pair of Theorem E.1 (the authors' code uses the lower-bound mixture there, which is not a proven
 bound). Theorem F.8 is implemented with the two-sided mixed pair

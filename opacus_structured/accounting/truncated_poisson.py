@@ -356,7 +356,7 @@ def smallest_max_batch_size(dataset_size, sample_rate, noise_multiplier, steps, 
     Poisson). Below the expected batch size ε is not monotone in B (truncating to a handful of
     examples is a different, more private mechanism: B = 1 can beat Poisson), so such B are not
     considered. Galloping from :math:`np` in steps of the binomial standard deviation, then
-    bisection; ε is non-increasing in B above np in every case we computed (digest §8) but this
+    bisection; ε is non-increasing in B above np in every case we computed (docs/guides/truncated_poisson.md) but this
     is not proven. The returned B was evaluated and meets the target (or is n).
     """
     n = check_int("dataset_size", dataset_size, minimum=1)

@@ -30,7 +30,7 @@ __all__ = ["structured_curves", "PRESETS", "parse_curve"]
 _FIG_BASE = dict(num_series=320, series_length=20, context_length=1, forecast_length=1,
                  batch_size=32)
 
-#: Paper settings (digest §4.2): N = 320, Λ = 32, σ = 1, r = 0.1 (L_C = L_F = 1, L = 20).
+#: Paper settings (Schuchardt et al., ICML 2025, Fig. 2): N = 320, Λ = 32, σ = 1, r = 0.1 (L_C = L_F = 1, L = 20).
 PRESETS = {
     "fig2": dict(base=_FIG_BASE, noise_multiplier=1.0, steps=[1, 10, 100],
                  curves=[{"top_level": "deterministic"}, {"top_level": "wor"}]),

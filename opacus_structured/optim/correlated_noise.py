@@ -4,7 +4,7 @@ DP-SGD adds i.i.d. noise ``z_i ~ N(0, σ² clip² I)`` to the clipped-gradient s
 The matrix mechanism with a lower-triangular b-banded Toeplitz strategy ``C`` (first column
 ``c = (c_0, …, c_{b−1})``) adds instead ``w_i = (C^{-1} Z)_i``, obtained online by forward
 substitution of ``C w = z`` (Algorithm 9 of Choquette-Choo et al. 2023, "Amplified banded
-matrix factorization"; digest ``seed1-bandmf-bminsep.md`` §2.2):
+matrix factorization"):
 
     w_i = ( z_i − Σ_{k=1}^{b−1} c_k · w_{i−k} ) / c_0,        w_j := 0 for j < 0.
 

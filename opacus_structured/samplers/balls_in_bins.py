@@ -1,7 +1,6 @@
 """Balls-in-bins batch sampler (random allocation with the bins reused every epoch).
 
-Exact semantics of :class:`BallsInBinsBatchSampler` (Definition 2.7 of Schuchardt & Kalinin;
-digest ``seed4-random-allocation-mf.md`` §2):
+Exact semantics of :class:`BallsInBinsBatchSampler` (Definition 2.7 of Schuchardt & Kalinin, "Sampling-Free Privacy Accounting for Matrix Mechanisms under Random Allocation"):
 
 * once, at construction, every index gets an independent uniform bin in ``{0, …, T−1}``
   (``T = num_bins``); the bins are **never redrawn** and their order never changes;

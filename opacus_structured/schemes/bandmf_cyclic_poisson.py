@@ -1,7 +1,7 @@
 """BandMF (banded matrix factorization, correlated noise) with cyclic Poisson sampling.
 
-Semantics (Choquette-Choo et al. 2023, "Amplified banded matrix factorization"; digest
-``seed1-bandmf-bminsep.md`` §3.2): the dataset of ``|D|`` examples is split once into ``b``
+Semantics (Choquette-Choo et al. 2023, "Amplified banded matrix factorization", Theorem 4):
+the dataset of ``|D|`` examples is split once into ``b``
 groups (``b`` = number of bands of ``C``); step ``i`` (0-indexed) Poisson-samples group
 ``i mod b`` with rate ``q = b·B/|D|`` (expected batch ``B``); noise is correlated with a
 ``b``-banded lower-triangular non-negative Toeplitz strategy ``C`` (unit max column norm,

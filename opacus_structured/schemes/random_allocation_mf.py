@@ -6,7 +6,7 @@ takes part in steps ``i, b+i, …, (k-1)b+i`` of the ``N = k·b``-step run (the 
 ``Binomial(n, 1/b)``). The clipped-gradient sums are released through a lower-triangular,
 non-negative strategy matrix ``C`` (``--strategy``). Relation: add/remove one example.
 
-Pricing (Schuchardt & Kalinin, seed 004): the Lemma 2.8 dominating pair of the whole run, by
+Pricing (Schuchardt & Kalinin, "Sampling-Free Privacy Accounting for Matrix Mechanisms under Random Allocation"): the Lemma 2.8 dominating pair of the whole run, by
 
 * ``renyi``: the Rényi dynamic program (Algorithms 1–3) + Canonne–Kamath–Steinke conversion
   (:mod:`opacus_structured.accounting.random_allocation_mf`);

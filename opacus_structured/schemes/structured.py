@@ -49,7 +49,7 @@ def _cached_pld(scheme: "StructuredScheme", sigma: float, discretization: float)
 @register_scheme
 @dataclasses.dataclass(frozen=True)
 class StructuredScheme(st.StructuredSetting, Scheme):
-    """Bi-level structured subsampling of windows from time series (seed 000).
+    """Bi-level structured subsampling of windows from time series (Schuchardt et al., ICML 2025).
 
     Args:
         num_series: :math:`N`, number of training series.

@@ -155,9 +155,8 @@ class FullBatchSampler(DrawLedger, Sampler[list[int]]):
 
 # ---- how the callbacks find the indices ---------------------------------------------------
 def _dp_callbacks(trainer) -> list:
-    from .dp_callback import DPCallback
-
-    return [cb for cb in trainer.callbacks if isinstance(cb, DPCallback)]
+    # DPCallback (which imports this module) marks itself: its sampler records the indices
+    return [cb for cb in trainer.callbacks if getattr(cb, "installs_recording_sampler", False)]
 
 
 def find_recorder(batch_sampler) -> Optional[BatchIndexRecorder]:

@@ -78,13 +78,25 @@ except ImportError:  # pragma: no cover
 
 from opacus.data_loader import wrap_collate_with_empty
 from opacus.grad_sample import GradSampleHooks
-from opacus.optimizers import DPOptimizer
+from opacus.optimizers import (
+    DistributedDPOptimizer,
+    DPOptimizer,
+    DPOptimizerFastGradientClipping,
+)
+from opacus.optimizers.ddpoptimizer_fast_gradient_clipping import (
+    DistributedDPOptimizerFastGradientClipping,
+)
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from opacus.validators import ModuleValidator
 
 from opacus_structured._validation import check_open_unit, check_positive
 from opacus_structured.accountants.base import AccountantNotAttachedError, SchemeAccountant
 from opacus_structured.accounting import pld as pld_lib
+from opacus_structured.optim import distributed as dist_opt
+from opacus_structured.optim.bookkeeping import BookKeepingHooks, bookkeeping_optimizer_class
+from opacus_structured.optim.correlated_noise import CorrelatedNoiseDPOptimizer
+from opacus_structured.optim.ghost_clipping import CorrelatedNoiseDPOptimizerFastGradientClipping
+from opacus_structured.samplers.distributed import DistributedBatchSampler
 from opacus_structured.samplers.poisson import PoissonBatchSampler, _fresh_seed
 from opacus_structured.schemes.base import BoundKind, Scheme
 from opacus_structured.schemes.gdp import GDPScheme
@@ -234,20 +246,6 @@ def _float32_up(x: float) -> float:
 
 def _optimizer_variants() -> dict:
     """``{base: {(ghost, distributed): class}}`` for the two optimizers DPCallback maps."""
-    from opacus.optimizers import (
-        DistributedDPOptimizer,
-        DPOptimizerFastGradientClipping,
-    )
-    from opacus.optimizers.ddpoptimizer_fast_gradient_clipping import (
-        DistributedDPOptimizerFastGradientClipping,
-    )
-
-    from opacus_structured.optim import distributed as dist_opt
-    from opacus_structured.optim.correlated_noise import CorrelatedNoiseDPOptimizer
-    from opacus_structured.optim.ghost_clipping import (
-        CorrelatedNoiseDPOptimizerFastGradientClipping,
-    )
-
     return {
         DPOptimizer: {(False, False): DPOptimizer, (False, True): DistributedDPOptimizer,
                       (True, False): DPOptimizerFastGradientClipping,
@@ -302,6 +300,9 @@ class DPCallback(pl.Callback):
         stop_on_estimate: with ``allow_estimate``, allow ``target_epsilon`` to stop training on
             the estimate (default False: ``target_epsilon`` with an estimate is refused).
     """
+
+    #: Its batch sampler records each batch's dataset indices (``batch_indices``).
+    installs_recording_sampler = True
 
     def __init__(self, *, delta: float, noise_multiplier: Optional[float] = None,
                  max_grad_norm: Optional[float] = None, scheme: Optional[Scheme] = None,
@@ -525,8 +526,6 @@ class DPCallback(pl.Callback):
         """Under DDP: the rank's shard of the global batches (see module doc)."""
         if trainer.world_size <= 1:
             return inner
-        from opacus_structured.samplers.distributed import DistributedBatchSampler
-
         if getattr(trainer._accelerator_connector, "use_distributed_sampler", False):
             raise ValueError("DPCallback under DDP needs Trainer(use_distributed_sampler=False): "
                              "Lightning's DistributedSampler would re-partition the DP batches; "
@@ -554,10 +553,6 @@ class DPCallback(pl.Callback):
                              f"e.g. opacus DistributedDPOptimizer")
         if not ghost:
             return cls
-        from opacus.optimizers import DPOptimizerFastGradientClipping
-
-        from opacus_structured.optim.bookkeeping import bookkeeping_optimizer_class
-
         if not issubclass(cls, DPOptimizerFastGradientClipping):
             raise ValueError(f"grad_sample_mode='ghost' needs optimizer_class DPOptimizer, "
                              f"CorrelatedNoiseDPOptimizer or a DPOptimizerFastGradientClipping "
@@ -619,8 +614,6 @@ class DPCallback(pl.Callback):
             if hasattr(pl_module, "autograd_grad_sample_hooks"):
                 raise ValueError("the module already has Opacus hooks; grad_sample_mode='ghost' "
                                  "installs its own")
-            from opacus_structured.optim.bookkeeping import BookKeepingHooks
-
             self._hooks = BookKeepingHooks(pl_module, max_grad_norm=self.max_grad_norm,
                                            batch_first=True, loss_reduction=self.loss_reduction)
             return

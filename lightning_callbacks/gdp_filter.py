@@ -85,6 +85,7 @@ from opacus_structured.accounting.individual_gdp import filter_epsilon
 from opacus_structured.distributed import all_gather_cat as _all_gather_cat
 from opacus_structured.distributed import all_reduce_sum as _all_reduce_sum
 from opacus_structured.distributed import is_distributed as _is_distributed
+from opacus_structured.optim.ghost_clipping import set_clipping_mask
 from opacus_structured.schemes.base import noise_bands
 from opacus_structured.schemes.poisson import PoissonScheme
 
@@ -263,8 +264,6 @@ class IndividualGDPFilter(Callback):
         ``module``/``optimizer`` are what ``make_private(grad_sample_mode="ghost")`` returned.
         Each backward consumes the indices given by :meth:`set_batch_indices`.
         """
-        from opacus_structured.optim.ghost_clipping import set_clipping_mask
-
         def mask(norms: torch.Tensor) -> torch.Tensor:
             if self._indices is None:
                 raise ValueError("call IndividualGDPFilter.set_batch_indices(indices) before "

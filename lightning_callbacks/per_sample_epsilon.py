@@ -88,6 +88,7 @@ from opacus_structured.accounting.individual_gdp import (
     ApproximateIndividualEpsilons,
     ApproximateIndividualPLDAccountant,
 )
+from opacus_structured.distributed import all_reduce_sum
 from opacus_structured.schemes.base import Scheme
 from opacus_structured.schemes.gdp import GDPScheme
 from opacus_structured.schemes.poisson import PoissonScheme
@@ -246,8 +247,6 @@ class PerSampleEpsilonTracker(Callback):
     def gather(self) -> torch.Tensor:
         """Tensor [N] of (μ^(i))² over **all** ranks' shards (a collective: call it on every
         rank). Without a process group this is :meth:`mu_squared`."""
-        from opacus_structured.distributed import all_reduce_sum
-
         acc = self.accountant
         observed = all_reduce_sum(acc.observed_mu_sq)
         seen_worst = all_reduce_sum(acc.observed_worst_sq)

@@ -387,6 +387,13 @@ def test_monte_carlo_accountant_is_refused_without_opt_in():
         mc_callback(allow_estimate=True, target_epsilon=5.0)
     with pytest.raises(ValueError, match="stop_on_estimate"):
         callback(stop_on_estimate=True)  # a guarantee has nothing to opt into
+    # the default accountant of a Monte Carlo scheme is refused the same way
+    from opacus_structured.schemes.bminsep_mc import BMinSepMonteCarloScheme
+
+    mc = BMinSepMonteCarloScheme(bands=1, dataset_size=64, batch_size=8, samples=100)
+    with pytest.raises(ValueError, match="allow_estimate=True"):
+        callback(scheme=mc)
+    assert callback(scheme=mc, allow_estimate=True).epsilon_metric == "dp/epsilon_mc_estimate"
 
 
 def test_monte_carlo_estimate_is_logged_labelled_and_never_as_dp_epsilon():

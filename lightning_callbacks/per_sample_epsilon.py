@@ -15,7 +15,8 @@ Keeps, in tensors indexed by dataset index (see
   **APPROXIMATE** App. D individual PLD accountant
   (:class:`~opacus_structured.accounting.individual_gdp.ApproximateIndividualPLDAccountant`).
   Steps where :math:`i` was not sampled are charged the worst bucket (σ̃ = σ), because its norm
-  is unknown there (digest pitfall 8). Its ε values are estimates, **not certified bounds**.
+  is unknown there (the App. D accountant needs every example's norm at every step). Its ε values
+  are estimates, **not certified bounds**.
 
 **Per-example ε** (:meth:`epsilons`) is the smaller of the individual GDP ε and the population
 ε. Both bound example :math:`i`'s privacy loss, so the minimum does too.
@@ -36,10 +37,10 @@ example because each example's contribution is clipped to C at every step. Hence
 An amplified *individual* value below the population ε would need two things the tracker does
 not have:
 
-* each example's gradient norm at every step, including the steps where it was not sampled (an
-  extra pass over the whole dataset per step; digest pitfall 8). The tracker sees only the
-  batch, so an unsampled step must be charged the worst case, and with q = 1/8 that is 7/8 of
-  the steps;
+* each example's gradient norm at every step, including the steps where it was not sampled
+  (an extra pass over the whole dataset per step; Koskela et al. 2023, App. D). The tracker
+  sees only the batch, so an unsampled step must be charged the worst case, and with q = 1/8
+  that is 7/8 of the steps;
 * a composition theorem for PLDs chosen adaptively, since the norms depend on the released
   model. The paper leaves this open; its App. D accountant (``approximate_pld=``) is an
   estimate.
@@ -56,7 +57,8 @@ is unmodified. Export with :meth:`mu`, :meth:`epsilons`, :meth:`histogram`, :met
 :meth:`plot_histogram`. The state is saved in Lightning checkpoints
 (``state_dict`` / ``load_state_dict``).
 
-Reported individual ε values are data-dependent and are not themselves protected (digest §6).
+Reported individual ε values are data-dependent and are not themselves protected (Redberg & Wang,
+*Privately Publishable Per-instance Privacy*, NeurIPS 2021).
 
 Under DDP (``torch.distributed`` initialised, batches split by
 :class:`~opacus_structured.samplers.distributed.DistributedBatchSampler`) each rank records only

@@ -377,18 +377,19 @@ def test_clipped_sum_equals_brute_force_with_unsorted_lengths(variant):
 def _engine_run(net, mode, x, y, noise_correlation, steps=3):
     from opacus_structured.optim.privacy_engine import CorrelatedNoisePrivacyEngine
 
+    from opacus_structured.schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme
+
+    # a scheme that prices the correlated noise (the engine refuses Opacus' RDP for c != [1]);
+    # batch_size = N/bands gives rate 1 within each group: the same batches in both modes
+    scheme = BandMFCyclicPoissonScheme(dataset_size=len(x), batch_size=len(x) // steps, bands=3)
     ds = torch.utils.data.TensorDataset(x, y)
     m = copy.deepcopy(net)
     kw = dict(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
-              data_loader=torch.utils.data.DataLoader(ds, batch_size=len(x) // steps),
+              data_loader=torch.utils.data.DataLoader(ds, batch_sampler=scheme.sampler(seed=0)),
               noise_multiplier=0.8, max_grad_norm=0.5, poisson_sampling=False,
               noise_correlation=noise_correlation, grad_sample_mode=mode,
               noise_generator=torch.Generator().manual_seed(5))
-    from opacus_structured.schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme
-
-    # a scheme that prices the correlated noise (the engine refuses Opacus' RDP for c != [1])
-    engine = CorrelatedNoisePrivacyEngine(scheme=BandMFCyclicPoissonScheme(
-        dataset_size=len(x), batch_size=len(x) // steps, bands=3))
+    engine = CorrelatedNoisePrivacyEngine(scheme=scheme)
     crit = nn.MSELoss()
     if mode == "ghost":
         m, opt, crit, loader = engine.make_private(criterion=crit, **kw)
@@ -532,12 +533,12 @@ def test_ghost_loss_with_2d_per_sample_loss_is_refused():
 
     x, y = torch.randn(8, 3), torch.randn(8, 1)
     model = nn.Linear(3, 1)
-    engine = CorrelatedNoisePrivacyEngine(scheme=BandMFCyclicPoissonScheme(
-        dataset_size=8, batch_size=4, bands=1))
+    scheme = BandMFCyclicPoissonScheme(dataset_size=8, batch_size=4, bands=1)
+    engine = CorrelatedNoisePrivacyEngine(scheme=scheme)
     model, opt, crit, _ = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
-                                                batch_size=4),
+                                                batch_sampler=scheme.sampler(seed=0)),
         noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, criterion=nn.MSELoss(),
         grad_sample_mode="ghost", noise_correlation=[1.0])
     crit(model(x[:4]).squeeze(-1), y[:4, 0]).backward()  # the 1-d form works

@@ -40,27 +40,40 @@ def _mlp(num_params: int, width: int = 1024) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
+def _forever(loader):
+    """Batches of ``loader``, epoch after epoch (every step gets a freshly drawn batch)."""
+    while True:
+        yield from loader
+
+
 def bench_full_step(num_params, bands, device, repeats, batch=64):
     torch.manual_seed(0)
     model = _mlp(num_params).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    rows = batch * max(4, bands or 1)  # cyclic Poisson needs bands * batch <= |D|
+    # |D| = batch * bands: cyclic Poisson at rate 1 within each group, so every step has exactly
+    # `batch` rows, as the stock run's fixed-size batches (a fair per-step comparison)
+    rows = batch * (bands or 4)
     x = torch.randn(rows, 1024)
     y = torch.randint(0, 10, (rows,))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch)
+    ds = torch.utils.data.TensorDataset(x, y)
     kw = {} if bands is None else {"noise_correlation": banded_sqrt_coefficients(bands)}
-    # the engine refuses correlated noise under an accountant that does not price it
-    engine = PrivacyEngine() if bands is None else CorrelatedNoisePrivacyEngine(
-        scheme=BandMFCyclicPoissonScheme(dataset_size=len(x), batch_size=batch, bands=bands))
+    # the engine refuses correlated noise under an accountant that does not price it, and the
+    # accountant refuses a loader that does not draw with its scheme's sampler
+    if bands is None:
+        engine, loader = PrivacyEngine(), torch.utils.data.DataLoader(ds, batch_size=batch)
+    else:
+        scheme = BandMFCyclicPoissonScheme(dataset_size=rows, batch_size=batch, bands=bands)
+        engine = CorrelatedNoisePrivacyEngine(scheme=scheme)
+        loader = torch.utils.data.DataLoader(ds, batch_sampler=scheme.sampler(seed=0))
     model, opt, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
         data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, **kw)
-    xb, yb = next(iter(loader))
-    xb, yb = xb.to(device), yb.to(device)
+    batches = _forever(loader)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
     for i in range(repeats + 3):
+        xb, yb = (t.to(device) for t in next(batches))  # drawn outside the timed region
         _sync(device)
         t = time.perf_counter()
         opt.zero_grad()

@@ -93,11 +93,12 @@ __all__ = [
     "blt_strategy",
 ]
 
-#: Strategy names accepted by :func:`strategy_coefficients` / :func:`strategy_matrix` and by the
-#: ``--strategy`` flag of the ``bandmf-cyclic-poisson`` scheme. All but ``banded-inverse`` /
-#: ``bisr`` are banded Toeplitz ``C`` (usable by the streaming optimizer and the banded
-#: accountants); the inverse families give dense ``C``.
-STRATEGIES = ("optimal-banded", "identity", "banded-sqrt", "banded-inverse", "bisr", "blt")
+#: Strategy names accepted by :func:`strategy_coefficients` / :func:`strategy_matrix` (schemes
+#: choose their ``--strategy`` choices among them). All but ``banded-inverse`` / ``bisr`` /
+#: ``blt`` are banded Toeplitz ``C`` (usable by the streaming optimizer and the banded
+#: accountants); those three give dense ``C``.
+STRATEGIES = ("optimal-banded", "identity", "banded-sqrt", "max-error", "banded-inverse", "bisr",
+              "blt")
 
 
 def _check_n_bands(n, bands):
@@ -369,9 +370,13 @@ def strategy_coefficients(name: str, n: int, bands: int) -> np.ndarray:
     """First-column coefficients of a banded Toeplitz strategy by name.
 
     ``"optimal-banded"`` (BandMF), ``"identity"`` (DP-SGD, ``bands`` ignored → ``[1]``),
-    ``"banded-sqrt"`` (BSR, unit norm). Inverse families have dense ``C``: use
+    ``"banded-sqrt"`` (BSR, unit norm), ``"max-error"`` (the same ``bands`` unit-norm truncated
+    max-error coefficients ``Π_{j≤k}(2j−1)/(2j)``, without the ``bands ≤ n`` check: a run of
+    ``n < bands`` steps uses the first ``n``). Inverse families have dense ``C``: use
     :func:`strategy_matrix`.
     """
+    if name == "max-error":
+        return banded_sqrt_coefficients(check_int("bands", bands, minimum=1))
     if name == "optimal-banded":
         return banded_toeplitz_coefficients(n, bands)
     if name == "identity":

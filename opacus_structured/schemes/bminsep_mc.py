@@ -35,10 +35,9 @@ import dataclasses
 import functools
 from typing import Optional
 
-import numpy as np
-
 from .._validation import check_int, check_open_unit, check_positive, check_probability
 from ..accounting import pld as pld_lib
+from ..accounting import strategies
 from ..accounting.bminsep_mc import BandedStrategy, BandMFMonteCarlo, bminsep_sampling_prob
 from ..accounting.monte_carlo import (
     MONTE_CARLO,
@@ -52,25 +51,11 @@ from ..accounting.monte_carlo import (
 )
 from .base import Scheme, register_scheme
 
-__all__ = ["BMinSepMonteCarloScheme", "strategy_coefficients"]
+__all__ = ["BMinSepMonteCarloScheme", "STRATEGY_CHOICES"]
 
-#: ``--strategy`` choices: the optimal banded Toeplitz C of :mod:`opacus_structured.optim`
-#: (``"optimal-banded"``), ``"banded-sqrt"``, or the unit-norm truncated max-error coefficients
-#: ``Π_{j≤k}(2j−1)/(2j)`` (``"max-error"``, the digest's comparison grid).
+#: ``--strategy`` choices (names of :func:`opacus_structured.accounting.strategies.
+#: strategy_coefficients`): banded Toeplitz, non-negative, ``‖c‖ = 1``.
 STRATEGY_CHOICES = ("optimal-banded", "banded-sqrt", "max-error")
-
-
-def strategy_coefficients(name: str, n: int, bands: int) -> np.ndarray:
-    """Unit-norm first-column coefficients ``c`` of the named banded Toeplitz strategy."""
-    bands = check_int("bands", bands, minimum=1)
-    if name == "max-error":
-        c = np.cumprod([1.0] + [(2 * j - 1) / (2 * j) for j in range(1, bands)])
-        return c / np.linalg.norm(c)
-    if name in ("optimal-banded", "banded-sqrt"):
-        from ..optim import strategies  # lazy: numpy/scipy only
-
-        return np.asarray(strategies.strategy_coefficients(name, n, bands), dtype=np.float64)
-    raise ValueError(f"strategy must be one of {STRATEGY_CHOICES}, got {name!r}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -182,7 +167,7 @@ class BMinSepMonteCarloScheme(Scheme):
 
     def mechanism(self, noise_multiplier: float, steps: int) -> BandMFMonteCarlo:
         steps = check_int("steps", steps, minimum=1)
-        c = strategy_coefficients(self.strategy, steps, self.bands)
+        c = strategies.strategy_coefficients(self.strategy, steps, self.bands)
         return BandMFMonteCarlo(
             BandedStrategy.toeplitz(c, steps), check_positive("noise_multiplier", noise_multiplier),
             "bminsep", self.sampling_prob, self.min_sep, warm_start=self.warm_start,

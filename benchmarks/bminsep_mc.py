@@ -7,7 +7,7 @@ as a Python loop of scalar ``np.logaddexp`` (with the *correct* boundary norms).
 (:func:`opacus_structured.accounting.bminsep_mc.sample_privacy_losses`) vectorises over
 samples: geometric gaps for ``x``, banded products, and the recursion over an ``(b, S)``
 circular buffer. Both run on the same CPU, single process; the torch backend
-(:mod:`opacus_structured.accounting.bminsep_mc_torch`) is timed on the CPU and on CUDA when
+(:mod:`opacus_structured.runners.bminsep_mc_torch`) is timed on the CPU and on CUDA when
 available. ``--variant`` times our truncated + padded (``--truncate``) or multi-attribution
 (``--max-user-examples``) sampler as well (the reference speed is always the plain warm-start
 loop, so the speedup is only comparable for the default variant).
@@ -34,6 +34,7 @@ from opacus_structured.accounting.bminsep_mc import (
     BandMFMonteCarlo,
     sample_privacy_losses,
 )
+from opacus_structured.runners.monte_carlo import sample_losses
 
 
 def reference_sample_loss(c, n, b, p, sigma, warm, rng):
@@ -117,14 +118,14 @@ def main(argv=None):
 
         torch.set_num_threads(1)  # same single CPU core as numpy and the reference
         t = time.perf_counter()
-        sample_privacy_losses(mech, args.torch_cpu_samples, "remove", seed=1, device="cpu")
+        sample_losses(mech, args.torch_cpu_samples, "remove", seed=1, device="cpu")
         record["torch_cpu_samples_per_s"] = args.torch_cpu_samples / (time.perf_counter() - t)
         if torch.cuda.is_available():
-            sample_privacy_losses(mech, 1000, "remove", seed=1, device="cuda")  # warm-up
+            sample_losses(mech, 1000, "remove", seed=1, device="cuda")  # warm-up
             torch.cuda.synchronize()
             S = max(args.samples, 200_000)
             t = time.perf_counter()
-            sample_privacy_losses(mech, S, "remove", seed=1, device="cuda", chunk_size=S)
+            sample_losses(mech, S, "remove", seed=1, device="cuda", chunk_size=S)
             torch.cuda.synchronize()
             record["cuda_samples_per_s"] = S / (time.perf_counter() - t)
             record["cuda_device"] = torch.cuda.get_device_name()

@@ -5,6 +5,7 @@ own layer or lower ones, never higher:
 
 0. ``_validation``, ``_discovery``  — argument checks, submodule discovery
 1. ``accounting``                   — the math (numpy / scipy / dp_accounting; no torch)
+1.5 ``runners``                     — runs the math at scale (process pool, shards, torch backend)
 2. ``schemes``                      — pure descriptions + the registry of what implements them
 3. ``distributed``, ``samplers``    — torch samplers (and torch.distributed helpers)
 4. ``accountants``                  — Opacus ``IAccountant`` adapters
@@ -29,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {
     "opacus_structured._validation": 0, "opacus_structured._discovery": 0,
     "opacus_structured.accounting": 1,
+    # runs the math at scale (process pool, shard files, torch backend); Monte Carlo schemes call it
+    "opacus_structured.runners": 1.5,
     "opacus_structured.schemes": 2,
     "opacus_structured.distributed": 3, "opacus_structured.samplers": 3,
     "opacus_structured.accountants": 4,

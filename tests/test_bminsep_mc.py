@@ -30,14 +30,16 @@ from opacus_structured.accounting.bminsep_mc import (
     sample_privacy_losses,
     truncated_bminsep_log_ratios,
 )
+from opacus_structured.accounting.certification import (
+    cyclic_poisson_fallback,
+    sigma_grid,
+    unamplified_fallback,
+)
 from opacus_structured.accounting.mixture import MixturePair
 from opacus_structured.accounting.monte_carlo import (
     MonteCarloEpsilon,
     MonteCarloSamples,
     base_delta,
-    certify_noise_multiplier,
-    collect_privacy_losses,
-    cyclic_poisson_fallback,
     delta_upper_confidence,
     empirical_delta,
     empirical_epsilon,
@@ -45,10 +47,13 @@ from opacus_structured.accounting.monte_carlo import (
     kl_bernoulli,
     minimum_samples,
     overall_delta,
-    sigma_grid,
-    unamplified_fallback,
 )
 from opacus_structured.accounting.profiles import PairProfile
+from opacus_structured.runners.monte_carlo import (
+    certify_noise_multiplier,
+    collect_privacy_losses,
+    sample_losses,
+)
 
 TEST_DISCRETIZATION = 1e-3
 
@@ -443,7 +448,7 @@ def test_torch_backend_cpu_agrees_in_distribution():
                                   truncated_batch_size=2, dataset_size=60)):
         for direction in ("remove", "add"):
             a = sample_privacy_losses(mech, 6000, direction, seed=1)
-            b = sample_privacy_losses(mech, 6000, direction, seed=1, device="cpu")
+            b = sample_losses(mech, 6000, direction, seed=1, device="cpu")
             eps = float(np.quantile(a, 0.9))
             ta = -np.expm1(np.minimum(eps - a, 0))
             tb = -np.expm1(np.minimum(eps - b, 0))
@@ -479,7 +484,7 @@ def test_torch_log_ratios_equal_numpy_for_fixed_inputs():
     # multi-attribution) evaluates the same dynamic program as numpy: same y (and same other
     # counts r) -> the same log-ratio vector to 1e-10 (float64, CPU).
     pytest.importorskip("torch")
-    from opacus_structured.accounting.bminsep_mc_torch import TorchBandMF
+    from opacus_structured.runners.bminsep_mc_torch import TorchBandMF
 
     rng = np.random.default_rng(22)
     for mech in _torch_equality_mechanisms():
@@ -506,7 +511,7 @@ def test_torch_log_ratios_equal_numpy_for_fixed_inputs():
 def test_torch_samplers_match_numpy_in_distribution():
     # The torch participation / other-count samplers have the numpy laws (means per step).
     pytest.importorskip("torch")
-    from opacus_structured.accounting.bminsep_mc_torch import TorchBandMF
+    from opacus_structured.runners.bminsep_mc_torch import TorchBandMF
 
     st = BandedStrategy.toeplitz(max_error_c(3), 20)
     S = 20000
@@ -533,19 +538,23 @@ def test_torch_samplers_match_numpy_in_distribution():
     assert np.all(np.abs(rt.mean(1) - 24 * p0) < 5 * rt.std(1) / math.sqrt(S))
 
 
-def test_accounting_modules_do_not_import_torch_at_module_level():
+def test_accounting_never_imports_torch_nor_the_runner():
+    # The math stays torch-free and process-free: no module of opacus_structured.accounting
+    # imports torch or the runner layer, at module level or inside a function.
     import ast
+    import pathlib
 
-    import opacus_structured.accounting.bminsep_mc as a
-    import opacus_structured.accounting.monte_carlo as b
+    import opacus_structured.accounting as acc
 
-    for mod in (a, b):
-        tree = ast.parse(open(mod.__file__).read())
-        for node in tree.body:
-            if isinstance(node, ast.Import):
-                assert all(not al.name.startswith("torch") for al in node.names), mod.__name__
-            if isinstance(node, ast.ImportFrom):
-                assert not (node.module or "").startswith("torch"), mod.__name__
+    modules = sorted(pathlib.Path(acc.__file__).parent.glob("*.py"))
+    assert {m.stem for m in modules} >= {"bminsep_mc", "monte_carlo", "certification"}
+    for path in modules:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert not name.startswith("torch"), (path.name, name)
+                assert "runners" not in name and "concurrent" not in name, (path.name, name)
 
 
 @pytest.mark.cuda
@@ -553,7 +562,7 @@ def test_torch_backend_cuda():
     st = BandedStrategy.toeplitz(max_error_c(4), 256)
     mech = BandMFMonteCarlo(st, 1.0, "bminsep", 0.05, 4, warm_start=True)
     a = sample_privacy_losses(mech, 20000, "remove", seed=2)
-    b = sample_privacy_losses(mech, 20000, "remove", seed=2, device="cuda")
+    b = sample_losses(mech, 20000, "remove", seed=2, device="cuda")
     eps = float(np.quantile(a, 0.95))
     ta, tb = -np.expm1(np.minimum(eps - a, 0)), -np.expm1(np.minimum(eps - b, 0))
     assert abs(ta.mean() - tb.mean()) < 5 * math.hypot(ta.std(), tb.std()) / math.sqrt(20000)
@@ -561,7 +570,7 @@ def test_torch_backend_cuda():
 
 @pytest.mark.cuda
 def test_torch_log_ratios_equal_numpy_on_cuda():
-    from opacus_structured.accounting.bminsep_mc_torch import TorchBandMF
+    from opacus_structured.runners.bminsep_mc_torch import TorchBandMF
 
     rng = np.random.default_rng(23)
     for mech in _torch_equality_mechanisms():

@@ -19,7 +19,8 @@ import math
 from typing import Optional
 
 from .._validation import check_open_unit
-from ..accounting.monte_carlo import MONTE_CARLO, MonteCarloEstimate
+from ..accounting.bounds import BoundKind
+from ..accounting.monte_carlo import MonteCarloEstimate
 from ..schemes.base import Scheme
 from ..schemes.bminsep_mc import BMinSepMonteCarloScheme
 from .base import SchemeAccountant
@@ -47,7 +48,7 @@ class BMinSepMonteCarloAccountant(SchemeAccountant):
 
     @property
     def bound(self) -> str:
-        return MONTE_CARLO
+        return BoundKind.MONTE_CARLO
 
     def _sigma_steps(self) -> tuple[float, int]:
         steps = len(self)

@@ -23,12 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..accounting.monte_carlo import (
-    collect_privacy_losses,
-    cyclic_poisson_fallback,
-    unamplified_fallback,
-)
+from ..accounting.bounds import BoundKind
+from ..accounting.certification import cyclic_poisson_fallback, unamplified_fallback
 from ..cli import register_command
+from ..runners.monte_carlo import collect_privacy_losses
 from ..schemes.bminsep_mc import BMinSepMonteCarloScheme
 
 
@@ -67,7 +65,7 @@ def _run(args) -> int:
                                          progress=args.progress)
         est = samples.estimate(args.delta, scheme.failure_probability)
         record = {**est.to_dict(), "noise_multiplier": args.noise_multiplier,
-                  "steps": args.steps, "bound": "monte-carlo", "seed": samples.seed,
+                  "steps": args.steps, "bound": BoundKind.MONTE_CARLO, "seed": samples.seed,
                   "parameters": {**scheme.describe(), "seed": samples.seed}}
         print(json.dumps(record, sort_keys=True) if args.json
               else f"{est.statement} [Monte Carlo seed {samples.seed}]")

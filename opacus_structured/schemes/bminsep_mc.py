@@ -39,12 +39,10 @@ from .._validation import check_int, check_open_unit, check_positive, check_prob
 from ..accounting import pld as pld_lib
 from ..accounting import strategies
 from ..accounting.bminsep_mc import BandedStrategy, BandMFMonteCarlo, bminsep_sampling_prob
-from ..accounting.monte_carlo import (
-    MONTE_CARLO,
-    CertifiedCalibration,
-    MonteCarloEpsilon,
-    MonteCarloEstimate,
-    MonteCarloSamples,
+from ..accounting.bounds import BoundKind
+from ..accounting.certification import CertifiedCalibration
+from ..accounting.monte_carlo import MonteCarloEpsilon, MonteCarloEstimate, MonteCarloSamples
+from ..runners.monte_carlo import (
     certify_noise_multiplier,
     collect_privacy_losses,
     fresh_monte_carlo_seed,
@@ -163,7 +161,7 @@ class BMinSepMonteCarloScheme(Scheme):
 
     @property
     def bound(self) -> str:
-        return MONTE_CARLO
+        return BoundKind.MONTE_CARLO
 
     def mechanism(self, noise_multiplier: float, steps: int) -> BandMFMonteCarlo:
         steps = check_int("steps", steps, minimum=1)
@@ -211,7 +209,7 @@ class BMinSepMonteCarloScheme(Scheme):
     def certify(self, epsilon: float, delta: float, steps: int, *, sigma_min: float,
                 **kwargs) -> CertifiedCalibration:
         """Algorithm 5 σ calibration (Theorem A.1); ``kwargs`` go to
-        :func:`~opacus_structured.accounting.monte_carlo.certify_noise_multiplier`."""
+        :func:`~opacus_structured.runners.monte_carlo.certify_noise_multiplier`."""
         kwargs.setdefault("workers", self.workers or 1)
         kwargs.setdefault("device", self.device)
         kwargs.setdefault("seed", self.seed)
@@ -264,5 +262,5 @@ class BMinSepMonteCarloScheme(Scheme):
     def describe(self):
         d = dataclasses.asdict(self)
         d["sampling_prob"] = self.sampling_prob
-        d["bound"] = MONTE_CARLO
+        d["bound"] = BoundKind.MONTE_CARLO
         return d

@@ -7,10 +7,10 @@ tensors so that it runs on a GPU. Every variant of the numpy backend is supporte
 same inputs (``y``, and the other examples' counts ``r`` for the truncated variant) the
 log-ratio vectors agree with numpy to rounding (tested to ``1e-10`` on CPU in float64).
 
-This module imports torch at module level; :mod:`opacus_structured.accounting` never imports
-it (``bminsep_mc.sample_privacy_losses(..., device=...)`` imports it lazily), so the accounting
-layer stays torch-free. The random streams differ from numpy's, so the same seed gives
-different (identically distributed) samples.
+It lives in the runner layer, next to :mod:`.monte_carlo`, which chooses the backend of a
+run (``device``): :mod:`opacus_structured.accounting` never imports torch. The random streams
+differ from numpy's (and a CUDA generator's from a CPU one's), so the same seed gives different
+(identically distributed) samples.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .._validation import check_int
-from .bminsep_mc import DIRECTIONS, BandMFMonteCarlo, binomial_log_weights
+from ..accounting.bminsep_mc import DIRECTIONS, BandMFMonteCarlo, binomial_log_weights
 
 __all__ = ["TorchBandMF", "sample_losses_torch", "torch_seed"]
 
@@ -67,7 +67,8 @@ def _group_logsumexp(per: torch.Tensor, b: int) -> torch.Tensor:
 
 
 class TorchBandMF:
-    """A :class:`~.bminsep_mc.BandMFMonteCarlo` mechanism on a torch device.
+    """A :class:`~opacus_structured.accounting.bminsep_mc.BandMFMonteCarlo` mechanism on a torch
+    device.
 
     :meth:`log_ratio` and :meth:`truncated_log_ratios` evaluate the same dynamic programs as
     the numpy functions; :meth:`sample_losses` draws privacy-loss samples.
@@ -143,7 +144,8 @@ class TorchBandMF:
 
     def truncated_log_ratios(self, y, other_counts) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ln P/R, ln Q/R)(y)`` for truncated + padded b-min-sep (Corollary D.2); see
-        :func:`~.bminsep_mc.truncated_bminsep_log_ratios` for the recursions."""
+        :func:`~opacus_structured.accounting.bminsep_mc.truncated_bminsep_log_ratios` for the
+        recursions."""
         m = self.mechanism
         if m.truncated_batch_size is None:
             raise ValueError("truncated_log_ratios needs a mechanism with truncated_batch_size")
@@ -175,7 +177,8 @@ class TorchBandMF:
 
     def participation(self, S: int, max_user_examples: Optional[int] = None) -> torch.Tensor:
         """Participation counts ``x`` (``(n, S)``) of the sensitive example or user; the same
-        law as :func:`~.bminsep_mc.sample_bminsep_participation` (and the cyclic samplers)."""
+        law as :func:`~opacus_structured.accounting.bminsep_mc.sample_bminsep_participation`
+        (and the cyclic samplers)."""
         m, n, dev = self.mechanism, self.n, self.device
         b, p = m.min_sep, m.sampling_prob
         if m.sampling != "bminsep":
@@ -215,8 +218,8 @@ class TorchBandMF:
 
     def other_counts(self, S: int) -> torch.Tensor:
         """Counts ``r_i`` of the other ``|D| − 1`` examples (pre-truncation); the law of
-        :func:`~.bminsep_mc.sample_other_counts` (warm start: the stationary multinomial,
-        drawn as successive conditional binomials)."""
+        :func:`~opacus_structured.accounting.bminsep_mc.sample_other_counts` (warm start: the
+        stationary multinomial, drawn as successive conditional binomials)."""
         m, n, dev = self.mechanism, self.n, self.device
         b, p, others = m.min_sep, m.sampling_prob, m.dataset_size - 1
         full = lambda v: torch.full((S,), float(v), dtype=F64, device=dev)  # noqa: E731
@@ -270,7 +273,7 @@ def sample_losses_torch(mechanism: BandMFMonteCarlo, num_samples: int, direction
                         seed=None, device="cuda", chunk_size: int = 65536) -> np.ndarray:
     """Privacy-loss samples on a torch device (float64), in chunks; returns a numpy array.
 
-    Used by :func:`~.bminsep_mc.sample_privacy_losses` when ``device`` is given.
+    Used by :func:`.monte_carlo.sample_losses` when ``device`` is given.
     """
     S = check_int("num_samples", num_samples, minimum=1)
     chunk_size = check_int("chunk_size", chunk_size, minimum=1)

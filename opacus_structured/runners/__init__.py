@@ -1,0 +1,9 @@
+"""Runners: how a computation runs — processes, devices, files — above the math it runs.
+
+:mod:`opacus_structured.accounting` is pure math in one process (numpy / scipy, no torch). A
+runner executes it at scale: :mod:`.monte_carlo` draws Monte Carlo privacy-loss samples in
+seed-addressed shards over a process pool or a torch device, saves and resumes them on disk,
+shows progress, holds a run's settings (:class:`~.monte_carlo.MonteCarloSettings`) and runs
+Algorithm 5; :mod:`.bminsep_mc_torch` is the torch backend of the b-min-sep sampler. Schemes
+priced by Monte Carlo call a runner, so this layer sits between ``accounting`` and ``schemes``.
+"""

@@ -1,0 +1,453 @@
+r"""Running Monte Carlo privacy accounting: settings, backends, shards, processes, Algorithm 5.
+
+The math — the b-min-sep privacy-loss sampler (:mod:`opacus_structured.accounting.bminsep_mc`),
+the estimates and confidence bounds (:mod:`opacus_structured.accounting.monte_carlo`) and the
+statistics of Algorithm 5 (:mod:`opacus_structured.accounting.certification`; Dong & Ganesh,
+arXiv:2602.09338, Appendix A) — runs in one process. This module runs it at scale:
+
+* :class:`MonteCarloSettings`: how a run is made (samples, seed, confidence, workers, device,
+  progress, shard size), kept out of the frozen scheme that describes the mechanism;
+* :func:`sample_losses`: the backend — numpy, or torch on a CPU or GPU
+  (:mod:`.bminsep_mc_torch`);
+* :func:`collect_privacy_losses`: a run in seed-addressed shards over a process pool, saved to
+  and resumed from a directory;
+* :func:`certify_noise_multiplier`: Algorithm 5 with fresh, independent samples per candidate.
+
+**Shards.** Shard ``k`` of direction ``d`` always draws from ``SeedSequence(seed, (d, k))``,
+runs in a process pool, is saved to ``<dir>/<direction>-<k>.npz`` and is loaded instead of
+recomputed when the directory is resumed. The merged samples are the concatenation in shard
+order, so a run split over processes or machines and merged is bit-identical to one run.
+
+**Seeds.** Every random check draws a fresh seed from OS entropy unless one is given
+(``seed=None``, the default) and records the seed it used
+(:attr:`~opacus_structured.accounting.monte_carlo.MonteCarloSamples.seed`, the estimate's and
+the certificate's ``seed``, a shard directory's ``meta.json`` / ``certify.json``) so that an
+auditor can recompute it; a Monte Carlo seed is not a privacy secret. What voids the stated
+confidence is *choosing* among seeds: re-running a check that failed (or an estimate that came
+out too high) with another seed and keeping the better result is multiple testing. Decide the
+configuration first and run each check once; a resumed run (same ``directory``) reuses the
+recorded seed, and a directory refuses a different one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from .._validation import check_int, check_open_unit
+from ..accounting.bminsep_mc import (
+    DEFAULT_CHUNK_SIZE,
+    DIRECTIONS,
+    BandMFMonteCarlo,
+    sample_privacy_losses,
+)
+from ..accounting.certification import (
+    CertifiedCalibration,
+    Fallback,
+    candidate_seed,
+    passes,
+    plan_certification,
+    run_algorithm5,
+)
+from ..accounting.monte_carlo import MonteCarloSamples
+from .bminsep_mc_torch import sample_losses_torch
+
+__all__ = [
+    "DEFAULT_SHARD_SIZE",
+    "fresh_monte_carlo_seed",
+    "MonteCarloSettings",
+    "sample_losses",
+    "collect_privacy_losses",
+    "verify_candidate",
+    "certify_noise_multiplier",
+]
+
+#: Samples per shard unless set (a run's samples depend on it: resume with the same value).
+DEFAULT_SHARD_SIZE = 16384
+
+
+def fresh_monte_carlo_seed() -> int:
+    """A 63-bit seed from the OS entropy pool: the default of every Monte Carlo check (a fixed
+    default seed would invite re-running a failed check with "another" seed)."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Run settings
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MonteCarloSettings:
+    """How a Monte Carlo run is made — not what it measures.
+
+    A :class:`~opacus_structured.schemes.bminsep_mc.BMinSepMonteCarloScheme` describes the
+    mechanism (its batches and its noise); these settings describe a run that estimates its ε.
+    They are passed to ``scheme.estimate`` / ``epsilon`` / ``delta`` / ``certify`` and to the
+    accountant (``BMinSepMonteCarloAccountant(scheme, settings=...)``), whose ``state_dict``
+    records them with the seed actually used.
+
+    Args:
+        samples: Monte Carlo samples per direction.
+        seed: run seed; ``None`` (default): fresh OS entropy, drawn by :meth:`resolved` when a
+            run starts and recorded in its result. Do not re-run with new seeds until an
+            estimate or a certification looks good: picking among seeds voids the confidence
+            (multiple testing).
+        failure_probability: ``q`` of the high-confidence upper estimate (it holds with
+            probability ``≥ 1 − q``). The confidence belongs to the run, not to the scheme:
+            the mechanism has one true ε, and ``samples``, ``seed`` and ``q`` only say how well
+            a run pins it down; two runs of one scheme at different ``q`` train on the same
+            batches with the same noise. Algorithm 5 does not use it (its ``q`` follows from
+            ``δ′`` and the sample count, Theorem A.1).
+        workers: processes (``None``: all cores; 1: inline).
+        device: ``None`` (numpy) or a torch device for the torch backend (run inline).
+        progress: show a progress bar over the shards.
+        shard_size: samples per shard (the samples of a seed depend on it).
+    """
+
+    samples: int = 100_000
+    seed: Optional[int] = None
+    failure_probability: float = 1e-3
+    workers: Optional[int] = None
+    device: Optional[str] = None
+    progress: bool = False
+    shard_size: int = DEFAULT_SHARD_SIZE
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        set_("samples", check_int("samples", self.samples, minimum=1))
+        if self.seed is not None:
+            set_("seed", check_int("seed", self.seed, minimum=0))
+        set_("failure_probability",
+             check_open_unit("failure_probability", self.failure_probability))
+        if self.workers is not None:
+            set_("workers", check_int("workers", self.workers, minimum=1))
+        if self.device is not None and (not isinstance(self.device, str) or not self.device):
+            raise ValueError(f"device must be None (numpy) or a torch device string such as "
+                             f"'cpu' or 'cuda:0', got {self.device!r}")
+        if not isinstance(self.progress, bool):
+            raise ValueError(f"progress must be a bool, got {self.progress!r}")
+        set_("shard_size", check_int("shard_size", self.shard_size, minimum=1))
+
+    @property
+    def backend(self) -> str:
+        """``"numpy"``, ``"torch-cpu"`` or ``"torch-cuda"``: backends draw different streams
+        from one seed, so a run resumes exactly only on the same one."""
+        return "numpy" if self.device is None else "torch-" + self.device.split(":")[0]
+
+    def resolved(self) -> "MonteCarloSettings":
+        """These settings with a concrete seed (a fresh one from OS entropy if ``seed`` is
+        ``None``): what a run uses and records."""
+        if self.seed is not None:
+            return self
+        return dataclasses.replace(self, seed=fresh_monte_carlo_seed())
+
+    def differences(self, other: "MonteCarloSettings") -> list[str]:
+        """The settings that make ``other``'s results differ from these (``samples``, ``seed``,
+        ``failure_probability``, ``shard_size``, the backend); ``workers`` and ``progress``
+        never change a result."""
+        out = [name for name in ("samples", "seed", "failure_probability", "shard_size")
+               if getattr(self, name) != getattr(other, name)]
+        if self.backend != other.backend:
+            out.append("device")
+        return out
+
+    def collect(self, mechanism: BandMFMonteCarlo, *, directory: Optional[str] = None,
+                shards: Optional[Sequence[int]] = None) -> Optional[MonteCarloSamples]:
+        """:func:`collect_privacy_losses` of ``mechanism`` with these settings."""
+        return collect_privacy_losses(mechanism, self.samples, seed=self.seed,
+                                      shard_size=self.shard_size, shards=shards,
+                                      workers=self.workers, directory=directory,
+                                      progress=self.progress, device=self.device)
+
+    # ---- serialisation and command line ------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "MonteCarloSettings":
+        return cls(**dict(data))
+
+    @staticmethod
+    def add_cli_arguments(parser) -> None:
+        """``--samples``, ``--seed``, ``--confidence-failure``, ``--workers``, ``--device``."""
+        default = MonteCarloSettings()
+        parser.add_argument("--samples", type=int, default=default.samples, metavar="S",
+                            help="Monte Carlo samples per direction (default %(default)s)")
+        parser.add_argument("--seed", type=int, default=None,
+                            help="Monte Carlo seed (default: fresh OS entropy; the seed used "
+                                 "is printed/recorded for audit). Never re-run a failed check "
+                                 "or a disappointing estimate with another seed: choosing "
+                                 "among seeds voids the confidence (multiple testing)")
+        parser.add_argument("--confidence-failure", type=float,
+                            default=default.failure_probability, metavar="q",
+                            help="failure probability q of the Monte Carlo upper estimate")
+        parser.add_argument("--workers", type=int, default=None)
+        parser.add_argument("--device", default=None, help="torch device (e.g. cuda)")
+
+    @classmethod
+    def from_cli_args(cls, args) -> "MonteCarloSettings":
+        """From the flags of :meth:`add_cli_arguments` (and ``--shard-size`` / ``--progress``
+        where a command has them)."""
+        return cls(samples=args.samples, seed=args.seed,
+                   failure_probability=args.confidence_failure, workers=args.workers,
+                   device=args.device, progress=bool(getattr(args, "progress", False)),
+                   shard_size=getattr(args, "shard_size", DEFAULT_SHARD_SIZE))
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends
+# ---------------------------------------------------------------------------------------------
+def sample_losses(mechanism: BandMFMonteCarlo, num_samples: int, direction: str, *, seed=None,
+                  device: Optional[str] = None,
+                  chunk_size: int = DEFAULT_CHUNK_SIZE) -> np.ndarray:
+    """Privacy-loss samples of ``mechanism`` in ``direction`` on one backend.
+
+    ``device=None`` uses numpy (:func:`~opacus_structured.accounting.bminsep_mc.
+    sample_privacy_losses`); ``"cpu"`` / ``"cuda"`` / ``"cuda:k"`` uses the torch backend
+    (:func:`.bminsep_mc_torch.sample_losses_torch`, every variant, float64). The backends draw
+    different random streams, so the same seed gives different (identically distributed)
+    samples.
+    """
+    if device is None:
+        return sample_privacy_losses(mechanism, num_samples, direction, seed=seed,
+                                     chunk_size=chunk_size)
+    return sample_losses_torch(mechanism, num_samples, direction, seed=seed, device=device,
+                               chunk_size=chunk_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded, resumable, parallel sample collection
+# ---------------------------------------------------------------------------------------------
+def _shard_seed(seed: int, direction: str, shard: int) -> np.random.SeedSequence:
+    return np.random.SeedSequence(int(seed), spawn_key=(DIRECTIONS.index(direction), int(shard)))
+
+
+def _run_shard(mech_dict: dict, direction: str, seed: int, shard: int, size: int,
+               device: Optional[str]) -> np.ndarray:
+    mech = BandMFMonteCarlo.from_dict(mech_dict)
+    return sample_losses(mech, size, direction, seed=_shard_seed(seed, direction, shard),
+                         device=device)
+def _fingerprint(mech_dict: dict, seed: int, shard_size: int, device: Optional[str]) -> str:
+    blob = json.dumps({"mechanism": mech_dict, "seed": int(seed), "shard_size": shard_size,
+                       "backend": "numpy" if device is None else "torch"}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _recorded_seed(directory: Optional[str], mech_dict: dict, shard_size: int,
+                   device: Optional[str]) -> Optional[int]:
+    """The seed in ``directory``'s ``meta.json`` if it records this same run (mechanism, shard
+    size, backend), so that ``seed=None`` resumes it; else ``None``."""
+    if directory is None:
+        return None
+    meta_path = os.path.join(directory, "meta.json")
+    if not os.path.exists(meta_path):
+        return None
+    with open(meta_path) as fh:
+        meta = json.load(fh)
+    seed = meta.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        return None
+    if meta.get("fingerprint") != _fingerprint(mech_dict, seed, shard_size, device):
+        return None  # another run: the fingerprint check below refuses the directory
+    return seed
+
+
+def collect_privacy_losses(mechanism: BandMFMonteCarlo, num_samples: int, *,
+                           seed: Optional[int] = None,
+                           shard_size: int = DEFAULT_SHARD_SIZE,
+                           shards: Optional[Sequence[int]] = None,
+                           workers: Optional[int] = None, directory: Optional[str] = None,
+                           progress: bool = False, device: Optional[str] = None
+                           ) -> MonteCarloSamples:
+    """``num_samples`` privacy-loss samples per direction, in seed-addressed shards.
+
+    Args:
+        mechanism: the mechanism (its ``to_dict`` goes to the workers and the shard files).
+        num_samples: samples per direction.
+        seed: run seed; shard ``k`` of direction ``d`` uses ``SeedSequence(seed, (d, k))``, so
+            the samples do not depend on ``workers``, on resuming, or on which machine ran a
+            shard (merge shard directories by copying the files). ``None`` (default): the seed
+            recorded in ``directory`` when resuming the same run there, else fresh OS
+            entropy; the seed used is returned as ``samples.seed`` and saved in
+            ``meta.json``. Pass one explicitly to split a run over machines.
+        shard_size: samples per shard (the last one may be smaller).
+        shards: compute only these shard indices (both directions) into ``directory`` and
+            return ``None`` — to split a run over machines; a later call without ``shards``
+            on the merged directory loads them all.
+        workers: processes (``None``: ``os.cpu_count()``; 1: run inline).
+        directory: save each shard as ``<direction>-<k>.npz`` with ``meta.json``; existing
+            shards with the same fingerprint are loaded instead of recomputed.
+        progress: show a tqdm progress bar.
+        device: ``None`` numpy; a torch device string for the torch backend (run inline).
+    """
+    S = check_int("num_samples", num_samples, minimum=1)
+    shard_size = check_int("shard_size", shard_size, minimum=1)
+    directions = DIRECTIONS
+    n_shards = -(-S // shard_size)
+    if shards is not None:
+        if directory is None:
+            raise ValueError("shards needs a directory to save them in")
+        shards = sorted({check_int("shard", k, minimum=0, maximum=n_shards - 1) for k in shards})
+    workers = (os.cpu_count() or 1) if workers is None else check_int("workers", workers,
+                                                                      minimum=1)
+    mech_dict = mechanism.to_dict()
+    if seed is None:
+        seed = _recorded_seed(directory, mech_dict, shard_size, device)
+    if seed is None:
+        seed = fresh_monte_carlo_seed()
+    seed = check_int("seed", seed, minimum=0)
+    fp = _fingerprint(mech_dict, seed, shard_size, device)
+    if directory is not None:
+        os.makedirs(directory, exist_ok=True)
+        meta_path = os.path.join(directory, "meta.json")
+        meta = {"fingerprint": fp, "mechanism": mech_dict, "seed": int(seed),
+                "shard_size": shard_size, "backend": "numpy" if device is None else "torch"}
+        if os.path.exists(meta_path):
+            with open(meta_path) as fh:
+                old = json.load(fh)
+            if old.get("fingerprint") != fp:
+                raise ValueError(f"directory {directory!r} holds shards of another run "
+                                 f"(fingerprint {old.get('fingerprint')} != {fp}); use a new "
+                                 f"directory")
+        else:
+            with open(meta_path, "w") as fh:
+                json.dump(meta, fh, sort_keys=True)
+    wanted = range(n_shards) if shards is None else shards
+    jobs = [(d, k, min(shard_size, S - k * shard_size)) for d in directions for k in wanted]
+    results: dict[tuple[str, int], np.ndarray] = {}
+    todo = []
+    for d, k, size in jobs:
+        path = None if directory is None else os.path.join(directory, f"{d}-{k}.npz")
+        if path is not None and os.path.exists(path):
+            with np.load(path) as z:
+                arr = z["losses"]
+            if arr.size >= size:
+                results[(d, k)] = arr[:size]
+                continue
+        todo.append((d, k, size, path))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), unit="shard",
+                   desc="Monte Carlo shards")
+
+    def finish(d, k, path, arr):
+        results[(d, k)] = arr
+        if path is not None:
+            tmp = path + ".tmp.npz"
+            np.savez(tmp, losses=arr)
+            os.replace(tmp, path)
+        if bar is not None:
+            bar.update(1)
+
+    try:
+        if workers == 1 or device is not None or len(todo) <= 1:
+            for d, k, size, path in todo:
+                finish(d, k, path, _run_shard(mech_dict, d, seed, k, size, device))
+        else:
+            with concurrent.futures.ProcessPoolExecutor(max_workers=workers) as pool:
+                futs = {pool.submit(_run_shard, mech_dict, d, seed, k, size, None): (d, k, path)
+                        for d, k, size, path in todo}
+                for fut in concurrent.futures.as_completed(futs):
+                    d, k, path = futs[fut]
+                    finish(d, k, path, fut.result())
+    finally:
+        if bar is not None:
+            bar.close()
+    if shards is not None:
+        return None
+    per_dir = {d: np.concatenate([results[(d, k)] for k in range(n_shards)]) for d in directions}
+    return MonteCarloSamples(per_dir["remove"], per_dir["add"], seed=seed)
+
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Algorithm 5 with sampled verifications
+# ---------------------------------------------------------------------------------------------
+def verify_candidate(mechanism: BandMFMonteCarlo, epsilon: float, base_delta_: float,
+                     num_samples: int, *, seed: int, workers: int = 1,
+                     shard_size: int = DEFAULT_SHARD_SIZE, device: Optional[str] = None,
+                     directory: Optional[str] = None) -> tuple[bool, float, float]:
+    """Verifier ``V(M)``: 1 iff ``δ̃_P(ε) ≤ δ′`` and ``δ̃_Q(ε) ≤ δ′`` on fresh samples
+    (:func:`~opacus_structured.accounting.certification.passes`)."""
+    samples = collect_privacy_losses(mechanism, num_samples, seed=seed, workers=workers,
+                                     shard_size=shard_size, device=device, directory=directory)
+    return passes(samples, epsilon, base_delta_)
+
+
+def _certification_seed(directory: Optional[str], seed: Optional[int]) -> int:
+    """The run seed of a certification: ``seed``, else the one recorded in ``directory``
+    (resume), else fresh entropy; recorded in ``<directory>/certify.json``. A directory that
+    recorded another seed is refused (a second certification with a new seed is multiple
+    testing)."""
+    if seed is not None:
+        seed = check_int("seed", seed, minimum=0)
+    recorded = None
+    path = None if directory is None else os.path.join(directory, "certify.json")
+    if path is not None and os.path.exists(path):
+        with open(path) as fh:
+            recorded = json.load(fh).get("seed")
+    if recorded is not None and seed is not None and seed != recorded:
+        raise ValueError(
+            f"directory {directory!r} holds a certification with seed {recorded}, not {seed}: "
+            f"re-running Algorithm 5 with another seed and keeping the better outcome voids its "
+            f"guarantee (multiple testing); resume with seed={recorded} (or seed=None)")
+    seed = seed if seed is not None else recorded if recorded is not None else \
+        fresh_monte_carlo_seed()
+    if path is not None and recorded is None:
+        os.makedirs(directory, exist_ok=True)
+        with open(path, "w") as fh:
+            json.dump({"seed": int(seed)}, fh)
+    return int(seed)
+
+
+def certify_noise_multiplier(mechanism: BandMFMonteCarlo, epsilon: float, target_delta: float, *,
+                             sigma_min: float, sigma_max: Optional[float] = None,
+                             ratio: float = 1.01, num_samples: Optional[int] = None,
+                             base_delta_: Optional[float] = None,
+                             fallback: Optional[Fallback] = None,
+                             seed: Optional[int] = None,
+                             workers: int = 1, shard_size: int = DEFAULT_SHARD_SIZE,
+                             device: Optional[str] = None, directory: Optional[str] = None,
+                             progress: Optional[Callable[[float, bool], None]] = None
+                             ) -> CertifiedCalibration:
+    r"""Algorithm 5 (Theorem A.1): the smallest verified σ on a ``ratio`` grid, else the fallback.
+
+    The plan — ``δ′``, the sample count, the fallback and the candidates — is
+    :func:`~opacus_structured.accounting.certification.plan_certification` (see it for
+    ``sigma_max``, ``ratio``, ``num_samples``, ``base_delta_`` and ``fallback``); the scan is
+    :func:`~opacus_structured.accounting.certification.run_algorithm5`. Candidate ``k`` is
+    verified with :func:`collect_privacy_losses` from the seed
+    :func:`~opacus_structured.accounting.certification.candidate_seed` ``(seed, k)`` — fresh,
+    independent samples per candidate — in ``<directory>/candidate-<k>`` when a directory is
+    given (resumable).
+
+    Args:
+        mechanism: the mechanism (its σ is replaced by each candidate).
+        epsilon, target_delta: the certified target ``(ε, δ_t)``.
+        seed: run seed of the verifications; ``None`` (default): the seed recorded in
+            ``directory`` when resuming there, else fresh OS entropy. Returned as
+            ``result.seed``. Run the certification **once**: re-running after a failed check
+            with another seed and keeping the better outcome is multiple testing and voids
+            Theorem A.1's guarantee. A directory refuses a different seed for the same reason.
+        workers, shard_size, device: how the verifications run (:func:`collect_privacy_losses`).
+        progress: ``progress(sigma, passed)`` after each verified candidate.
+    """
+    plan = plan_certification(mechanism, epsilon, target_delta, sigma_min=sigma_min,
+                              sigma_max=sigma_max, ratio=ratio, num_samples=num_samples,
+                              base_delta_=base_delta_, fallback=fallback)
+    seed = _certification_seed(directory, seed)
+
+    def verify(k: int, sigma: float) -> tuple[bool, float, float]:
+        sub = None if directory is None else os.path.join(directory, f"candidate-{k}")
+        return verify_candidate(mechanism.with_noise(sigma), plan.epsilon, plan.base_delta,
+                                plan.num_samples, seed=candidate_seed(seed, k), workers=workers,
+                                shard_size=shard_size, device=device, directory=sub)
+
+    return run_algorithm5(plan, verify, seed=seed, progress=progress)

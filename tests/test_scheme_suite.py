@@ -69,7 +69,7 @@ EXAMPLES = {
     "bandmf-cyclic-poisson": Example(
         BandMFCyclicPoissonScheme(dataset_size=100, batch_size=10.0, bands=2), (2, 10, 20),
         None),
-    "gdp": Example(GDPScheme(), (1, 5, 20), None, _gdp_exact),
+    "gdp": Example(GDPScheme(), (1, 5, 20), 100, _gdp_exact),
     "random-allocation-mf": Example(
         RandomAllocationMFScheme(strategy="identity", epochs=2, batches_per_epoch=10,
                                  method="renyi"), (5, 10, 20), 100),

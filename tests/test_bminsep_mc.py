@@ -24,12 +24,14 @@ from opacus_structured.accounting.bminsep_mc import (
     balls_in_bins_log_ratio,
     bminsep_log_ratio,
     bminsep_sampling_prob,
+    bminsep_stationary_rate,
     cyclic_poisson_log_ratio,
     sample_bminsep_participation,
     sample_other_counts,
     sample_privacy_losses,
     truncated_bminsep_log_ratios,
 )
+from opacus_structured.accounting.bounds import BoundKind
 from opacus_structured.accounting.certification import (
     cyclic_poisson_fallback,
     sigma_grid,
@@ -50,6 +52,7 @@ from opacus_structured.accounting.monte_carlo import (
 )
 from opacus_structured.accounting.profiles import PairProfile
 from opacus_structured.runners.monte_carlo import (
+    MonteCarloSettings,
     certify_noise_multiplier,
     collect_privacy_losses,
     sample_losses,
@@ -679,48 +682,141 @@ def test_truncated_sampler_end_to_end():
 # ---------------------------------------------------------------------------------------------
 # Scheme, Opacus accountant, CLI
 # ---------------------------------------------------------------------------------------------
+SMALL_RUN = MonteCarloSettings(samples=3000, workers=1, seed=0)
+
+
 def _small_scheme(**kw):
     from opacus_structured.schemes.bminsep_mc import BMinSepMonteCarloScheme
 
-    args = dict(bands=2, dataset_size=320, batch_size=10, samples=3000, warm_start=True,
-                strategy="max-error", workers=1, seed=0)
+    args = dict(bands=2, dataset_size=320, batch_size=10, warm_start=True, strategy="max-error")
     args.update(kw)
     return BMinSepMonteCarloScheme(**args)
 
 
 def test_scheme_is_labelled_monte_carlo():
     scheme = _small_scheme()
-    assert scheme.bound == "monte-carlo"
+    assert scheme.bound == "monte-carlo" and scheme.bound is BoundKind.MONTE_CARLO
     assert math.isclose(scheme.sampling_prob, 10 / (320 - 10))
     with pytest.raises(ValueError, match="Monte Carlo"):
         scheme.pld(1.0)
-    eps = scheme.epsilon(1.0, 32, 1e-2)
+    eps = scheme.epsilon(1.0, 32, 1e-2, settings=SMALL_RUN)
     assert isinstance(eps, MonteCarloEpsilon) and "Monte Carlo" in f"{eps:.4g}"
-    est = scheme.estimate(1.0, 32, 1e-2)
-    assert est.epsilon == float(eps) and est.epsilon >= est.point_epsilon
-    assert 0 <= scheme.delta(1.0, 32, float(eps)) <= 1
+    est = scheme.estimate(1.0, 32, 1e-2, settings=SMALL_RUN)
+    assert est.epsilon == float(eps) and est.epsilon >= est.point_epsilon and est.seed == 0
+    assert 0 <= scheme.delta(1.0, 32, float(eps), settings=SMALL_RUN) <= 1
     from opacus_structured.schemes import Scheme
     assert Scheme.from_dict(scheme.to_dict()) == scheme
     with pytest.raises(ValueError, match="min_sep"):
         _small_scheme(bands=40)
+    with pytest.raises(ValueError, match="settings"):
+        scheme.epsilon(1.0, 32, 1e-2, settings={"samples": 10})
+
+
+def test_scheme_describes_the_mechanism_and_settings_the_run():
+    # The frozen scheme holds only the mechanism; samples, seed, q, workers, device and
+    # progress are MonteCarloSettings, and q belongs to the run (it changes no batch).
+    scheme = _small_scheme()
+    fields = set(scheme.to_dict()) - {"scheme"}
+    assert fields == {"bands", "dataset_size", "batch_size", "min_sep", "warm_start", "truncate",
+                      "max_user_examples", "sampling_probability", "strategy"}
+    with pytest.raises(TypeError, match="samples"):
+        _small_scheme(samples=100)
+    # without a seed, every run draws a fresh one and records it
+    free = MonteCarloSettings(samples=500, workers=1)
+    a, b = (scheme.estimate(1.0, 8, 0.05, settings=free) for _ in range(2))
+    assert a.seed is not None and b.seed is not None and a.seed != b.seed
+    again = scheme.estimate(1.0, 8, 0.05, settings=dataclasses.replace(free, seed=a.seed))
+    assert again.epsilon == a.epsilon  # the audit: the recorded seed reproduces the estimate
+    # a different confidence changes the statement, not the samples
+    loose = scheme.estimate(1.0, 8, 0.05, settings=dataclasses.replace(
+        free, seed=a.seed, failure_probability=0.1))
+    assert loose.point_epsilon == a.point_epsilon and loose.epsilon <= a.epsilon
+    assert MonteCarloSettings.from_dict(json.loads(json.dumps(SMALL_RUN.to_dict()))) == SMALL_RUN
+    for bad, name in ((dict(samples=0), "samples"), (dict(seed=-1), "seed"),
+                      (dict(failure_probability=1.0), "failure_probability"),
+                      (dict(workers=0), "workers"), (dict(device=3), "device"),
+                      (dict(shard_size=0), "shard_size"), (dict(progress="yes"), "progress")):
+        with pytest.raises(ValueError, match=name):
+            MonteCarloSettings(**bad)
+
+
+def test_scheme_rate_from_batch_size_or_given_exactly():
+    # One formula for p = B/(N - (b-1)B) (accounting.bminsep_mc); a scheme may also be given p
+    # (a sampler's rate) if it agrees with batch_size, and keeps it exactly.
+    from opacus_structured.schemes.bminsep_mc import BMinSepMonteCarloScheme
+
+    scheme = _small_scheme(min_sep=4)
+    assert scheme.sampling_prob == bminsep_sampling_prob(320, 10, 4)
+    p = 0.0371
+    own = BMinSepMonteCarloScheme.from_sampling_probability(320, p, 4, warm_start=True)
+    assert own.sampling_prob == p and own.bands == 1
+    assert own.batch_size == pytest.approx(320 * bminsep_stationary_rate(p, 4))
+    with pytest.raises(ValueError, match="sampling_probability"):
+        _small_scheme(sampling_probability=0.5)
 
 
 def test_accountant_adapter():
-    from opacus_structured.accountants.base import register_scheme_accountant
+    from opacus_structured.accountants.base import (
+        AccountantNotAttachedError,
+        register_scheme_accountant,
+    )
     from opacus_structured.accountants.bminsep_mc import BMinSepMonteCarloAccountant
 
     scheme = _small_scheme()
-    acc = BMinSepMonteCarloAccountant(scheme)
+    acc = BMinSepMonteCarloAccountant(scheme, settings=SMALL_RUN)
     acc.step(noise_multiplier=1.0, sample_rate=10 / 320, num_steps=32)
     eps = acc.get_epsilon(1e-2)
     assert isinstance(eps, MonteCarloEpsilon) and acc.bound == "monte-carlo"
+    assert float(eps) == float(scheme.epsilon(1.0, 32, 1e-2, settings=SMALL_RUN))
     est, kind = acc.get_privacy_spent(delta=1e-2)
     assert kind == "monte-carlo" and est.kind == "monte-carlo" and est.epsilon == float(eps)
-    acc2 = BMinSepMonteCarloAccountant(scheme)
-    acc2.load_state_dict(acc.state_dict())
+    state = acc.state_dict()
+    assert state["monte_carlo"] == SMALL_RUN.to_dict()
+    acc2 = BMinSepMonteCarloAccountant(scheme, settings=SMALL_RUN)
+    acc2.load_state_dict(state)
     assert len(acc2) == 32 and float(acc2.get_epsilon(1e-2)) == float(eps)
     cls = register_scheme_accountant("bminsep-mc-test", scheme, base=BMinSepMonteCarloAccountant)
     assert cls().bound == "monte-carlo"
+    with pytest.raises(AccountantNotAttachedError, match="recorded no step"):
+        BMinSepMonteCarloAccountant(scheme, settings=SMALL_RUN).get_epsilon(1e-2)
+
+
+def test_accountant_resumes_the_checkpoint_run_and_refuses_another_seed():
+    from opacus_structured.accountants.bminsep_mc import BMinSepMonteCarloAccountant
+
+    scheme = _small_scheme()
+    run = MonteCarloSettings(samples=400, workers=1)  # seed: fresh entropy, fixed per accountant
+    a, b = BMinSepMonteCarloAccountant(scheme, settings=run), BMinSepMonteCarloAccountant(scheme)
+    assert a.settings.seed is not None and b.settings.seed is not None
+    assert a.settings.seed != b.settings.seed and b.settings.samples == 100_000
+    a.step(noise_multiplier=1.0, sample_rate=10 / 320, num_steps=6)
+    eps = float(a.get_epsilon(0.05))
+    assert float(a.get_epsilon(0.05)) == eps  # one seed per accountant: the same estimate
+    state = json.loads(json.dumps(a.state_dict()))
+    assert state["monte_carlo"]["seed"] == a.settings.seed
+    # built without settings, or with the seed left open: continues the checkpoint's run
+    for resumed in (BMinSepMonteCarloAccountant(scheme),
+                    BMinSepMonteCarloAccountant(scheme, settings=run)):
+        resumed.load_state_dict(state)
+        assert resumed.settings.seed == a.settings.seed and resumed.settings.samples == 400
+        assert float(resumed.get_epsilon(0.05)) == eps
+    # a different explicit seed, or other samples, is refused with the way out
+    other = dataclasses.replace(run, seed=a.settings.seed + 1)
+    with pytest.raises(ValueError, match="Monte Carlo seed"):
+        BMinSepMonteCarloAccountant(scheme, settings=other).load_state_dict(state)
+    with pytest.raises(ValueError, match="samples"):
+        BMinSepMonteCarloAccountant(scheme, settings=MonteCarloSettings(
+            samples=401, seed=a.settings.seed)).load_state_dict(state)
+    # an accountant that already reported from its own seed does not switch silently
+    c = BMinSepMonteCarloAccountant(scheme, settings=run)
+    c.step(noise_multiplier=1.0, sample_rate=10 / 320, num_steps=6)
+    c.get_epsilon(0.05)
+    with pytest.raises(ValueError, match="Monte Carlo seed"):
+        c.load_state_dict(state)
+    loaded = BMinSepMonteCarloAccountant(scheme, settings=MonteCarloSettings.from_dict(
+        state["monte_carlo"]))
+    loaded.load_state_dict(state)
+    assert float(loaded.get_epsilon(0.05)) == eps
 
 
 def test_cli_epsilon_and_command(capsys):
@@ -732,6 +828,14 @@ def test_cli_epsilon_and_command(capsys):
                  "--delta", "1e-2"]) == 0
     out = capsys.readouterr().out
     assert "Monte Carlo estimate" in out and "not a deterministic bound" in out
+    # the run's flags become the scheme's pricing options (MonteCarloSettings), not fields
+    from opacus_structured.cli import build_parser
+    from opacus_structured.schemes.bminsep_mc import BMinSepMonteCarloScheme
+
+    args = build_parser().parse_args(["epsilon", "bminsep-mc", *flags, "--noise-multiplier",
+                                      "1.0", "--steps", "32", "--delta", "1e-2"])
+    assert BMinSepMonteCarloScheme.pricing_options_from_cli_args(args) == {
+        "settings": MonteCarloSettings(samples=2000, seed=0, workers=1)}
     assert main(["bminsep-mc", "estimate", *flags, "--noise-multiplier", "1.0", "--steps", "32",
                  "--delta", "1e-2", "--json"]) == 0
     rec = json.loads(capsys.readouterr().out)
@@ -751,8 +855,8 @@ def test_cli_epsilon_and_command(capsys):
 # Multi-attribution through the scheme and the CLI (Algorithm 3, Theorem 6.1)
 # ---------------------------------------------------------------------------------------------
 def _multi_scheme(**kw):
-    args = dict(bands=2, dataset_size=400, batch_size=8, samples=4000, max_user_examples=2,
-                sampling_probability=0.05, strategy="max-error", workers=1, seed=0)
+    args = dict(bands=2, dataset_size=400, batch_size=8, max_user_examples=2,
+                sampling_probability=0.05, strategy="max-error")
     args.update(kw)
     from opacus_structured.schemes.bminsep_mc import BMinSepMonteCarloScheme
 
@@ -782,7 +886,7 @@ def test_scheme_multi_attribution_delta_matches_quadrature():
     # n = 2, b = 2, k_u = 2: the exact hockey-stick divergences of the (brute-force enumerated)
     # 2-D Gaussian mixture P vs Q = N(0, σ²I) by quadrature; the scheme's Monte Carlo δ̃ in
     # both directions agrees within MC error.
-    scheme = _multi_scheme(samples=20000, sampling_probability=0.3)
+    scheme, count = _multi_scheme(sampling_probability=0.3), 20000
     sigma, eps, n = 0.8, 0.4, 2
     mech = scheme.mechanism(sigma, n)
     C = mech.strategy.matrix()
@@ -798,7 +902,7 @@ def test_scheme_multi_attribution_delta_matches_quadrature():
     Q = dens(np.zeros(2))
     d_remove = float(np.sum(np.maximum(0, P - math.exp(eps) * Q)) * h * h)
     d_add = float(np.sum(np.maximum(0, Q - math.exp(eps) * P)) * h * h)
-    s = collect_privacy_losses(mech, scheme.samples, seed=3, workers=1)
+    s = collect_privacy_losses(mech, count, seed=3, workers=1)
     for losses, exact in ((s.remove, d_remove), (s.add, d_add)):
         terms = -np.expm1(np.minimum(eps - losses, 0))
         se = terms.std() / math.sqrt(losses.size)
@@ -806,7 +910,7 @@ def test_scheme_multi_attribution_delta_matches_quadrature():
     assert d_remove > 0.01  # a non-trivial check
     # a second example per user costs privacy: δ̃ is clearly larger than with k_u = 1
     single = collect_privacy_losses(dataclasses.replace(mech, max_user_examples=1),
-                                    scheme.samples, seed=3, workers=1)
+                                    count, seed=3, workers=1)
     assert s.empirical_delta(eps) > single.empirical_delta(eps) + 0.01
 
 

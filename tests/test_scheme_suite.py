@@ -79,8 +79,8 @@ EXAMPLES = {
         _structured_lower),
     "truncated-poisson": Example(TruncatedPoissonScheme(100, 0.1, 15), (1, 5, 20), None),
     "bminsep-mc": Example(
-        BMinSepMonteCarloScheme(bands=2, dataset_size=100, batch_size=10.0, samples=2000,
-                                min_sep=2, seed=0), (2, 10), 100, delta=1e-2),
+        BMinSepMonteCarloScheme(bands=2, dataset_size=100, batch_size=10.0, min_sep=2),
+        (2, 10), 100, delta=1e-2),
 }
 
 NAMES = sorted(SCHEMES)

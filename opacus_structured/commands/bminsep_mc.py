@@ -26,7 +26,7 @@ import json
 from ..accounting.bounds import BoundKind
 from ..accounting.certification import cyclic_poisson_fallback, unamplified_fallback
 from ..cli import register_command
-from ..runners.monte_carlo import collect_privacy_losses
+from ..runners.monte_carlo import DEFAULT_SHARD_SIZE, MonteCarloSettings
 from ..schemes.bminsep_mc import BMinSepMonteCarloScheme
 
 
@@ -43,7 +43,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--noise-multiplier", type=float, required=True)
             p.add_argument("--directory", default=None,
                            help="save/resume shards here (seed-addressed, mergeable)")
-            p.add_argument("--shard-size", type=int, default=16384)
+            p.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE)
             p.add_argument("--progress", action="store_true")
         else:
             p.add_argument("--target-epsilon", type=float, required=True)
@@ -56,17 +56,16 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run(args) -> int:
     scheme = BMinSepMonteCarloScheme.from_cli_args(args)
+    settings = MonteCarloSettings.from_cli_args(args)
     if args.action == "estimate":
         mech = scheme.mechanism(args.noise_multiplier, args.steps)
         # --seed, else the seed recorded in --directory (resume), else fresh entropy
-        samples = collect_privacy_losses(mech, scheme.samples, seed=args.seed,
-                                         workers=scheme.workers, device=scheme.device,
-                                         directory=args.directory, shard_size=args.shard_size,
-                                         progress=args.progress)
-        est = samples.estimate(args.delta, scheme.failure_probability)
+        samples = settings.collect(mech, directory=args.directory)
+        est = samples.estimate(args.delta, settings.failure_probability)
+        used = {**settings.to_dict(), "seed": samples.seed}
         record = {**est.to_dict(), "noise_multiplier": args.noise_multiplier,
                   "steps": args.steps, "bound": BoundKind.MONTE_CARLO, "seed": samples.seed,
-                  "parameters": {**scheme.describe(), "seed": samples.seed}}
+                  "parameters": {**scheme.describe(), **used}}
         print(json.dumps(record, sort_keys=True) if args.json
               else f"{est.statement} [Monte Carlo seed {samples.seed}]")
         return 0
@@ -78,7 +77,7 @@ def _run(args) -> int:
         fb = cyclic_poisson_fallback(mech, args.batch_size / args.dataset_size,
                                      args.target_epsilon, dp)
     res = scheme.certify(args.target_epsilon, args.delta, args.steps, sigma_min=args.sigma_min,
-                         sigma_max=args.sigma_max, fallback=fb)
+                         settings=settings, sigma_max=args.sigma_max, fallback=fb)
     record = {"noise_multiplier": res.noise_multiplier, "fallback_used": res.fallback_used,
               "fallback": res.fallback.description, "epsilon": res.epsilon,
               "overall_delta": res.overall_delta, "base_delta": res.base_delta,

@@ -19,13 +19,27 @@ the informational target. Priced by Theorem 6.1 (``x_i ~ Binom(k_u, p)`` when av
 start only: a burn-in warm start is post-processing of the cold-start run and is accounted as
 cold start, so ``warm_start=True`` is rejected.
 
+**A description, not a run.** The scheme holds what describes the mechanism — its batches
+(:meth:`batch_distribution`) and its noise (``bands``, ``strategy``) — and nothing about how its
+ε is estimated. The number of samples, the seed, the confidence ``1 − q``, the workers, the
+device and the progress bar are a run's
+:class:`~opacus_structured.runners.monte_carlo.MonteCarloSettings`, passed to :meth:`estimate`,
+:meth:`epsilon`, :meth:`delta`, :meth:`certify` and to the accountant
+(:class:`~opacus_structured.accountants.bminsep_mc.BMinSepMonteCarloAccountant`), whose
+``state_dict`` records them with the seed used.
+
 Pricing: there is no closed form; ε is a **Monte Carlo estimate** from the dynamic program of
 Theorem 5.1 (:mod:`opacus_structured.accounting.bminsep_mc`), reported as the KL
 high-confidence upper estimate that holds with probability ``≥ 1 − q`` (:attr:`bound` is
-``"monte-carlo"``). :meth:`epsilon` returns a :class:`MonteCarloEpsilon` (a float that prints
-its label); :meth:`estimate` returns the full :class:`MonteCarloEstimate`. For a certified
-guarantee use Algorithm 5 (:meth:`certify`, ``opacus-structured bminsep-mc certify``).
-:meth:`pld` raises: a Monte Carlo scheme has no PLD.
+``BoundKind.MONTE_CARLO``). :meth:`epsilon` returns a :class:`MonteCarloEpsilon` (a float that
+prints its label); :meth:`estimate` returns the full :class:`MonteCarloEstimate`. For a
+certified guarantee use Algorithm 5 (:meth:`certify`, ``opacus-structured bminsep-mc
+certify``). :meth:`pld` raises: a Monte Carlo scheme has no PLD.
+
+Sampler: ``scheme.sampler(dataset_size)`` builds the b-min-sep sampler of Algorithm 1 / 2 (with
+truncation and padding when ``truncate`` is set), ``scheme.sampler(user_sets)`` the
+multi-attribution sampler of Algorithm 3; either carries this scheme. Two schemes that differ
+only in their noise (``bands``, ``strategy``) draw the same batches.
 """
 
 from __future__ import annotations
@@ -33,20 +47,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-from typing import Optional
+import math
+from typing import Any, Optional
 
 from .._validation import check_int, check_open_unit, check_positive, check_probability
 from ..accounting import pld as pld_lib
 from ..accounting import strategies
-from ..accounting.bminsep_mc import BandedStrategy, BandMFMonteCarlo, bminsep_sampling_prob
+from ..accounting.bminsep_mc import (
+    BandedStrategy,
+    BandMFMonteCarlo,
+    bminsep_sampling_prob,
+    bminsep_stationary_rate,
+)
 from ..accounting.bounds import BoundKind
 from ..accounting.certification import CertifiedCalibration
 from ..accounting.monte_carlo import MonteCarloEpsilon, MonteCarloEstimate, MonteCarloSamples
-from ..runners.monte_carlo import (
-    certify_noise_multiplier,
-    collect_privacy_losses,
-    fresh_monte_carlo_seed,
-)
+from ..runners.monte_carlo import MonteCarloSettings, certify_noise_multiplier
 from .base import Scheme, register_scheme
 
 __all__ = ["BMinSepMonteCarloScheme", "STRATEGY_CHOICES"]
@@ -56,12 +72,19 @@ __all__ = ["BMinSepMonteCarloScheme", "STRATEGY_CHOICES"]
 STRATEGY_CHOICES = ("optimal-banded", "banded-sqrt", "max-error")
 
 
+def _run_settings(settings: Optional[MonteCarloSettings]) -> MonteCarloSettings:
+    """The settings of one run: ``settings`` (default :class:`MonteCarloSettings`) with a
+    concrete seed (fresh OS entropy when it has none)."""
+    run = MonteCarloSettings() if settings is None else settings
+    if not isinstance(run, MonteCarloSettings):
+        raise ValueError(f"settings must be a MonteCarloSettings, got {type(run).__name__}")
+    return run.resolved()
+
+
 @functools.lru_cache(maxsize=8)
-def _samples(scheme: "BMinSepMonteCarloScheme", noise_multiplier: float,
-             steps: int) -> MonteCarloSamples:
-    return collect_privacy_losses(scheme.mechanism(noise_multiplier, steps), scheme.samples,
-                                  seed=scheme.seed, workers=scheme.workers,
-                                  device=scheme.device, progress=scheme.progress)
+def _samples(scheme: "BMinSepMonteCarloScheme", settings: MonteCarloSettings,
+             noise_multiplier: float, steps: int) -> MonteCarloSamples:
+    return settings.collect(scheme.mechanism(noise_multiplier, steps))
 
 
 @register_scheme
@@ -73,22 +96,20 @@ class BMinSepMonteCarloScheme(Scheme):
         bands: number of bands ``L`` of ``C``.
         dataset_size: ``|D|`` (public).
         batch_size: expected batch size ``B̄`` (sets ``p``; needs ``b·B̄ ≤ |D|``).
-        samples: Monte Carlo samples per direction.
         min_sep: ``b`` (default ``bands``; must be ``≥ bands``).
         warm_start: Algorithm 2 (else Algorithm 1, cold start).
         truncate: ``B_max`` for the truncated + padded variant (Appendix D), or ``None``.
         max_user_examples: ``k_u`` (multi-attribution, Theorem 6.1; cold start, no truncation).
-        sampling_probability: the interim rate ``p`` of Algorithm 3; required with
-            ``max_user_examples > 1`` and not allowed otherwise (then ``p`` follows from
-            ``batch_size``, see :attr:`sampling_prob`).
+        sampling_probability: the conditional rate ``p``. Required with
+            ``max_user_examples > 1`` (the interim rate of Algorithm 3); with one example per
+            user it follows from ``batch_size`` (see :attr:`sampling_prob`) and, if given, must
+            agree with it (to 1e-9 relative; it is then used as given, e.g. by a sampler built
+            from ``p``, :meth:`from_sampling_probability`).
         strategy: see :data:`STRATEGY_CHOICES`; ``C`` is pure Toeplitz with ``‖c‖ = 1``.
-        seed: Monte Carlo seed; ``None`` (default) draws a fresh one from OS entropy at
-            construction, stored in the scheme (``describe()``, ``to_dict()``, the
-            accountant's ``state_dict``) for audit and so that the scheme prices consistently.
-            Do not rebuild the scheme with new seeds until an estimate or a certification
-            looks good: picking among seeds voids the confidence (multiple testing).
-        failure_probability: ``q`` of the upper estimate.
-        workers: processes (``None``: all cores). device: ``None`` (numpy) or a torch device.
+
+    How ε is estimated (samples, seed, confidence, workers, device) is not part of the scheme:
+    pass a :class:`~opacus_structured.runners.monte_carlo.MonteCarloSettings` to the pricing
+    methods or to the accountant.
     """
 
     name = "bminsep-mc"
@@ -97,25 +118,18 @@ class BMinSepMonteCarloScheme(Scheme):
     bands: int = 1
     dataset_size: int = 1
     batch_size: float = 1.0
-    samples: int = 100_000
     min_sep: Optional[int] = None
     warm_start: bool = False
     truncate: Optional[int] = None
     max_user_examples: int = 1
     sampling_probability: Optional[float] = None
     strategy: str = "optimal-banded"
-    seed: Optional[int] = None
-    failure_probability: float = 1e-3
-    workers: Optional[int] = None
-    device: Optional[str] = None
-    progress: bool = False
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
         set_("bands", check_int("bands", self.bands, minimum=1))
         set_("dataset_size", check_int("dataset_size", self.dataset_size, minimum=1))
         set_("batch_size", check_positive("batch_size", self.batch_size))
-        set_("samples", check_int("samples", self.samples, minimum=1))
         b = self.bands if self.min_sep is None else check_int("min_sep", self.min_sep,
                                                               minimum=self.bands)
         set_("min_sep", b)
@@ -124,10 +138,17 @@ class BMinSepMonteCarloScheme(Scheme):
         if self.truncate is not None:
             set_("truncate", check_int("truncate", self.truncate, minimum=1))
         if k_u == 1:
+            p = bminsep_sampling_prob(self.dataset_size, self.batch_size, b)  # feasibility
             if self.sampling_probability is not None:
-                raise ValueError("sampling_probability is only for max_user_examples > 1 "
-                                 "(with one example per user p follows from batch_size)")
-            bminsep_sampling_prob(self.dataset_size, self.batch_size, b)  # feasibility check
+                given = check_probability("sampling_probability", self.sampling_probability)
+                if not math.isclose(given, p, rel_tol=1e-9, abs_tol=0.0):
+                    raise ValueError(
+                        f"sampling_probability={given!r} contradicts batch_size="
+                        f"{self.batch_size!r}: with one example per user p = batch_size / "
+                        f"(dataset_size - (min_sep - 1) * batch_size) = {p!r}; give "
+                        f"batch_size alone (sampling_probability is required only with "
+                        f"max_user_examples > 1)")
+                set_("sampling_probability", given)
         else:
             if self.sampling_probability is None:
                 raise ValueError(
@@ -144,23 +165,39 @@ class BMinSepMonteCarloScheme(Scheme):
                 raise ValueError("truncate is not supported with max_user_examples > 1")
         if self.strategy not in STRATEGY_CHOICES:
             raise ValueError(f"strategy must be one of {STRATEGY_CHOICES}, got {self.strategy!r}")
-        check_open_unit("failure_probability", self.failure_probability)
-        set_("seed", fresh_monte_carlo_seed() if self.seed is None
-             else check_int("seed", self.seed, minimum=0))
-        if self.workers is not None:
-            set_("workers", check_int("workers", self.workers, minimum=1))
+
+    @classmethod
+    def from_sampling_probability(cls, dataset_size: int, sampling_probability: float,
+                                  min_sep: int, *, warm_start: bool = False,
+                                  truncate: Optional[int] = None, max_user_examples: int = 1,
+                                  bands: int = 1,
+                                  strategy: str = "optimal-banded") -> "BMinSepMonteCarloScheme":
+        """The scheme of a sampler given by its conditional rate ``p`` (what the samplers of
+        :mod:`opacus_structured.samplers.bminsep` take). ``batch_size`` becomes the stationary
+        expected batch size ``|D|·p/(1 + (b−1)p)`` (``|D|·p``, the interim sample, with
+        multi-attribution, where it is informational); ``p`` is kept exactly. ``bands`` and
+        ``strategy`` describe the noise and default to independent noise (one band)."""
+        n = check_int("dataset_size", dataset_size, minimum=1)
+        p = check_probability("sampling_probability", sampling_probability)
+        b = check_int("min_sep", min_sep, minimum=1)
+        k_u = check_int("max_user_examples", max_user_examples, minimum=1)
+        rate = bminsep_stationary_rate(p, b) if k_u == 1 else p
+        return cls(bands=bands, dataset_size=n, batch_size=n * rate, min_sep=b,
+                   warm_start=warm_start, truncate=truncate, max_user_examples=k_u,
+                   sampling_probability=p, strategy=strategy)
 
     # ---- the mechanism ---------------------------------------------------------------------
     @property
     def sampling_prob(self) -> float:
-        """The conditional rate ``p`` (not ``p0 = B̄/|D|``); with multi-attribution the given
-        interim rate of Algorithm 3."""
+        """The conditional rate ``p`` (not ``p0 = B̄/|D|``): ``sampling_probability`` when
+        given (the interim rate of Algorithm 3 with multi-attribution), else from
+        ``batch_size``."""
         if self.sampling_probability is not None:
             return self.sampling_probability
         return bminsep_sampling_prob(self.dataset_size, self.batch_size, self.min_sep)
 
     @property
-    def bound(self) -> str:
+    def bound(self) -> BoundKind:
         return BoundKind.MONTE_CARLO
 
     def mechanism(self, noise_multiplier: float, steps: int) -> BandMFMonteCarlo:
@@ -173,59 +210,104 @@ class BMinSepMonteCarloScheme(Scheme):
             dataset_size=self.dataset_size if self.truncate is not None else None,
             max_user_examples=self.max_user_examples)
 
+    def batch_distribution(self) -> tuple:
+        """b-min-sep with rate ``p``, separation ``b``, start, truncation and ``k_u`` over
+        ``dataset_size`` examples (``bands`` and ``strategy`` only change the pricing)."""
+        return ("b-min-sep", self.dataset_size, self.sampling_prob, self.min_sep,
+                self.warm_start, self.truncate, self.max_user_examples)
+
+    def implemented_by(self, sampler_scheme) -> bool:
+        """Any sampler drawing this scheme's batches (same :meth:`batch_distribution`),
+        whatever noise its own scheme names: the noise is priced by this scheme."""
+        return (isinstance(sampler_scheme, BMinSepMonteCarloScheme)
+                and sampler_scheme.batch_distribution() == self.batch_distribution())
+
+    def sampler_for_dataset(self, num_examples: int, *, generator=None):
+        """``sampler(num_examples)``; with multi-attribution a ``ValueError``: Algorithm 3 needs
+        every example's users, so build it with ``scheme.sampler(user_sets)``."""
+        if self.max_user_examples > 1:
+            raise ValueError(f"scheme {self.name!r} with max_user_examples > 1 samples users: "
+                             f"pass each example's users, scheme.sampler(user_sets, ...), as the "
+                             f"DataLoader's batch_sampler")
+        return self.sampler(num_examples, generator=generator)
+
+    # ---- pricing (Monte Carlo) ------------------------------------------------------------
     def pld(self, noise_multiplier, *, sample_rate=None,
             discretization=pld_lib.DEFAULT_DISCRETIZATION):
         raise ValueError(
             "bminsep-mc is priced by Monte Carlo and has no privacy loss distribution: use "
-            "scheme.estimate(noise_multiplier, steps, delta) (a MonteCarloEstimate that holds "
-            "with probability 1 - q) or scheme.certify(...) (Algorithm 5)")
+            "scheme.estimate(noise_multiplier, steps, delta, settings=...) (a "
+            "MonteCarloEstimate that holds with probability 1 - q) or scheme.certify(...) "
+            "(Algorithm 5)")
 
-    def estimate(self, noise_multiplier: float, steps: int, delta: float) -> MonteCarloEstimate:
-        """Monte Carlo ε at ``delta`` (holds with probability ``≥ 1 − q``; not a bound)."""
+    def estimate(self, noise_multiplier: float, steps: int, delta: float, *,
+                 settings: Optional[MonteCarloSettings] = None) -> MonteCarloEstimate:
+        """Monte Carlo ε at ``delta`` (holds with probability ``≥ 1 − q``; not a bound).
+
+        ``settings`` (default :class:`~opacus_structured.runners.monte_carlo.
+        MonteCarloSettings`) says how the run is made; without a seed each call draws a fresh
+        one, returned as ``result.seed``. Calls with the same settings and seed reuse their
+        samples.
+        """
         delta = check_open_unit("delta", delta)
-        return _samples(self, float(noise_multiplier), int(steps)).estimate(
-            delta, self.failure_probability)
+        run = _run_settings(settings)
+        return _samples(self, run, float(noise_multiplier), int(steps)).estimate(
+            delta, run.failure_probability)
 
     def epsilon(self, noise_multiplier, steps, delta, *,
+                settings: Optional[MonteCarloSettings] = None,
                 discretization=pld_lib.DEFAULT_DISCRETIZATION, sample_rate=None):
-        """High-confidence upper ε estimate as a labelled :class:`MonteCarloEpsilon`."""
+        """High-confidence upper ε estimate as a labelled :class:`MonteCarloEpsilon`
+        (``discretization`` and ``sample_rate`` do not apply)."""
         steps = check_int("steps", steps, minimum=0)
         if steps == 0:
+            q = (MonteCarloSettings() if settings is None else settings).failure_probability
             return MonteCarloEpsilon(MonteCarloEstimate(0.0, check_open_unit("delta", delta), 0.0,
-                                                        0.0, 0.0, 0, self.failure_probability))
-        return MonteCarloEpsilon(self.estimate(noise_multiplier, steps, delta))
+                                                        0.0, 0.0, 0, q))
+        return MonteCarloEpsilon(self.estimate(noise_multiplier, steps, delta, settings=settings))
 
     def delta(self, noise_multiplier, steps, epsilon, *,
+              settings: Optional[MonteCarloSettings] = None,
               discretization=pld_lib.DEFAULT_DISCRETIZATION, sample_rate=None):
         """Upper confidence δ at ``epsilon`` (holds w.p. ``≥ 1 − q``); see
         :meth:`MonteCarloSamples.estimate_delta` for the full record."""
         steps = check_int("steps", steps, minimum=0)
         if steps == 0:
             return 0.0
-        rec = _samples(self, float(noise_multiplier), steps).estimate_delta(
-            epsilon, self.failure_probability)
+        run = _run_settings(settings)
+        rec = _samples(self, run, float(noise_multiplier), steps).estimate_delta(
+            epsilon, run.failure_probability)
         return rec["delta_upper"]
 
     def certify(self, epsilon: float, delta: float, steps: int, *, sigma_min: float,
+                settings: Optional[MonteCarloSettings] = None,
                 **kwargs) -> CertifiedCalibration:
         """Algorithm 5 σ calibration (Theorem A.1); ``kwargs`` go to
-        :func:`~opacus_structured.runners.monte_carlo.certify_noise_multiplier`."""
-        kwargs.setdefault("workers", self.workers or 1)
-        kwargs.setdefault("device", self.device)
-        kwargs.setdefault("seed", self.seed)
+        :func:`~opacus_structured.runners.monte_carlo.certify_noise_multiplier`.
+
+        ``settings`` gives the seed (``None``: fresh, or the one recorded in ``directory``),
+        the device, the shard size and the workers (default 1); its ``samples`` and
+        ``failure_probability`` do not apply (Algorithm 5 derives both from ``δ``).
+        """
+        run = MonteCarloSettings() if settings is None else settings
+        if not isinstance(run, MonteCarloSettings):
+            raise ValueError(f"settings must be a MonteCarloSettings, got {type(run).__name__}")
+        kwargs.setdefault("workers", run.workers or 1)
+        kwargs.setdefault("device", run.device)
+        kwargs.setdefault("seed", run.seed)
+        kwargs.setdefault("shard_size", run.shard_size)
         return certify_noise_multiplier(self.mechanism(1.0, steps), epsilon, delta,
                                         sigma_min=sigma_min, **kwargs)
 
     # ---- command line --------------------------------------------------------------------
     @classmethod
     def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """The scheme's flags and the run's (:meth:`MonteCarloSettings.add_cli_arguments`)."""
         parser.add_argument("--bands", type=int, required=True, metavar="b",
                             help="bands of C and (default) the min separation b")
         parser.add_argument("--dataset-size", type=int, required=True, metavar="N")
         parser.add_argument("--batch-size", type=float, required=True, metavar="B",
                             help="expected batch size (b * B <= N)")
-        parser.add_argument("--samples", type=int, default=100_000, metavar="S",
-                            help="Monte Carlo samples per direction (default %(default)s)")
         parser.add_argument("--min-sep", type=int, default=None,
                             help="min separation b >= bands (default: --bands)")
         parser.add_argument("--warm-start", action="store_true",
@@ -239,25 +321,21 @@ class BMinSepMonteCarloScheme(Scheme):
                             help="interim sampling rate p of Algorithm 3 (only with "
                                  "--max-user-examples > 1)")
         parser.add_argument("--strategy", choices=STRATEGY_CHOICES, default="optimal-banded")
-        parser.add_argument("--seed", type=int, default=None,
-                            help="Monte Carlo seed (default: fresh OS entropy; the seed used "
-                                 "is printed/recorded for audit). Never re-run a failed check "
-                                 "or a disappointing estimate with another seed: choosing "
-                                 "among seeds voids the confidence (multiple testing)")
-        parser.add_argument("--confidence-failure", type=float, default=1e-3, metavar="q",
-                            help="failure probability q of the Monte Carlo upper estimate")
-        parser.add_argument("--workers", type=int, default=None)
-        parser.add_argument("--device", default=None, help="torch device (e.g. cuda)")
+        MonteCarloSettings.add_cli_arguments(parser)
 
     @classmethod
     def from_cli_args(cls, args):
+        """The scheme only; the run's flags are :meth:`pricing_options_from_cli_args`."""
         return cls(bands=args.bands, dataset_size=args.dataset_size, batch_size=args.batch_size,
-                   samples=args.samples, min_sep=args.min_sep, warm_start=args.warm_start,
-                   truncate=args.truncate, max_user_examples=args.max_user_examples,
-                   sampling_probability=args.sampling_prob, strategy=args.strategy,
-                   seed=args.seed,
-                   failure_probability=args.confidence_failure, workers=args.workers,
-                   device=args.device)
+                   min_sep=args.min_sep, warm_start=args.warm_start, truncate=args.truncate,
+                   max_user_examples=args.max_user_examples,
+                   sampling_probability=args.sampling_prob, strategy=args.strategy)
+
+    @classmethod
+    def pricing_options_from_cli_args(cls, args) -> dict[str, Any]:
+        """Keyword arguments of :meth:`epsilon` / :meth:`delta` from the run's flags:
+        ``{"settings": MonteCarloSettings.from_cli_args(args)}``."""
+        return {"settings": MonteCarloSettings.from_cli_args(args)}
 
     def describe(self):
         d = dataclasses.asdict(self)

@@ -6,9 +6,12 @@ import numpy as np
 import pytest
 import torch
 
+from opacus_structured.accounting.bminsep_mc import (
+    bminsep_sampling_prob,
+    bminsep_stationary_rate,
+)
 from opacus_structured.samplers.balls_in_bins import BallsInBinsBatchSampler
-from opacus_structured.samplers.bminsep import (BMinSepBatchSampler, WarmStartBMinSepBatchSampler,
-                                                stationary_rate, warm_start_probability)
+from opacus_structured.samplers.bminsep import BMinSepBatchSampler, WarmStartBMinSepBatchSampler
 from opacus_structured.samplers.cyclic_poisson import CyclicPoissonBatchSampler
 from opacus_structured.samplers.multi_attribution import MultiAttributionBMinSepBatchSampler
 from opacus_structured.schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme
@@ -62,7 +65,7 @@ def test_bminsep_mode_distribution_b2_n3(warm):
     sampler = BMinSepBatchSampler(m, p, b, warm_start=warm, steps=n, seed=123)
     x = _patterns(sampler, n)
     keys, counts = np.unique(x, axis=0, return_counts=True)
-    emp = {tuple(k): c / m for k, c in zip(keys, counts)}
+    emp = {tuple(k): c / m for k, c in zip(keys, counts, strict=True)}
     assert set(emp) <= set(exact)
     for k, pk in exact.items():  # 5-sigma binomial tolerance
         assert abs(emp.get(k, 0.0) - pk) <= 5 * np.sqrt(pk * (1 - pk) / m) + 1e-12
@@ -72,7 +75,7 @@ def test_min_sep_invariant_and_warm_stationary_batch_size():
     N, B, b = 5000, 100, 8
     s = BMinSepBatchSampler.from_expected_batch_size(N, B, b, seed=0)
     assert isinstance(s, WarmStartBMinSepBatchSampler)
-    assert stationary_rate(s.p, b) == pytest.approx(B / N)
+    assert bminsep_stationary_rate(s.p, b) == pytest.approx(B / N)
     assert s.p == pytest.approx(B / (N - (b - 1) * B))
     n = 60
     x = _patterns(BMinSepBatchSampler(N, s.p, b, warm_start=True, steps=n, seed=1), n)
@@ -111,9 +114,66 @@ def test_truncated_and_padded():
 
 
 def test_warm_start_probability_validation():
+    # one formula for p = B/(N - (b-1)B), in accounting (the scheme and the samplers call it)
     with pytest.raises(ValueError, match="min_sep"):
-        warm_start_probability(100, 30, 4)
-    assert warm_start_probability(100, 25, 4) == 1.0
+        bminsep_sampling_prob(100, 30, 4)
+    assert bminsep_sampling_prob(100, 25, 4) == 1.0
+    s = BMinSepBatchSampler.from_expected_batch_size(100, 25, 4, seed=0)
+    assert s.p == 1.0 and s.scheme.sampling_prob == 1.0
+
+
+def test_bminsep_samplers_carry_the_scheme_they_draw():
+    from opacus_structured.accountants.base import SchemeAccountant
+    from opacus_structured.samplers.verification import scheme_of_batch_sampler
+    from opacus_structured.schemes.bminsep_mc import BMinSepMonteCarloScheme
+
+    scheme = BMinSepMonteCarloScheme(bands=2, dataset_size=300, batch_size=10.0, min_sep=3,
+                                     warm_start=True, truncate=14, strategy="max-error")
+    s = scheme.sampler(300, seed=5, pad_index=300)
+    assert type(s) is BMinSepBatchSampler and s.scheme is scheme
+    assert scheme_of_batch_sampler(s) is scheme and s.p == scheme.sampling_prob
+    assert (s.warm_start, s.truncated_batch_size, s.min_sep) == (True, 14, 3)
+    assert all(len(b) == 14 for b in itertools.islice(s, 4))
+    # the same parameters built by hand draw the same batches, with a one-band scheme of them
+    direct = BMinSepBatchSampler(300, scheme.sampling_prob, 3, warm_start=True,
+                                 truncated_batch_size=14, pad_index=300, seed=5)
+    again = scheme.sampler(300, seed=5, pad_index=300)
+    assert list(itertools.islice(direct, 6)) == list(itertools.islice(again, 6))
+    assert isinstance(direct.scheme, BMinSepMonteCarloScheme) and direct.scheme.bands == 1
+    assert direct.scheme.batch_distribution() == scheme.batch_distribution()
+    assert scheme.implemented_by(direct.scheme)  # the strategy and bands are the accountant's
+    assert SchemeAccountant(direct.scheme).scheme is direct.scheme
+    cold = BMinSepBatchSampler(300, scheme.sampling_prob, 3, seed=5)
+    assert not scheme.implemented_by(cold.scheme)
+    with pytest.raises(ValueError, match="draws the batches of"):
+        BMinSepBatchSampler(300, scheme.sampling_prob, 3, seed=5, scheme=scheme)
+    with pytest.raises(ValueError, match="dataset_size=300"):
+        scheme.sampler(301)
+    with pytest.raises(ValueError, match="burn_in"):
+        scheme.sampler(300, burn_in=3)
+
+
+def test_multi_attribution_sampler_from_the_scheme():
+    from opacus_structured.schemes.bminsep_mc import BMinSepMonteCarloScheme
+
+    users = [[i % 50] for i in range(300)]
+    scheme = BMinSepMonteCarloScheme(bands=2, dataset_size=300, batch_size=8.0, min_sep=3,
+                                     max_user_examples=6, sampling_probability=0.05)
+    s = scheme.sampler(users, seed=5, burn_in=4)
+    assert type(s) is MultiAttributionBMinSepBatchSampler and s.scheme is scheme
+    assert (s.p, s.min_sep, s.max_user_examples, s.burn_in) == (0.05, 3, 6, 4)
+    direct = MultiAttributionBMinSepBatchSampler(users, 0.05, 3, max_user_examples=6, seed=5,
+                                                 burn_in=4)
+    assert list(itertools.islice(direct, 5)) == list(itertools.islice(s, 5))
+    assert scheme.implemented_by(direct.scheme) and direct.scheme.max_user_examples == 6
+    with pytest.raises(ValueError, match="user_sets"):
+        scheme.sampler(300)
+    with pytest.raises(ValueError, match="user_sets"):
+        scheme.sampler_for_dataset(300)
+    with pytest.raises(ValueError, match="dataset_size=300"):
+        scheme.sampler(users[:-1])
+    with pytest.raises(ValueError, match="draws the batches of"):
+        MultiAttributionBMinSepBatchSampler(users, 0.06, 3, max_user_examples=6, scheme=scheme)
 
 
 def test_cyclic_poisson_semantics():

@@ -1,5 +1,6 @@
-"""Multi-attribution b-min-sep sampler — Algorithm 3 of Dong & Ganesh (digest
-``seed1-bandmf-bminsep.md`` §3.7), for user-level DP when an example can belong to several users.
+"""Multi-attribution b-min-sep sampler — Algorithm 3 of Dong & Ganesh, "Privacy Amplification
+for BandMF via b-Min-Sep Subsampling" (arXiv:2602.09338, §6.1), for user-level DP when an
+example can belong to several users.
 
 Exact semantics of :class:`MultiAttributionBMinSepBatchSampler` (steps 0-indexed, counted across
 epochs; ``U(e)`` = the public set of users of example ``e``; ``N(e)`` = examples sharing a user
@@ -17,33 +18,29 @@ with ``e``, including ``e``):
 
 Preconditions: contribution bounding so that each user has at most ``k_u`` examples
 (``max_user_examples`` is checked). Valid accountant: Theorem 6.1's recursion with ``k_u`` (fixed
--graph, zero-out adjacency of one user), a Monte Carlo estimate needing the EVR protocol.
+-graph, zero-out adjacency of one user), a Monte Carlo estimate that needs Algorithm 5 to become
+a guarantee: the ``bminsep-mc`` scheme with ``max_user_examples = k_u`` and
+``sampling_probability = p``, which the ``scheme`` attribute holds (the scheme it was built from
+by ``scheme.sampler(user_sets)``, else the scheme of its parameters with one band, see
+:meth:`~opacus_structured.schemes.bminsep_mc.BMinSepMonteCarloScheme.from_sampling_probability`).
+With ``max_user_examples = 1`` that scheme is the cold-start one: Theorem 6.1 at ``k_u = 1`` is
+the recursion of Algorithm 1 (the extra exclusions by interim samples only lower an example's
+participation).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 from .._validation import check_int, check_probability
+from ..schemes.bminsep_mc import BMinSepMonteCarloScheme
 from ._mf_base import MFBatchSampler
+from .verification import adopt_scheme
 
-__all__ = ["MultiAttributionSampling", "MultiAttributionBMinSepBatchSampler"]
-
-
-@dataclasses.dataclass(frozen=True)
-class MultiAttributionSampling:
-    """Public parameters of the multi-attribution sampler (for its accountant)."""
-
-    name = "multi-attribution-b-min-sep"
-    dataset_size: int
-    p: float
-    min_sep: int
-    max_user_examples: int
-    burn_in: int
+__all__ = ["MultiAttributionBMinSepBatchSampler"]
 
 
 class MultiAttributionBMinSepBatchSampler(MFBatchSampler):
@@ -56,6 +53,9 @@ class MultiAttributionBMinSepBatchSampler(MFBatchSampler):
         max_user_examples: ``k_u``; raises if some user has more examples.
         burn_in: steps simulated and discarded at construction.
         steps: batches per epoch (default ``round(1/p)``).
+        generator / seed: randomness source (dedicated).
+        scheme: the :class:`BMinSepMonteCarloScheme` to carry (its batches must be these);
+            default: the scheme of these parameters with one band.
     """
 
     _params = ("num_samples", "p", "min_sep", "max_user_examples", "burn_in", "steps")
@@ -63,7 +63,8 @@ class MultiAttributionBMinSepBatchSampler(MFBatchSampler):
 
     def __init__(self, user_sets: Sequence, p: float, min_sep: int, *, max_user_examples: int,
                  burn_in: int = 0, steps: Optional[int] = None,
-                 generator: Optional[torch.Generator] = None, seed: Optional[int] = None):
+                 generator: Optional[torch.Generator] = None, seed: Optional[int] = None,
+                 scheme: Optional[BMinSepMonteCarloScheme] = None):
         self.p = check_probability("p", p)
         self.min_sep = check_int("min_sep", min_sep, minimum=1)
         self.max_user_examples = check_int("max_user_examples", max_user_examples, minimum=1)
@@ -80,6 +81,10 @@ class MultiAttributionBMinSepBatchSampler(MFBatchSampler):
         n = len(user_sets)
         super().__init__(n, steps=max(1, round(1 / self.p)) if steps is None else steps,
                          generator=generator, seed=seed)
+        self.scheme = adopt_scheme(
+            scheme, BMinSepMonteCarloScheme.from_sampling_probability(
+                n, self.p, self.min_sep, max_user_examples=self.max_user_examples),
+            type(self).__name__)
         self._ex = np.asarray(ex_idx, dtype=np.int64)
         self._us = np.asarray(us_idx, dtype=np.int64)
         counts = np.bincount(np.unique(np.stack([self._us, self._ex]), axis=1)[0],
@@ -88,8 +93,6 @@ class MultiAttributionBMinSepBatchSampler(MFBatchSampler):
             raise ValueError(f"a user has {int(counts.max())} examples but max_user_examples="
                              f"{self.max_user_examples}: bound contributions first")
         self.num_users = len(user_ids)
-        self.scheme = MultiAttributionSampling(n, self.p, self.min_sep, self.max_user_examples,
-                                               self.burn_in)
         self.next_available = torch.zeros(n, dtype=torch.int64)
         for _ in range(self.burn_in):
             self._draw()

@@ -14,9 +14,10 @@ every batch it draws:
   drawn but never delivered (e.g. after ``limit_train_batches`` or a stop mid-epoch).
   ``DPCallback``'s sampler wrapper records (it subclasses this mixin); without a
   ``DPCallback``, :class:`RecordingBatchSampler` wraps the train DataLoader's batch sampler.
-* :class:`FullBatchSampler`: every example in every step, the batch sampler of
-  :class:`~opacus_structured.schemes.gdp.GDPScheme` (full-batch DP-GD, the setting of the
-  individual GDP filter).
+* :class:`~opacus_structured.samplers.full_batch.FullBatchSampler` (re-exported here): every
+  example in every step, the batch sampler of :class:`~opacus_structured.schemes.gdp.GDPScheme`
+  (full-batch DP-GD, the setting of the individual GDP filter); ``GDPScheme().sampler(n)``
+  builds it.
 * :class:`IndexSource`: how ``IndividualGDPFilter`` and ``PerSampleEpsilonTracker`` find the
   indices of the current batch: from the recorder (one index list per trained batch, shared by
   every callback through a per-batch key), or from the batch itself for the older
@@ -35,13 +36,12 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
-from opacus_structured._validation import check_int
 from opacus_structured.indexed_dataset import batch_indices
-from opacus_structured.samplers.verification import DrawLedger, scheme_of_batch_sampler
-from opacus_structured.schemes.gdp import GDPScheme
+from opacus_structured.samplers.full_batch import FullBatchSampler
+from opacus_structured.samplers.verification import scheme_of_batch_sampler
 
 __all__ = ["BatchIndexRecorder", "RecordingBatchSampler", "FullBatchSampler", "IndexSource",
-           "find_recorder", "train_scheme"]
+           "find_recorder", "train_scheme", "train_loader_source", "loader_settings"]
 
 
 class BatchIndexRecorder:
@@ -120,39 +120,6 @@ class RecordingBatchSampler(BatchIndexRecorder, Sampler):
         self.inner.load_state_dict(state_dict)
 
 
-class FullBatchSampler(DrawLedger, Sampler[list[int]]):
-    """Full-batch DP-GD: one batch per epoch holding every example ``0..N-1`` in order.
-
-    The sampler :class:`~opacus_structured.schemes.gdp.GDPScheme` prices (``scheme``), with
-    ``expected_batch_size = N`` (the fixed public normaliser). Nothing is random, so its state
-    is only its size; an epoch is one step.
-
-    Args:
-        num_samples: dataset size N (>= 1).
-    """
-
-    def __init__(self, num_samples: int):
-        self.num_samples = check_int("num_samples", num_samples, minimum=1)
-        self.expected_batch_size = self.num_samples
-        self.scheme = GDPScheme()
-
-    def __len__(self) -> int:
-        return 1
-
-    def __iter__(self):
-        self._count_draw()
-        yield list(range(self.num_samples))
-
-    def state_dict(self) -> dict:
-        return {"num_samples": self.num_samples}
-
-    def load_state_dict(self, state_dict) -> None:
-        n = state_dict.get("num_samples") if isinstance(state_dict, dict) else None
-        if n != self.num_samples:
-            raise ValueError(f"sampler state is for num_samples={n!r} but this sampler has "
-                             f"num_samples={self.num_samples}")
-
-
 # ---- how the callbacks find the indices ---------------------------------------------------
 def _dp_callbacks(trainer) -> list:
     # DPCallback (which imports this module) marks itself: its sampler records the indices
@@ -197,14 +164,36 @@ def _batch_key(trainer):
     return trainer.fit_loop.epoch_loop.batch_progress.total.ready
 
 
-def _wrap_train_loader(trainer, owner: str) -> Optional[RecordingBatchSampler]:
-    """Rebuild the train DataLoader around a :class:`RecordingBatchSampler` (no DPCallback)."""
+def train_loader_source(trainer, owner: str, purpose: str):
+    """``(source, loader)``: Lightning's train data source and the DataLoader it would build.
+
+    A callback replaces the loader in ``on_fit_start`` by setting ``source.instance`` (the fit
+    loop builds its combined loader from it afterwards). Raises ``RuntimeError`` if the loader
+    was set up already, naming ``owner`` and what it could then not do (``purpose``).
+    """
     fit_loop = trainer.fit_loop
     if getattr(fit_loop, "_combined_loader", None) is not None:
         raise RuntimeError(f"the train DataLoader was set up before {owner}.on_fit_start; "
-                           f"{owner} cannot record the batches' dataset indices")
+                           f"{owner} cannot {purpose}")
     source = fit_loop._data_source
-    loader = source.dataloader()
+    return source, source.dataloader()
+
+
+def loader_settings(loader: DataLoader) -> dict:
+    """The worker settings of ``loader`` (keyword arguments of ``DataLoader``), so a loader
+    rebuilt around another batch sampler loads exactly as the original did."""
+    kwargs = dict(num_workers=loader.num_workers, pin_memory=loader.pin_memory,
+                  timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+                  multiprocessing_context=loader.multiprocessing_context,
+                  persistent_workers=loader.persistent_workers)
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return kwargs
+
+
+def _wrap_train_loader(trainer, owner: str) -> Optional[RecordingBatchSampler]:
+    """Rebuild the train DataLoader around a :class:`RecordingBatchSampler` (no DPCallback)."""
+    source, loader = train_loader_source(trainer, owner, "record the batches' dataset indices")
     if not isinstance(loader, DataLoader) or loader.batch_sampler is None \
             or isinstance(loader.dataset, IterableDataset):
         return None  # nothing to wrap: the batches must carry their indices (IndexedDataset)
@@ -216,14 +205,9 @@ def _wrap_train_loader(trainer, owner: str) -> Optional[RecordingBatchSampler]:
                          f"another order than drawn, so {owner} could not tell which examples "
                          f"a batch holds; use in_order=True (the default)")
     recorder = RecordingBatchSampler(loader.batch_sampler)
-    kwargs = dict(num_workers=loader.num_workers, pin_memory=loader.pin_memory,
-                  timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-                  multiprocessing_context=loader.multiprocessing_context,
-                  generator=loader.generator, persistent_workers=loader.persistent_workers)
-    if loader.num_workers > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
     source.instance = DataLoader(loader.dataset, batch_sampler=recorder,
-                                 collate_fn=loader.collate_fn, **kwargs)
+                                 collate_fn=loader.collate_fn, generator=loader.generator,
+                                 **loader_settings(loader))
     return recorder
 
 

@@ -19,7 +19,7 @@ is :math:`B`-GDP for every example under add/remove (Thm 1; ε(δ) by Cor. C.2, 
 the index list of every batch it draws (:mod:`lightning_callbacks.batch_indices`), so the
 LightningModule's ``training_step`` receives exactly what it would without the filter. With
 :class:`~lightning_callbacks.dp_callback.DPCallback` its sampler records (for
-``GDPScheme()`` it installs a :class:`~lightning_callbacks.batch_indices.FullBatchSampler`);
+``GDPScheme()`` it installs a :class:`~opacus_structured.samplers.full_batch.FullBatchSampler`);
 without it (a module whose ``configure_optimizers`` returns an Opacus ``DPOptimizer``) the
 filter wraps the train DataLoader's batch sampler in a recorder at fit start. The older
 convention, an :class:`~opacus_structured.indexed_dataset.IndexedDataset` whose batches end with

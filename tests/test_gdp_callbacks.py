@@ -232,6 +232,42 @@ def test_accountant_state_and_registry():
         IndividualGDPFilter(3, -1.0)
 
 
+def test_individual_gdp_accountant_says_it_does_not_amplify():
+    # Issue 22: under Poisson sampling (hook rate < 1) "individual-gdp" gives the full-batch
+    # worst case; it warns once and records it in its state.
+    acc = IndividualGDPAccountant()
+    acc.step(noise_multiplier=2.0, sample_rate=1.0)
+    assert acc.amplification is None and acc.state_dict()["amplification"] is None
+    with pytest.warns(UserWarning, match=r"does not use subsampling amplification.*'poisson'"):
+        acc.step(noise_multiplier=2.0, sample_rate=0.125)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        acc.step(noise_multiplier=2.0, sample_rate=0.25)  # once per accountant
+    assert acc.amplification == "not used (sample_rate=0.125 < 1)"
+    assert acc.get_epsilon(1e-5) == pytest.approx(gdp_epsilon(1e-5, math.sqrt(3) / 2.0))
+    fresh = IndividualGDPAccountant()
+    fresh.load_state_dict(acc.state_dict())
+    assert fresh.amplification == acc.amplification and fresh.history == acc.history
+
+
+def test_individual_gdp_warns_through_a_stock_privacy_engine():
+    from opacus import PrivacyEngine
+
+    model = nn.Linear(3, 1)
+    ds = TensorDataset(torch.randn(16, 3), torch.randn(16, 1))
+    engine = PrivacyEngine(accountant="individual-gdp")
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(ds, batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0,
+        poisson_sampling=True, noise_generator=torch.Generator().manual_seed(0))
+    x, y = ds.tensors
+    with pytest.warns(UserWarning, match="individual-gdp does not use subsampling"):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    assert engine.accountant.amplification == "not used (sample_rate=0.25 < 1)"
+
+
 @pytest.mark.cuda
 def test_tracker_and_filter_on_cuda():
     dev = torch.device("cuda")

@@ -1,6 +1,7 @@
 r"""Opacus accountant with per-example (individual) GDP state: ``"individual-gdp"``.
 
-Koskela, Tobaben & Honkela (2023). Per example :math:`i` it keeps, as torch tensors on the
+Koskela, Tobaben & Honkela, "Individual Privacy Accounting with Gaussian Differential Privacy"
+(arXiv:2209.15596, AISTATS 2023). Per example :math:`i` it keeps, as torch tensors on the
 training device and indexed by dataset index,
 
 * ``observed_mu_sq[i]`` :math:`=\sum_{j \ni i} (\mu_j^{(i)})^2` over the steps whose batch
@@ -21,11 +22,20 @@ come from :meth:`~IndividualGDPAccountant.individual_epsilons`. Registered with 
 registry at import, so ``PrivacyEngine(accountant="individual-gdp")`` works (per-example state
 then needs :meth:`~IndividualGDPAccountant.allocate` and :meth:`~IndividualGDPAccountant.record`,
 which the Lightning callbacks call).
+
+**No subsampling amplification.** Every step is charged :math:`1/\sigma_j` whatever the
+sampling, so under Poisson subsampling (Opacus' hook reports ``sample_rate < 1``) the ε is the
+full-batch worst case, far above what the Poisson-subsampled Gaussian accountant proves for the
+same run. The first such step emits a ``UserWarning`` (once per accountant) saying so, and
+:attr:`IndividualGDPAccountant.amplification` records it (e.g. ``"not used (sample_rate=0.125 <
+1)"``, ``None`` while every step was full-batch), in :meth:`~IndividualGDPAccountant.state_dict`
+too; ``"poisson"`` gives the population ε of such a run.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Iterable, Optional
 
 import numpy as np
@@ -66,6 +76,11 @@ class IndividualGDPAccountant(IAccountant):
             registry does) gives an accountant with worst-case history only until
             :meth:`allocate` is called.
         device: device of the per-example tensors.
+
+    Attributes:
+        amplification: ``None`` while every recorded step was full-batch (``sample_rate = 1``);
+            after a subsampled step, ``"not used (sample_rate=q < 1)"`` (its first rate): the
+            ε is the full-batch worst case, no subsampling amplification is applied.
     """
 
     def __init__(self, num_examples: Optional[int] = None, *, device=None):
@@ -76,6 +91,8 @@ class IndividualGDPAccountant(IAccountant):
         self.num_examples = None
         self.observed_mu_sq = None
         self.observed_worst_sq = None
+        self.amplification: Optional[str] = None
+        self._warned = False
         if num_examples is not None:
             self.allocate(num_examples, device=device)
 
@@ -100,11 +117,24 @@ class IndividualGDPAccountant(IAccountant):
         """Opacus hook: record ``num_steps`` steps (worst-case history)."""
         noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
         sample_rate = check_positive("sample_rate", sample_rate)
+        if sample_rate < 1.0:
+            self._note_subsampling(sample_rate)
         if self.history and self.history[-1][:2] == (noise_multiplier, sample_rate):
             s, q, n = self.history[-1]
             self.history[-1] = (s, q, n + num_steps)
         else:
             self.history.append((noise_multiplier, sample_rate, num_steps))
+
+    def _note_subsampling(self, sample_rate: float) -> None:
+        if self.amplification is None:
+            self.amplification = f"not used (sample_rate={sample_rate:.6g} < 1)"
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"individual-gdp does not use subsampling amplification: ε is the full-batch "
+                f"worst case (every step charged 1/σ) although the steps are subsampled "
+                f"(sample_rate={sample_rate:.6g} < 1); use 'poisson' for the population ε",
+                UserWarning, stacklevel=3)
 
     def record(self, indices: torch.Tensor, mu: torch.Tensor, noise_multiplier: float) -> None:
         r"""Record one step: ``mu[k]`` is :math:`\mu_j` of example ``indices[k]`` (0 for an
@@ -167,6 +197,7 @@ class IndividualGDPAccountant(IAccountant):
         destination["worst_sq"] = self.worst_sq
         destination["recorded_steps"] = self.recorded_steps
         destination["num_examples"] = self.num_examples
+        destination["amplification"] = self.amplification
         if self.observed_mu_sq is not None:
             destination["observed_mu_sq"] = self.observed_mu_sq.detach().cpu().clone()
             destination["observed_worst_sq"] = self.observed_worst_sq.detach().cpu().clone()
@@ -178,6 +209,7 @@ class IndividualGDPAccountant(IAccountant):
         self.history = [tuple(h) for h in self.history]
         self.worst_sq = float(state_dict.get("worst_sq", 0.0))
         self.recorded_steps = int(state_dict.get("recorded_steps", 0))
+        self.amplification = state_dict.get("amplification")
         n = state_dict.get("num_examples")
         if n is None:
             self.num_examples = self.observed_mu_sq = self.observed_worst_sq = None

@@ -366,9 +366,9 @@ class PoissonMonteCarloAccountant(SchemeAccountant):
 
     @property
     def bound(self):
-        from opacus_structured.accounting.monte_carlo import MONTE_CARLO
+        from opacus_structured.accounting.bounds import BoundKind
 
-        return MONTE_CARLO
+        return BoundKind.MONTE_CARLO
 
     def get_epsilon(self, delta, **kwargs):
         sigma = min(s for s, _, n in self.history if n)
@@ -428,3 +428,36 @@ def test_monte_carlo_estimate_stops_training_only_when_allowed():
     cb = mc_callback(allow_estimate=True, stop_on_estimate=True, target_epsilon=target)
     trainer(cb, max_steps=10).fit(Tiny(), data())
     assert cb.steps == 2
+
+
+# ---- the accountant is attached to the loader trained on (issue 23) ----------------------
+def test_accountant_is_attached_to_the_installed_loader():
+    torch.manual_seed(0)
+    cb = callback()
+    trainer(cb, max_steps=2).fit(Tiny(), data())
+    assert cb.accountant.attached and cb.steps == 2
+
+
+def test_sampler_of_another_dataset_size_is_refused():
+    # same scheme, wrong dataset: the accountant's loader check (make_private's rules) refuses
+    loader = DataLoader(data().dataset, batch_sampler=PoissonBatchSampler(100, Q, seed=0))
+    with pytest.raises(ValueError, match="draws from 100 examples"):
+        trainer(callback(), max_steps=1).fit(Tiny(), loader)
+
+
+def test_individual_gdp_accountant_prices_the_full_batch_worst_case_and_says_so():
+    # An accountant without attach() (not a SchemeAccountant) is fed the steps; under Poisson
+    # sampling it charges every step 1/σ and warns that it uses no amplification.
+    import math
+
+    from opacus_structured.accountants.individual_gdp import IndividualGDPAccountant
+    from opacus_structured.accounting.gaussian import gdp_epsilon
+
+    torch.manual_seed(0)
+    cb = callback(accountant=IndividualGDPAccountant())
+    with pytest.warns(UserWarning, match="individual-gdp does not use subsampling amplification"):
+        trainer(cb, max_steps=3).fit(Tiny(), data())
+    assert cb.steps == 3
+    assert cb.epsilon() == pytest.approx(gdp_epsilon(DELTA, math.sqrt(3) / SIGMA), rel=1e-12)
+    assert cb.epsilon() > reference_epsilon(3)  # never below the amplified population ε
+    assert cb.state_dict()["accountant"]["amplification"] == "not used (sample_rate=0.125 < 1)"

@@ -1,4 +1,5 @@
-"""Individual GDP accounting (Koskela, Tobaben & Honkela 2023; digest seed2-individual-gdp.md)."""
+"""Individual GDP accounting (Koskela, Tobaben & Honkela, "Individual Privacy Accounting with
+Gaussian Differential Privacy", arXiv:2209.15596, AISTATS 2023)."""
 
 import json
 import math
@@ -26,7 +27,7 @@ from opacus_structured.schemes.gdp import GDPScheme
 from tests.conftest import TEST_DISCRETIZATION
 
 
-# ---- Cor. C.2 reference values (digest §4.5 item 1) ------------------------------------------
+# ---- Cor. C.2 reference values (closed-form GDP conversion) -----------------------------------
 def test_cor_c2_reference_values():
     assert gdp_delta(1.0, 1.0) == pytest.approx(0.12693673750664386, rel=1e-12)
     assert gdp_epsilon(1e-5, 1.0) == pytest.approx(4.377178, abs=1e-6)
@@ -39,19 +40,21 @@ def test_vectorised_individual_epsilons_match_scalar_gdp_epsilon():
             gdp_epsilon(1e-5, 0.2680)]
     np.testing.assert_allclose(got, want, atol=1e-6)
     # never under-reports: delta at the returned epsilon is <= target
-    for e, m in zip(got, mu):
+    for e, m in zip(got, mu, strict=True):
         assert gdp_delta(e, m) <= 1e-5
     assert individual_epsilons(np.ones((2, 3)), 1e-6).shape == (2, 3)
     assert individual_epsilons([0.5], 1e-6)[0] == pytest.approx(2.254085, abs=1e-6)
 
 
 def test_budget_inversion_table():
-    # digest §4.5 item 4, delta = 1e-5 / 1e-6
+    # Cor. C.2 solved for mu at the paper's budgets (eps 0.5 / 2.75 / 10, §6, App. E.3),
+    # delta = 1e-5 / 1e-6
     for eps, mu5, mu6 in [(0.5, 0.142211, 0.124106), (2.75, 0.665942, 0.598829),
                           (10, 2.000446, 1.848132)]:
         assert budget_from_epsilon(eps, 1e-5) == pytest.approx(mu5, abs=1e-6)
         assert budget_from_epsilon(eps, 1e-6) == pytest.approx(mu6, abs=1e-6)
-    # MIMIC budget (digest §4.5 item 3): B = sqrt(50)/10.6146... -> eps = 2.751021
+    # MIMIC-III budget (§6, App. E: 50 worst-case epochs, (2.75, 1e-5)):
+    # B = sqrt(50)/10.6146... -> eps = 2.751021
     b = budget_from_steps(50, 10.614652581338738)
     assert b == pytest.approx(0.666161022, abs=1e-9)
     assert filter_epsilon(b, 1e-5) == pytest.approx(2.751021, abs=1e-6)
@@ -70,7 +73,7 @@ def test_private_gd_sigma100_k420_and_495():
 
 
 def test_fig5_table():
-    # digest §4.1 Fig. 5 table, delta = 1e-5, sigma = 100
+    # Fig. 5 (App. C.4.1): maximum private-GD steps, delta = 1e-5, sigma = 100
     eps = [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2]
     gdp = [37, 79, 134, 202, 282, 374, 478, 592, 718, 854, 1000]
     rdp = [0, 45, 107, 170, 238, 316, 405, 503, 611, 727, 853]
@@ -90,13 +93,13 @@ def test_rdp_conversion_matches_direct_formula():
     a = np.arange(2, 33)
     rho = 0.3 * a
     want = min(r + (math.log(1e5) - math.log(x)) / (x - 1) + math.log((x - 1) / x)
-               for x, r in zip(a, rho))
+               for x, r in zip(a, rho, strict=True))
     assert rdp_to_dp_epsilon(a, rho, 1e-5) == pytest.approx(want, rel=1e-14)
     with pytest.raises(ValueError, match="orders"):
         rdp_to_dp_epsilon([1.0], [0.1], 1e-5)
 
 
-# ---- per-step mu, sums, filter (digest §4.5 item 6) -----------------------------------------
+# ---- per-step mu (eq. (4.2)), sums, filter (Algorithm 1, Theorem 1) ---------------------------
 def test_individual_mu_and_sum():
     norms = np.array([[0.5, 3.0, 0.0], [2.0, 1.0, 0.1]])
     mu = individual_mu(norms, 2.0, 1.0)
@@ -228,7 +231,7 @@ def test_approximate_pld_against_dp_accounting():
     ref0 = g(sigma).self_compose(200)
     ref1 = g(sigma).self_compose(100).compose(g(acc.sigma_grid[2]).self_compose(100))
     opt0 = g(sigma, True).self_compose(200)
-    for row, ref, opt in [(d[0], ref0, opt0), (d[1], ref1, None)]:
+    for row, ref in [(d[0], ref0), (d[1], ref1)]:
         want = np.array([ref.get_delta_for_epsilon(e) for e in eps])
         np.testing.assert_allclose(row, want, rtol=0.15)
     lower = np.array([opt0.get_delta_for_epsilon(e) for e in eps])
@@ -249,9 +252,9 @@ def test_approximate_epsilons_labelled_and_ordered():
     assert r.epsilon_rdp[0] > r.epsilon_rdp[1] > r.epsilon_rdp[2] >= 0
     # the fitted mu of the worst case is below the unamplified sqrt(T)/sigma
     assert r.mu_fit[0] < math.sqrt(40) / 1.0
-    # Why it is labelled approximate (digest §6 pitfall 7): against the peer PLD (optimistic
-    # estimate = lower end of the truth) the paper's RDP-converted value lands above, but the
-    # direct GDP value of the fitted mu lands *below* the true epsilon here.
+    # Why it is labelled approximate (a mu fitted on an eps-grid, §5): against the peer PLD
+    # (optimistic estimate = lower end of the truth) the paper's RDP-converted value lands
+    # above, but the direct GDP value of the fitted mu lands *below* the true epsilon here.
     from dp_accounting.pld import privacy_loss_distribution as P
 
     truth_low = P.from_gaussian_mechanism(1.0, sampling_prob=0.05, pessimistic_estimate=False,

@@ -31,8 +31,9 @@ Approximate results (NOT certified bounds; the names say so):
 
 * :class:`ApproximateIndividualPLDAccountant`: the App. D accountant for Poisson-subsampled
   DP-SGD (σ-grid bucketing, Thm D.2; FFT composition; a μ-GDP curve fitted on an ε-grid, then the
-  RDP conversion, Lemma C.4). The fitted μ is not verified to dominate for all ε (digest §6,
-  pitfall 7), so its ε values are estimates.
+  RDP conversion, Lemma C.4). The μ is fitted on a finite ε-grid and not verified to dominate
+  the individual PLD for every ε (§5 of the paper approximates it numerically, relying on the
+  central limit theorem), so its ε values are estimates.
 
 The μ-GDP conversions themselves are the foundation's :func:`~.gaussian.gdp_delta`,
 :func:`~.gaussian.gdp_epsilon` and :func:`~.gaussian.gdp_mu`.
@@ -344,8 +345,11 @@ class ApproximateIndividualEpsilons:
 class ApproximateIndividualPLDAccountant:
     r"""APPROXIMATE individual PLD accountant for Poisson-subsampled DP-SGD (App. D).
 
-    **Not a certified bound** (digest §6, pitfalls 7 and 11): use it to *report* individual ε
-    (Fig. 1 of the paper), never to guarantee privacy.
+    **Not a certified bound**: the μ-GDP curve is fitted on a finite ε-grid and not verified to
+    dominate the individual PLD for every ε (§5 of the paper: "it is then easy to numerically
+    approximate μ" by the central limit theorem), and the FFT's circular wrap-around is not
+    bounded (see the discretisation below). Use it to *report* individual ε (Fig. 1 of the
+    paper), never to guarantee privacy.
 
     Per step, example :math:`x` with clipped norm :math:`c = \min(\lVert g_x\rVert, C)` sees the
     effective noise :math:`\tilde\sigma = \sigma C / c \ge \sigma`; the remove-direction pair is
@@ -409,8 +413,9 @@ class ApproximateIndividualPLDAccountant:
         return np.clip(b, 0, self.num_sigmas - 1).astype(np.int64)
 
     def counts(self, norms, max_grad_norm: float) -> np.ndarray:
-        """Bucket counts ``K[x, b]`` from recorded norms of shape ``[steps, m]`` (every step,
-        sampled or not: digest pitfall 8)."""
+        """Bucket counts ``K[x, b]`` from recorded norms of shape ``[steps, m]``: every step,
+        sampled or not (the accountant needs each example's gradient norm at every step; the
+        paper tracks "the gradient norms for all elements of the training dataset", App. E.2)."""
         n = _as_norms("norms", norms)
         if n.ndim != 2:
             raise ValueError(f"norms must have shape [steps, m], got {n.shape}")
@@ -491,7 +496,8 @@ class ApproximateIndividualPLDAccountant:
 
         ``epsilon_grid`` defaults to 40 points in [0.01, ε_wc], ε_wc being the (unamplified)
         worst-case GDP ε of the same number of steps, so the fit covers the region where δ is
-        near the target (safer than the paper's [0.01, 0.3], digest pitfall 7). Grid points
+        near the target (a fit only on small ε, e.g. [0.01, 0.3], may miss where the individual
+        curve lies above the fitted GDP curve at the target δ). Grid points
         where an example's δ̃ is below max(δ/10, 1e-12) are ignored (numerical noise).
         """
         delta = check_open_unit("delta", delta)

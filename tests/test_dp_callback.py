@@ -358,11 +358,12 @@ class PoissonMonteCarloAccountant(SchemeAccountant):
     ``MonteCarloEpsilon``, bound kind "monte-carlo")."""
 
     def __init__(self):
+        from opacus_structured.runners.monte_carlo import MonteCarloSettings
         from opacus_structured.schemes.bminsep_mc import BMinSepMonteCarloScheme
 
         super().__init__(PoissonScheme(sample_rate=Q))
-        self.mc = BMinSepMonteCarloScheme(bands=1, min_sep=1, dataset_size=64, batch_size=8,
-                                          samples=20_000, workers=1)
+        self.mc = BMinSepMonteCarloScheme(bands=1, min_sep=1, dataset_size=64, batch_size=8)
+        self.mc_settings = MonteCarloSettings(samples=20_000, workers=1, seed=0)
 
     @property
     def bound(self):
@@ -372,7 +373,7 @@ class PoissonMonteCarloAccountant(SchemeAccountant):
 
     def get_epsilon(self, delta, **kwargs):
         sigma = min(s for s, _, n in self.history if n)
-        return self.mc.epsilon(sigma, len(self), delta)
+        return self.mc.epsilon(sigma, len(self), delta, settings=self.mc_settings)
 
 
 def mc_callback(**kw):
@@ -390,7 +391,7 @@ def test_monte_carlo_accountant_is_refused_without_opt_in():
     # the default accountant of a Monte Carlo scheme is refused the same way
     from opacus_structured.schemes.bminsep_mc import BMinSepMonteCarloScheme
 
-    mc = BMinSepMonteCarloScheme(bands=1, dataset_size=64, batch_size=8, samples=100)
+    mc = BMinSepMonteCarloScheme(bands=1, dataset_size=64, batch_size=8)
     with pytest.raises(ValueError, match="allow_estimate=True"):
         callback(scheme=mc)
     assert callback(scheme=mc, allow_estimate=True).epsilon_metric == "dp/epsilon_mc_estimate"
@@ -412,7 +413,8 @@ def test_monte_carlo_estimate_is_logged_labelled_and_never_as_dp_epsilon():
     assert logged[-1] == pytest.approx(float(eps), rel=1e-6) and logged[-1] >= float(eps)
     for steps, value in cb.epsilon_history:
         assert isinstance(value, MonteCarloEpsilon)
-        exact = cb.accountant.mc.epsilon(SIGMA, steps, MC_DELTA)
+        exact = cb.accountant.mc.epsilon(SIGMA, steps, MC_DELTA,
+                                         settings=cb.accountant.mc_settings)
         assert float(value) == float(exact)
     # an upper estimate at confidence 1 - 1e-3: above the certified PLD value of the same run
     pld = SchemeAccountant(PoissonScheme(sample_rate=Q), discretization=DISC)
@@ -422,8 +424,8 @@ def test_monte_carlo_estimate_is_logged_labelled_and_never_as_dp_epsilon():
 
 def test_monte_carlo_estimate_stops_training_only_when_allowed():
     acc = PoissonMonteCarloAccountant()
-    target = (float(acc.mc.epsilon(SIGMA, 2, MC_DELTA))
-              + float(acc.mc.epsilon(SIGMA, 3, MC_DELTA))) / 2
+    target = (float(acc.mc.epsilon(SIGMA, 2, MC_DELTA, settings=acc.mc_settings))
+              + float(acc.mc.epsilon(SIGMA, 3, MC_DELTA, settings=acc.mc_settings))) / 2
     torch.manual_seed(0)
     cb = mc_callback(allow_estimate=True, stop_on_estimate=True, target_epsilon=target)
     trainer(cb, max_steps=10).fit(Tiny(), data())

@@ -1,8 +1,10 @@
 """Monte Carlo accountant for BandMF + b-min-sep (Dong & Ganesh, arXiv:2602.09338).
 
 Oracles: brute-force enumeration of every participation pattern (n <= 9), the balls-in-bins
-formula, dp_accounting-based PLDs (Poisson / cyclic Poisson), and the digest's reference numbers
-(``seed1-bandmf-bminsep.md`` §5.6 and §8).
+formula, dp_accounting-based PLDs (Poisson / cyclic Poisson), and pinned reference values: PLD
+ε of the paper's production setting (§7.4: |D| = 14,745,600, B̄ = 1793, 7200 steps, 256 bands,
+δ = 1.301e-8), Appendix A's sample counts (δ′ = δ_t/2), and ε of the setting of §7.1
+(n = 1024, |D|/B̄ = 128, δ = 1e-3) with 4 max-error bands at σ = 1.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ TEST_DISCRETIZATION = 1e-3
 
 
 def max_error_c(bands):
-    """Unit-norm truncated max-error coefficients Π_{j≤k}(2j−1)/(2j) (digest §2.3, §8)."""
+    """Unit-norm truncated max-error coefficients Π_{j≤k}(2j−1)/(2j) (the reference grid)."""
     c = np.cumprod([1.0] + [(2 * j - 1) / (2 * j) for j in range(1, bands)])
     return c / np.linalg.norm(c)
 
@@ -107,7 +109,7 @@ def mixture_log_ratio(y, C, sigma, modes):
 
 @pytest.mark.parametrize("warm", [False, True])
 def test_recursion_equals_brute_force(warm):
-    # Theorem 5.1; digest §5.6 (d): exact agreement for n <= 9, cold and warm.
+    # Theorem 5.1: exact agreement with enumeration for n <= 9, cold and warm.
     rng = np.random.default_rng(1)
     worst = 0.0
     for n in range(1, 10):
@@ -186,7 +188,7 @@ def test_truncated_recursions_brute_force(warm):
 
 
 def test_last_columns_norm_order_regression():
-    # Digest §6: jax_privacy (snapshot 2026-08-11) sets squared_norms[-L+1:] = cumsum(c²)[:-1],
+    # jax_privacy (snapshot 2026-08-11) sets squared_norms[-L+1:] = cumsum(c²)[:-1],
     # i.e. the last b−1 column norms in REVERSED order, under-counting the loss. Ours must use
     # ‖c_{n−1}‖² = c_0², ‖c_{n−2}‖² = c_0² + c_1², … and match brute force.
     n, b = 7, 3
@@ -216,7 +218,7 @@ def test_last_columns_norm_order_regression():
 
 
 def test_warm_start_p1_is_balls_in_bins():
-    # Digest §3.5: warm start with p = 1, b = T is balls-in-bins (exact identity).
+    # §4: warm start (Algorithm 2) with p = 1, b = T is balls-in-bins (an exact identity).
     rng = np.random.default_rng(6)
     for n, T, L in [(20, 4, 4), (33, 5, 2), (9, 3, 1)]:
         st = BandedStrategy.toeplitz(max_error_c(L), n)
@@ -262,7 +264,7 @@ def test_warm_start_stationary_rate_and_other_counts():
 # Monte Carlo δ and the tail bounds
 # ---------------------------------------------------------------------------------------------
 def test_evr_sample_counts_table():
-    # Digest §5.6 (c): δ' = δ_t/2; min s with δ_{o,min} <= δ_t (given to 3-4 significant digits).
+    # Appendix A's recipe δ' = δ_t/2; min s with δ_{o,min} <= δ_t (references to 3-4 digits).
     for dt, s_ref, rel in [(1e-3, 7.50e4, 5e-3), (1e-5, 1.075e7, 5e-4), (2e-6, 5.93e7, 1e-3),
                            (1.301e-8, 1.18e10, 5e-3)]:
         s = minimum_samples(dt / 2, dt)
@@ -307,7 +309,7 @@ def test_estimate_is_labelled_monte_carlo():
     rng = np.random.default_rng(10)
     samples = MonteCarloSamples(rng.normal(0.5, 1, 4000), rng.normal(-0.5, 1, 4000))
     est = samples.estimate(0.05, failure_probability=1e-2)
-    assert est.kind == "monte-carlo"
+    assert est.kind is BoundKind.MONTE_CARLO and est.to_dict()["kind"] == "monte-carlo"
     assert "Monte Carlo" in str(est) and "probability" in str(est)
     assert est.epsilon >= est.point_epsilon
     val = MonteCarloEpsilon(est)
@@ -331,7 +333,7 @@ def _within_mc_error(losses, epsilon, delta_ref, z=4.5):
 
 
 def test_b1_matches_poisson_pld():
-    # Digest §4.5/§5.6 (e): b = 1 is Poisson DP-SGD; MC δ at the PLD's ε agrees within MC error.
+    # §4: b = 1 is Poisson DP-SGD; the MC δ at the PLD's ε agrees within MC error.
     n, q, sigma, delta = 128, 1 / 16, 1.0, 1e-2
     eps, composed = _poisson_pld_eps(q, sigma, n, delta)
     mech = BandMFMonteCarlo(BandedStrategy.toeplitz([1.0], n), sigma, "bminsep", q, 1)
@@ -344,28 +346,27 @@ def test_b1_matches_poisson_pld():
 
 
 @pytest.mark.parametrize("q, steps, delta, sigma, eps_ref, unit", [
-    # (a) production DP-SGD Poisson lower bound: q = 1793/14,745,600, 7200 steps
+    # production DP-SGD Poisson lower bound (§7.4): q = 1793/14,745,600, 7200 steps
     (1793 / 14_745_600, 7200, 1.301e-8, 0.36, 10.64, 0.01),
     (1793 / 14_745_600, 7200, 1.301e-8, 0.368, 9.905, 0.001),
     (1793 / 14_745_600, 7200, 1.301e-8, 0.37, 9.735, 0.001),
-    # (b) untruncated cyclic Poisson, production parameters (29 compositions)
+    # untruncated cyclic Poisson, production parameters (q = 256·1793/14,745,600, 29 cycles)
     (0.031128, 29, 1.301e-8, 0.627, 8.12, 0.01),
     (0.031128, 29, 1.301e-8, 0.56, 10.63, 0.01),
     (0.031128, 29, 1.301e-8, 0.60, 9.02, 0.01),
-    # (e) the b = 1 identity's PLD side (n = 1024, p0 = 1/128, δ = 1e-3)
+    # the b = 1 identity's PLD side (n = 1024, p0 = 1/128, δ = 1e-3)
     (1 / 128, 1024, 1e-3, 0.8, 1.495, 0.001),
     (1 / 128, 1024, 1e-3, 1.0, 0.880, 0.001),
 ])
-def test_digest_pld_reference_values(q, steps, delta, sigma, eps_ref, unit):
-    # Digest §5.6 (a), (b), (e): dp_accounting PLDs at discretisation 1e-3, quoted to 3-4
-    # significant digits; ours (pessimistic connect-the-dots, same discretisation) must agree to
+def test_pld_reference_values(q, steps, delta, sigma, eps_ref, unit):
+    # dp_accounting PLDs at discretisation 1e-3, quoted to 3-4 significant digits; ours (pessimistic connect-the-dots, same discretisation) must agree to
     # the quoted digits (0.6 units of the last digit).
     eps, _ = _poisson_pld_eps(q, sigma, steps, delta)
     assert abs(eps - eps_ref) <= 0.6 * unit, eps
 
 
 def test_cpu_grid_small_sample():
-    # Digest §8 row (L = 4, σ = 1): n = 1024, p0 = 1/128, δ = 1e-3, warm start, C = max-error.
+    # Reference row (L = 4, σ = 1): n = 1024, p0 = 1/128, δ = 1e-3, warm start, C = max-error.
     # cyclic Poisson (PLD) 2.099; b-min-sep b=4 1.561; balls-in-bins T=128 7.059.
     n, p0, delta, sigma = 1024, 1 / 128, 1e-3, 1.0
     c = max_error_c(4)
@@ -375,7 +376,7 @@ def test_cpu_grid_small_sample():
     p = p0 / (1 - 3 * p0)
     bms = BandMFMonteCarlo(st, sigma, "bminsep", p, 4, warm_start=True)
     s = collect_privacy_losses(bms, 6000, seed=11, workers=1)
-    # δ̃ at the digest's ε is 1e-3 within MC error (remove direction dominates).
+    # δ̃ at the reference ε is 1e-3 within MC error (remove direction dominates).
     ok, mean, se = _within_mc_error(s.remove, 1.561, delta)
     assert ok, (mean, se)
     assert empirical_delta(s.add, 1.561) < 3e-4
@@ -387,8 +388,8 @@ def test_cpu_grid_small_sample():
 
 @pytest.mark.slow
 def test_cpu_grid_reproduction_full():
-    # Digest §8 (1e5 samples per direction, 5e4 for balls-in-bins) and §5.6 (e): δ̃ at the
-    # digest's ε equals δ = 1e-3 within MC error (4 standard errors of the estimand mean).
+    # The reference row with 1e5 samples per direction (5e4 for balls-in-bins) and the b = 1
+    # identity: δ̃ at the reference ε equals δ = 1e-3 within MC error (4 standard errors).
     n, p0, delta, sigma = 1024, 1 / 128, 1e-3, 1.0
     st = BandedStrategy.toeplitz(max_error_c(4), n)
     cases = [
@@ -695,7 +696,7 @@ def _small_scheme(**kw):
 
 def test_scheme_is_labelled_monte_carlo():
     scheme = _small_scheme()
-    assert scheme.bound == "monte-carlo" and scheme.bound is BoundKind.MONTE_CARLO
+    assert scheme.bound is BoundKind.MONTE_CARLO
     assert math.isclose(scheme.sampling_prob, 10 / (320 - 10))
     with pytest.raises(ValueError, match="Monte Carlo"):
         scheme.pld(1.0)
@@ -766,17 +767,18 @@ def test_accountant_adapter():
     acc = BMinSepMonteCarloAccountant(scheme, settings=SMALL_RUN)
     acc.step(noise_multiplier=1.0, sample_rate=10 / 320, num_steps=32)
     eps = acc.get_epsilon(1e-2)
-    assert isinstance(eps, MonteCarloEpsilon) and acc.bound == "monte-carlo"
+    assert isinstance(eps, MonteCarloEpsilon) and acc.bound is BoundKind.MONTE_CARLO
     assert float(eps) == float(scheme.epsilon(1.0, 32, 1e-2, settings=SMALL_RUN))
     est, kind = acc.get_privacy_spent(delta=1e-2)
-    assert kind == "monte-carlo" and est.kind == "monte-carlo" and est.epsilon == float(eps)
+    assert kind is BoundKind.MONTE_CARLO and est.kind is BoundKind.MONTE_CARLO
+    assert est.epsilon == float(eps)
     state = acc.state_dict()
     assert state["monte_carlo"] == SMALL_RUN.to_dict()
     acc2 = BMinSepMonteCarloAccountant(scheme, settings=SMALL_RUN)
     acc2.load_state_dict(state)
     assert len(acc2) == 32 and float(acc2.get_epsilon(1e-2)) == float(eps)
     cls = register_scheme_accountant("bminsep-mc-test", scheme, base=BMinSepMonteCarloAccountant)
-    assert cls().bound == "monte-carlo"
+    assert cls().bound is BoundKind.MONTE_CARLO
     with pytest.raises(AccountantNotAttachedError, match="recorded no step"):
         BMinSepMonteCarloAccountant(scheme, settings=SMALL_RUN).get_epsilon(1e-2)
 
@@ -839,7 +841,8 @@ def test_cli_epsilon_and_command(capsys):
     assert main(["bminsep-mc", "estimate", *flags, "--noise-multiplier", "1.0", "--steps", "32",
                  "--delta", "1e-2", "--json"]) == 0
     rec = json.loads(capsys.readouterr().out)
-    assert rec["kind"] == "monte-carlo" and "probability" in rec["statement"]
+    assert rec["kind"] == rec["bound"] == BoundKind.MONTE_CARLO.value  # JSON shows the value
+    assert "probability" in rec["statement"]
     assert main(["bminsep-mc", "estimate", *flags, "--noise-multiplier", "1.0", "--steps", "32",
                  "--delta", "2"]) == 2  # bad delta: clean error, exit 2
     cert = ["--bands", "1", "--dataset-size", "160", "--batch-size", "10", "--strategy",
@@ -948,7 +951,7 @@ def test_cli_multi_attribution(capsys):
     run = ["--noise-multiplier", "1.0", "--steps", "16", "--delta", "1e-2"]
     assert main(["bminsep-mc", "estimate", *flags, *run, "--json"]) == 0
     rec = json.loads(capsys.readouterr().out)
-    assert rec["parameters"]["max_user_examples"] == 2 and rec["kind"] == "monte-carlo"
+    assert rec["parameters"]["max_user_examples"] == 2 and rec["kind"] == BoundKind.MONTE_CARLO.value
     assert rec["parameters"]["sampling_prob"] == 0.05
     assert main(["epsilon", "bminsep-mc", *flags, *run]) == 0
     assert "Monte Carlo" in capsys.readouterr().out

@@ -31,7 +31,8 @@ def _patterns(sampler, n_steps):
 
 
 def _exact_bminsep_modes(p, b, n, warm):
-    """Brute force over Alg. 1/2 definitions: initial state × Bernoulli coins (digest §3.4-3.5)."""
+    """Brute force over the definitions of Algorithms 1/2 (arXiv:2602.09338): initial state ×
+    Bernoulli coins."""
     probs = {}
     starts = [(0, 1.0)]
     if warm and b > 1:

@@ -3,7 +3,8 @@ r"""Noise calibration: the smallest noise multiplier whose ε stays within a tar
 :func:`calibrate_noise_multiplier` brackets the target by doubling/halving σ and then bisects on
 σ (ε is non-increasing in σ for every scheme here). It returns the *upper* end of the final
 bracket, so ``epsilon(result) <= target_epsilon`` always holds: calibration never
-under-reports.
+under-reports. :func:`calibrate_within_tolerance` bisects until ε itself is within a relative
+tolerance *below* the target (what ``opacus_structured.make_private_with_epsilon`` promises).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Callable
 
 from .._validation import check_open_unit, check_positive
 
-__all__ = ["calibrate_noise_multiplier", "CalibrationError"]
+__all__ = ["calibrate_noise_multiplier", "calibrate_within_tolerance", "CalibrationError"]
 
 MAX_NOISE_MULTIPLIER = 1e4
 MIN_NOISE_MULTIPLIER = 1e-3
@@ -74,6 +75,67 @@ def calibrate_noise_multiplier(epsilon_of_sigma: Callable[[float], float], targe
         else:
             lo = mid
     return hi
+
+
+def calibrate_within_tolerance(epsilon_of_sigma: Callable[[float], float],
+                               target_epsilon: float, *, epsilon_tolerance: float = 0.01,
+                               initial: float = 1.0, max_sigma: float = MAX_NOISE_MULTIPLIER,
+                               min_sigma: float = MIN_NOISE_MULTIPLIER,
+                               sigma_rtol: float = 1e-9,
+                               progress: Callable[[float, float], None] | None = None
+                               ) -> tuple[float, float]:
+    """``(σ, ε(σ))`` with ``(1 − epsilon_tolerance)·target ≤ ε(σ) ≤ target``: never above the
+    target, and within ``epsilon_tolerance`` (relative) below it.
+
+    Brackets like :func:`calibrate_noise_multiplier`, then bisects on σ keeping
+    ``ε(lo) > target ≥ ε(hi)`` until ``ε(hi)`` is within the tolerance. If ε jumps across the
+    whole tolerance band (the bracket shrinks below ``sigma_rtol·σ`` first, or ``min_sigma``
+    already meets the target) the σ returned still satisfies ``ε ≤ target``; the caller sees
+    the ε it gets.
+
+    Raises:
+        CalibrationError: if even ``max_sigma`` exceeds the target.
+    """
+    target_epsilon = check_positive("target_epsilon", target_epsilon)
+    epsilon_tolerance = check_open_unit("epsilon_tolerance", epsilon_tolerance)
+    floor = (1.0 - epsilon_tolerance) * target_epsilon
+
+    def ev(sigma: float) -> float:
+        eps = float(epsilon_of_sigma(sigma))
+        if math.isnan(eps):
+            raise FloatingPointError(f"epsilon is NaN at noise_multiplier={sigma}")
+        if progress is not None:
+            progress(sigma, eps)
+        return eps
+
+    hi = check_positive("initial", initial)
+    eps_hi = ev(hi)
+    while eps_hi > target_epsilon:
+        if hi >= max_sigma:
+            raise CalibrationError(
+                f"target_epsilon={target_epsilon} needs noise_multiplier > {max_sigma} "
+                f"(epsilon={eps_hi:.4g} at {hi:.4g}); raise the budget or take fewer steps")
+        hi = min(hi * 2.0, max_sigma)
+        eps_hi = ev(hi)
+    if eps_hi >= floor:
+        return hi, eps_hi
+    lo = hi / 2.0
+    eps_lo = ev(lo)
+    while eps_lo <= target_epsilon:
+        hi, eps_hi = lo, eps_lo
+        if eps_hi >= floor or lo <= min_sigma:
+            return hi, eps_hi
+        lo = max(lo / 2.0, min_sigma)
+        eps_lo = ev(lo)
+    # Invariant: eps(lo) > target >= eps(hi) and eps(hi) < floor.
+    while eps_hi < floor and hi - lo > sigma_rtol * hi:
+        mid = 0.5 * (lo + hi)
+        eps_mid = ev(mid)
+        if eps_mid <= target_epsilon:
+            hi, eps_hi = mid, eps_mid
+        else:
+            lo = mid
+    return hi, eps_hi
 
 
 def smallest_passing_int(ok: Callable[[int], bool], lo: int, hi: int) -> int:

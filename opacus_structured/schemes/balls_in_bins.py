@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 from .._validation import check_int
 from ..accounting import bandmf as bandmf_lib
@@ -104,6 +104,18 @@ class BallsInBinsScheme(Scheme):
     def batch_distribution(self) -> tuple:
         """Balls-in-bins with ``num_bins`` bins reused for ``epochs`` epochs."""
         return ("balls-in-bins", self.num_bins, self.epochs)
+
+    @classmethod
+    def from_training(cls, *, dataset_size: int, steps_per_epoch: int,
+                      epochs: Optional[int] = None) -> "BallsInBinsScheme":
+        """``steps_per_epoch`` bins reused for ``epochs`` epochs (required: the whole planned
+        run is priced at once, and training beyond it raises)."""
+        check_int("dataset_size", dataset_size, minimum=1)
+        if epochs is None:
+            raise ValueError("balls-in-bins needs epochs (the planned number of epochs over the "
+                             "same bins: the whole run is priced at once)")
+        return cls(num_bins=check_int("steps_per_epoch", steps_per_epoch, minimum=1),
+                   epochs=epochs)
 
     @classmethod
     def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import numpy as np
 
@@ -136,6 +136,23 @@ class BandMFCyclicPoissonScheme(Scheme):
     def batch_distribution(self) -> tuple:
         """Cyclic Poisson over ``bands`` groups (the strategy only changes the pricing)."""
         return ("cyclic-poisson", self.dataset_size, self.batch_size, self.bands, self.partition)
+
+    @classmethod
+    def from_training(cls, *, dataset_size: int, steps_per_epoch: int,
+                      epochs: Optional[int] = None, bands: Optional[int] = None,
+                      strategy: str = "optimal-banded",
+                      partition: str = "equal") -> "BandMFCyclicPoissonScheme":
+        """``bands`` groups (required) of ``dataset_size`` examples, expected batch
+        ``dataset_size/steps_per_epoch`` (so :meth:`steps_per_epoch` is ``steps_per_epoch``).
+        ``epochs`` does not change the pricing (the strategy's length does: see
+        :meth:`noise_correlation`)."""
+        n = check_int("dataset_size", dataset_size, minimum=1)
+        k = check_int("steps_per_epoch", steps_per_epoch, minimum=1)
+        if bands is None:
+            raise ValueError(f"bandmf-cyclic-poisson needs bands (the number of bands b of the "
+                             f"strategy C = the cycle length, an integer in [1, {k}])")
+        return cls(dataset_size=n, batch_size=n / k, bands=bands, strategy=strategy,
+                   partition=partition)
 
     @classmethod
     def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:

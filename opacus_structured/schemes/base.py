@@ -185,6 +185,22 @@ class Scheme(abc.ABC):
         raise ``ValueError`` saying what to pass instead."""
         return self.sampler(num_examples, generator=generator)
 
+    # ---- from a training run -------------------------------------------------------------
+    @classmethod
+    def from_training(cls, *, dataset_size: int, steps_per_epoch: int,
+                      epochs: int | None = None, **options) -> "Scheme":
+        """This scheme for a training run described the way Opacus sees it: ``dataset_size``
+        examples (``len(dataset)``), ``steps_per_epoch`` batches per epoch (``len(data_loader)``,
+        so the expected batch is ``dataset_size / steps_per_epoch``) and, where the scheme needs
+        it, the planned ``epochs``; ``options`` are the scheme's own parameters that a
+        DataLoader cannot carry (e.g. ``max_batch_size``, ``bands``).
+
+        ``opacus_structured.make_private`` calls it. Default: the scheme cannot be built from
+        training parameters (raise, naming the way out).
+        """
+        raise ValueError(f"scheme {cls.name!r} cannot be built from training parameters; pass "
+                         f"a configured scheme object (scheme={cls.__name__}(...))")
+
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {"scheme": self.name, **dataclasses.asdict(self)}

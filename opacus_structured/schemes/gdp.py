@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 
 from dp_accounting.pld import privacy_loss_distribution as dp_pld
 
@@ -51,6 +52,15 @@ class GDPScheme(Scheme):
         return dp_pld.from_gaussian_mechanism(
             standard_deviation=sigma, sensitivity=1.0, pessimistic_estimate=True,
             value_discretization_interval=check_positive("discretization", discretization))
+
+    @classmethod
+    def from_training(cls, *, dataset_size: int, steps_per_epoch: int,
+                      epochs: Optional[int] = None) -> "GDPScheme":
+        """Full-batch DP-GD has no parameter: every example in every step (one step per
+        epoch, whatever the DataLoader's batch size was)."""
+        check_int("dataset_size", dataset_size, minimum=1)
+        check_int("steps_per_epoch", steps_per_epoch, minimum=1)
+        return cls()
 
     def mu(self, noise_multiplier: float, steps: int) -> float:
         """μ = √T/σ of ``steps`` steps."""

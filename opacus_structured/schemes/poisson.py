@@ -17,7 +17,7 @@ import argparse
 import dataclasses
 from typing import Optional
 
-from .._validation import check_positive, check_probability
+from .._validation import check_int, check_positive, check_probability
 from ..accounting import pld as pld_lib
 from ..accounting.mixture import MixturePair
 from ..accounting.profiles import PairProfile
@@ -74,6 +74,15 @@ class PoissonScheme(Scheme):
         pair = poisson_pair(noise_multiplier, q)
         return pld_lib.pld_from_profile(PairProfile(pair), PairProfile(pair.reversed()),
                                         discretization=discretization)
+
+    @classmethod
+    def from_training(cls, *, dataset_size: int, steps_per_epoch: int,
+                      epochs: Optional[int] = None) -> "PoissonScheme":
+        """Poisson at ``q = 1/steps_per_epoch``: the rate Opacus' ``DPDataLoader`` uses for a
+        loader of ``steps_per_epoch`` batches (expected batch ``dataset_size/steps_per_epoch``);
+        ``epochs`` is not needed (each step is priced on its own)."""
+        check_int("dataset_size", dataset_size, minimum=1)
+        return cls(sample_rate=1.0 / check_int("steps_per_epoch", steps_per_epoch, minimum=1))
 
     @classmethod
     def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:

@@ -224,6 +224,43 @@ class RandomAllocationMFScheme(Scheme):
                     discretization=discretization))
         return float(out)
 
+    # ---- from a training run / streaming ---------------------------------------------------
+    @classmethod
+    def from_training(cls, *, dataset_size: int, steps_per_epoch: int,
+                      epochs: Optional[int] = None, bands: Optional[int] = None,
+                      strategy: Optional[str] = None, method: str = "best",
+                      renyi_bands: Optional[int] = None,
+                      max_dp_cost: float = ra_lib.DEFAULT_MAX_DP_COST
+                      ) -> "RandomAllocationMFScheme":
+        """``steps_per_epoch`` bins reused for ``epochs`` epochs (required: the whole planned
+        run is priced at once). ``strategy`` defaults to ``"bandmf"`` with ``bands`` bands, or
+        ``"identity"`` (DP-SGD) when ``bands`` is 1 or not given."""
+        check_int("dataset_size", dataset_size, minimum=1)
+        k = check_int("steps_per_epoch", steps_per_epoch, minimum=1)
+        if epochs is None:
+            raise ValueError("random-allocation-mf needs epochs (the planned number of epochs "
+                             "over the same bins: the whole run is priced at once)")
+        bands = 1 if bands is None else check_int("bands", bands, minimum=1)
+        if strategy is None:
+            strategy = "identity" if bands == 1 else "bandmf"
+        return cls(strategy=strategy, bands=bands, epochs=epochs, batches_per_epoch=k,
+                   method=method, renyi_bands=renyi_bands, max_dp_cost=max_dp_cost)
+
+    def noise_correlation(self):
+        """What ``CorrelatedNoiseDPOptimizer(noise_correlation=...)`` needs to stream exactly
+        :meth:`strategy_matrix`: the banded first column (``identity``, ``bandmf``, ``bsr``) or
+        the :class:`~opacus_structured.accounting.strategies.BufferedToeplitz` (``blt``).
+        ``bandinvmf`` / ``bisr`` have a dense ``C`` the optimizer cannot stream: raises."""
+        if self.strategy == "identity":
+            return np.array([1.0])
+        if self.strategy in ("bandmf", "bsr"):
+            return self.strategy_matrix()[: self.bands, 0].copy()
+        if self.strategy == "blt":
+            return st.blt_strategy(self.num_steps, self.bands).normalized(self.num_steps)
+        raise ValueError(f"strategy {self.strategy!r} has a dense C (banded C^-1) that the "
+                         f"streaming correlated-noise optimizer cannot generate; train with "
+                         f"'identity', 'bandmf', 'bsr' or 'blt'")
+
     # ---- sampler / CLI -------------------------------------------------------------------
     def batch_distribution(self) -> tuple:
         """Balls-in-bins with ``batches_per_epoch`` bins reused for ``epochs`` epochs (the

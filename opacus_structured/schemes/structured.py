@@ -127,6 +127,37 @@ class StructuredScheme(st.StructuredSetting, Scheme):
             raise ValueError(f"num_series={kwargs['num_series']} but {len(lengths)} lengths given")
         return cls(series_length=L, **kwargs)
 
+    @classmethod
+    def from_training(cls, *, dataset_size: int, steps_per_epoch: int, epochs=None,
+                      series_lengths: Sequence[int] = None, context_length: int = None,
+                      forecast_length: int = None, batch_size: int = None,
+                      **options) -> "StructuredScheme":
+        """The scheme of a window dataset of ``dataset_size`` series with ``series_lengths``
+        (the shortest is accounted, :meth:`from_lengths`), the model's ``context_length``
+        (lags included) and ``forecast_length`` (all required: a
+        :class:`~opacus_structured.forecasting.windowing.WindowDataset` has them) and
+        ``batch_size`` windows per step (default ``round(N·λ/steps_per_epoch)``); ``options``
+        are the other fields (``top_level``, ``bottom_level``, ``relation``, ``w``, ``bound``,
+        ``instances_per_series``, augmentation). ``epochs`` is not needed."""
+        n = check_int("dataset_size", dataset_size, minimum=1)
+        k = check_int("steps_per_epoch", steps_per_epoch, minimum=1)
+        for key, value in (("series_lengths", series_lengths),
+                           ("context_length", context_length),
+                           ("forecast_length", forecast_length)):
+            if value is None:
+                raise ValueError(f"structured needs {key} (a WindowDataset has it): windows are "
+                                 f"drawn from series, so the scheme needs the window geometry")
+        lengths = list(series_lengths)
+        if len(lengths) != n:
+            raise ValueError(f"dataset_size={n} but {len(lengths)} series_lengths given")
+        lam = check_int("instances_per_series", options.get("instances_per_series", 1),
+                        minimum=1)
+        if batch_size is None:
+            batch_size = max(lam, round(n * lam / k))
+        return cls.from_lengths(lengths, context_length=context_length,
+                                forecast_length=forecast_length, batch_size=batch_size,
+                                **options)
+
     def setting(self) -> st.StructuredSetting:
         return st.StructuredSetting(**{f.name: getattr(self, f.name)
                                        for f in dataclasses.fields(st.StructuredSetting)})

@@ -180,6 +180,26 @@ class TruncatedPoissonScheme(Scheme):
         return ("truncated-poisson", self.dataset_size, self.sample_rate, self.max_batch_size,
                 self.steps_per_epoch())
 
+    # ---- from a training run ------------------------------------------------------------------
+    @classmethod
+    def from_training(cls, *, dataset_size: int, steps_per_epoch: int,
+                      epochs: Optional[int] = None, max_batch_size: Optional[int] = None,
+                      relation: str = "add-remove",
+                      analysis: str = "tight") -> "TruncatedPoissonScheme":
+        """Poisson at ``p = 1/steps_per_epoch`` (Opacus' rate for a loader of that length)
+        truncated to ``max_batch_size`` (required: no DataLoader carries it), with
+        ``steps_per_epoch`` batches per epoch. ``epochs`` is not needed."""
+        n = check_int("dataset_size", dataset_size, minimum=1)
+        k = check_int("steps_per_epoch", steps_per_epoch, minimum=1)
+        if max_batch_size is None:
+            raise ValueError(
+                f"truncated-poisson needs max_batch_size (the truncated, fixed batch size B, an "
+                f"integer in [1, {n}]): the expected batch is {n / k:.6g}, and B a little above "
+                f"it costs little privacy (`opacus-structured advise` suggests one: the smallest "
+                f"B whose epsilon is within 1% of Poisson's)")
+        return cls(dataset_size=n, sample_rate=1.0 / k, max_batch_size=max_batch_size,
+                   relation=relation, analysis=analysis, epoch_steps=k)
+
     # ---- command line --------------------------------------------------------------------------
     @classmethod
     def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:

@@ -432,8 +432,12 @@ def test_accountant_from_sampler_matches_scheme_and_roundtrips():
         acc.step(noise_multiplier=1.0, sample_rate=0.5)  # loader not built from the sampler
     with pytest.raises(ValueError, match="pass only the sampler"):
         A.from_sampler(sampler, StructuredScheme(**FIG, top_level="shuffle"))
-    with pytest.raises(ValueError, match="Unexpected accounting mechanism"):
-        create_accountant("structured")  # needs a scheme: only scheme-bound names are registered
+    from opacus_structured.accountants.base import UnboundAccountantError
+
+    unbound = create_accountant("structured")  # registered unbound: it refuses to price
+    assert isinstance(unbound, A) and unbound.scheme is None
+    with pytest.raises(UnboundAccountantError, match="opacus_structured.make_private"):
+        unbound.get_optimizer_hook_fn(0.1)
     with pytest.raises(ValueError, match="sampler"):
         acc.check_sampler(StructuredScheme(**FIG, top_level="shuffle").sampler())
     name = "structured-test-fig2"

@@ -342,11 +342,21 @@ def test_accountant_needs_a_scheme_and_registers_with_opacus():
 
     from opacus_structured.accountants import register_scheme_accountant
 
-    # not constructible without a scheme, so not registered under its bare name (Opacus'
-    # registry builds accountants without arguments); scheme-bound names are
-    assert "truncated-poisson" not in _ACCOUNTANTS
+    from opacus_structured.accountants.base import UnboundAccountantError
+
+    # registered under its bare name *unbound* (Opacus' registry builds accountants without
+    # arguments): it refuses to price, naming opacus_structured.make_private; scheme-bound names
+    # price their scheme
+    assert _ACCOUNTANTS["truncated-poisson"] is TruncatedPoissonAccountant
+    unbound = TruncatedPoissonAccountant()
+    assert unbound.scheme is None
+    unbound.history = [(1.0, 0.05, 10)]
+    with pytest.raises(UnboundAccountantError, match="opacus_structured.make_private"):
+        unbound.get_epsilon(1e-5)
+    from opacus_structured.schemes.poisson import PoissonScheme
+
     with pytest.raises(ValueError, match="TruncatedPoissonScheme"):
-        TruncatedPoissonAccountant()
+        TruncatedPoissonAccountant(PoissonScheme(0.05))  # another scheme: refused
     scheme = TruncatedPoissonScheme(1000, 0.05, 70)
     cls = register_scheme_accountant("truncated-poisson-test", scheme,
                                      base=TruncatedPoissonAccountant)

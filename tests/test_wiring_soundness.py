@@ -195,6 +195,7 @@ def test_every_registered_name_is_constructible_by_opacus():
     from opacus.accountants.registry import _ACCOUNTANTS, create_accountant
 
     from opacus_structured.accountants import ACCOUNTANTS, REGISTERED
+    from opacus_structured.accountants.base import UnboundAccountantError
 
     ours = {n for n, c in _ACCOUNTANTS.items() if c.__module__.startswith("opacus_structured")}
     for name in ours:
@@ -202,6 +203,18 @@ def test_every_registered_name_is_constructible_by_opacus():
     assert set(REGISTERED) <= ours
     for name in set(ACCOUNTANTS) - set(REGISTERED):
         assert name not in _ACCOUNTANTS  # scheme-less names would only raise inside Opacus
+    # every scheme accountant whose constructor takes no scheme is registered by bare name;
+    # unbound ones never price (they name opacus_structured.make_private instead)
+    for name in ("poisson", "truncated-poisson", "balls-in-bins", "bandmf-cyclic-poisson",
+                 "random-allocation-mf", "gdp-full-batch", "structured"):
+        assert name in REGISTERED and _ACCOUNTANTS[name] is REGISTERED[name]
+        acc = create_accountant(name)
+        if acc.scheme is None:
+            acc.history = [(1.0, 0.1, 10)]  # what Opacus' get_noise_multiplier does
+            with pytest.raises(UnboundAccountantError, match="opacus_structured.make_private"):
+                acc.get_epsilon(1e-5)
+    assert _ACCOUNTANTS["gdp"].__module__.startswith("opacus")  # Opacus' own "gdp" untouched
+    assert not _ACCOUNTANTS["gdp"].__module__.startswith("opacus_structured")
 
 
 # ---- README: the Opacus snippet runs exactly as printed ---------------------------------------

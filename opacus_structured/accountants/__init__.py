@@ -2,12 +2,16 @@
 
 Every module of this package is imported. Opacus' registry builds accountants by name with no
 arguments (``PrivacyEngine(accountant=name)``, ``make_private_with_epsilon``), so only the
-accountants constructible that way are registered under their mechanism name (``"poisson"``,
-``"individual-gdp"``). Accountants that need a configured scheme (``"truncated-poisson"``,
-``"structured"``, ``"balls-in-bins"`` …) are listed in :data:`ACCOUNTANTS` but registered only
-*bound to a scheme*, under a name of your choice, with
-:func:`~opacus_structured.accountants.base.register_scheme_accountant` (or built directly as
-``SchemeAccountant(scheme)`` and assigned to ``engine.accountant`` before ``make_private``).
+accountants constructible that way are registered under their mechanism name
+(:data:`REGISTERED`). That is every scheme accountant whose constructor accepts no scheme:
+``"poisson"`` and ``"gdp-full-batch"`` are bound from construction (their scheme needs no
+parameter); ``"truncated-poisson"``, ``"balls-in-bins"``, ``"bandmf-cyclic-poisson"``,
+``"random-allocation-mf"`` and ``"structured"`` are constructed *unbound*: they refuse to price
+(naming ``opacus_structured.make_private``) until ``opacus_structured.make_private(engine, ...)``
+replaces them with an accountant bound to the scheme it builds from the DataLoader. Plus
+``"individual-gdp"`` (not a scheme accountant). An accountant whose constructor still requires
+a scheme is listed in :data:`ACCOUNTANTS` but not registered; bind it to a scheme under a name
+of your choice with :func:`~opacus_structured.accountants.base.register_scheme_accountant`.
 """
 
 from opacus.accountants.registry import _ACCOUNTANTS, register_accountant
@@ -25,10 +29,10 @@ def _all_subclasses(cls):
         yield from _all_subclasses(sub)
 
 
-#: Accountants this package registers with Opacus, by mechanism name.
+#: The accountant of each scheme (the class that sets ``scheme_class``), by mechanism name
+#: (classes made by ``register_scheme_accountant`` are not listed).
 ACCOUNTANTS = {c.mechanism_name: c for c in _all_subclasses(SchemeAccountant)
-               if c.__dict__.get("mechanism_name") and "default_scheme" not in c.__dict__
-               or c is PoissonAccountant}
+               if c.__dict__.get("mechanism_name") and "scheme_class" in c.__dict__}
 
 
 

@@ -1,13 +1,17 @@
 """Opacus accountants for BandMF with cyclic Poisson (``"bandmf-cyclic-poisson"``) and DP-SGD
 with balls-in-bins (``"balls-in-bins"``); the math is in :mod:`opacus_structured.accounting.bandmf`.
 
-Both need a configured scheme: ``BandMFCyclicPoissonAccountant(scheme)``, or
+Both price a configured scheme: ``BandMFCyclicPoissonAccountant(scheme)``, or
 ``CorrelatedNoisePrivacyEngine(scheme=scheme)`` which builds it. Opacus' registry creates
-accountants without arguments, so for ``make_private_with_epsilon`` register a configured one with
-:func:`~opacus_structured.accountants.base.register_scheme_accountant`.
+accountants without arguments: ``PrivacyEngine(accountant="balls-in-bins")`` holds an *unbound*
+accountant that refuses to price; follow it with ``opacus_structured.make_private(engine, ...)``
+/ ``make_private_with_epsilon`` (which build the scheme from the DataLoader), or register a
+configured one with :func:`~opacus_structured.accountants.base.register_scheme_accountant`.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 from ..accounting import pld as pld_lib
 from ..schemes.balls_in_bins import BallsInBinsScheme
@@ -23,12 +27,9 @@ class BandMFCyclicPoissonAccountant(SchemeAccountant):
     mechanism_name = "bandmf-cyclic-poisson"
     scheme_class = BandMFCyclicPoissonScheme
 
-    def __init__(self, scheme: BandMFCyclicPoissonScheme = None, *,
+    def __init__(self, scheme: Optional[BandMFCyclicPoissonScheme] = None, *,
                  discretization: float = pld_lib.DEFAULT_DISCRETIZATION):
-        if not isinstance(scheme, BandMFCyclicPoissonScheme):
-            raise ValueError(f"BandMFCyclicPoissonAccountant needs a BandMFCyclicPoissonScheme, "
-                             f"got {scheme!r}")
-        super().__init__(scheme, discretization=discretization)
+        super().__init__(scheme, discretization=discretization)  # None: unbound (see base)
 
 
 class BallsInBinsAccountant(WholeRunAccountant):
@@ -38,8 +39,6 @@ class BallsInBinsAccountant(WholeRunAccountant):
     mechanism_name = "balls-in-bins"
     scheme_class = BallsInBinsScheme
 
-    def __init__(self, scheme: BallsInBinsScheme = None, *,
+    def __init__(self, scheme: Optional[BallsInBinsScheme] = None, *,
                  discretization: float = pld_lib.DEFAULT_DISCRETIZATION):
-        if not isinstance(scheme, BallsInBinsScheme):
-            raise ValueError(f"BallsInBinsAccountant needs a BallsInBinsScheme, got {scheme!r}")
-        super().__init__(scheme, discretization=discretization)
+        super().__init__(scheme, discretization=discretization)  # None: unbound (see base)

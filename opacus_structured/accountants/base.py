@@ -23,6 +23,15 @@ checked is the loader trained on) and that the rate Opacus reports matches the s
 (gradient accumulation multiplies it); a scheme that prices a whole planned run
 (balls-in-bins, random allocation) raises at the first step beyond that run.
 
+**Unbound accountants (Opacus' registry).** Opacus builds accountants by name without
+arguments (``PrivacyEngine(accountant="truncated-poisson")``, ``make_private_with_epsilon``).
+Every scheme accountant is therefore constructible *unbound* (``scheme=None``, no class default):
+it prices nothing, and :meth:`~SchemeAccountant.get_optimizer_hook_fn`,
+:meth:`~SchemeAccountant.step`, :meth:`~SchemeAccountant.get_epsilon` and
+:meth:`~SchemeAccountant.get_delta` raise :class:`UnboundAccountantError` naming
+``opacus_structured.make_private(engine, ...)``, which builds the scheme from the DataLoader and
+installs a bound accountant of the same class. An unbound accountant never returns an ε.
+
 **No ε from an accountant that saw nothing.** An accountant that was never attached to an
 optimizer's step hook and has recorded no step — e.g. one assigned to ``engine.accountant``
 *after* ``make_private``, whose hook still feeds the old accountant — raises on
@@ -47,12 +56,18 @@ from ..schemes import registry
 from ..schemes.base import Scheme
 
 __all__ = ["SchemeAccountant", "WholeRunAccountant", "register_scheme_accountant",
-           "accountant_class_for", "AccountantNotAttachedError", "data_loader_of_make_private"]
+           "accountant_class_for", "AccountantNotAttachedError", "UnboundAccountantError",
+           "data_loader_of_make_private"]
 
 
 class AccountantNotAttachedError(RuntimeError):
     """``get_epsilon`` on an accountant that no optimizer step hook feeds and that recorded
     nothing: its 0 would describe no training that happened."""
+
+
+class UnboundAccountantError(ValueError):
+    """An accountant built without a scheme (as Opacus' registry builds it by name) was asked
+    to price, or to be attached to an optimizer."""
 
 
 def data_loader_of_make_private(max_depth: int = 4):
@@ -88,7 +103,9 @@ class SchemeAccountant(IAccountant):
     """Prices the steps Opacus reports with a batching scheme's dominating pairs.
 
     Args:
-        scheme: the batching scheme; ``None`` uses the class default (``default_scheme``).
+        scheme: the batching scheme; ``None`` uses the class default (``default_scheme``). A
+            registered subclass (``scheme_class`` set) without a default is then *unbound*
+            (see the module docstring); ``SchemeAccountant()`` itself needs a scheme.
         discretization: privacy-loss discretisation interval (pessimistic). 1e-4 by default;
             1e-3 is ~10× faster and ~1e-3 looser.
 
@@ -118,8 +135,12 @@ class SchemeAccountant(IAccountant):
         super().__init__()
         self.history: list[tuple[float, Optional[float], int]] = []
         self.scheme = scheme if scheme is not None else self.default_scheme
-        if self.scheme is None:
+        if self.scheme is None and type(self).scheme_class is None:
             raise ValueError(f"{type(self).__name__} needs a scheme")
+        if self.scheme is not None and type(self).scheme_class is not None \
+                and not isinstance(self.scheme, type(self).scheme_class):
+            raise ValueError(f"{type(self).__name__} needs a {type(self).scheme_class.__name__}, "
+                             f"got {self.scheme!r}")
         self.discretization = check_positive("discretization", discretization)
         self._cache: dict = {}
         self._attached = False      # an optimizer step hook feeds this accountant
@@ -128,6 +149,29 @@ class SchemeAccountant(IAccountant):
         self._hooked_steps = 0      # steps recorded through the hook since attached
         self._attach_tick = 0       # draw clock when attached (discovery without a loader)
         self._discover = False      # find the drawing sampler at the first step
+
+    # ---- unbound accountants (built by name by Opacus' registry) --------------------------
+    @property
+    def is_bound(self) -> bool:
+        """Whether this accountant has a scheme to price (``False``: built by name, unbound)."""
+        return self.scheme is not None
+
+    def _require_bound(self, what: str) -> None:
+        if self.scheme is not None:
+            return
+        name = self.mechanism() or type(self).__name__
+        raise UnboundAccountantError(
+            f"the {name!r} accountant ({type(self).__name__}) was built without a scheme (as "
+            f"Opacus' registry builds accountants by name), so it cannot {what}: it does not "
+            f"know the dataset size, the batch sampler or the planned run. Use "
+            f"opacus_structured.make_private(engine, module=..., optimizer=..., data_loader=..., "
+            f"noise_multiplier=..., max_grad_norm=...) or "
+            f"opacus_structured.make_private_with_epsilon(engine, ..., target_epsilon=..., "
+            f"target_delta=..., epochs=...) instead of engine.make_private / "
+            f"engine.make_private_with_epsilon: they build the scheme from the DataLoader and "
+            f"install a bound {type(self).__name__}. Or set engine.accountant = "
+            f"{type(self).__name__}(scheme) before engine.make_private(..., "
+            f"poisson_sampling=False)")
 
     # ---- attachment to a training run ----------------------------------------------------
     @property
@@ -145,6 +189,7 @@ class SchemeAccountant(IAccountant):
         now and raises if none did. Called by :meth:`get_optimizer_hook_fn` (with the loader of
         Opacus' ``make_private``), ``CorrelatedNoisePrivacyEngine`` and ``DPCallback``.
         """
+        self._require_bound("be attached to an optimizer")
         source = None
         if data_loader is not None:
             source = verification.check_data_loader(self.scheme, data_loader)
@@ -159,7 +204,9 @@ class SchemeAccountant(IAccountant):
         """Opacus' step hook, plus the DataLoader checks of :meth:`attach`.
 
         ``data_loader`` defaults to the loader of the enclosing Opacus ``make_private`` call.
+        Raises :class:`UnboundAccountantError` for an unbound accountant.
         """
+        self._require_bound("be attached to an optimizer")
         if data_loader is None:
             data_loader = data_loader_of_make_private()
         self.attach(data_loader)
@@ -210,10 +257,12 @@ class SchemeAccountant(IAccountant):
     @property
     def bound(self) -> str:
         """Whether ε is a tight guarantee, an upper bound, or a (labelled) lower bound."""
+        self._require_bound("say what kind of bound it reports")
         return self.scheme.bound
 
     # ---- recording -----------------------------------------------------------------------
     def step(self, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1):
+        self._require_bound("record a step")
         noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
         sample_rate = check_positive("sample_rate", sample_rate)
         self.scheme.check_sample_rate(sample_rate)
@@ -237,7 +286,9 @@ class SchemeAccountant(IAccountant):
                 f"(a scheme with more epochs) from the start") from None
 
     def _require_observed(self) -> None:
-        """Refuse to report for an accountant that no step hook feeds and that saw no step."""
+        """Refuse to report for an unbound accountant, and for one that no step hook feeds and
+        that saw no step."""
+        self._require_bound("report a privacy guarantee")
         if not self._attached and not self.history:
             raise AccountantNotAttachedError(
                 f"{type(self).__name__} has recorded no step and is not attached to an "
@@ -311,15 +362,26 @@ class SchemeAccountant(IAccountant):
     def state_dict(self, destination=None):
         """Opacus' state (history, mechanism) plus the scheme and the discretisation."""
         destination = super().state_dict(destination)
-        destination["scheme"] = self.scheme.to_dict()
+        if self.scheme is not None:  # an unbound accountant has only Opacus' state
+            destination["scheme"] = self.scheme.to_dict()
         destination["discretization"] = self.discretization
         return destination
 
     def load_state_dict(self, state_dict):
-        """Restore a :meth:`state_dict`; raises if it was taken under another scheme."""
+        """Restore a :meth:`state_dict`; raises if it was taken under another scheme. An unbound
+        accountant is bound to the checkpoint's scheme (if it is of this class's scheme type)."""
+        saved = Scheme.from_dict(state_dict["scheme"]) if "scheme" in state_dict else None
+        if self.scheme is None:
+            if saved is None:
+                raise UnboundAccountantError(
+                    f"{type(self).__name__} is unbound and the checkpoint holds no scheme: "
+                    f"build the accountant with the scheme the run was priced with")
+            if not isinstance(saved, type(self).scheme_class):
+                raise ValueError(f"checkpoint was taken with scheme {saved!r}, which "
+                                 f"{type(self).__name__} does not price")
+            self.scheme = saved
         super().load_state_dict(state_dict)
-        if "scheme" in state_dict:
-            saved = Scheme.from_dict(state_dict["scheme"])
+        if saved is not None:
             if saved != self.scheme:
                 raise ValueError(
                     f"checkpoint was taken with scheme {saved!r} but this accountant prices "

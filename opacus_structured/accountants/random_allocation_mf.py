@@ -18,8 +18,10 @@ __all__ = ["RandomAllocationMFAccountant"]
 
 
 class RandomAllocationMFAccountant(WholeRunAccountant):
-    """``RandomAllocationMFAccountant(RandomAllocationMFScheme(...))``; register a configured
-    one for Opacus' registry with :func:`~opacus_structured.accountants.base.
+    """``RandomAllocationMFAccountant(RandomAllocationMFScheme(...))``. Without a scheme (as
+    Opacus' registry builds it for ``PrivacyEngine(accountant="random-allocation-mf")``) it is
+    unbound and refuses to price: use ``opacus_structured.make_private(engine, ...)``, or
+    register a configured one with :func:`~opacus_structured.accountants.base.
     register_scheme_accountant`."""
 
     mechanism_name = "random-allocation-mf"
@@ -28,11 +30,4 @@ class RandomAllocationMFAccountant(WholeRunAccountant):
 
     def __init__(self, scheme: Optional[RandomAllocationMFScheme] = None, *,
                  discretization: float = pld_lib.DEFAULT_DISCRETIZATION):
-        if scheme is None and self.default_scheme is None:
-            raise ValueError("RandomAllocationMFAccountant needs a RandomAllocationMFScheme "
-                             "(strategy, bands, epochs, batches_per_epoch)")
-        scheme = scheme if scheme is not None else self.default_scheme
-        if not isinstance(scheme, RandomAllocationMFScheme):
-            raise ValueError(f"RandomAllocationMFAccountant needs a RandomAllocationMFScheme, "
-                             f"got {scheme!r}")
-        super().__init__(scheme, discretization=discretization)
+        super().__init__(scheme, discretization=discretization)  # None: unbound (see base)

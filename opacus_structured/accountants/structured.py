@@ -11,9 +11,12 @@ Construction: the scheme is read from the sampler, so they cannot disagree::
     accountant = StructuredSubsamplingAccountant.from_sampler(sampler)
 
 Opacus' registry (``PrivacyEngine(accountant=name)``, ``make_private_with_epsilon``)
-constructs accountants *without arguments*; a structured accountant cannot exist without its
-scheme, so the bare ``"structured"`` name is not registered. Register a configured accountant
-with :meth:`StructuredSubsamplingAccountant.register` (``register("my-run", sampler)`` then
+constructs accountants *without arguments*: ``PrivacyEngine(accountant="structured")`` holds an
+*unbound* accountant that refuses to price (naming the fix). Follow it with
+``opacus_structured.make_private(engine, ...)`` over a
+:class:`~opacus_structured.forecasting.windowing.WindowDataset` (the scheme is built from the
+series lengths and window geometry), or register a configured accountant with
+:meth:`StructuredSubsamplingAccountant.register` (``register("my-run", sampler)`` then
 ``PrivacyEngine(accountant="my-run")``).
 """
 
@@ -32,8 +35,9 @@ class StructuredSubsamplingAccountant(SchemeAccountant):
     """Structured-subsampling accountant over a :class:`StructuredScheme`.
 
     Args:
-        scheme: the scheme (prefer :meth:`from_sampler`); required unless the class was made by
-            :meth:`register` (then its configured scheme is the default).
+        scheme: the scheme (prefer :meth:`from_sampler`); ``None`` uses the configured scheme of
+            a class made by :meth:`register`, else builds an unbound accountant (Opacus'
+            registry), which refuses to price.
         discretization: pessimistic privacy-loss discretisation interval.
 
     ``get_epsilon`` is a guarantee for ``bound="tight"``/``"upper"``; with ``bound="lower"``
@@ -46,17 +50,6 @@ class StructuredSubsamplingAccountant(SchemeAccountant):
 
     def __init__(self, scheme: Optional[StructuredScheme] = None, *,
                  discretization: float = pld_lib.DEFAULT_DISCRETIZATION):
-        scheme = scheme if scheme is not None else self.default_scheme
-        if scheme is None:
-            raise ValueError(
-                "StructuredSubsamplingAccountant needs the scheme of its sampler: use "
-                "StructuredSubsamplingAccountant.from_sampler(sampler). Opacus' registry builds "
-                "accountants without arguments, so for PrivacyEngine(accountant=...) / "
-                "make_private_with_epsilon first call "
-                "StructuredSubsamplingAccountant.register(name, sampler) and pass that name")
-        if not isinstance(scheme, StructuredScheme):
-            raise ValueError(f"StructuredSubsamplingAccountant needs a StructuredScheme, got "
-                             f"{type(scheme).__name__}")
         super().__init__(scheme, discretization=discretization)
 
     @classmethod

@@ -6,10 +6,12 @@ and B; the ``sample_rate`` Opacus reports (``1/len(data_loader)``) is only check
 ``scheme.expected_sample_rate()``.
 
 Opacus' registry builds accountants without arguments, so ``PrivacyEngine(accountant=
-"truncated-poisson")`` cannot know n, p, B: set ``engine.accountant =
-TruncatedPoissonAccountant(scheme)`` before ``make_private``, or register a configured class
-with ``register_scheme_accountant("my-name", scheme, base=TruncatedPoissonAccountant)`` (what
-``make_private_with_epsilon`` needs).
+"truncated-poisson")`` holds an *unbound* accountant that cannot know n, p, B; it raises (naming
+the fix) instead of pricing. Follow it with ``opacus_structured.make_private(engine, ...,
+max_batch_size=B)`` (or ``make_private_with_epsilon``), which reads n and p from the DataLoader
+and installs a bound one; or set ``engine.accountant = TruncatedPoissonAccountant(scheme)``
+before ``make_private``, or register a configured class with
+``register_scheme_accountant("my-name", scheme, base=TruncatedPoissonAccountant)``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ class TruncatedPoissonAccountant(SchemeAccountant):
     """Accountant of :class:`TruncatedPoissonScheme` (tight or baseline analysis).
 
     Args:
-        scheme: the truncated Poisson scheme (required: it holds n, p, B and the relation).
+        scheme: the truncated Poisson scheme (it holds n, p, B and the relation); ``None``
+            builds an unbound accountant (Opacus' registry), which refuses to price.
         discretization: PLD discretisation interval (pessimistic).
     """
 
@@ -38,15 +41,6 @@ class TruncatedPoissonAccountant(SchemeAccountant):
 
     def __init__(self, scheme: Optional[TruncatedPoissonScheme] = None, *,
                  discretization: float = pld_lib.DEFAULT_DISCRETIZATION):
-        scheme = scheme if scheme is not None else type(self).default_scheme
-        if scheme is None:
-            raise ValueError(
-                "TruncatedPoissonAccountant needs a TruncatedPoissonScheme(dataset_size, "
-                "sample_rate, max_batch_size); for Opacus' registry use "
-                "register_scheme_accountant(name, scheme, base=TruncatedPoissonAccountant)")
-        if not isinstance(scheme, TruncatedPoissonScheme):
-            raise ValueError(f"TruncatedPoissonAccountant needs a TruncatedPoissonScheme, "
-                             f"got {scheme!r}")
         super().__init__(scheme, discretization=discretization)
 
     def _segments(self):
@@ -57,6 +51,7 @@ class TruncatedPoissonAccountant(SchemeAccountant):
     def get_epsilon(self, delta: float, *, discretization: Optional[float] = None,
                     **kwargs) -> float:
         """ε(δ) for all recorded steps (tight: composed mixture PLDs; baseline: see scheme)."""
+        self._require_observed()
         if self.scheme.analysis == "tight":
             return super().get_epsilon(delta, discretization=discretization)
         delta = check_open_unit("delta", delta)
@@ -66,6 +61,7 @@ class TruncatedPoissonAccountant(SchemeAccountant):
 
     def get_delta(self, epsilon: float, *, discretization: Optional[float] = None) -> float:
         """δ(ε) for all recorded steps."""
+        self._require_observed()
         if self.scheme.analysis == "tight":
             return super().get_delta(epsilon, discretization=discretization)
         if math.isnan(epsilon):

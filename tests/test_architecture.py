@@ -7,9 +7,11 @@ own layer or lower ones, never higher:
 1. ``accounting``                   — the math (numpy / scipy / dp_accounting; no torch)
 1.5 ``runners``                     — runs the math at scale (process pool, shards, torch backend)
 2. ``schemes``                      — pure descriptions + the registry of what implements them
-3. ``distributed``, ``samplers``    — torch samplers (and torch.distributed helpers)
+3. ``distributed``, ``samplers``    — torch samplers (and torch.distributed helpers);
+   ``advisor`` — ranks schemes for a setting (prices schemes only)
 4. ``accountants``                  — Opacus ``IAccountant`` adapters
-5. ``optim``                        — DP optimizers, correlated noise, the privacy engine
+5. ``optim``, ``engine``             — DP optimizers, correlated noise, the privacy engine;
+   ``make_private`` for every scheme by name
 6. ``lightning_callbacks``          — Lightning callbacks (a top-level package)
 7. ``forecasting``                  — gluonts / Lightning glue
 8. ``commands``, ``cli``            — the command line
@@ -36,6 +38,11 @@ LAYERS = {
     "opacus_structured.distributed": 3, "opacus_structured.samplers": 3,
     "opacus_structured.accountants": 4,
     "opacus_structured.optim": 5,
+    # make_private / make_private_with_epsilon: installs samplers and accountants on an
+    # Opacus engine, and needs CorrelatedNoisePrivacyEngine (optim)
+    "opacus_structured.engine": 5,
+    # the scheme advisor prices schemes (accounting, schemes) only; commands use it
+    "opacus_structured.advisor": 3,
     "lightning_callbacks": 6,
     "opacus_structured.forecasting": 7,
     "opacus_structured.commands": 8, "opacus_structured.cli": 8,

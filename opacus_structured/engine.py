@@ -1,0 +1,507 @@
+"""Every scheme by name in a stock Opacus ``PrivacyEngine``: one line changes.
+
+.. code-block:: python
+
+    import opacus_structured
+    from opacus import PrivacyEngine
+
+    engine = PrivacyEngine(accountant="truncated-poisson")       # was: PrivacyEngine()
+    model, optimizer, loader = opacus_structured.make_private(    # was: engine.make_private(
+        engine, module=model, optimizer=optimizer, data_loader=loader,
+        noise_multiplier=1.0, max_grad_norm=1.0,
+        max_batch_size=80)                   # the one parameter no DataLoader carries
+    ...
+    engine.get_epsilon(delta=1e-5)
+
+:func:`make_private` and :func:`make_private_with_epsilon` take exactly the keyword arguments of
+Opacus' ``PrivacyEngine.make_private`` / ``make_private_with_epsilon``, plus the engine and the
+scheme's own parameters where a DataLoader cannot carry them. They do what
+``engine.make_private(poisson_sampling=True)`` does with Opacus' ``DPDataLoader``, for the
+scheme named by the engine's accountant:
+
+1. **The scheme** is the engine's accountant's (``PrivacyEngine(accountant=NAME)``; or
+   ``scheme=`` a name, a scheme class or a configured scheme object). Its parameters come from
+   the DataLoader as Opacus reads them: the dataset size is ``len(data_loader.dataset)``, the
+   steps per epoch ``len(data_loader)`` (so the expected batch size is their ratio, Opacus'
+   ``sample_rate = 1/len(data_loader)``), plus ``epochs`` where the scheme prices a planned run
+   and the scheme options below (:meth:`Scheme.from_training
+   <opacus_structured.schemes.base.Scheme.from_training>` builds it).
+2. **The DataLoader is replaced** by one drawing with the scheme's sampler, exactly as Opacus
+   replaces it with ``DPDataLoader``: same dataset, collate function wrapped with Opacus'
+   ``wrap_collate_with_empty`` (empty batches keep their structure), workers, pinning, timeout
+   and worker init kept. ``poisson_sampling=False`` keeps Opacus' meaning — "leave my loader
+   alone" — and then the loader must already draw with this scheme's sampler (checked).
+3. **The scheme's accountant** (bound to that scheme) replaces the engine's before Opacus'
+   ``make_private`` runs with ``poisson_sampling=False``, so Opacus attaches its step hook to
+   it and the accountant checks the loader returned and every batch drawn
+   (:mod:`opacus_structured.accountants.base`).
+4. **Correlated noise**: for a matrix-mechanism scheme (``bandmf-cyclic-poisson``,
+   ``random-allocation-mf`` with more than one band) the engine must be a
+   :class:`~opacus_structured.optim.privacy_engine.CorrelatedNoisePrivacyEngine` and the
+   strategy's ``noise_correlation`` is passed to its optimizer.
+
+:func:`make_private_with_epsilon` calibrates σ with the scheme's own accountant (bisection on σ
+until ε is within ``epsilon_tolerance`` = 1% *below* the target, never above) over
+``epochs × len(loader)`` steps of the installed loader, then calls :func:`make_private`.
+Monte Carlo schemes (``bminsep-mc``) and optimistic lower bounds are refused there: they are not
+guarantees.
+
+Scheme options (keyword arguments; an option of another scheme raises, naming it):
+
+==========================  ================================================================
+accountant / scheme          needs
+==========================  ================================================================
+``poisson``                  nothing (q = 1/len(loader))
+``truncated-poisson``        ``max_batch_size`` (B); ``relation``, ``analysis``; ``pad``
+``balls-in-bins``            ``epochs`` (make_private; make_private_with_epsilon has it)
+``bandmf-cyclic-poisson``    ``bands``, ``epochs`` (the strategy is optimised for the run);
+                             ``strategy``, ``partition``
+``random-allocation-mf``     ``epochs``; ``bands`` (default 1 = DP-SGD), ``strategy``,
+                             ``method``, ``renyi_bands``, ``max_dp_cost``
+``gdp-full-batch``           nothing (one full batch per epoch)
+``structured``               a ``WindowDataset`` (lengths, context and forecast lengths);
+                             ``batch_size`` (default the loader's), ``top_level``, …
+``bminsep-mc``               a configured ``scheme=`` and a DataLoader you built
+                             (no registered sampler); never calibrated here
+==========================  ================================================================
+
+Also accepted by both: ``sampler_generator`` (a ``torch.Generator`` for the batch sampler; by
+default OS entropy; a seeded generator makes the batches reproducible by whoever knows the
+seed — tests only) and ``discretization`` (of the
+accountant; default: the engine's accountant's, else 1e-4).
+
+Truncated Poisson's fixed batch shape: the default ``pad=False`` draws the truncated batches
+without padding (at most ``max_batch_size`` real rows, so a stock loop runs unchanged; the same
+mechanism, since the optimizer divides by a fixed public batch size). ``pad=True`` pads every
+batch to exactly ``max_batch_size`` rows with masked slots: the dataset is wrapped in
+:class:`~opacus_structured.samplers.truncated_poisson.PaddedDataset` (each item gains a 0/1
+mask) and the loop must multiply the per-sample loss by it
+(:func:`~opacus_structured.samplers.truncated_poisson.masked_loss`).
+
+Not covered (each raises, naming the way out): distributed training (``DPDDP`` / ``DDP``
+modules; see "Scaling out"), ``IterableDataset`` loaders (no dataset size) and Opacus'
+``secure_mode`` (its ``make_private(poisson_sampling=False)`` only re-seeds torch
+``BatchSampler`` loaders).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Optional
+
+import torch
+from opacus import PrivacyEngine
+from opacus.data_loader import dtype_safe, shape_safe, wrap_collate_with_empty
+from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, IterableDataset
+
+from ._validation import check_int, check_open_unit, check_positive
+from .accountants import ACCOUNTANTS
+from .accountants.base import SchemeAccountant, accountant_class_for
+from .accounting import pld as pld_lib
+from .accounting.calibration import calibrate_within_tolerance
+from .optim.privacy_engine import CorrelatedNoisePrivacyEngine
+from .samplers.truncated_poisson import PaddedDataset
+from .schemes.base import Scheme, noise_bands
+from .schemes.poisson import PoissonScheme
+from .schemes.registry import SCHEMES, get_scheme_class
+from .schemes.structured import StructuredScheme
+from .schemes.truncated_poisson import TruncatedPoissonScheme
+
+__all__ = ["make_private", "make_private_with_epsilon", "scheme_for_training",
+           "SCHEME_OPTIONS"]
+
+_FIXED = ("dataset_size", "steps_per_epoch", "epochs")
+#: Read from the dataset (a WindowDataset), never given as options.
+_FROM_DATASET = ("series_lengths", "context_length", "forecast_length", "num_series",
+                 "series_length")
+#: Options consumed by make_private itself, per scheme class (not passed to from_training).
+_SAMPLER_OPTIONS = {TruncatedPoissonScheme: ("pad",)}
+
+
+def _scheme_options(cls: type) -> tuple[str, ...]:
+    """Keyword options of ``cls.from_training`` (plus sampler options) besides the fixed ones."""
+    if cls.from_training.__func__ is Scheme.from_training.__func__:
+        return ()  # not buildable from training parameters: a configured scheme is needed
+    params = inspect.signature(cls.from_training).parameters
+    names = [n for n, p in params.items()
+             if n not in _FIXED and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        names += [f.name for f in dataclasses.fields(cls) if f.name not in names]
+    names = [n for n in names if n not in _FROM_DATASET]
+    for klass, extra in _SAMPLER_OPTIONS.items():
+        if issubclass(cls, klass):
+            names += list(extra)
+    return tuple(dict.fromkeys(names))
+
+
+#: Scheme name -> the options ``make_private`` accepts for it (besides Opacus' arguments).
+SCHEME_OPTIONS = {name: _scheme_options(cls) for name, cls in SCHEMES.items()}
+
+
+def _all_option_names() -> set:
+    return {o for cls in SCHEMES.values() for o in _scheme_options(cls)} | {"epochs"}
+
+
+# ---- which scheme -------------------------------------------------------------------------
+def _resolve_scheme(engine, scheme) -> tuple[type, Optional[Scheme]]:
+    """``(scheme class, configured scheme or None)`` from ``scheme=`` or the engine."""
+    if scheme is not None:
+        if isinstance(scheme, Scheme):
+            return type(scheme), scheme
+        if isinstance(scheme, str):
+            return get_scheme_class(scheme), None
+        if isinstance(scheme, type) and issubclass(scheme, Scheme):
+            return scheme, None
+        raise ValueError(f"scheme must be a scheme name {sorted(SCHEMES)}, a Scheme class or a "
+                         f"Scheme object, got {scheme!r}")
+    acc = getattr(engine, "accountant", None)
+    if not isinstance(acc, SchemeAccountant):
+        mech = acc.mechanism() if hasattr(acc, "mechanism") else type(acc).__name__
+        extra = (" (Opacus' 'gdp' is a central-limit approximation for Poisson sampling; "
+                 "full-batch DP-GD is 'gdp-full-batch')" if mech == "gdp" else "")
+        raise ValueError(
+            f"the engine's accountant is {mech!r}, which is not one of this package's scheme "
+            f"accountants{extra}: build the engine with PrivacyEngine(accountant=NAME) for NAME "
+            f"in {sorted(_scheme_accountant_names())}, or pass scheme=NAME. (For Opacus' own "
+            f"accountants call engine.make_private directly.)")
+    configured = acc.scheme
+    if configured is not None and not (isinstance(configured, PoissonScheme)
+                                       and configured.sample_rate is None):
+        return type(configured), configured
+    cls = type(acc).scheme_class
+    if cls is None:  # pragma: no cover - SchemeAccountant without a scheme cannot exist
+        raise ValueError(f"{type(acc).__name__} names no scheme class")
+    return cls, None
+
+
+def _scheme_accountant_names() -> list[str]:
+    return list(ACCOUNTANTS)
+
+
+def scheme_for_training(scheme_class: type, *, dataset, steps_per_epoch: int,
+                        epochs: Optional[int] = None, batch_size: Optional[int] = None,
+                        **options) -> Scheme:
+    """The scheme of ``scheme_class`` for training on ``dataset`` with ``steps_per_epoch``
+    batches per epoch (``len(data_loader)``) and ``epochs`` — what :func:`make_private` builds.
+
+    ``options`` are the scheme's own (see the module table); an option the scheme does not take
+    raises ``ValueError`` naming it and the options it does take. For ``structured`` the window
+    geometry is read from the dataset (a ``WindowDataset``) and ``batch_size`` is the number of
+    windows per step.
+    """
+    if not (isinstance(scheme_class, type) and issubclass(scheme_class, Scheme)):
+        raise ValueError(f"scheme_class must be a Scheme subclass, got {scheme_class!r}")
+    allowed = _scheme_options(scheme_class)
+    for key in options:
+        if key not in allowed:
+            raise ValueError(f"scheme {scheme_class.name!r} takes no option {key!r}; its "
+                             f"options are {list(allowed) or 'none'}")
+    options = {k: v for k, v in options.items() if k in allowed
+               and k not in _SAMPLER_OPTIONS.get(scheme_class, ())}
+    size = _dataset_size(dataset)
+    if issubclass(scheme_class, StructuredScheme):
+        missing = [a for a in ("lengths", "forecast_length", "effective_context_length")
+                   if not hasattr(dataset, a)]
+        if missing:
+            raise ValueError(f"scheme 'structured' draws (series, start) windows: the dataset "
+                             f"must be a WindowDataset (it lacks {missing}); build it with "
+                             f"opacus_structured.forecasting.windowing.WindowDataset")
+        options.setdefault("context_noise", getattr(dataset, "context_noise", 0.0))
+        options.setdefault("forecast_noise", getattr(dataset, "forecast_noise", 0.0))
+        built = scheme_class.from_training(
+            dataset_size=size, steps_per_epoch=steps_per_epoch, epochs=epochs,
+            series_lengths=list(dataset.lengths), context_length=dataset.effective_context_length,
+            forecast_length=dataset.forecast_length, batch_size=batch_size, **options)
+        if hasattr(dataset, "check_scheme"):
+            dataset.check_scheme(built)
+        return built
+    return scheme_class.from_training(dataset_size=size, steps_per_epoch=steps_per_epoch,
+                                      epochs=epochs, **options)
+
+
+def _dataset_size(dataset) -> int:
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise ValueError("the DataLoader wraps an IterableDataset (or a dataset without len()): "
+                         "DP sampling needs a map-style dataset of known size, as Opacus' "
+                         "DPDataLoader does")
+    return check_int("len(data_loader.dataset)", len(dataset), minimum=1)
+
+
+# ---- the DataLoader -------------------------------------------------------------------------
+def _sampler_for(scheme: Scheme, dataset, generator, *, pad: bool):
+    data = list(dataset.lengths) if isinstance(scheme, StructuredScheme) else len(dataset)
+    extra = {"pad": pad} if isinstance(scheme, TruncatedPoissonScheme) else {}
+    try:
+        return scheme.sampler(data, generator=generator, **extra)
+    except NotImplementedError:
+        raise ValueError(
+            f"scheme {scheme.name!r} has no registered sampler, so make_private cannot build "
+            f"its DataLoader: build a DataLoader whose batch_sampler carries this scheme and "
+            f"pass poisson_sampling=False (the accountant checks it)") from None
+
+
+def _empty_shapes(dataset):
+    """Opacus' ``DPDataLoader`` empty-batch shapes and dtypes for tuple items (else None)."""
+    try:
+        first = dataset[0]
+    except Exception:  # noqa: BLE001 - a dataset whose item 0 needs a special key
+        return None, None
+    if not isinstance(first, (tuple, list)):
+        return None, None
+    return [(0, *shape_safe(x)) for x in first], [dtype_safe(x) for x in first]
+
+
+def _loader_with(loader: DataLoader, batch_sampler, dataset, *, batch_first: bool,
+                 rand_on_empty: bool) -> DataLoader:
+    """A copy of ``loader`` over ``dataset`` drawing with ``batch_sampler`` (as
+    ``DPDataLoader.from_data_loader`` copies it)."""
+    kwargs: dict[str, Any] = dict(
+        num_workers=loader.num_workers, pin_memory=loader.pin_memory, timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator, persistent_workers=loader.persistent_workers)
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    collate = loader.collate_fn
+    if not hasattr(collate, "wrapped_collator_fn"):  # not yet Opacus' empty-batch wrapper
+        shapes, dtypes = _empty_shapes(dataset)
+        collate = wrap_collate_with_empty(collate_fn=collate, batch_first=batch_first,
+                                          rand_on_empty=rand_on_empty,
+                                          sample_empty_shapes=shapes, dtypes=dtypes)
+    return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate, **kwargs)
+
+
+# ---- the plan shared by make_private and make_private_with_epsilon --------------------------
+class _Plan:
+    """Scheme, loader, accountant class and optimizer extras for one make_private call."""
+
+    def __init__(self, engine, *, module, data_loader, scheme, epochs, batch_first,
+                 rand_on_empty, poisson_sampling, sampler_generator, discretization, kwargs):
+        if not isinstance(engine, PrivacyEngine):
+            raise ValueError(f"engine must be an opacus.PrivacyEngine (or "
+                             f"CorrelatedNoisePrivacyEngine), got {type(engine).__name__}")
+        if not isinstance(data_loader, DataLoader):
+            raise ValueError(f"data_loader must be a torch DataLoader, got "
+                             f"{type(data_loader).__name__}")
+        if _is_distributed(module):
+            raise ValueError("opacus_structured.make_private does not cover distributed "
+                             "training (the module is DDP / DPDDP): wrap the scheme's sampler "
+                             "with opacus_structured.samplers.distributed_data_loader and "
+                             "attach the accountant by hand (docs: 'Scaling out')")
+        if engine.secure_mode:
+            raise ValueError(
+                "secure_mode is not supported: Opacus' make_private(poisson_sampling=False) "
+                "switches the generator only of torch BatchSamplers, so it would refuse the "
+                "scheme's sampler; train with secure_mode=False (the samplers draw from OS "
+                "entropy unless seeded)")
+        if epochs is not None:
+            epochs = check_int("epochs", epochs, minimum=1)
+        cls, configured = _resolve_scheme(engine, scheme)
+        names = _all_option_names()
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        opacus_kwargs = kwargs
+        pad = bool(options.get("pad", False))
+        dataset = data_loader.dataset
+        size = _dataset_size(dataset)
+        if configured is not None:
+            stray = [k for k in options if k != "pad"]
+            if stray:
+                raise ValueError(f"the scheme is already configured ({configured!r}); the "
+                                 f"options {stray} would be ignored: drop them, or pass "
+                                 f"scheme={cls.name!r} to build it from the DataLoader")
+            self.scheme = configured
+        else:
+            batch_size = options.pop("batch_size", None)
+            if batch_size is None and issubclass(cls, StructuredScheme):
+                batch_size = data_loader.batch_size
+            if batch_size is not None and issubclass(cls, StructuredScheme):
+                options["batch_size"] = batch_size
+            elif batch_size is not None:
+                raise ValueError(f"scheme {cls.name!r} takes no option 'batch_size' (its "
+                                 f"expected batch is len(dataset)/len(data_loader))")
+            self.scheme = scheme_for_training(
+                cls, dataset=dataset, steps_per_epoch=len(data_loader), epochs=epochs,
+                **options)
+        if getattr(self.scheme.bound, "value", self.scheme.bound) == "lower":
+            raise ValueError(f"scheme {self.scheme!r} reports an optimistic lower bound, not a "
+                             f"guarantee: use bound='tight' or 'upper' for training")
+        # the loader
+        if poisson_sampling:
+            generator = sampler_generator
+            if pad and not isinstance(self.scheme, TruncatedPoissonScheme):
+                raise ValueError("pad=True is only for truncated-poisson")
+            if pad:
+                dataset = PaddedDataset(dataset)
+            sampler = _sampler_for(self.scheme, dataset, generator, pad=pad)
+            self.loader = _loader_with(data_loader, sampler, dataset, batch_first=batch_first,
+                                       rand_on_empty=rand_on_empty)
+        else:
+            if sampler_generator is not None or pad:
+                raise ValueError("poisson_sampling=False keeps your DataLoader: "
+                                 "sampler_generator / pad would be ignored")
+            self.loader = data_loader
+        self.size = size
+        # the accountant
+        old = engine.accountant
+        self.accountant_class = accountant_class_for(self.scheme)
+        if discretization is None:
+            discretization = (old.discretization if isinstance(old, SchemeAccountant)
+                              else pld_lib.DEFAULT_DISCRETIZATION)
+        self.discretization = check_positive("discretization", discretization)
+        self.keep_accountant = (isinstance(old, SchemeAccountant) and old.scheme is self.scheme
+                                and old.discretization == self.discretization)
+        if not self.keep_accountant and len(old) > 0:
+            raise ValueError(f"the engine's accountant has already recorded {len(old)} steps; "
+                             f"installing the scheme's accountant would drop them and "
+                             f"under-report epsilon: use a fresh PrivacyEngine")
+        # correlated noise
+        self.opacus_kwargs = dict(opacus_kwargs)
+        c = self.opacus_kwargs.get("noise_correlation")
+        if c is None and self.scheme.prices_correlated_noise:
+            c = self._noise_correlation(epochs)
+            if noise_bands(c) > 1:
+                self.opacus_kwargs["noise_correlation"] = c
+        if "noise_correlation" in self.opacus_kwargs and \
+                not isinstance(engine, CorrelatedNoisePrivacyEngine):
+            raise ValueError(
+                f"scheme {self.scheme.name!r} adds correlated noise "
+                f"({noise_bands(self.opacus_kwargs['noise_correlation'])} bands), which a stock "
+                f"PrivacyEngine cannot: use "
+                f"opacus_structured.optim.CorrelatedNoisePrivacyEngine(accountant="
+                f"{self.scheme.name!r}) instead of PrivacyEngine(...)")
+        self.epochs = epochs
+
+    def _noise_correlation(self, epochs):
+        scheme = self.scheme
+        if hasattr(scheme, "batches_per_epoch"):  # random allocation: C is the scheme's
+            return scheme.noise_correlation()
+        if epochs is None:
+            raise ValueError(f"scheme {scheme.name!r} optimises its strategy for the length of "
+                             f"the run: pass epochs= (or noise_correlation= explicitly)")
+        return scheme.noise_correlation(max(scheme.bands, epochs * len(self.loader)))
+
+    def accountant(self):
+        return self.accountant_class(self.scheme, discretization=self.discretization)
+
+    def install(self, engine) -> None:
+        if not self.keep_accountant:
+            engine.accountant = self.accountant()
+
+
+def _is_distributed(module) -> bool:
+    return isinstance(module, (DPDDP, DDP))
+
+
+# ---- public API -----------------------------------------------------------------------------
+def make_private(engine: PrivacyEngine, *, module: nn.Module, optimizer: torch.optim.Optimizer,
+                 data_loader: DataLoader, noise_multiplier: float, max_grad_norm,
+                 criterion=None, batch_first: bool = True, loss_reduction: str = "mean",
+                 poisson_sampling: bool = True, clipping: str = "flat", noise_generator=None,
+                 grad_sample_mode: str = "hooks", wrap_model: bool = True,
+                 rand_on_empty: bool = False, scheme=None, epochs: Optional[int] = None,
+                 sampler_generator: Optional[torch.Generator] = None,
+                 discretization: Optional[float] = None, **kwargs):
+    """``engine.make_private(...)`` for the scheme of ``engine``'s accountant (module docstring).
+
+    Args:
+        engine: an Opacus ``PrivacyEngine`` built with one of this package's accountant names
+            (``PrivacyEngine(accountant="balls-in-bins")``), or any engine with ``scheme=``;
+            a ``CorrelatedNoisePrivacyEngine`` for correlated-noise schemes.
+        module, optimizer, data_loader, noise_multiplier, max_grad_norm, criterion,
+        batch_first, loss_reduction, clipping, noise_generator, grad_sample_mode, wrap_model,
+        rand_on_empty: as in Opacus' ``make_private``.
+        poisson_sampling: ``True`` (default, as in Opacus): replace the DataLoader by one drawing
+            with the scheme's sampler. ``False``: keep it (it must already use the sampler).
+        scheme: a scheme name, class or configured object; default the engine accountant's.
+        epochs: the planned epochs, for schemes that price a planned run or optimise their
+            strategy for it (see the module table).
+        sampler_generator: ``torch.Generator`` for the batch sampler (default OS entropy).
+        discretization: the accountant's pessimistic discretisation interval.
+        **kwargs: the scheme's options (module table), the rest go to Opacus (e.g.
+            ``noise_correlation`` to override the strategy's).
+
+    Returns:
+        What ``engine.make_private`` returns: ``(module, optimizer, data_loader)`` (plus the
+        criterion in ghost mode), ``data_loader`` drawing with the scheme's sampler. The engine's
+        accountant is the scheme's (``engine.get_epsilon(delta)``).
+    """
+    plan = _Plan(engine, module=module, data_loader=data_loader, scheme=scheme, epochs=epochs,
+                 batch_first=batch_first, rand_on_empty=rand_on_empty,
+                 poisson_sampling=poisson_sampling, sampler_generator=sampler_generator,
+                 discretization=discretization, kwargs=dict(kwargs))
+    return _finish(engine, plan, module=module, optimizer=optimizer,
+                   noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                   criterion=criterion, batch_first=batch_first, loss_reduction=loss_reduction,
+                   clipping=clipping, noise_generator=noise_generator,
+                   grad_sample_mode=grad_sample_mode, wrap_model=wrap_model,
+                   rand_on_empty=rand_on_empty)
+
+
+def _finish(engine, plan: _Plan, *, criterion, **make_private_kwargs):
+    plan.install(engine)
+    if criterion is None:
+        criterion = nn.CrossEntropyLoss()  # Opacus' default
+    return engine.make_private(data_loader=plan.loader, poisson_sampling=False,
+                               criterion=criterion, **make_private_kwargs,
+                               **plan.opacus_kwargs)
+
+
+def make_private_with_epsilon(engine: PrivacyEngine, *, module: nn.Module,
+                              optimizer: torch.optim.Optimizer, data_loader: DataLoader,
+                              target_epsilon: float, target_delta: float, epochs: int,
+                              max_grad_norm, criterion=None, batch_first: bool = True,
+                              loss_reduction: str = "mean", poisson_sampling: bool = True,
+                              clipping: str = "flat", noise_generator=None,
+                              grad_sample_mode: str = "hooks", wrap_model: bool = True,
+                              scheme=None, sampler_generator: Optional[torch.Generator] = None,
+                              discretization: Optional[float] = None,
+                              epsilon_tolerance: float = 0.01, **kwargs):
+    """``engine.make_private_with_epsilon(...)`` priced by the scheme's own accountant.
+
+    Builds the scheme and its DataLoader as :func:`make_private` does, then finds the noise
+    multiplier σ whose ε after ``epochs × len(loader)`` steps (the installed loader's length:
+    1 step per epoch for full batch) is within ``epsilon_tolerance`` (relative, default 1%)
+    *below* ``target_epsilon`` and never above it, evaluating ε with a fresh accountant of the
+    scheme (the one installed), and calls :func:`make_private` with it. The σ used is
+    ``optimizer.noise_multiplier``.
+
+    Raises ``ValueError`` for a scheme whose ε is not a guarantee (``bminsep-mc`` is a Monte
+    Carlo estimate: certify σ with Algorithm 5, ``opacus-structured bminsep-mc certify``, and
+    pass it to :func:`make_private`), and
+    :class:`~opacus_structured.accounting.calibration.CalibrationError` if no σ ≤ 10⁴ meets the
+    target.
+    """
+    target_epsilon = check_positive("target_epsilon", target_epsilon)
+    target_delta = check_open_unit("target_delta", target_delta)
+    epochs = check_int("epochs", epochs, minimum=1)
+    plan = _Plan(engine, module=module, data_loader=data_loader, scheme=scheme, epochs=epochs,
+                 batch_first=batch_first, rand_on_empty=False,
+                 poisson_sampling=poisson_sampling, sampler_generator=sampler_generator,
+                 discretization=discretization, kwargs=dict(kwargs))
+    bound = plan.scheme.bound
+    if not getattr(bound, "is_guarantee", False):
+        kind = getattr(bound, "value", bound)
+        how = (" Certify sigma with Algorithm 5 (scheme.certify(...) or `opacus-structured "
+               "bminsep-mc certify`) and pass it to opacus_structured.make_private"
+               if kind == "monte-carlo" else "")
+        raise ValueError(f"scheme {plan.scheme.name!r} reports a {kind} epsilon, not a "
+                         f"guarantee, so it is never used for calibration.{how}")
+    steps = epochs * len(plan.loader)
+    rate = 1.0 / len(plan.loader)
+
+    def epsilon_of(sigma: float) -> float:
+        acc = plan.accountant()
+        acc.history = [(sigma, rate, steps)]
+        return float(acc.get_epsilon(target_delta))
+
+    sigma, _ = calibrate_within_tolerance(epsilon_of, target_epsilon,
+                                          epsilon_tolerance=epsilon_tolerance)
+    return _finish(engine, plan, module=module, optimizer=optimizer, noise_multiplier=sigma,
+                   max_grad_norm=max_grad_norm, criterion=criterion, batch_first=batch_first,
+                   loss_reduction=loss_reduction, clipping=clipping,
+                   noise_generator=noise_generator, grad_sample_mode=grad_sample_mode,
+                   wrap_model=wrap_model, rand_on_empty=False)

@@ -91,7 +91,7 @@ from opacus_structured.schemes.poisson import PoissonScheme
 
 from .batch_indices import IndexSource, train_scheme
 
-__all__ = ["IndividualGDPFilter", "dp_params"]
+__all__ = ["IndividualGDPFilter", "dp_params", "step_norms", "step_inputs", "check_batch_rows"]
 
 
 def _dist_rank() -> int:
@@ -142,6 +142,21 @@ def check_batch_rows(indices: torch.Tensor, norms: torch.Tensor, owner: str) -> 
             f"holds {indices.shape[0]} examples; the training step must use every example of "
             f"the batch once, in the order drawn (a collate function that drops, reorders or "
             f"repeats rows breaks the mapping to dataset indices)")
+
+
+def step_inputs(indices: Optional[torch.Tensor], optimizer, owner: str):
+    """What an individual-accounting callback needs at ``on_before_optimizer_step``:
+    ``(indices, norms, bookkeeper, sigma, clip)``, the batch's dataset indices on the norms'
+    device, the per-sample norms and book-keeping hooks (:func:`step_norms`) and the
+    optimizer's noise multiplier and clipping norm. Raises ``ValueError`` when no indices were
+    recorded for the step, the optimizer is no independent-noise DP optimizer, or the rows do
+    not match the indices (:func:`check_batch_rows`)."""
+    if indices is None:
+        raise ValueError("no batch indices recorded for this step")
+    sigma, clip = _dp_settings(optimizer)
+    norms, bookkeeper = step_norms(optimizer)
+    check_batch_rows(indices, norms, owner)
+    return indices.to(norms.device), norms, bookkeeper, sigma, clip
 
 
 class IndividualGDPFilter(Callback):
@@ -241,13 +256,10 @@ class IndividualGDPFilter(Callback):
         self._indices = idx
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if self._indices is None:
-            raise ValueError("no batch indices recorded for this step")
-        sigma, clip = _dp_settings(optimizer)
-        norms, bookkeeper = step_norms(optimizer)
-        check_batch_rows(self._indices, norms, "IndividualGDPFilter")
+        indices, norms, bookkeeper, sigma, clip = step_inputs(self._indices, optimizer,
+                                                              "IndividualGDPFilter")
         params = dp_params(optimizer) if bookkeeper is None else []
-        active = self.mask_and_record(params, self._indices.to(norms.device), norms, sigma, clip)
+        active = self.mask_and_record(params, indices, norms, sigma, clip)
         if bookkeeper is not None:  # ghost mode: inactive examples get coefficient 0
             bookkeeper.set_mask(active.to(norms.dtype))
         if not self._covered:

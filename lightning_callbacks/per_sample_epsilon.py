@@ -97,7 +97,7 @@ from opacus_structured.schemes.poisson import PoissonScheme
 
 from .batch_indices import IndexSource, train_scheme
 from .dp_callback import DPCallback
-from .gdp_filter import _dp_settings, check_batch_rows, step_norms
+from .gdp_filter import step_inputs
 
 __all__ = ["PerSampleEpsilonTracker"]
 
@@ -209,12 +209,9 @@ class PerSampleEpsilonTracker(Callback):
         self._indices = self._source.indices(trainer, batch)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if self._indices is None:
-            raise ValueError("no batch indices recorded for this step")
-        sigma, clip = _dp_settings(optimizer)
-        norms, _ = step_norms(optimizer)
-        check_batch_rows(self._indices, norms, "PerSampleEpsilonTracker")
-        self.update(self._indices.to(norms.device), norms, sigma, clip)
+        indices, norms, _, sigma, clip = step_inputs(self._indices, optimizer,
+                                                     "PerSampleEpsilonTracker")
+        self.update(indices, norms, sigma, clip)
         self._indices = None
 
     def update(self, indices: torch.Tensor, norms: torch.Tensor, noise_multiplier: float,

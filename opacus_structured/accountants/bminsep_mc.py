@@ -41,7 +41,9 @@ class BMinSepMonteCarloAccountant(SchemeAccountant):
             :class:`MonteCarloSettings` defaults); a ``seed=None`` is drawn here, once.
         kwargs: as :class:`SchemeAccountant` (``discretization`` does not apply).
 
-    Opacus' registry builds accountants without arguments, so register a configured one with
+    It always needs a scheme (it is never *unbound*, so it is not registered with Opacus by its
+    bare name, and ``opacus_structured.make_private`` refuses Monte Carlo schemes). Opacus'
+    registry builds accountants without arguments, so register a configured one with
     ``register_scheme_accountant("my-bminsep", scheme, base=BMinSepMonteCarloAccountant)`` (a
     subclass may set ``default_settings``). A history with several noise multipliers is priced
     at the smallest one (more noise is post-processing: never under-reports).
@@ -56,8 +58,13 @@ class BMinSepMonteCarloAccountant(SchemeAccountant):
                  settings: Optional[MonteCarloSettings] = None, **kwargs):
         super().__init__(scheme, **kwargs)
         if not isinstance(self.scheme, BMinSepMonteCarloScheme):
+            # never unbound: a Monte Carlo estimate is not a guarantee, so this accountant is
+            # not built by name (Opacus' registry) nor installed by make_private
             raise ValueError(f"BMinSepMonteCarloAccountant needs a BMinSepMonteCarloScheme, got "
-                             f"{self.scheme!r}")
+                             f"{self.scheme!r}: build it as BMinSepMonteCarloAccountant(scheme, "
+                             f"settings=...), or register a configured one with "
+                             f"register_scheme_accountant(name, scheme, "
+                             f"base=BMinSepMonteCarloAccountant)")
         given = settings if settings is not None else self.default_settings
         if given is not None and not isinstance(given, MonteCarloSettings):
             raise ValueError(f"settings must be a MonteCarloSettings, got "

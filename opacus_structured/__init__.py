@@ -18,7 +18,7 @@ build the scheme from the DataLoader, install its sampler and its accountant. Su
 
 __version__ = "0.1.0"
 
-from . import accountants, accounting, schemes  # noqa: E402,F401  (registers accountants)
+from . import accountants, accounting, runners, schemes  # noqa: E402,F401  (registrations)
 from .accountants import PoissonAccountant, SchemeAccountant, register_scheme_accountant  # noqa: E402
 from .engine import make_private, make_private_with_epsilon  # noqa: E402
 from .schemes import PoissonScheme, Scheme  # noqa: E402

@@ -20,6 +20,7 @@ import sys
 from typing import Callable
 
 from . import __version__
+from ._discovery import import_submodules
 from .accounting import pld as pld_lib
 from .accounting.calibration import calibrate_noise_multiplier
 from .schemes import SCHEMES, Scheme
@@ -99,14 +100,21 @@ def _emit(args, record: dict, text: str) -> None:
 
 
 def _run_epsilon(args) -> int:
-    scheme = SCHEMES[args.scheme].from_cli_args(args)
+    scheme_class = SCHEMES[args.scheme]
+    scheme = scheme_class.from_cli_args(args)
+    options = scheme_class.pricing_options_from_cli_args(args)  # e.g. a Monte Carlo run's settings
     steps = _steps(scheme, args)
     eps = scheme.epsilon(args.noise_multiplier, steps, args.delta,
-                         discretization=args.discretization)
+                         discretization=args.discretization, **options)
+    seed = getattr(getattr(eps, "estimate", None), "seed", None)  # a Monte Carlo run's seed
+    parameters = scheme.describe()
+    for value in options.values():
+        parameters.update(value.to_dict() if hasattr(value, "to_dict") else {})
+    if seed is not None:
+        parameters["seed"] = seed
     record = {"scheme": scheme.name, "epsilon": eps, "delta": args.delta,
               "noise_multiplier": args.noise_multiplier, "steps": steps, "bound": scheme.bound,
-              "discretization": args.discretization, "parameters": scheme.describe()}
-    seed = getattr(scheme, "seed", None)
+              "discretization": args.discretization, "parameters": parameters}
     label = {"lower": "  (LOWER BOUND, not a guarantee)",
              "monte-carlo": "  (MONTE CARLO estimate, holds only with high probability"
                             + ("" if seed is None else f"; seed {seed}") + ")"}.get(
@@ -188,8 +196,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load_plugins() -> None:
     """Import the modules that register sub-commands (optional extras may be missing)."""
-    from ._discovery import import_submodules
-
     import_submodules("opacus_structured.commands")
 
 

@@ -5,10 +5,11 @@ own layer or lower ones, never higher:
 
 0. ``_validation``, ``_discovery``  — argument checks, submodule discovery
 1. ``accounting``                   — the math (numpy / scipy / dp_accounting; no torch)
-1.5 ``runners``                     — runs the math at scale (process pool, shards, torch backend)
 2. ``schemes``                      — pure descriptions + the registry of what implements them
-3. ``distributed``, ``samplers``    — torch samplers (and torch.distributed helpers);
-   ``advisor`` — ranks schemes for a setting (prices schemes only)
+3. ``distributed``, ``samplers``,   — torch samplers and torch.distributed helpers;
+   ``runners``, ``advisor``           Monte Carlo pricing at scale (process pool, shards, torch
+                                      backend; schemes find it through the registry); the
+                                      scheme advisor (prices schemes only)
 4. ``accountants``                  — Opacus ``IAccountant`` adapters
 5. ``optim``, ``engine``             — DP optimizers, correlated noise, the privacy engine;
    ``make_private`` for every scheme by name
@@ -32,10 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {
     "opacus_structured._validation": 0, "opacus_structured._discovery": 0,
     "opacus_structured.accounting": 1,
-    # runs the math at scale (process pool, shard files, torch backend); Monte Carlo schemes call it
-    "opacus_structured.runners": 1.5,
     "opacus_structured.schemes": 2,
     "opacus_structured.distributed": 3, "opacus_structured.samplers": 3,
+    # runs Monte Carlo pricing at scale (process pool, shard files, torch backend); schemes
+    # find it through schemes.registry.runner_for, never by import
+    "opacus_structured.runners": 3,
     "opacus_structured.accountants": 4,
     "opacus_structured.optim": 5,
     # make_private / make_private_with_epsilon: installs samplers and accountants on an

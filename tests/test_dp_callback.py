@@ -358,7 +358,7 @@ class PoissonMonteCarloAccountant(SchemeAccountant):
     ``MonteCarloEpsilon``, bound kind "monte-carlo")."""
 
     def __init__(self):
-        from opacus_structured.runners.monte_carlo import MonteCarloSettings
+        from opacus_structured.accounting.monte_carlo import MonteCarloSettings
         from opacus_structured.schemes.bminsep_mc import BMinSepMonteCarloScheme
 
         super().__init__(PoissonScheme(sample_rate=Q))

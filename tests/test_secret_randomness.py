@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from opacus_structured.accounting.bminsep_mc import BandedStrategy, BandMFMonteCarlo
-from opacus_structured.accounting.monte_carlo import (
+from opacus_structured.runners.monte_carlo import (
     certify_noise_multiplier,
     collect_privacy_losses,
 )
@@ -101,27 +101,29 @@ def test_certify_defaults_to_fresh_seed_and_refuses_reseeding(tmp_path):
         certify_noise_multiplier(_mech(), 2.0, 0.05, directory=d, seed=c.seed + 1, **kw)
 
 
-def test_scheme_seed_is_fresh_recorded_and_round_trips():
+def test_accountant_seed_is_fresh_recorded_and_round_trips():
     from opacus_structured.accountants.bminsep_mc import BMinSepMonteCarloAccountant
+    from opacus_structured.runners.monte_carlo import MonteCarloSettings
     from opacus_structured.schemes import Scheme
     from opacus_structured.schemes.bminsep_mc import BMinSepMonteCarloScheme
 
-    kw = dict(bands=1, dataset_size=160, batch_size=10, samples=300, workers=1)
-    s1, s2 = BMinSepMonteCarloScheme(**kw), BMinSepMonteCarloScheme(**kw)
-    assert isinstance(s1.seed, int) and s1.seed != s2.seed
-    assert s1.describe()["seed"] == s1.seed
-    assert Scheme.from_dict(json.loads(json.dumps(s1.to_dict()))) == s1
-    assert BMinSepMonteCarloScheme(**kw, seed=0).seed == 0
+    scheme = BMinSepMonteCarloScheme(bands=1, dataset_size=160, batch_size=10)
+    run = MonteCarloSettings(samples=300, workers=1)
+    a1, a2 = (BMinSepMonteCarloAccountant(scheme, settings=run) for _ in range(2))
+    assert isinstance(a1.settings.seed, int) and a1.settings.seed != a2.settings.seed
+    assert run.seed is None and MonteCarloSettings(seed=0).resolved().seed == 0
     with pytest.raises(ValueError, match="seed"):
-        BMinSepMonteCarloScheme(**kw, seed=-1)
-    acc = BMinSepMonteCarloAccountant(s1)
-    acc.step(noise_multiplier=1.0, sample_rate=10 / 160, num_steps=4)
-    state = acc.state_dict()
+        MonteCarloSettings(seed=-1)
+    a1.step(noise_multiplier=1.0, sample_rate=10 / 160, num_steps=4)
+    eps = float(a1.get_epsilon(0.05))
+    state = json.loads(json.dumps(a1.state_dict()))
+    assert state["monte_carlo"]["seed"] == a1.settings.seed
+    other = MonteCarloSettings(samples=300, workers=1, seed=a1.settings.seed + 1)
     with pytest.raises(ValueError, match="Monte Carlo seed"):
-        BMinSepMonteCarloAccountant(s2).load_state_dict(state)
+        BMinSepMonteCarloAccountant(scheme, settings=other).load_state_dict(state)
     back = BMinSepMonteCarloAccountant(Scheme.from_dict(state["scheme"]))
     back.load_state_dict(state)
-    assert float(back.get_epsilon(0.05)) == float(acc.get_epsilon(0.05))
+    assert back.settings.seed == a1.settings.seed and float(back.get_epsilon(0.05)) == eps
 
 
 def test_bminsep_cli_reports_the_seed_it_used(capsys):

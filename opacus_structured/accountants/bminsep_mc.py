@@ -24,8 +24,7 @@ from typing import ClassVar, Optional
 
 from .._validation import check_open_unit
 from ..accounting.bounds import BoundKind
-from ..accounting.monte_carlo import MonteCarloEstimate
-from ..runners.monte_carlo import MonteCarloSettings
+from ..accounting.monte_carlo import MonteCarloEstimate, MonteCarloSettings
 from ..schemes.bminsep_mc import BMinSepMonteCarloScheme
 from .base import SchemeAccountant
 

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional
+import os
+from typing import Any, Callable, Optional
 
 import numpy as np
 from scipy import optimize
@@ -47,6 +48,9 @@ from .bounds import BoundKind
 from .calibration import smallest_passing_int
 
 __all__ = [
+    "DEFAULT_SHARD_SIZE",
+    "fresh_monte_carlo_seed",
+    "MonteCarloSettings",
     "kl_bernoulli",
     "hoeffding_failure_probability",
     "overall_delta",
@@ -353,3 +357,130 @@ class MonteCarloEpsilon(float):
 
     def __repr__(self):
         return f"MonteCarloEpsilon({float.__repr__(self)}, q={self.estimate.failure_probability:g})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Run settings (a record; the runner registered for the scheme executes a run with them)
+# ---------------------------------------------------------------------------------------------
+#: Samples per shard unless set (a run's samples depend on it: resume with the same value).
+DEFAULT_SHARD_SIZE = 16384
+
+
+def fresh_monte_carlo_seed() -> int:
+    """A 63-bit seed from the OS entropy pool: the default of every Monte Carlo check (a fixed
+    default seed would invite re-running a failed check with "another" seed)."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Run settings
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MonteCarloSettings:
+    """How a Monte Carlo run is made — not what it measures.
+
+    A :class:`~opacus_structured.schemes.bminsep_mc.BMinSepMonteCarloScheme` describes the
+    mechanism (its batches and its noise); these settings describe a run that estimates its ε.
+    They are passed to ``scheme.estimate`` / ``epsilon`` / ``delta`` / ``certify`` and to the
+    accountant (``BMinSepMonteCarloAccountant(scheme, settings=...)``), whose ``state_dict``
+    records them with the seed actually used. A plain record: the runner registered for the
+    scheme (:mod:`opacus_structured.runners.monte_carlo`) executes a run with them.
+
+    Args:
+        samples: Monte Carlo samples per direction.
+        seed: run seed; ``None`` (default): fresh OS entropy, drawn by :meth:`resolved` when a
+            run starts and recorded in its result. Do not re-run with new seeds until an
+            estimate or a certification looks good: picking among seeds voids the confidence
+            (multiple testing).
+        failure_probability: ``q`` of the high-confidence upper estimate (it holds with
+            probability ``≥ 1 − q``). The confidence belongs to the run, not to the scheme:
+            the mechanism has one true ε, and ``samples``, ``seed`` and ``q`` only say how well
+            a run pins it down; two runs of one scheme at different ``q`` train on the same
+            batches with the same noise. Algorithm 5 does not use it (its ``q`` follows from
+            ``δ′`` and the sample count, Theorem A.1).
+        workers: processes (``None``: all cores; 1: inline).
+        device: ``None`` (numpy) or a torch device for the torch backend (run inline).
+        progress: show a progress bar over the shards.
+        shard_size: samples per shard (the samples of a seed depend on it).
+    """
+
+    samples: int = 100_000
+    seed: Optional[int] = None
+    failure_probability: float = 1e-3
+    workers: Optional[int] = None
+    device: Optional[str] = None
+    progress: bool = False
+    shard_size: int = DEFAULT_SHARD_SIZE
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        set_("samples", check_int("samples", self.samples, minimum=1))
+        if self.seed is not None:
+            set_("seed", check_int("seed", self.seed, minimum=0))
+        set_("failure_probability",
+             check_open_unit("failure_probability", self.failure_probability))
+        if self.workers is not None:
+            set_("workers", check_int("workers", self.workers, minimum=1))
+        if self.device is not None and (not isinstance(self.device, str) or not self.device):
+            raise ValueError(f"device must be None (numpy) or a torch device string such as "
+                             f"'cpu' or 'cuda:0', got {self.device!r}")
+        if not isinstance(self.progress, bool):
+            raise ValueError(f"progress must be a bool, got {self.progress!r}")
+        set_("shard_size", check_int("shard_size", self.shard_size, minimum=1))
+
+    @property
+    def backend(self) -> str:
+        """``"numpy"``, ``"torch-cpu"`` or ``"torch-cuda"``: backends draw different streams
+        from one seed, so a run resumes exactly only on the same one."""
+        return "numpy" if self.device is None else "torch-" + self.device.split(":")[0]
+
+    def resolved(self) -> "MonteCarloSettings":
+        """These settings with a concrete seed (a fresh one from OS entropy if ``seed`` is
+        ``None``): what a run uses and records."""
+        if self.seed is not None:
+            return self
+        return dataclasses.replace(self, seed=fresh_monte_carlo_seed())
+
+    def differences(self, other: "MonteCarloSettings") -> list[str]:
+        """The settings that make ``other``'s results differ from these (``samples``, ``seed``,
+        ``failure_probability``, ``shard_size``, the backend); ``workers`` and ``progress``
+        never change a result."""
+        out = [name for name in ("samples", "seed", "failure_probability", "shard_size")
+               if getattr(self, name) != getattr(other, name)]
+        if self.backend != other.backend:
+            out.append("device")
+        return out
+
+    # ---- serialisation and command line ------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "MonteCarloSettings":
+        return cls(**dict(data))
+
+    @staticmethod
+    def add_cli_arguments(parser) -> None:
+        """``--samples``, ``--seed``, ``--confidence-failure``, ``--workers``, ``--device``."""
+        default = MonteCarloSettings()
+        parser.add_argument("--samples", type=int, default=default.samples, metavar="S",
+                            help="Monte Carlo samples per direction (default %(default)s)")
+        parser.add_argument("--seed", type=int, default=None,
+                            help="Monte Carlo seed (default: fresh OS entropy; the seed used "
+                                 "is printed/recorded for audit). Never re-run a failed check "
+                                 "or a disappointing estimate with another seed: choosing "
+                                 "among seeds voids the confidence (multiple testing)")
+        parser.add_argument("--confidence-failure", type=float,
+                            default=default.failure_probability, metavar="q",
+                            help="failure probability q of the Monte Carlo upper estimate")
+        parser.add_argument("--workers", type=int, default=None)
+        parser.add_argument("--device", default=None, help="torch device (e.g. cuda)")
+
+    @classmethod
+    def from_cli_args(cls, args) -> "MonteCarloSettings":
+        """From the flags of :meth:`add_cli_arguments` (and ``--shard-size`` / ``--progress``
+        where a command has them)."""
+        return cls(samples=args.samples, seed=args.seed,
+                   failure_probability=args.confidence_failure, workers=args.workers,
+                   device=args.device, progress=bool(getattr(args, "progress", False)),
+                   shard_size=getattr(args, "shard_size", DEFAULT_SHARD_SIZE))

@@ -25,8 +25,9 @@ import json
 
 from ..accounting.bounds import BoundKind
 from ..accounting.certification import cyclic_poisson_fallback, unamplified_fallback
+from ..accounting.monte_carlo import DEFAULT_SHARD_SIZE, MonteCarloSettings
 from ..cli import register_command
-from ..runners.monte_carlo import DEFAULT_SHARD_SIZE, MonteCarloSettings
+from ..runners.monte_carlo import collect_with_settings
 from ..schemes.bminsep_mc import BMinSepMonteCarloScheme
 
 
@@ -60,7 +61,7 @@ def _run(args) -> int:
     if args.action == "estimate":
         mech = scheme.mechanism(args.noise_multiplier, args.steps)
         # --seed, else the seed recorded in --directory (resume), else fresh entropy
-        samples = settings.collect(mech, directory=args.directory)
+        samples = collect_with_settings(mech, settings, directory=args.directory)
         est = samples.estimate(args.delta, settings.failure_probability)
         used = {**settings.to_dict(), "seed": samples.seed}
         record = {**est.to_dict(), "noise_multiplier": args.noise_multiplier,

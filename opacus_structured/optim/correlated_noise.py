@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import opacus.optimizers as opacus_optimizers
 import torch
 from opacus.optimizers.optimizer import (
     DPOptimizer,
@@ -255,6 +256,19 @@ class CorrelatedNoiseDPOptimizer(CorrelatedNoiseMixin, DPOptimizer):
 
 _CLASS_CACHE: dict = {}
 
+#: Opacus distributed optimizer class -> its correlated-noise variant, which must add the noise
+#: once (rank 0) rather than on every rank. Filled by :mod:`opacus_structured.optim.distributed`.
+DISTRIBUTED_VARIANTS: dict[type, type] = {}
+
+
+def _unsupported_bases() -> tuple[type, ...]:
+    """Opacus optimizers whose noise is not the stock per-parameter ``add_noise`` (distributed,
+    FSDP, adaptive clipping): a correlated-noise mixin in front of them would be wrong."""
+    names = ("DistributedDPOptimizer", "DistributedPerLayerOptimizer",
+             "SimpleDistributedPerLayerOptimizer", "DistributedDPOptimizerFastGradientClipping",
+             "FSDPOptimizerFastGradientClipping", "AdaClipDPOptimizer")
+    return tuple(getattr(opacus_optimizers, n) for n in names if hasattr(opacus_optimizers, n))
+
 
 def correlated_optimizer_class(base: type) -> type:
     """A subclass of Opacus optimizer class ``base`` with correlated noise.
@@ -266,16 +280,12 @@ def correlated_optimizer_class(base: type) -> type:
     """
     if base is DPOptimizer:
         return CorrelatedNoiseDPOptimizer
-    from opacus.optimizers import DistributedDPOptimizer
-
-    if base is DistributedDPOptimizer:
-        from .distributed import DistributedCorrelatedNoiseDPOptimizer
-
-        return DistributedCorrelatedNoiseDPOptimizer
+    if base in DISTRIBUTED_VARIANTS:
+        return DISTRIBUTED_VARIANTS[base]
     if not (isinstance(base, type) and issubclass(base, DPOptimizer)):
         raise ValueError(f"base must be an opacus DPOptimizer subclass, got {base!r}")
     name = base.__name__
-    if "Distributed" in name or "FSDP" in name or "AdaClip" in name:
+    if issubclass(base, _unsupported_bases()):
         raise ValueError(f"correlated noise is not supported with {name} (distributed/adaptive "
                          f"clipping optimizers generate noise differently)")
     if base not in _CLASS_CACHE:

@@ -34,7 +34,7 @@ from opacus.optimizers.ddpoptimizer_fast_gradient_clipping import (
     DistributedDPOptimizerFastGradientClipping,
 )
 
-from .correlated_noise import CorrelatedNoiseMixin
+from .correlated_noise import DISTRIBUTED_VARIANTS, CorrelatedNoiseMixin
 
 __all__ = ["DistributedCorrelatedNoiseDPOptimizer",
            "DistributedCorrelatedNoiseDPOptimizerFastGradientClipping",
@@ -69,6 +69,9 @@ class DistributedCorrelatedNoiseDPOptimizerFastGradientClipping(
     """The same over Opacus' ``DistributedDPOptimizerFastGradientClipping`` (ghost clipping /
     book-keeping: the clipped sum is already in ``p.grad``)."""
 
+
+
+DISTRIBUTED_VARIANTS[DistributedDPOptimizer] = DistributedCorrelatedNoiseDPOptimizer
 
 def _opacus_distributed_bases() -> tuple[type, ...]:
     names = ("DistributedDPOptimizer", "DistributedPerLayerOptimizer",

@@ -32,15 +32,14 @@ recorded seed, and a directory refuses a different one.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import hashlib
 import json
 import os
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .._validation import check_int, check_open_unit
+from .._validation import check_int
 from ..accounting.bminsep_mc import (
     DEFAULT_CHUNK_SIZE,
     DIRECTIONS,
@@ -55,148 +54,36 @@ from ..accounting.certification import (
     plan_certification,
     run_algorithm5,
 )
-from ..accounting.monte_carlo import MonteCarloSamples
+from ..accounting.monte_carlo import (
+    DEFAULT_SHARD_SIZE,
+    MonteCarloSamples,
+    MonteCarloSettings,
+    fresh_monte_carlo_seed,
+)
+from ..schemes.bminsep_mc import BMinSepMonteCarloScheme
+from ..schemes.registry import register_runner
 from .bminsep_mc_torch import sample_losses_torch
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
     "fresh_monte_carlo_seed",
     "MonteCarloSettings",
+    "MonteCarloRunner",
+    "collect_with_settings",
     "sample_losses",
     "collect_privacy_losses",
     "verify_candidate",
     "certify_noise_multiplier",
 ]
 
-#: Samples per shard unless set (a run's samples depend on it: resume with the same value).
-DEFAULT_SHARD_SIZE = 16384
-
-
-def fresh_monte_carlo_seed() -> int:
-    """A 63-bit seed from the OS entropy pool: the default of every Monte Carlo check (a fixed
-    default seed would invite re-running a failed check with "another" seed)."""
-    return int.from_bytes(os.urandom(8), "little") >> 1
-
-
-# ---------------------------------------------------------------------------------------------
-# Run settings
-# ---------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class MonteCarloSettings:
-    """How a Monte Carlo run is made — not what it measures.
-
-    A :class:`~opacus_structured.schemes.bminsep_mc.BMinSepMonteCarloScheme` describes the
-    mechanism (its batches and its noise); these settings describe a run that estimates its ε.
-    They are passed to ``scheme.estimate`` / ``epsilon`` / ``delta`` / ``certify`` and to the
-    accountant (``BMinSepMonteCarloAccountant(scheme, settings=...)``), whose ``state_dict``
-    records them with the seed actually used.
-
-    Args:
-        samples: Monte Carlo samples per direction.
-        seed: run seed; ``None`` (default): fresh OS entropy, drawn by :meth:`resolved` when a
-            run starts and recorded in its result. Do not re-run with new seeds until an
-            estimate or a certification looks good: picking among seeds voids the confidence
-            (multiple testing).
-        failure_probability: ``q`` of the high-confidence upper estimate (it holds with
-            probability ``≥ 1 − q``). The confidence belongs to the run, not to the scheme:
-            the mechanism has one true ε, and ``samples``, ``seed`` and ``q`` only say how well
-            a run pins it down; two runs of one scheme at different ``q`` train on the same
-            batches with the same noise. Algorithm 5 does not use it (its ``q`` follows from
-            ``δ′`` and the sample count, Theorem A.1).
-        workers: processes (``None``: all cores; 1: inline).
-        device: ``None`` (numpy) or a torch device for the torch backend (run inline).
-        progress: show a progress bar over the shards.
-        shard_size: samples per shard (the samples of a seed depend on it).
-    """
-
-    samples: int = 100_000
-    seed: Optional[int] = None
-    failure_probability: float = 1e-3
-    workers: Optional[int] = None
-    device: Optional[str] = None
-    progress: bool = False
-    shard_size: int = DEFAULT_SHARD_SIZE
-
-    def __post_init__(self):
-        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
-        set_("samples", check_int("samples", self.samples, minimum=1))
-        if self.seed is not None:
-            set_("seed", check_int("seed", self.seed, minimum=0))
-        set_("failure_probability",
-             check_open_unit("failure_probability", self.failure_probability))
-        if self.workers is not None:
-            set_("workers", check_int("workers", self.workers, minimum=1))
-        if self.device is not None and (not isinstance(self.device, str) or not self.device):
-            raise ValueError(f"device must be None (numpy) or a torch device string such as "
-                             f"'cpu' or 'cuda:0', got {self.device!r}")
-        if not isinstance(self.progress, bool):
-            raise ValueError(f"progress must be a bool, got {self.progress!r}")
-        set_("shard_size", check_int("shard_size", self.shard_size, minimum=1))
-
-    @property
-    def backend(self) -> str:
-        """``"numpy"``, ``"torch-cpu"`` or ``"torch-cuda"``: backends draw different streams
-        from one seed, so a run resumes exactly only on the same one."""
-        return "numpy" if self.device is None else "torch-" + self.device.split(":")[0]
-
-    def resolved(self) -> "MonteCarloSettings":
-        """These settings with a concrete seed (a fresh one from OS entropy if ``seed`` is
-        ``None``): what a run uses and records."""
-        if self.seed is not None:
-            return self
-        return dataclasses.replace(self, seed=fresh_monte_carlo_seed())
-
-    def differences(self, other: "MonteCarloSettings") -> list[str]:
-        """The settings that make ``other``'s results differ from these (``samples``, ``seed``,
-        ``failure_probability``, ``shard_size``, the backend); ``workers`` and ``progress``
-        never change a result."""
-        out = [name for name in ("samples", "seed", "failure_probability", "shard_size")
-               if getattr(self, name) != getattr(other, name)]
-        if self.backend != other.backend:
-            out.append("device")
-        return out
-
-    def collect(self, mechanism: BandMFMonteCarlo, *, directory: Optional[str] = None,
-                shards: Optional[Sequence[int]] = None) -> Optional[MonteCarloSamples]:
-        """:func:`collect_privacy_losses` of ``mechanism`` with these settings."""
-        return collect_privacy_losses(mechanism, self.samples, seed=self.seed,
-                                      shard_size=self.shard_size, shards=shards,
-                                      workers=self.workers, directory=directory,
-                                      progress=self.progress, device=self.device)
-
-    # ---- serialisation and command line ------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "MonteCarloSettings":
-        return cls(**dict(data))
-
-    @staticmethod
-    def add_cli_arguments(parser) -> None:
-        """``--samples``, ``--seed``, ``--confidence-failure``, ``--workers``, ``--device``."""
-        default = MonteCarloSettings()
-        parser.add_argument("--samples", type=int, default=default.samples, metavar="S",
-                            help="Monte Carlo samples per direction (default %(default)s)")
-        parser.add_argument("--seed", type=int, default=None,
-                            help="Monte Carlo seed (default: fresh OS entropy; the seed used "
-                                 "is printed/recorded for audit). Never re-run a failed check "
-                                 "or a disappointing estimate with another seed: choosing "
-                                 "among seeds voids the confidence (multiple testing)")
-        parser.add_argument("--confidence-failure", type=float,
-                            default=default.failure_probability, metavar="q",
-                            help="failure probability q of the Monte Carlo upper estimate")
-        parser.add_argument("--workers", type=int, default=None)
-        parser.add_argument("--device", default=None, help="torch device (e.g. cuda)")
-
-    @classmethod
-    def from_cli_args(cls, args) -> "MonteCarloSettings":
-        """From the flags of :meth:`add_cli_arguments` (and ``--shard-size`` / ``--progress``
-        where a command has them)."""
-        return cls(samples=args.samples, seed=args.seed,
-                   failure_probability=args.confidence_failure, workers=args.workers,
-                   device=args.device, progress=bool(getattr(args, "progress", False)),
-                   shard_size=getattr(args, "shard_size", DEFAULT_SHARD_SIZE))
+def collect_with_settings(mechanism: BandMFMonteCarlo, settings: MonteCarloSettings, *,
+                          directory: Optional[str] = None,
+                          shards: Optional[Sequence[int]] = None) -> Optional[MonteCarloSamples]:
+    """:func:`collect_privacy_losses` of ``mechanism`` with a run's ``settings``."""
+    return collect_privacy_losses(mechanism, settings.samples, seed=settings.seed,
+                                  shard_size=settings.shard_size, shards=shards,
+                                  workers=settings.workers, directory=directory,
+                                  progress=settings.progress, device=settings.device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,3 +338,18 @@ def certify_noise_multiplier(mechanism: BandMFMonteCarlo, epsilon: float, target
                                 shard_size=shard_size, device=device, directory=sub)
 
     return run_algorithm5(plan, verify, seed=seed, progress=progress)
+
+
+@register_runner(BMinSepMonteCarloScheme)
+class MonteCarloRunner:
+    """Runs a Monte Carlo scheme's pricing: what ``scheme.estimate`` / ``certify`` call."""
+
+    @staticmethod
+    def collect(mechanism: BandMFMonteCarlo, settings: MonteCarloSettings, **kwargs):
+        """Privacy-loss samples of ``mechanism`` (:func:`collect_with_settings`)."""
+        return collect_with_settings(mechanism, settings, **kwargs)
+
+    @staticmethod
+    def certify(mechanism: BandMFMonteCarlo, epsilon: float, target_delta: float, **kwargs):
+        """Algorithm 5 (:func:`certify_noise_multiplier`)."""
+        return certify_noise_multiplier(mechanism, epsilon, target_delta, **kwargs)

@@ -224,6 +224,12 @@ class Scheme(abc.ABC):
         """Build the scheme from parsed flags (default: no parameters)."""
         return cls()
 
+    @classmethod
+    def pricing_options_from_cli_args(cls, args: argparse.Namespace) -> dict[str, Any]:
+        """Keyword arguments of :meth:`epsilon` / :meth:`delta` that the parsed flags set
+        besides the scheme (a Monte Carlo run's settings); default none."""
+        return {}
+
     def describe(self) -> dict[str, Any]:
         """Parameters for reports (``--json`` output)."""
         return dataclasses.asdict(self)

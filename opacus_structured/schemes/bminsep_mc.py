@@ -23,7 +23,7 @@ cold start, so ``warm_start=True`` is rejected.
 (:meth:`batch_distribution`) and its noise (``bands``, ``strategy``) — and nothing about how its
 ε is estimated. The number of samples, the seed, the confidence ``1 − q``, the workers, the
 device and the progress bar are a run's
-:class:`~opacus_structured.runners.monte_carlo.MonteCarloSettings`, passed to :meth:`estimate`,
+:class:`~opacus_structured.accounting.monte_carlo.MonteCarloSettings`, passed to :meth:`estimate`,
 :meth:`epsilon`, :meth:`delta`, :meth:`certify` and to the accountant
 (:class:`~opacus_structured.accountants.bminsep_mc.BMinSepMonteCarloAccountant`), whose
 ``state_dict`` records them with the seed used.
@@ -61,9 +61,14 @@ from ..accounting.bminsep_mc import (
 )
 from ..accounting.bounds import BoundKind
 from ..accounting.certification import CertifiedCalibration
-from ..accounting.monte_carlo import MonteCarloEpsilon, MonteCarloEstimate, MonteCarloSamples
-from ..runners.monte_carlo import MonteCarloSettings, certify_noise_multiplier
+from ..accounting.monte_carlo import (
+    MonteCarloEpsilon,
+    MonteCarloEstimate,
+    MonteCarloSamples,
+    MonteCarloSettings,
+)
 from .base import Scheme, register_scheme
+from .registry import runner_for
 
 __all__ = ["BMinSepMonteCarloScheme", "STRATEGY_CHOICES"]
 
@@ -84,7 +89,7 @@ def _run_settings(settings: Optional[MonteCarloSettings]) -> MonteCarloSettings:
 @functools.lru_cache(maxsize=8)
 def _samples(scheme: "BMinSepMonteCarloScheme", settings: MonteCarloSettings,
              noise_multiplier: float, steps: int) -> MonteCarloSamples:
-    return settings.collect(scheme.mechanism(noise_multiplier, steps))
+    return runner_for(scheme).collect(scheme.mechanism(noise_multiplier, steps), settings)
 
 
 @register_scheme
@@ -108,7 +113,7 @@ class BMinSepMonteCarloScheme(Scheme):
         strategy: see :data:`STRATEGY_CHOICES`; ``C`` is pure Toeplitz with ``‖c‖ = 1``.
 
     How ε is estimated (samples, seed, confidence, workers, device) is not part of the scheme:
-    pass a :class:`~opacus_structured.runners.monte_carlo.MonteCarloSettings` to the pricing
+    pass a :class:`~opacus_structured.accounting.monte_carlo.MonteCarloSettings` to the pricing
     methods or to the accountant.
     """
 
@@ -244,7 +249,7 @@ class BMinSepMonteCarloScheme(Scheme):
                  settings: Optional[MonteCarloSettings] = None) -> MonteCarloEstimate:
         """Monte Carlo ε at ``delta`` (holds with probability ``≥ 1 − q``; not a bound).
 
-        ``settings`` (default :class:`~opacus_structured.runners.monte_carlo.
+        ``settings`` (default :class:`~opacus_structured.accounting.monte_carlo.
         MonteCarloSettings`) says how the run is made; without a seed each call draws a fresh
         one, returned as ``result.seed``. Calls with the same settings and seed reuse their
         samples.
@@ -296,7 +301,7 @@ class BMinSepMonteCarloScheme(Scheme):
         kwargs.setdefault("device", run.device)
         kwargs.setdefault("seed", run.seed)
         kwargs.setdefault("shard_size", run.shard_size)
-        return certify_noise_multiplier(self.mechanism(1.0, steps), epsilon, delta,
+        return runner_for(self).certify(self.mechanism(1.0, steps), epsilon, delta,
                                         sigma_min=sigma_min, **kwargs)
 
     # ---- command line --------------------------------------------------------------------

@@ -7,7 +7,10 @@ themselves here from the layer above, keyed by scheme class:
 * ``register_sampler(SchemeClass, ...)`` — a factory ``(scheme, *args, **kwargs) -> sampler``
   (``samplers/``; one sampler module per scheme);
 * ``register_accountant(SchemeClass, AccountantClass)`` — the Opacus accountant pricing it
-  (done by ``SchemeAccountant`` subclasses that set ``scheme_class``).
+  (done by ``SchemeAccountant`` subclasses that set ``scheme_class``);
+* ``register_runner(SchemeClass)`` — for schemes priced by running something (Monte Carlo),
+  the object that runs it at scale (process pool, shards on disk, torch backend;
+  ``runners/``), so the description never imports the machinery that prices it.
 
 Lookups walk the scheme's MRO, so a subclass of a scheme inherits its sampler and accountant
 unless it registers its own. ``import opacus_structured`` imports every layer, so every
@@ -22,12 +25,14 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 __all__ = ["SCHEMES", "register_scheme", "get_scheme_class", "register_sampler",
-           "sampler_factory_for", "register_accountant", "accountant_class_for"]
+           "sampler_factory_for", "register_accountant", "accountant_class_for",
+           "register_runner", "runner_for"]
 
 #: Scheme name -> scheme class.
 SCHEMES: dict[str, type] = {}
 _SAMPLERS: dict[type, Callable] = {}
 _ACCOUNTANTS: dict[type, type] = {}
+_RUNNERS: dict[type, object] = {}
 
 
 def register_scheme(cls: type) -> type:
@@ -82,3 +87,21 @@ def register_accountant(scheme_class: type, accountant_class: type) -> None:
 def accountant_class_for(scheme) -> Optional[type]:
     """The accountant class registered for ``type(scheme)`` or a base class (``None``: none)."""
     return _lookup(_ACCOUNTANTS, scheme)
+
+
+def register_runner(*scheme_classes: type):
+    """Decorator: the runner (an object or class) that executes these schemes' pricing."""
+    def decorate(runner):
+        for klass in scheme_classes:
+            _RUNNERS[klass] = runner
+        return runner
+    return decorate
+
+
+def runner_for(scheme):
+    """The runner registered for ``scheme``; ``LookupError`` naming the scheme if none is."""
+    runner = _lookup(_RUNNERS, scheme)
+    if runner is None:
+        raise LookupError(f"no runner is registered for scheme {getattr(scheme, 'name', scheme)!r}"
+                          f"; import opacus_structured (it imports opacus_structured.runners)")
+    return runner

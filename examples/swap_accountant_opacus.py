@@ -1,22 +1,21 @@
-"""A standard Opacus training script where one line switches the accountant *and* sampler.
+"""A standard Opacus training script where one line switches the batching scheme.
 
-Trains a small MLP on scikit-learn's digits (bundled, offline) with Opacus'
-``PrivacyEngine.make_private`` and prints ε next to Opacus' own RDP and PRV accountants for the
-same steps.
+Trains a small MLP on scikit-learn's digits (bundled, offline) with Opacus' ``PrivacyEngine``
+and prints ε next to Opacus' own RDP and PRV accountants for the same steps.
 
-The one line to change is ``SCHEME`` below (or ``--scheme``; ``--scheme all`` runs every
-recipe and prints a summary table). Each recipe builds one of our schemes from the dataset
-size, the steps per epoch and the planned epochs, and the script then does the same three
-things for every scheme:
+The one line to change is ``SCHEME`` below (or ``--scheme``; ``--scheme all`` runs every scheme
+and prints a summary table). For every scheme the script does the same two things:
 
-1. the DataLoader draws batches with ``scheme.sampler(...)`` (``poisson_sampling=False`` keeps
-   it: Opacus would otherwise install its own Poisson loader);
-2. ``engine.accountant = SchemeAccountant(scheme)`` — which returns the accountant registered
-   for that scheme (``BallsInBinsAccountant`` for balls-in-bins, …) — *before* ``make_private``
-   so the optimizer's step hook feeds it;
-3. for a scheme that prices correlated noise (``scheme.prices_correlated_noise``) the engine is
-   :class:`~opacus_structured.optim.CorrelatedNoisePrivacyEngine` and ``make_private`` gets the
-   strategy's ``noise_correlation``.
+1. ``engine = PrivacyEngine(accountant=SCHEME)`` — a
+   :class:`~opacus_structured.optim.CorrelatedNoisePrivacyEngine` for a scheme that adds
+   correlated noise;
+2. ``opacus_structured.make_private(engine, ...)`` instead of ``engine.make_private(...)``,
+   with Opacus' arguments plus the scheme's own options (``OPTIONS`` below: e.g.
+   ``max_batch_size`` for truncated Poisson, ``bands`` for BandMF, ``epochs`` for the schemes
+   that price a planned run). It builds the scheme from the DataLoader (dataset size,
+   ``len(loader)`` steps per epoch), replaces the loader's sampler by the scheme's (as Opacus
+   does with its ``DPDataLoader``), installs the scheme's accountant and passes the strategy's
+   noise correlation.
 
 Opacus' RDP/PRV columns price the same history as Poisson sampling at the rate Opacus' hook
 reports (``1/len(loader)``): that is what Opacus would print for this script, and it is *not*
@@ -33,88 +32,38 @@ import argparse
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from opacus import PrivacyEngine
 from opacus.accountants import PRVAccountant, RDPAccountant
-from opacus.data_loader import wrap_collate_with_empty
 from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data._utils.collate import default_collate
 
-from opacus_structured.accountants.base import SchemeAccountant
+import opacus_structured
 from opacus_structured.optim import CorrelatedNoisePrivacyEngine
-from opacus_structured.samplers.truncated_poisson import masked_loss, truncated_poisson_data_loader
-from opacus_structured.schemes.balls_in_bins import BallsInBinsScheme
-from opacus_structured.schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme
-from opacus_structured.schemes.gdp import GDPScheme
-from opacus_structured.schemes.poisson import PoissonScheme
-from opacus_structured.schemes.random_allocation_mf import RandomAllocationMFScheme
-from opacus_structured.schemes.truncated_poisson import TruncatedPoissonScheme
 
 SCHEME = "poisson"  # <- the one line: which of our schemes samples and prices training
 
-
-@dataclass
-class Recipe:
-    """How one scheme is built and fed (everything else in the script is shared)."""
-
-    build: Callable[[int, int, int], object]  # (dataset size, steps/epoch, epochs) -> scheme
-    loader: Callable[[object, TensorDataset, int], DataLoader] = None  # default: scheme.sampler
-    padded: bool = False  # batches carry a 0/1 mask (truncated Poisson's fixed-shape padding)
-    notes: str = ""
-    make_private_kwargs: Callable[[object, int], dict] = field(default=lambda scheme, steps: {})
-
-
-def _collate():
-    return wrap_collate_with_empty(collate_fn=default_collate,
-                                   sample_empty_shapes=[(0, 64), (0,)],
-                                   dtypes=[torch.float32, torch.int64])
-
-
-def _sampler_loader(sampler_of):
-    def make(scheme, dataset, seed):
-        sampler = sampler_of(scheme, len(dataset), torch.Generator().manual_seed(seed))
-        return DataLoader(dataset, batch_sampler=sampler, collate_fn=_collate())
-    return make
-
-
-RECIPES: dict[str, Recipe] = {
-    "poisson": Recipe(
-        build=lambda n, steps, epochs: PoissonScheme(sample_rate=1.0 / steps),
-        loader=_sampler_loader(lambda s, n, g: s.sampler(n, generator=g)),
-        notes="Poisson subsampling, our PLD (same mechanism as Opacus' columns)"),
-    "truncated-poisson": Recipe(
-        build=lambda n, steps, epochs: TruncatedPoissonScheme(
-            dataset_size=n, sample_rate=1.0 / steps,
-            max_batch_size=math.ceil(1.25 * n / steps)),
-        loader=lambda s, ds, seed: truncated_poisson_data_loader(
-            ds, s.sample_rate, s.max_batch_size, seed=seed),
-        padded=True,
-        notes="fixed-shape batches of B = 1.25·E[|batch|] (Ganesh 2025, tight)"),
-    "balls-in-bins": Recipe(
-        build=lambda n, steps, epochs: BallsInBinsScheme(num_bins=steps, epochs=epochs),
-        loader=_sampler_loader(lambda s, n, g: s.sampler(n, generator=g)),
-        notes="each example in one fixed bin per epoch (pld-accounting)"),
-    "random-allocation-mf": Recipe(
-        build=lambda n, steps, epochs: RandomAllocationMFScheme(
-            strategy="identity", epochs=epochs, batches_per_epoch=steps),
-        loader=_sampler_loader(lambda s, n, g: s.sampler(n, generator=g)),
-        notes="same sampler, Rényi DP / conditional composition (Schuchardt & Kalinin)"),
-    "bandmf-cyclic-poisson": Recipe(
-        build=lambda n, steps, epochs: BandMFCyclicPoissonScheme(
-            dataset_size=n, batch_size=n / steps, bands=4),
-        loader=_sampler_loader(lambda s, n, g: s.sampler(generator=g)),
-        make_private_kwargs=lambda s, total: {"noise_correlation": s.noise_correlation(total)},
-        notes="BandMF correlated noise, 4 bands, cyclic Poisson (ε of the matrix mechanism)"),
-    "gdp": Recipe(
-        build=lambda n, steps, epochs: GDPScheme(),
-        loader=lambda s, ds, seed: DataLoader(ds, batch_size=len(ds), shuffle=False),
-        notes="full-batch DP-GD: one step per epoch, no amplification"),
+#: The scheme options no DataLoader carries: (dataset size, steps/epoch, epochs) -> kwargs.
+OPTIONS = {
+    "poisson": lambda n, steps, epochs: {},
+    "truncated-poisson": lambda n, steps, epochs: {
+        "max_batch_size": math.ceil(1.25 * n / steps)},      # B = 1.25·E[|batch|]
+    "balls-in-bins": lambda n, steps, epochs: {"epochs": epochs},
+    "random-allocation-mf": lambda n, steps, epochs: {"epochs": epochs, "bands": 1},
+    "bandmf-cyclic-poisson": lambda n, steps, epochs: {"epochs": epochs, "bands": 4},
+    "gdp-full-batch": lambda n, steps, epochs: {},
 }
+NOTES = {
+    "poisson": "Poisson subsampling, our PLD (same mechanism as Opacus' columns)",
+    "truncated-poisson": "batches truncated to B = 1.25·E[|batch|] (Ganesh 2025, tight)",
+    "balls-in-bins": "each example in one fixed bin per epoch (pld-accounting)",
+    "random-allocation-mf": "same sampler, Rényi DP / conditional composition (C = I)",
+    "bandmf-cyclic-poisson": "BandMF correlated noise, 4 bands, cyclic Poisson",
+    "gdp-full-batch": "full-batch DP-GD: one step per epoch, no amplification",
+}
+CORRELATED = {"bandmf-cyclic-poisson"}
 
 
 def load_data(seed: int):
@@ -137,27 +86,24 @@ def peers(history, delta):
 
 
 def train(name: str, args, *, verbose: bool = True) -> dict:
-    recipe = RECIPES[name]
     torch.manual_seed(args.seed)
     dataset, x_test, y_test = load_data(args.seed)
-
-    # ---- the swap: our scheme's sampler in the DataLoader, its accountant in the engine ----
-    scheme = recipe.build(len(dataset), args.steps_per_epoch, args.epochs)
-    loader = recipe.loader(scheme, dataset, args.seed)
-    engine = (CorrelatedNoisePrivacyEngine(scheme=scheme)
-              if scheme.prices_correlated_noise else PrivacyEngine())
-    engine.accountant = SchemeAccountant(scheme, discretization=args.discretization)
-    # ------------------------------------------------------------------------------------------
-
+    loader = DataLoader(dataset, batch_size=math.ceil(len(dataset) / args.steps_per_epoch))
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    model, optimizer, loader = engine.make_private(
-        module=model, optimizer=optimizer, data_loader=loader,
+
+    # ---- the swap: the engine names the scheme, the helper does the rest ---------------------
+    engine = (CorrelatedNoisePrivacyEngine if name in CORRELATED else PrivacyEngine)(
+        accountant=name)
+    model, optimizer, loader = opacus_structured.make_private(
+        engine, module=model, optimizer=optimizer, data_loader=loader,
         noise_multiplier=args.noise_multiplier, max_grad_norm=args.max_grad_norm,
-        poisson_sampling=False,  # keep our sampler (Opacus would otherwise install its own)
-        **recipe.make_private_kwargs(scheme, args.epochs * len(loader)))
+        discretization=args.discretization,
+        **OPTIONS[name](len(dataset), len(loader), args.epochs))
+    # ------------------------------------------------------------------------------------------
+
     if verbose:
-        print(f"\n[{name}] {recipe.notes}\n  scheme: {scheme!r}\n  accountant: "
+        print(f"\n[{name}] {NOTES[name]}\n  scheme: {engine.accountant.scheme!r}\n  accountant: "
               f"{type(engine.accountant).__name__} ({engine.accountant.bound}); "
               f"{len(loader)} steps/epoch, sigma={args.noise_multiplier}, delta={args.delta}")
         print(f"  {'epoch':>5} {'steps':>6} {'ours':>9} {'opacus RDP':>11} {'opacus PRV':>11} "
@@ -166,14 +112,9 @@ def train(name: str, args, *, verbose: bool = True) -> dict:
     row = {}
     for epoch in range(1, args.epochs + 1):
         model.train()
-        for batch in loader:
+        for xb, yb in loader:
             optimizer.zero_grad()
-            if recipe.padded:
-                xb, yb, mask = batch
-                per_sample = nn.functional.cross_entropy(model(xb), yb, reduction="none")
-                masked_loss(per_sample, mask, normalizer=xb.shape[0]).backward()
-            else:
-                xb, yb = batch
+            if len(xb):
                 nn.functional.cross_entropy(model(xb), yb).backward()
             optimizer.step()
         model.eval()
@@ -181,8 +122,10 @@ def train(name: str, args, *, verbose: bool = True) -> dict:
             acc = (model(x_test).argmax(1) == y_test).float().mean().item()
         ours = engine.get_epsilon(args.delta)
         rdp, prv = peers(engine.accountant.history, args.delta)
-        row = dict(scheme=name, bound=engine.accountant.bound, steps=len(engine.accountant),
-                   epsilon=ours, opacus_rdp=rdp, opacus_prv=prv, test_accuracy=acc)
+        row = dict(scheme=name, bound=str(getattr(engine.accountant.bound, "value",
+                                                  engine.accountant.bound)),
+                   steps=len(engine.accountant), epsilon=ours, opacus_rdp=rdp, opacus_prv=prv,
+                   test_accuracy=acc)
         if verbose:
             print(f"  {epoch:>5} {row['steps']:>6} {ours:>9.4f} {rdp:>11.4f} {prv:>11.4f} "
                   f"{acc:>9.3f}")
@@ -192,7 +135,7 @@ def train(name: str, args, *, verbose: bool = True) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scheme", default=SCHEME, choices=sorted(RECIPES) + ["all"])
+    parser.add_argument("--scheme", default=SCHEME, choices=sorted(OPTIONS) + ["all"])
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--steps-per-epoch", type=int, default=20)
     parser.add_argument("--noise-multiplier", type=float, default=1.0)
@@ -203,7 +146,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
 
-    names = sorted(RECIPES) if args.scheme == "all" else [args.scheme]
+    names = sorted(OPTIONS) if args.scheme == "all" else [args.scheme]
     rows = [train(name, args) for name in names]
     if len(rows) > 1:
         print(f"\nafter {args.epochs} epochs x {args.steps_per_epoch} steps, "

@@ -407,13 +407,15 @@ def make_private(engine: PrivacyEngine, *, module: nn.Module, optimizer: torch.o
                  discretization: Optional[float] = None, **kwargs):
     """``engine.make_private(...)`` for the scheme of ``engine``'s accountant (module docstring).
 
+    ``module``, ``optimizer``, ``data_loader``, ``noise_multiplier``, ``max_grad_norm``,
+    ``criterion``, ``batch_first``, ``loss_reduction``, ``clipping``, ``noise_generator``,
+    ``grad_sample_mode``, ``wrap_model`` and ``rand_on_empty`` are Opacus' ``make_private``
+    arguments.
+
     Args:
         engine: an Opacus ``PrivacyEngine`` built with one of this package's accountant names
             (``PrivacyEngine(accountant="balls-in-bins")``), or any engine with ``scheme=``;
             a ``CorrelatedNoisePrivacyEngine`` for correlated-noise schemes.
-        module, optimizer, data_loader, noise_multiplier, max_grad_norm, criterion,
-        batch_first, loss_reduction, clipping, noise_generator, grad_sample_mode, wrap_model,
-        rand_on_empty: as in Opacus' ``make_private``.
         poisson_sampling: ``True`` (default, as in Opacus): replace the DataLoader by one drawing
             with the scheme's sampler. ``False``: keep it (it must already use the sampler).
         scheme: a scheme name, class or configured object; default the engine accountant's.

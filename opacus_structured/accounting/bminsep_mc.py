@@ -40,7 +40,7 @@ Variants (each documented on its function):
 
 Privacy-loss samples: for the remove direction draw ``y ~ P`` and return ``ln(P/Q)(y)``; for
 the add direction draw ``y ~ Q`` and return ``ln(Q/P)(y)``. The Monte Carlo estimate of
-``H_{e^ε}`` from such samples lives in :mod:`.monte_carlo`; nothing in this module is a
+``H_{e^ε}`` from such samples lives in :mod:`opacus_structured.accounting.monte_carlo`; nothing in this module is a
 guarantee by itself.
 """
 

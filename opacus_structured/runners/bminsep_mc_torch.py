@@ -7,7 +7,7 @@ tensors so that it runs on a GPU. Every variant of the numpy backend is supporte
 same inputs (``y``, and the other examples' counts ``r`` for the truncated variant) the
 log-ratio vectors agree with numpy to rounding (tested to ``1e-10`` on CPU in float64).
 
-It lives in the runner layer, next to :mod:`.monte_carlo`, which chooses the backend of a
+It lives in the runner layer, next to :mod:`opacus_structured.runners.monte_carlo`, which chooses the backend of a
 run (``device``): :mod:`opacus_structured.accounting` never imports torch. The random streams
 differ from numpy's (and a CUDA generator's from a CPU one's), so the same seed gives different
 (identically distributed) samples.

@@ -24,6 +24,35 @@ class CalibrationError(ValueError):
     """The target cannot be met inside the searched range of noise multipliers."""
 
 
+def _checked(epsilon_of_sigma: Callable[[float], float],
+             progress: Callable[[float, float], None] | None) -> Callable[[float], float]:
+    """``epsilon_of_sigma`` that refuses NaN and reports each evaluation to ``progress``."""
+    def ev(sigma: float) -> float:
+        eps = float(epsilon_of_sigma(sigma))
+        if math.isnan(eps):
+            raise FloatingPointError(f"epsilon is NaN at noise_multiplier={sigma}")
+        if progress is not None:
+            progress(sigma, eps)
+        return eps
+    return ev
+
+
+def _bracket_from_above(ev: Callable[[float], float], target_epsilon: float, initial: float,
+                        max_sigma: float) -> tuple[float, float]:
+    """``(σ, ε(σ))`` with ``ε(σ) ≤ target``, doubling σ from ``initial`` (``CalibrationError``
+    past ``max_sigma``)."""
+    hi = check_positive("initial", initial)
+    eps_hi = ev(hi)
+    while eps_hi > target_epsilon:
+        if hi >= max_sigma:
+            raise CalibrationError(
+                f"target_epsilon={target_epsilon} needs noise_multiplier > {max_sigma} "
+                f"(epsilon={eps_hi:.4g} at {hi:.4g}); raise the budget or take fewer steps")
+        hi = min(hi * 2.0, max_sigma)
+        eps_hi = ev(hi)
+    return hi, eps_hi
+
+
 def calibrate_noise_multiplier(epsilon_of_sigma: Callable[[float], float], target_epsilon: float,
                                *, rtol: float = 1e-3, initial: float = 1.0,
                                max_sigma: float = MAX_NOISE_MULTIPLIER,
@@ -44,23 +73,8 @@ def calibrate_noise_multiplier(epsilon_of_sigma: Callable[[float], float], targe
     rtol = check_positive("rtol", rtol)
     check_open_unit("rtol", rtol)
 
-    def ev(sigma: float) -> float:
-        eps = float(epsilon_of_sigma(sigma))
-        if math.isnan(eps):
-            raise FloatingPointError(f"epsilon is NaN at noise_multiplier={sigma}")
-        if progress is not None:
-            progress(sigma, eps)
-        return eps
-
-    hi = check_positive("initial", initial)
-    eps_hi = ev(hi)
-    while eps_hi > target_epsilon:
-        if hi >= max_sigma:
-            raise CalibrationError(
-                f"target_epsilon={target_epsilon} needs noise_multiplier > {max_sigma} "
-                f"(epsilon={eps_hi:.4g} at {hi:.4g}); raise the budget or take fewer steps")
-        hi = min(hi * 2.0, max_sigma)
-        eps_hi = ev(hi)
+    ev = _checked(epsilon_of_sigma, progress)
+    hi, eps_hi = _bracket_from_above(ev, target_epsilon, initial, max_sigma)
     lo = hi / 2.0
     while ev(lo) <= target_epsilon:
         hi = lo
@@ -68,13 +82,8 @@ def calibrate_noise_multiplier(epsilon_of_sigma: Callable[[float], float], targe
             return hi
         lo = max(lo / 2.0, min_sigma)
     # Invariant: eps(lo) > target >= eps(hi).
-    while hi - lo > rtol * hi:
-        mid = 0.5 * (lo + hi)
-        if ev(mid) <= target_epsilon:
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return smallest_passing(lambda sigma: ev(sigma) <= target_epsilon, lo, hi,
+                            lambda lo_, hi_: hi_ - lo_ > rtol * hi_)
 
 
 def calibrate_within_tolerance(epsilon_of_sigma: Callable[[float], float],
@@ -100,23 +109,8 @@ def calibrate_within_tolerance(epsilon_of_sigma: Callable[[float], float],
     epsilon_tolerance = check_open_unit("epsilon_tolerance", epsilon_tolerance)
     floor = (1.0 - epsilon_tolerance) * target_epsilon
 
-    def ev(sigma: float) -> float:
-        eps = float(epsilon_of_sigma(sigma))
-        if math.isnan(eps):
-            raise FloatingPointError(f"epsilon is NaN at noise_multiplier={sigma}")
-        if progress is not None:
-            progress(sigma, eps)
-        return eps
-
-    hi = check_positive("initial", initial)
-    eps_hi = ev(hi)
-    while eps_hi > target_epsilon:
-        if hi >= max_sigma:
-            raise CalibrationError(
-                f"target_epsilon={target_epsilon} needs noise_multiplier > {max_sigma} "
-                f"(epsilon={eps_hi:.4g} at {hi:.4g}); raise the budget or take fewer steps")
-        hi = min(hi * 2.0, max_sigma)
-        eps_hi = ev(hi)
+    ev = _checked(epsilon_of_sigma, progress)
+    hi, eps_hi = _bracket_from_above(ev, target_epsilon, initial, max_sigma)
     if eps_hi >= floor:
         return hi, eps_hi
     lo = hi / 2.0
@@ -136,6 +130,20 @@ def calibrate_within_tolerance(epsilon_of_sigma: Callable[[float], float],
         else:
             lo = mid
     return hi, eps_hi
+
+
+def smallest_passing(ok: Callable[[float], bool], lo: float, hi: float,
+                     wider: Callable[[float, float], bool]) -> float:
+    """Bisection for a monotone ``ok`` (false, then true) with ``ok(lo)`` false and ``ok(hi)``
+    true: the upper end of the bracket once ``wider(lo, hi)`` is false (so ``ok`` holds at the
+    value returned: rounded to the safe side)."""
+    while wider(lo, hi):
+        mid = 0.5 * (lo + hi)
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def smallest_passing_int(ok: Callable[[int], bool], lo: int, hi: int) -> int:

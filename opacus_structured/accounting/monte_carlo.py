@@ -45,7 +45,7 @@ from scipy import optimize
 
 from .._validation import check_int, check_nonnegative, check_open_unit
 from .bounds import BoundKind
-from .calibration import smallest_passing_int
+from .calibration import smallest_passing, smallest_passing_int
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -187,13 +187,8 @@ def _epsilon_for(delta_of_eps: Callable[[float], float], delta: float, upper: fl
         lo, hi = hi, 2 * hi + 1
         if hi > 1e6:
             return math.inf
-    while hi - lo > 1e-9 * max(1.0, hi):
-        mid = 0.5 * (lo + hi)
-        if delta_of_eps(mid) <= delta:
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return smallest_passing(lambda eps: delta_of_eps(eps) <= delta, lo, hi,
+                            lambda lo_, hi_: hi_ - lo_ > 1e-9 * max(1.0, hi_))
 
 
 def empirical_epsilon(losses, delta: float) -> float:

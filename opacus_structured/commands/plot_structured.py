@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -155,6 +156,7 @@ def _run(args) -> int:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)  # like forecast
     fig.savefig(args.output, dpi=110)
     plt.close(fig)
     print(f"wrote {args.output} ({len(rows)} curves)")

@@ -155,10 +155,11 @@ def _plot(path, panel_test, forecasts_by_method: dict, series_idx, prediction_le
 
 def run_forecast(args, *, print_fn=print) -> dict:
     """Run the forecast job described by ``args`` and return the report dictionary."""
-    from ..forecasting.baselines import seasonal_naive_predictor
-    from ..forecasting.data import load_us_employment, train_test_split
-    from ..forecasting.metrics import evaluate_predictor
-    from ..forecasting.training import train_forecaster
+    # deferred so that the other commands work without the [forecast] extra
+    from ..forecasting.baselines import seasonal_naive_predictor  # optional: gluonts
+    from ..forecasting.data import load_us_employment, train_test_split  # optional: gluonts
+    from ..forecasting.metrics import evaluate_predictor  # optional: gluonts
+    from ..forecasting.training import train_forecaster  # optional: gluonts
 
     if args.epsilon is None or not args.epsilon > 0:
         raise ValueError(f"--epsilon must be > 0 (or inf), got {args.epsilon}")

@@ -22,7 +22,7 @@ influence, Algorithm 2 of Schuchardt et al., ICML 2025):
 
 The **model input window** is ``past_length`` steps (for DeepAR ``context_length + max(lags) -
 1`` in gluonts' 1-based lag convention, i.e. every past value a lag can reach); that is the
-``L_C`` the structured accountant must be given (digest §5 "What counts as context").
+``L_C`` the structured accountant must be given (every past value the model reads: context plus the largest lag).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import dataclasses
 from typing import Any, Optional
 
 from .._validation import check_int
+from .fast_rnn import replace_lstm
 
 __all__ = ["MODELS", "LSTM_IMPLS", "build_estimator", "prepare_estimator", "PreparedModel",
            "per_window_scalers", "default_context_length"]
@@ -184,8 +185,6 @@ def prepare_estimator(model: str, estimator=None, *, lstm_impl: str = "fast",
     transformation = estimator.create_transformation()
     module = estimator.create_lightning_module()
     if lstm_impl == "fast":
-        from .fast_rnn import replace_lstm
-
         module.model = replace_lstm(module.model)
     module.model = ModuleValidator.fix(module.model)
     per_window_scalers(module.model)

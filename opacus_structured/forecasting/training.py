@@ -51,6 +51,7 @@ import numpy as np
 from .._validation import check_int, check_open_unit, check_positive
 from ..accountants.structured import StructuredSubsamplingAccountant
 from ..accounting.calibration import calibrate_noise_multiplier
+from ..optim.bookkeeping import BookKeepingDPOptimizer, BookKeepingHooks
 from ..samplers._generator import fresh_seed
 from ..schemes.structured import StructuredScheme
 from .data import Panel
@@ -265,8 +266,6 @@ def _make_window_module(prepared: PreparedModel, *, lr: float, weight_decay: flo
                 return base
             from opacus.grad_sample import GradSampleHooks
             from opacus.optimizers import DPOptimizer
-
-            from ..optim.bookkeeping import BookKeepingDPOptimizer, BookKeepingHooks
 
             ghost = grad_sample_mode == "ghost"
             if self.grad_hooks is None:

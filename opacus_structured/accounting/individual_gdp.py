@@ -55,7 +55,7 @@ from .._validation import (
     check_positive,
     check_probability,
 )
-from .gaussian import gdp_delta, gdp_epsilon, gdp_mu
+from .gaussian import gdp_epsilon, gdp_mu
 
 __all__ = [
     "individual_mu",
@@ -65,7 +65,6 @@ __all__ = [
     "budget_from_steps",
     "worst_case_mu",
     "filter_epsilon",
-    "filter_delta",
     "IndividualGDPFilterState",
     "rdp_to_dp_epsilon",
     "gdp_rdp_epsilon",
@@ -204,11 +203,6 @@ def filter_epsilon(budget: float, delta: float) -> float:
     example under the add/remove relation.
     """
     return gdp_epsilon(delta, check_nonnegative("budget", budget))
-
-
-def filter_delta(budget: float, epsilon) -> float:
-    r"""δ(ε) certified by the individual GDP filter with budget :math:`B` (Corollary C.2)."""
-    return gdp_delta(epsilon, check_nonnegative("budget", budget))
 
 
 class IndividualGDPFilterState:

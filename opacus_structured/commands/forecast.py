@@ -26,6 +26,7 @@ import os
 import sys
 import time
 
+from ..accounting import pld as pld_lib
 from ..cli import register_command
 from ..forecasting.warning_filters import known_harmless_warnings_filtered
 from ..samplers._generator import fresh_seed
@@ -49,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="privacy budget ε > 0, or 'inf' for non-private (default %(default)g)")
     p.add_argument("--delta", type=float, default=DEFAULTS["delta"],
                    help="δ in (0, 1) (default %(default)g, as in the paper)")
+    p.add_argument("--discretization", type=float, default=pld_lib.DEFAULT_DISCRETIZATION,
+                   help="pessimistic PLD discretisation used to calibrate σ and report ε "
+                        "(default %(default)g, as every other command)")
     p.add_argument("--noise-multiplier", type=float, default=None,
                    help="fix σ instead of calibrating it; training then stops before the "
                         "step that would exceed --epsilon")
@@ -196,7 +200,8 @@ def run_forecast(args, *, print_fn=print) -> dict:
                   seed=seed, init_seed=init_seed, progress=progress,
                   lstm_impl=getattr(args, "lstm_impl", "fast"),
                   grad_sample_mode=getattr(args, "grad_sample_mode", "hooks"),
-                  num_workers=getattr(args, "num_workers", 0))
+                  num_workers=getattr(args, "num_workers", 0),
+                  discretization=args.discretization)
     log = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
     if seeded_dp:  # said up front, on stderr even with --json (stdout then holds the JSON)
         print(NOT_PRIVATE_SEEDED, file=sys.stderr)

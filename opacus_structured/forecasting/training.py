@@ -50,6 +50,7 @@ import numpy as np
 
 from .._validation import check_int, check_open_unit, check_positive
 from ..accountants.structured import StructuredSubsamplingAccountant
+from ..accounting import pld as pld_lib
 from ..accounting.calibration import calibrate_noise_multiplier
 from ..optim.bookkeeping import BookKeepingDPOptimizer, BookKeepingHooks
 from ..samplers._generator import fresh_seed
@@ -58,7 +59,7 @@ from .data import Panel
 from .estimators import PreparedModel, prepare_estimator
 from .warning_filters import known_harmless_warnings_filtered
 
-__all__ = ["WindowDataset", "collate_windows", "ForecastTrainer", "TrainResult",
+__all__ = ["WindowDataset", "collate_windows", "TrainResult",
            "train_forecaster", "check_window_matches_scheme", "make_scheme",
            "max_steps_within_budget", "DEFAULT_MAX_GRAD_NORM"]
 
@@ -410,7 +411,8 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
                      lr: float = 1e-3, weight_decay: float = 1e-8, device: str = "cpu",
                      seed: Optional[int] = None, init_seed: Optional[int] = None,
                      progress: bool = False,
-                     discretization: float = 1e-3, estimator_kwargs: Optional[dict] = None,
+                     discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
+                     estimator_kwargs: Optional[dict] = None,
                      callbacks: Sequence = (), sampler_wrapper: Optional[Callable] = None,
                      log: Optional[Callable[[str], None]] = None,
                      lstm_impl: str = "fast", grad_sample_mode: str = "hooks",
@@ -591,13 +593,3 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
                        train_seconds=train_seconds, calibration_seconds=calibration_seconds,
                        seed=seed, init_seed=init_seed)
 
-
-class ForecastTrainer:
-    """Object form of :func:`train_forecaster` (keeps the settings; ``fit(train)``)."""
-
-    def __init__(self, model: str, **settings):
-        self.model = model
-        self.settings = settings
-
-    def fit(self, train: Panel, **overrides) -> TrainResult:
-        return train_forecaster(self.model, train, **{**self.settings, **overrides})

@@ -201,14 +201,21 @@ class PrivacyBudget:
         return self.prospective_epsilon(noise_multiplier, sample_rate) > self.target_epsilon
 
     # ---- logging --------------------------------------------------------------------------
+    @staticmethod
+    def _has_logger(pl_module) -> bool:
+        """Whether the trainer has a logger (else the values go to ``callback_metrics`` and the
+        progress bar only, without Lightning's "no logger configured" warning)."""
+        return bool(getattr(pl_module.trainer, "loggers", None))
+
     def log_step(self, pl_module, eps) -> None:
         """Log ε (rounded up to float32) and δ for this step."""
+        logger = self._has_logger(pl_module)
         pl_module.log(self.epsilon_metric, float32_up(eps), on_step=True, on_epoch=False,
-                      prog_bar=True, logger=True, batch_size=1)
+                      prog_bar=True, logger=logger, batch_size=1)
         pl_module.log(f"{self.log_prefix}delta", self.delta, on_step=True, on_epoch=False,
-                      logger=True, batch_size=1)
+                      logger=logger, batch_size=1)
 
     def log_epoch(self, pl_module, eps) -> None:
         """Log ε (rounded up to float32) at the end of an epoch."""
         pl_module.log(f"{self.epsilon_metric}_epoch", float32_up(eps), on_step=False,
-                      on_epoch=True, logger=True, batch_size=1)
+                      on_epoch=True, logger=self._has_logger(pl_module), batch_size=1)

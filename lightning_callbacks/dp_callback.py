@@ -22,7 +22,8 @@ one part (a class in its own module) that the callback composes:
    which checks it with the rules of Opacus' ``make_private`` path, and prices every optimizer
    step through the optimizer's step hook, which runs after clipping and noising and before the
    parameter update (Opacus order: clip, noise, scale, hook, step); **logs** ``dp/epsilon`` and
-   ``dp/delta`` to the Lightning logger every step (and ``dp/epsilon_epoch`` every epoch), and
+   ``dp/delta`` to the Lightning logger every step (or every ``log_every_n_steps``; and
+   ``dp/epsilon_epoch`` every epoch), and
    **stops** training before the step that would take ε above ``target_epsilon`` (a hard check
    before each noisy release raises if something, e.g. ``min_steps``, keeps training going);
 5. **the checkpoint** (:class:`~lightning_callbacks.dp_checkpoint.DPCheckpoint`): saves the
@@ -86,11 +87,11 @@ except ImportError:  # pragma: no cover
 
 from opacus.optimizers import DPOptimizer
 
-from opacus_structured._validation import check_open_unit, check_positive
+from opacus_structured._validation import check_int, check_open_unit, check_positive
 from opacus_structured.accountants.base import AccountantNotAttachedError, SchemeAccountant
 from opacus_structured.accounting import pld as pld_lib
 from opacus_structured.samplers._generator import fresh_seed
-from opacus_structured.samplers.verification import scheme_of_batch_sampler
+from opacus_structured.samplers.verification import innermost_sampler, scheme_of_batch_sampler
 from opacus_structured.schemes.base import Scheme
 
 from .dp_budget import PrivacyBudget
@@ -154,6 +155,10 @@ class DPCallback(pl.Callback):
             False: such an accountant is refused.
         stop_on_estimate: with ``allow_estimate``, allow ``target_epsilon`` to stop training on
             the estimate (default False: ``target_epsilon`` with an estimate is refused).
+        log_every_n_steps: compute, record (``epsilon_history``) and log ε every this many
+            optimizer steps and at the last step of the fit (default 1: every step). Every step
+            is priced either way, and the budget guard of ``target_epsilon`` still runs before
+            every step; a larger value only saves the composition of a long history per step.
     """
 
     #: Its batch sampler records each batch's dataset indices (``batch_indices``).
@@ -170,8 +175,9 @@ class DPCallback(pl.Callback):
                  discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
                  loss_reduction: str = "mean", log_prefix: str = "dp/",
                  grad_sample_mode: str = "hooks", allow_estimate: bool = False,
-                 stop_on_estimate: bool = False):
+                 stop_on_estimate: bool = False, log_every_n_steps: int = 1):
         super().__init__()
+        self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, minimum=1)
         if grad_sample_mode not in ("hooks", "ghost"):
             raise ValueError(f"grad_sample_mode must be 'hooks' or 'ghost', got "
                              f"{grad_sample_mode!r}")
@@ -215,7 +221,8 @@ class DPCallback(pl.Callback):
         self.epsilon_metric = self._budget.epsilon_metric
         seed = fresh_seed() if seed is None else int(seed)
         self.sampler_generator = torch.Generator().manual_seed(seed)
-        self.noise_generator = torch.Generator().manual_seed(seed + 1)
+        self._noise_seed = seed + 1
+        self.noise_generator = torch.Generator().manual_seed(self._noise_seed)
         self._loader_part = SamplerInstaller(self.scheme, sampler, install=self.install_sampler,
                                              generator=self.sampler_generator)
         self._module_part = PerSampleGradients(grad_sample_mode,
@@ -254,8 +261,13 @@ class DPCallback(pl.Callback):
         record_step = self._budget.attach(loader, self.sample_rate)
 
         def expected_batch_size() -> float:
-            batch = getattr(self.sampler.inner, "expected_batch_size", None)
+            batch = getattr(innermost_sampler(self.sampler), "expected_batch_size", None)
             return len(loader.dataset) * self.sample_rate if batch is None else batch
+
+        device = pl_module.device
+        if self.noise_generator.device.type != device.type:
+            # Opacus draws the noise on the parameters' device, with a generator living there
+            self.noise_generator = torch.Generator(device=device).manual_seed(self._noise_seed)
 
         self.optimizer = self._optimizer_part.install(
             trainer, expected_batch_size=expected_batch_size, generator=self.noise_generator,
@@ -327,12 +339,15 @@ class DPCallback(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.sampler is not None:
             self.sampler.batch_trained()
-        eps = self.epsilon()
-        self.epsilon_history.append((self.steps, eps))
-        self._budget.log_step(pl_module, eps)
-        if self._budget_exhausted():
+        exhausted = self._budget_exhausted()
+        last = exhausted or (0 < trainer.max_steps <= trainer.global_step)
+        if last or self.steps % self.log_every_n_steps == 0:
+            eps = self.epsilon()
+            self.epsilon_history.append((self.steps, eps))
+            self._budget.log_step(pl_module, eps)
+        if exhausted:
             log.info("DPCallback: stopping at ε=%.4f, the next step would exceed "
-                     "target_epsilon=%s", eps, self.target_epsilon)
+                     "target_epsilon=%s", self.epsilon(), self.target_epsilon)
             trainer.should_stop = True
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:

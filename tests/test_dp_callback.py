@@ -129,6 +129,32 @@ def test_logged_epsilon_equals_accountant_epsilon():
     assert not hasattr(model, "autograd_grad_sample_hooks")
 
 
+def test_log_every_n_steps_prices_every_step_and_logs_every_nth_and_the_last():
+    torch.manual_seed(0)
+    model, cb, logger = Tiny(), callback(log_every_n_steps=3), MemLogger()
+    trainer(cb, max_steps=7, logger=logger).fit(model, data())
+    assert cb.steps == 7 and len(cb.accountant) == 7  # every step is priced
+    assert [n for n, _ in cb.epsilon_history] == [3, 6, 7]  # every 3rd and the last
+    assert cb.epsilon_history[-1][1] == reference_epsilon(7)
+    # Lightning may re-emit the last logged value; only the values ε was computed at appear
+    from lightning_callbacks.dp_budget import float32_up
+
+    logged = logger.values("dp/epsilon")
+    assert set(logged) == {float32_up(e) for _, e in cb.epsilon_history}
+    assert logged[-1] == float32_up(reference_epsilon(7))
+    with pytest.raises(ValueError, match="log_every_n_steps"):
+        callback(log_every_n_steps=0)
+
+
+def test_no_logger_no_lightning_warning():
+    torch.manual_seed(0)
+    cb = callback()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*no logger configured.*")
+        trainer(cb, max_steps=2).fit(Tiny(), data())
+    assert cb.steps == 2
+
+
 def test_stops_before_exceeding_target_epsilon():
     target = (reference_epsilon(4) + reference_epsilon(5)) / 2
     torch.manual_seed(0)

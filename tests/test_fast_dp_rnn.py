@@ -463,7 +463,7 @@ def _deepar_per_window_grads(lstm_impl):
 
     from opacus_structured.forecasting.data import load_us_employment, train_test_split
     from opacus_structured.forecasting.estimators import prepare_estimator
-    from opacus_structured.forecasting.training import WindowDataset, collate_windows
+    from opacus_structured.forecasting.windowing import GluonTSWindowDataset, collate_windows
 
     train, _ = train_test_split(load_us_employment().subset(range(0, 148, 18)), 6)
     torch.manual_seed(0)
@@ -472,7 +472,7 @@ def _deepar_per_window_grads(lstm_impl):
                              lstm_impl=lstm_impl)
     model = prep.module.model.double()
     entries = list(prep.transformation.apply(train.to_gluonts(), is_train=True))
-    ds = WindowDataset(entries, prep.splitter, prep.input_names)
+    ds = GluonTSWindowDataset(entries, prep.splitter, prep.input_names)
     batch = collate_windows([ds[k] for k in [(0, 0), (1, 40), (2, 7), (3, 3)]])
     batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
     hooks = GradSampleHooks(model, loss_reduction="mean")

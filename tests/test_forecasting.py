@@ -15,13 +15,12 @@ from opacus_structured.accounting.calibration import calibrate_noise_multiplier 
 from opacus_structured.forecasting.data import Panel, load_us_employment, train_test_split  # noqa: E402
 from opacus_structured.forecasting.estimators import prepare_estimator  # noqa: E402
 from opacus_structured.forecasting.training import (  # noqa: E402
-    WindowDataset,
     check_window_matches_scheme,
-    collate_windows,
     make_scheme,
     max_steps_within_budget,
     train_forecaster,
 )
+from opacus_structured.forecasting.windowing import GluonTSWindowDataset, collate_windows  # noqa: E402,E501
 from opacus_structured.schemes.structured import StructuredScheme  # noqa: E402
 
 D = 1e-3  # discretization used by the training runs below (pessimistic)
@@ -124,7 +123,7 @@ def test_per_window_gradients_do_not_depend_on_batch(model, tiny):
     prep = prepare_estimator(model, freq="M", prediction_length=H, context_length=8,
                              batch_size=4, **TINY[model])
     entries = list(prep.transformation.apply(train.to_gluonts(), is_train=True))
-    ds = WindowDataset(entries, prep.splitter, prep.input_names)
+    ds = GluonTSWindowDataset(entries, prep.splitter, prep.input_names)
     # window 0 has an all-padding context (MeanScaler's batch fallback would couple it)
     keys = [(0, 0), (1, 40), (2, int(ds.lengths[2]) - H), (3, 3)]
     model_ = prep.module.model
@@ -233,6 +232,12 @@ def test_consumed_windows_are_exactly_the_sampled_ones(model, num_workers, tiny)
 
         def __len__(self):
             return len(self.inner)
+
+        def state_dict(self):
+            return self.inner.state_dict()
+
+        def load_state_dict(self, state):
+            self.inner.load_state_dict(state)
 
         def __iter__(self):
             for batch in self.inner:

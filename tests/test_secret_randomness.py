@@ -195,8 +195,8 @@ def _train(train, **kw):
 
     class Coins(pl.Callback):
         def on_train_start(self, trainer, pl_module):
-            coins["noise"] = pl_module.dp_optimizer.generator.initial_seed()
-            coins["sampler"] = trainer.train_dataloader.batch_sampler.generator.initial_seed()
+            coins["noise"] = trainer.optimizers[0].generator.initial_seed()
+            coins["sampler"] = trainer.train_dataloader.batch_sampler.inner.generator.initial_seed()
 
     args = dict(prediction_length=H, context_length=8, batch_size=4, noise_multiplier=1.0,
                 delta=1e-5, max_steps=2, discretization=1e-3, estimator_kwargs=TINY,
@@ -250,6 +250,7 @@ def _forecast_args(out, *extra):
 
 def test_default_forecast_report_holds_no_seed_of_its_noise(tiny, tmp_path, capsys,
                                                             monkeypatch):
+    from lightning_callbacks import dp_callback
     from opacus_structured.commands import forecast
     from opacus_structured.forecasting import training
     from opacus_structured.samplers import _generator
@@ -263,13 +264,15 @@ def test_default_forecast_report_holds_no_seed_of_its_noise(tiny, tmp_path, caps
     monkeypatch.setattr(training, "fresh_seed", recording_fresh_seed)
     monkeypatch.setattr(_generator, "fresh_seed", recording_fresh_seed)
     monkeypatch.setattr(forecast, "fresh_seed", recording_fresh_seed)
+    monkeypatch.setattr(dp_callback, "fresh_seed", recording_fresh_seed)
     reports = []
     for k in range(2):
         assert main(_forecast_args(tmp_path / str(k), "--json")) == 0
         captured = capsys.readouterr()
         assert "NOT PRIVATE" not in captured.err
         reports.append((tmp_path / str(k) / "report.json").read_text())
-    # run_forecast draws the public init seed, train_forecaster the sampler and noise coins
+    # run_forecast draws the public init seed, train_forecaster the sampler coins and
+    # DPCallback the noise coins
     assert len(drawn) == 6 and len(set(drawn)) == 6
     for text in reports:
         rep = json.loads(text)

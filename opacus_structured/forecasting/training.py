@@ -5,12 +5,14 @@ One optimizer step (Algorithm 1 with Algorithms 5 + 4 + 2 of the paper, λ = 1):
 1. the structured sampler draws ``N' = Λ`` series without replacement (fresh every step) and
    one window start per drawn series, uniform over the ``T_n = L_n − L_F + 1`` split points of
    the series with ``L_C`` zeros prepended;
-2. :class:`WindowDataset` cuts exactly those windows with the estimator's own
-   ``InstanceSplitter`` (context ``L_C`` = the model's ``past_length``, lags included;
-   forecast ``L_F``);
-3. Opacus' ``GradSampleHooks`` compute one gradient per window, a stock Opacus
-   ``DPOptimizer`` clips each to norm ``C``, adds ``N(0, σ²C²I)`` to the sum and divides by
-   ``Λ`` (``expected_batch_size``); Adam then takes the step;
+2. :class:`~opacus_structured.forecasting.windowing.GluonTSWindowDataset` cuts exactly those
+   windows with the estimator's own ``InstanceSplitter`` (context ``L_C`` = the model's
+   ``past_length``, lags included; forecast ``L_F``);
+3. DP-SGD is wired in by :class:`~lightning_callbacks.DPCallback`, the one wiring every path
+   shares: it verifies the loader's sampler against the scheme, Opacus' ``GradSampleHooks``
+   compute one gradient per window, a stock Opacus ``DPOptimizer`` clips each to norm ``C``,
+   adds ``N(0, σ²C²I)`` to the sum and divides by ``Λ`` (``expected_batch_size``); Adam then
+   takes the step;
 4. the structured-subsampling accountant (Theorem 4.4 of the paper: per step
    ``P = (1 − ρr)·N(0, σ) + ρr·N(2, σ)`` vs ``N(0, σ)``, ``ρ = Λ/N``,
    ``r = (L_C + L_F)/(L − L_F + 1)``, ``L`` the shortest training series) records the step
@@ -48,82 +50,26 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from lightning_callbacks import DPCallback
+
 from .._validation import check_int, check_open_unit, check_positive
 from ..accountants.structured import StructuredSubsamplingAccountant
 from ..accounting import pld as pld_lib
 from ..accounting.calibration import calibrate_noise_multiplier
-from ..optim.bookkeeping import BookKeepingDPOptimizer, BookKeepingHooks
 from ..samplers._generator import fresh_seed
 from ..schemes.structured import StructuredScheme
 from .data import Panel
 from .estimators import PreparedModel, prepare_estimator
 from .warning_filters import known_harmless_warnings_filtered
+from .windowing import GluonTSWindowDataset
 
-__all__ = ["WindowDataset", "collate_windows", "TrainResult",
-           "train_forecaster", "check_window_matches_scheme", "make_scheme",
+__all__ = ["TrainResult", "train_forecaster", "check_window_matches_scheme", "make_scheme",
            "max_steps_within_budget", "DEFAULT_MAX_GRAD_NORM"]
 
 #: Per-window clipping norm. The paper uses 1e-4 (found by shrinking C until the noise-free
 #: loss got worse); with Adam the update is nearly invariant to C, only the noise-to-signal
 #: ratio σ·C/(Λ·C) = σ/Λ matters.
 DEFAULT_MAX_GRAD_NORM = 1e-4
-
-
-# ---- windows ---------------------------------------------------------------------------------
-class WindowDataset:
-    """Map-style dataset: ``dataset[(series, start)]`` is one training window as numpy arrays.
-
-    ``start`` is the sampler's window start in the padded series ``[0]*L_C + x_n``, i.e. the
-    window covers padded positions ``start .. start + L_C + L_F - 1``; in original coordinates
-    the forecast window is ``x_n[start : start + L_F]`` and the context is the ``L_C`` values
-    before it (zeros, marked unobserved and ``past_is_pad``, where the index is negative).
-    Valid starts are ``0 <= start <= L_n - L_F`` (``T_n = L_n - L_F + 1`` choices).
-
-    The window is cut by the estimator's own training ``InstanceSplitter`` (its
-    ``_split_instance`` at split point ``start``), so the fields and padding are exactly what
-    the gluonts model expects. Each item also carries ``window_series`` and ``window_start``
-    so that the batch a model consumes can be audited against the sampler.
-    """
-
-    def __init__(self, entries: Sequence[dict], splitter, input_names: Sequence[str]):
-        self.entries = list(entries)
-        self.splitter = splitter
-        self.input_names = list(input_names)
-        self.past_length = int(splitter.past_length)
-        self.future_length = int(splitter.future_length)
-        self.lengths = np.array([e["target"].shape[-1] for e in self.entries], dtype=np.int64)
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def __getitem__(self, key) -> dict:
-        series, start = (int(k) for k in key)
-        if not 0 <= series < len(self.entries):
-            raise IndexError(f"series index {series} out of range [0, {len(self.entries)})")
-        last = int(self.lengths[series]) - self.future_length
-        if not 0 <= start <= last:
-            raise IndexError(f"window start {start} of series {series} outside [0, {last}]")
-        item = self.splitter._split_instance(self.entries[series], start)
-        out = {name: np.asarray(item[name]) for name in self.input_names}
-        out["window_series"] = np.int64(series)
-        out["window_start"] = np.int64(start)
-        return out
-
-
-def collate_windows(items: Sequence[dict]):
-    """Stack window dicts into a batch of torch tensors (integer fields stay int64)."""
-    import torch
-
-    if not items:
-        raise ValueError("empty batch: the structured sampler never yields empty batches")
-    batch = {}
-    for key in items[0]:
-        arr = np.stack([it[key] for it in items])
-        if np.issubdtype(arr.dtype, np.integer):
-            batch[key] = torch.as_tensor(arr, dtype=torch.int64)
-        else:
-            batch[key] = torch.as_tensor(arr, dtype=torch.float32)
-    return batch
 
 
 # ---- scheme / window consistency -------------------------------------------------------------
@@ -225,16 +171,10 @@ def _lightning():
     return pl
 
 
-def _make_window_module(prepared: PreparedModel, *, lr: float, weight_decay: float,
-                        dp: Optional[dict], grad_sample_mode: str = "hooks"):
-    """Lightning module training ``prepared.module.model`` on window batches.
-
-    With ``dp`` (keys noise_multiplier, max_grad_norm, expected_batch_size, accountant,
-    sample_rate, generator) the optimizer is a stock Opacus ``DPOptimizer`` over Adam with
-    ``GradSampleHooks`` attached to the network, and the accountant's step hook;
-    ``grad_sample_mode="ghost"`` uses book-keeping hooks and optimizer instead
-    (:mod:`opacus_structured.optim.bookkeeping`: same clipped sum, no per-sample gradients).
-    """
+def _window_module(prepared: PreparedModel, *, lr: float, weight_decay: float):
+    """A plain (non-private) LightningModule training ``prepared.module.model`` with Adam on
+    window batches: one loss per window, averaged. DP-SGD is added from outside by
+    :class:`~lightning_callbacks.DPCallback`, exactly as for any user's LightningModule."""
     import torch
     from gluonts.itertools import select
 
@@ -245,8 +185,6 @@ def _make_window_module(prepared: PreparedModel, *, lr: float, weight_decay: flo
             super().__init__()
             self.model = prepared.module.model
             self.inputs = prepared.module.inputs
-            self.grad_hooks = None
-            self.dp_optimizer = None
 
         def training_step(self, batch, batch_idx):
             loss = self.model.loss(**select(self.inputs, batch),
@@ -262,33 +200,7 @@ def _make_window_module(prepared: PreparedModel, *, lr: float, weight_decay: flo
             return loss
 
         def configure_optimizers(self):
-            base = torch.optim.Adam(self.model.parameters(), lr=lr, weight_decay=weight_decay)
-            if dp is None:
-                return base
-            from opacus.grad_sample import GradSampleHooks
-            from opacus.optimizers import DPOptimizer
-
-            ghost = grad_sample_mode == "ghost"
-            if self.grad_hooks is None:
-                self.grad_hooks = (
-                    BookKeepingHooks(self.model, max_grad_norm=dp["max_grad_norm"],
-                                     loss_reduction="mean") if ghost
-                    else GradSampleHooks(self.model, loss_reduction="mean"))
-            opt = (BookKeepingDPOptimizer if ghost else DPOptimizer)(
-                base, noise_multiplier=dp["noise_multiplier"],
-                max_grad_norm=dp["max_grad_norm"], expected_batch_size=dp["expected_batch_size"],
-                loss_reduction="mean", generator=dp.get("generator"))
-            if ghost:
-                opt.attach_bookkeeper(self.grad_hooks)
-            opt.attach_step_hook(dp["accountant"].get_optimizer_hook_fn(
-                sample_rate=dp["sample_rate"]))
-            self.dp_optimizer = opt
-            return opt
-
-        def remove_dp_hooks(self):
-            if self.grad_hooks is not None:
-                self.grad_hooks.cleanup()
-                self.grad_hooks = None
+            return torch.optim.Adam(self.model.parameters(), lr=lr, weight_decay=weight_decay)
 
     return WindowForecastModule()
 
@@ -537,41 +449,43 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
 
     # ---- data: transformed entries, structured sampler, loader ----
     entries = list(prepared.transformation.apply(train.to_gluonts(), is_train=True))
-    dataset = WindowDataset(entries, prepared.splitter, prepared.input_names)
+    dataset = GluonTSWindowDataset(entries, prepared.splitter, prepared.input_names)
+    dataset.check_scheme(scheme)
     # privacy coins: OS entropy unless the caller seeded them (then labelled not private)
     generator = torch.Generator().manual_seed(fresh_seed() if seed is None else seed)
     sampler = scheme.sampler(train.lengths, generator=generator)
     batch_sampler = sampler_wrapper(sampler) if sampler_wrapper is not None else sampler
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler,
-                                         collate_fn=collate_windows, num_workers=num_workers,
+                                         collate_fn=dataset.collate, num_workers=num_workers,
                                          persistent_workers=num_workers > 0)
     if len(loader) != per_epoch:
         raise ValueError(f"the sampler yields {len(loader)} steps per epoch but the scheme "
                          f"says {per_epoch}")
 
-    dp = None
+    module = _window_module(prepared, lr=lr, weight_decay=weight_decay)
+    dp_callback = None
     if dp_sgd:
-        noise_gen = torch.Generator(device=device).manual_seed(
-            fresh_seed() if seed is None else seed + 1)
-        dp = dict(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                  expected_batch_size=scheme.batch_size, accountant=accountant,
-                  sample_rate=1.0 / len(loader), generator=noise_gen)
-    module = _make_window_module(prepared, lr=lr, weight_decay=weight_decay, dp=dp,
-                                 grad_sample_mode=grad_sample_mode)
+        # the one DP wiring every path shares: DPCallback verifies that the loader draws with
+        # the scheme's sampler, hooks per-window gradients, wraps Adam into Opacus' DPOptimizer
+        # (book-keeping variant for "ghost"; noise from its generator seeded with seed + 1, or
+        # fresh entropy) and prices every step with the scheme's accountant.
+        dp_callback = DPCallback(
+            delta=delta, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+            scheme=scheme, accountant=accountant, install_sampler=False, seed=seed,
+            discretization=discretization, loss_reduction="mean",
+            grad_sample_mode=grad_sample_mode, log_every_n_steps=max(1, steps))
     label = (f"{model} DP (sigma={noise_multiplier:.3g})" if dp_sgd else f"{model} non-DP")
     with _quiet_lightning():
         trainer = pl.Trainer(
             max_steps=steps, max_epochs=-1, accelerator="gpu" if device == "cuda" else "cpu",
             devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, gradient_clip_val=None, num_sanity_val_steps=0,
-            limit_val_batches=0, callbacks=[_progress_callback(steps, label, progress),
-                                            *callbacks])
+            limit_val_batches=0,
+            callbacks=[*([dp_callback] if dp_callback is not None else []),
+                       _progress_callback(steps, label, progress), *callbacks])
     t1 = time.perf_counter()
-    try:
-        with _quiet_lightning():
-            trainer.fit(module, train_dataloaders=loader)
-    finally:
-        module.remove_dp_hooks()
+    with _quiet_lightning():
+        trainer.fit(module, train_dataloaders=loader)
     train_seconds = time.perf_counter() - t1
     taken = int(trainer.global_step)
     prepared.module.model = module.model
@@ -584,6 +498,9 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
                                f"{taken} optimizer steps ran")
         spent = accountant.get_epsilon(delta)
         bound = accountant.bound
+        if epsilon is not None and math.isfinite(epsilon) and spent > epsilon:
+            raise RuntimeError(f"the run spent epsilon={spent} > target {epsilon}: refusing to "
+                               f"release the model")
     else:
         spent, bound = math.inf, None
     return TrainResult(prepared=prepared, scheme=scheme, accountant=accountant, dp_sgd=dp_sgd,

@@ -27,7 +27,12 @@ exactly as Algorithms 1, 2 and 4 of Schuchardt et al. (ICML 2025) prescribe:
 Items are dicts of tensors: ``past`` (:math:`L_\mathrm{eff}` [× D]), ``context`` (last
 :math:`L_C` values of ``past``), ``target`` (:math:`L_F` [× D]), ``past_is_pad``
 (:math:`L_\mathrm{eff}`), ``lagged`` (:math:`(L_C + L_F) \times m` [× D] lag values for the
-context and forecast positions; only with lags), ``scale``, ``series``, ``start``.
+context and forecast positions; only with lags), ``scale``, ``window_series``, ``window_start``.
+
+**gluonts models.** :class:`GluonTSWindowDataset` is the same dataset (same ``(series, start)``
+keys, bounds, padding rule, ``window_series``/``window_start`` audit fields, collate and scheme
+check) whose windows are cut by a gluonts estimator's own training ``InstanceSplitter``, so the
+fields, time features and padding are exactly what that model expects.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import torch
 from .._validation import check_int, check_nonnegative, check_positive
 from ..samplers._generator import resolve_generator
 
-__all__ = ["WindowDataset", "collate_windows"]
+__all__ = ["WindowDataset", "GluonTSWindowDataset", "collate_windows"]
 
 
 class WindowDataset(torch.utils.data.Dataset):
@@ -129,9 +134,9 @@ class WindowDataset(torch.utils.data.Dataset):
         if scheme.forecast_length != self.forecast_length:
             raise ValueError(f"scheme forecast_length={scheme.forecast_length} but the dataset "
                              f"forecasts {self.forecast_length} steps")
-        if scheme.num_series != len(self.series):
+        if scheme.num_series != len(self.lengths):
             raise ValueError(f"scheme num_series={scheme.num_series} but the dataset has "
-                             f"{len(self.series)} series")
+                             f"{len(self.lengths)} series")
         if scheme.series_length > min(self.lengths):
             raise ValueError(f"scheme series_length={scheme.series_length} exceeds the shortest "
                              f"series ({min(self.lengths)})")
@@ -157,24 +162,29 @@ class WindowDataset(torch.utils.data.Dataset):
         return ds
 
     def __len__(self) -> int:
-        return len(self.series)
+        return len(self.lengths)
 
     # ---- items ---------------------------------------------------------------------------
     def _noise(self, shape, std: float) -> torch.Tensor:
         return torch.randn(shape, generator=self.generator, dtype=self.dtype) * std
 
-    def __getitem__(self, key) -> dict[str, torch.Tensor]:
+    def _window_key(self, key) -> tuple[int, int]:
+        """``(series_index, start)`` from a sampler's key, both checked against the geometry."""
         try:
             n, start = (int(k) for k in key)
         except (TypeError, ValueError):
-            raise IndexError(
-                f"WindowDataset keys are (series_index, start) pairs, got {key!r}") from None
-        if not 0 <= n < len(self.series):
-            raise IndexError(f"series index {n} out of range [0, {len(self.series)})")
-        x = self.series[n]
+            raise IndexError(f"{type(self).__name__} keys are (series_index, start) pairs, got "
+                             f"{key!r}") from None
+        if not 0 <= n < len(self.lengths):
+            raise IndexError(f"series index {n} out of range [0, {len(self.lengths)})")
         last = self.lengths[n] - self.forecast_length
         if not 0 <= start <= last:
             raise IndexError(f"window start {start} of series {n} outside [0, {last}]")
+        return n, start
+
+    def __getitem__(self, key) -> dict[str, torch.Tensor]:
+        n, start = self._window_key(key)
+        x = self.series[n]
         L_eff, L_F = self.effective_context_length, self.forecast_length
         # original indices start - L_eff .. start + L_F - 1; negative ones are padding zeros
         lo = start - L_eff
@@ -195,7 +205,7 @@ class WindowDataset(torch.utils.data.Dataset):
         window = window / scale
         out = {"past": window[:L_eff], "context": window[L_eff - self.context_length:L_eff],
                "target": window[L_eff:], "past_is_pad": past_is_pad, "scale": scale,
-               "series": torch.tensor(n), "start": torch.tensor(start)}
+               "window_series": torch.tensor(n), "window_start": torch.tensor(start)}
         if self.lags:
             # positions of the context and forecast steps inside the window, minus each lag
             pos = torch.arange(L_eff - self.context_length, L_eff + L_F)
@@ -215,8 +225,8 @@ class WindowDataset(torch.utils.data.Dataset):
         out = {"past": torch.zeros((0, L_eff, *d)), "context": torch.zeros((0, L_C, *d)),
                "target": torch.zeros((0, L_F, *d)),
                "past_is_pad": torch.zeros((0, L_eff), dtype=torch.bool),
-               "scale": torch.zeros((0, *d)), "series": torch.zeros(0, dtype=torch.int64),
-               "start": torch.zeros(0, dtype=torch.int64)}
+               "scale": torch.zeros((0, *d)), "window_series": torch.zeros(0, dtype=torch.int64),
+               "window_start": torch.zeros(0, dtype=torch.int64)}
         if self.lags:
             out["lagged"] = torch.zeros((0, L_C + L_F, len(self.lags), *d))
         return {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in out.items()}
@@ -230,6 +240,74 @@ class WindowDataset(torch.utils.data.Dataset):
         if "generator_state" not in state:
             raise ValueError("window dataset state lacks 'generator_state'")
         self.generator.set_state(torch.as_tensor(state["generator_state"], dtype=torch.uint8))
+
+
+class GluonTSWindowDataset(WindowDataset):
+    """:class:`WindowDataset` whose windows are cut by a gluonts estimator's training splitter.
+
+    ``dataset[(series, start)]`` is the window the splitter's ``_split_instance`` cuts at split
+    point ``start`` of the transformed entry ``series`` — the same padding rule as
+    :class:`WindowDataset` (the forecast is ``x_n[start : start + L_F]``; the ``L_C`` context
+    values before it are zeros, marked unobserved / ``past_is_pad``, where the index is
+    negative), with ``L_C`` the splitter's ``past_length`` (the model's context plus its largest
+    lag: every value the network reads). Only the model's ``input_names`` (plus
+    ``future_target`` / ``future_observed_values`` for the loss) are kept, as torch tensors
+    (integer fields int64, the rest float32), with the ``window_series`` / ``window_start`` audit
+    fields. No augmentation and no scaling here: gluonts models scale per window themselves.
+
+    Args:
+        entries: the estimator's transformed training entries (``transformation.apply(...,
+            is_train=True)``), one per series, in the scheme's series order.
+        splitter: the estimator's training ``InstanceSplitter``.
+        input_names: the fields the model's ``forward``/``loss`` read.
+    """
+
+    def __init__(self, entries: Sequence[dict], splitter, input_names: Sequence[str]):
+        self.entries = list(entries)
+        if not self.entries:
+            raise ValueError("entries must not be empty")
+        self.splitter = splitter
+        self.input_names = list(dict.fromkeys(
+            [*input_names, "future_target", "future_observed_values"]))
+        self.context_length = check_int("past_length", int(splitter.past_length), minimum=0)
+        self.forecast_length = check_int("future_length", int(splitter.future_length),
+                                         minimum=1)
+        self.lags = ()
+        self.context_noise = self.forecast_noise = 0.0
+        self.value_bound = None
+        self.scaling = None
+        self.dtype = torch.float32
+        self.lengths = [int(np.shape(e["target"])[-1]) for e in self.entries]
+        for n, length in enumerate(self.lengths):
+            if length < self.forecast_length:
+                raise ValueError(f"series {n} has length {length} < forecast_length="
+                                 f"{self.forecast_length}: no window fits")
+        self.generator = None  # nothing random here
+
+    def __getitem__(self, key) -> dict[str, torch.Tensor]:
+        n, start = self._window_key(key)
+        item = self.splitter._split_instance(self.entries[n], start)
+        out = {}
+        for name in self.input_names:
+            arr = np.asarray(item[name])
+            out[name] = torch.as_tensor(
+                arr, dtype=torch.int64 if np.issubdtype(arr.dtype, np.integer)
+                else torch.float32)
+        out["window_series"] = torch.tensor(n)
+        out["window_start"] = torch.tensor(start)
+        return out
+
+    def collate(self, items: Sequence[dict]) -> dict[str, torch.Tensor]:
+        """:func:`collate_windows` (the structured sampler never draws an empty batch)."""
+        return collate_windows(items)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing to save: the windows are a deterministic function of the key."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"GluonTSWindowDataset keeps no state, got keys {sorted(state)}")
 
 
 def collate_windows(items: Sequence[dict]) -> dict[str, torch.Tensor]:

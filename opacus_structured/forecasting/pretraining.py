@@ -1,0 +1,184 @@
+"""Public pretraining for DP fine-tuning: weights learnt on the synthetic public corpus.
+
+DP-SGD from a random initialisation spends its whole budget learning what every seasonal
+series looks like; starting from weights pretrained on public data it only has to adapt them.
+:func:`pretrain` trains a model **non-privately** on
+:func:`~opacus_structured.forecasting.public_corpus.synthetic_panel` (public, synthetic,
+disjoint from every user panel) with a fixed recipe (:data:`PRETRAIN_RECIPE`) and fixed seeds,
+so the weights are a deterministic function of the model geometry and the recipe.
+
+:func:`pretrained_weights` returns them for a geometry ``(model, freq, prediction_length,
+context_length)`` from, in order:
+
+1. the weights shipped with the package (``opacus_structured/data/pretrained/``; the default
+   geometry of each model, monthly data, 12-month horizon);
+2. the user cache (``$OPACUS_STRUCTURED_CACHE``, else ``$XDG_CACHE_HOME/opacus-structured``,
+   else ``~/.cache/opacus-structured``), ``pretrained/<key>.pt``;
+3. a fresh :func:`pretrain` run (progress bar), saved to the cache.
+
+The file name carries a hash of the recipe, so a changed recipe never loads stale weights.
+``opacus-structured pretrain`` runs step 3 ahead of time (and ``--output`` writes the weights
+where you like); ``forecast --init-from public`` (the default) or ``--init-from PATH`` starts DP
+fine-tuning from them. The privacy guarantee covers the fine-tuning panel only; nothing private
+is read while pretraining.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.resources
+import json
+import os
+from typing import Any, Optional
+
+from .._validation import check_int
+from .estimators import default_context_length, prepare_estimator
+from .public_corpus import synthetic_panel
+from .training import train_forecaster
+
+__all__ = ["PretrainRecipe", "PRETRAIN_RECIPE", "pretrain", "pretrained_weights",
+           "zero_shot_predictor",
+           "weights_key", "cache_dir", "load_weights", "save_weights"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainRecipe:
+    """How the public weights are trained (all public; fixed seeds)."""
+
+    num_series: int = 2000
+    min_length: int = 120
+    max_length: int = 480
+    corpus_seed: int = 0
+    steps: int = 1000
+    batch_size: int = 128
+    lr: float = 1e-3
+    init_seed: int = 0
+    sampler_seed: int = 0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+#: The recipe of the shipped weights, per model.
+PRETRAIN_RECIPE = {
+    "dlinear": PretrainRecipe(),
+    "simpleff": PretrainRecipe(),
+    "deepar": PretrainRecipe(steps=600, batch_size=64),
+}
+
+
+def weights_key(model: str, *, freq: str, prediction_length: int,
+                context_length: Optional[int] = None,
+                recipe: Optional[PretrainRecipe] = None) -> str:
+    """File stem naming a geometry and a recipe, e.g. ``dlinear-M-h12-c36-<hash>``."""
+    h = check_int("prediction_length", prediction_length, minimum=1)
+    ctx = (default_context_length(model, h) if context_length is None
+           else check_int("context_length", context_length, minimum=1))
+    recipe = PRETRAIN_RECIPE[model] if recipe is None else recipe
+    digest = hashlib.sha256(json.dumps(recipe.to_dict(), sort_keys=True).encode()).hexdigest()
+    return f"{model}-{freq}-h{h}-c{ctx}-{digest[:10]}"
+
+
+def cache_dir() -> str:
+    """The user cache directory for pretrained weights (module docstring)."""
+    root = os.environ.get("OPACUS_STRUCTURED_CACHE")
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                                  ".cache")
+        root = os.path.join(base, "opacus-structured")
+    return os.path.join(root, "pretrained")
+
+
+def save_weights(path: str, state: dict, meta: dict) -> None:
+    """Write ``{"state_dict", "meta"}`` to ``path`` (directories created)."""
+    import torch
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    torch.save({"state_dict": state, "meta": meta}, path)
+
+
+def load_weights(path: str) -> tuple[dict, dict]:
+    """``(state_dict, meta)`` from a file written by :func:`save_weights` (or a bare
+    ``state_dict``, meta then empty). Raises ``ValueError`` naming the path if unreadable."""
+    import torch
+
+    if not os.path.isfile(path):
+        raise ValueError(f"--init-from {path!r}: no such file")
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises several types for a bad file
+        raise ValueError(f"--init-from {path!r} is not a weights file: {err}") from None
+    if isinstance(blob, dict) and "state_dict" in blob:
+        return blob["state_dict"], dict(blob.get("meta") or {})
+    if isinstance(blob, dict):
+        return blob, {}
+    raise ValueError(f"--init-from {path!r} holds a {type(blob).__name__}, not a state dict")
+
+
+def pretrain(model: str, *, freq: str = "M", prediction_length: int = 12,
+             context_length: Optional[int] = None, recipe: Optional[PretrainRecipe] = None,
+             progress: bool = False, estimator_kwargs: Optional[dict] = None
+             ) -> tuple[dict, dict[str, Any]]:
+    """Pretrain ``model`` non-privately on the synthetic corpus; returns ``(state_dict, meta)``.
+
+    Deterministic for a given geometry, recipe and torch build (fixed corpus, sampler and
+    initialisation seeds; public randomness only).
+    """
+    recipe = PRETRAIN_RECIPE[model] if recipe is None else recipe
+    corpus = synthetic_panel(recipe.num_series, freq=freq, min_length=recipe.min_length,
+                             max_length=recipe.max_length, seed=recipe.corpus_seed)
+    result = train_forecaster(model, corpus, prediction_length=prediction_length,
+                              context_length=context_length, batch_size=recipe.batch_size,
+                              max_steps=recipe.steps, lr=recipe.lr, seed=recipe.sampler_seed,
+                              init_seed=recipe.init_seed, progress=progress,
+                              estimator_kwargs=estimator_kwargs)
+    state = {k: v.detach().cpu().clone() for k, v in
+             result.prepared.module.model.state_dict().items()}
+    meta = {"model": model, "freq": freq, "prediction_length": int(prediction_length),
+            "context_length": int(default_context_length(model, prediction_length)
+                                  if context_length is None else context_length),
+            "recipe": recipe.to_dict(), "corpus": "synthetic_panel",
+            "train_seconds": result.train_seconds,
+            "key": weights_key(model, freq=freq, prediction_length=prediction_length,
+                               context_length=context_length, recipe=recipe)}
+    return state, meta
+
+
+def _shipped_path(key: str) -> Optional[str]:
+    res = importlib.resources.files("opacus_structured") / "data" / "pretrained" / f"{key}.pt"
+    return str(res) if res.is_file() else None
+
+
+def pretrained_weights(model: str, *, freq: str = "M", prediction_length: int = 12,
+                       context_length: Optional[int] = None, progress: bool = False,
+                       log=None) -> tuple[dict, dict[str, Any]]:
+    """Public pretrained weights for the geometry: shipped, cached, or pretrained now
+    (module docstring). Returns ``(state_dict, meta)``; ``meta["source"]`` says which."""
+    say = log or (lambda msg: None)
+    key = weights_key(model, freq=freq, prediction_length=prediction_length,
+                      context_length=context_length)
+    shipped = _shipped_path(key)
+    if shipped is not None:
+        state, meta = load_weights(shipped)
+        return state, {**meta, "source": "shipped", "path": shipped}
+    cached = os.path.join(cache_dir(), f"{key}.pt")
+    if os.path.isfile(cached):
+        state, meta = load_weights(cached)
+        return state, {**meta, "source": "cache", "path": cached}
+    say(f"pretraining {model} on the public synthetic corpus (once; cached at {cached})")
+    state, meta = pretrain(model, freq=freq, prediction_length=prediction_length,
+                           context_length=context_length, progress=progress)
+    save_weights(cached, state, meta)
+    return state, {**meta, "source": "pretrained now", "path": cached}
+
+
+def zero_shot_predictor(model: str, state: dict, *, freq: str, prediction_length: int,
+                        context_length: Optional[int] = None):
+    """A gluonts predictor of the pretrained weights as they are (no fine-tuning: it reads no
+    private data, so it costs no privacy) — the reference DP fine-tuning must improve on."""
+    prepared = prepare_estimator(model, freq=freq, prediction_length=prediction_length,
+                                 context_length=context_length)
+    prepared.module.model.load_state_dict(state)
+    prepared.module.eval()
+    return prepared.create_predictor()

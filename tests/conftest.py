@@ -19,3 +19,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not has_cuda:
             item.add_marker(skip_cuda)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _weights_cache_in_tmp(tmp_path_factory):
+    """Pretrained weights made by tests go to a temporary cache, never the user's."""
+    old = os.environ.get("OPACUS_STRUCTURED_CACHE")
+    os.environ["OPACUS_STRUCTURED_CACHE"] = str(tmp_path_factory.mktemp("weights-cache"))
+    yield
+    if old is None:
+        os.environ.pop("OPACUS_STRUCTURED_CACHE", None)
+    else:
+        os.environ["OPACUS_STRUCTURED_CACHE"] = old

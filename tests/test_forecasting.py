@@ -282,7 +282,7 @@ def test_forecast_command_json(tmp_path, capsys):
     rc = main(["forecast", "--model", "dlinear", "--epsilon", "2", "--delta", "1e-5",
                "--num-series", "10", "--max-steps", "2", "--batch-size", "4",
                "--prediction-length", str(H), "--context-length", "8", "--num-samples", "10",
-               "--output", str(out), "--json", "--no-progress"])
+               "--init-from", "none", "--output", str(out), "--json", "--no-progress"])
     assert rc == 0
     rep = json.loads(capsys.readouterr().out)
     for key in ("epsilon", "delta", "crps", "mase", "noise_multiplier", "steps", "baselines"):

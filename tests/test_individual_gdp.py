@@ -24,7 +24,7 @@ from opacus_structured.accounting.individual_gdp import (
 )
 from opacus_structured.cli import main as cli_main
 from opacus_structured.schemes.gdp import GDPScheme
-from tests.conftest import TEST_DISCRETIZATION
+from conftest import TEST_DISCRETIZATION
 
 
 # ---- Cor. C.2 reference values (closed-form GDP conversion) -----------------------------------

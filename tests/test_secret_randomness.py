@@ -245,6 +245,7 @@ def _forecast_args(out, *extra):
     return ["forecast", "--model", "dlinear", "--epsilon", "2", "--delta", "1e-5",
             "--num-series", "10", "--max-steps", "2", "--batch-size", "4",
             "--prediction-length", str(H), "--context-length", "8", "--num-samples", "5",
+            "--init-from", "none",
             "--no-baselines", "--no-progress", "--output", str(out), *extra]
 
 

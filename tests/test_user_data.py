@@ -14,7 +14,7 @@ pytest.importorskip("gluonts")
 
 from opacus_structured.forecasting.data import Panel, train_test_split  # noqa: E402
 from opacus_structured.forecasting.user_data import DataReport, load_panel  # noqa: E402
-from tests.conftest import TEST_DISCRETIZATION  # noqa: E402
+from conftest import TEST_DISCRETIZATION  # noqa: E402
 
 
 def _series(lengths, freq="MS", start="2019-01-01", seed=0):
@@ -317,7 +317,8 @@ def _forecast_args(path, tmp_path, *extra):
     return ["forecast", "--data", str(path), "--no-baselines", "--no-plot", "--max-steps", "2",
             "--batch-size", "2", "--prediction-length", str(H), "--epsilon", "8", "--delta",
             "1e-5", "--discretization", str(TEST_DISCRETIZATION), "--output",
-            str(tmp_path / "out"), "--json", "--no-progress", "--num-samples", "10", *extra]
+            str(tmp_path / "out"), "--json", "--no-progress", "--num-samples", "10",
+            "--init-from", "none", *extra]
 
 
 def test_forecast_command_on_a_csv_reports_the_data(tmp_path, capsys):

@@ -1,9 +1,13 @@
-"""``opacus-structured forecast``: DP forecasting on the bundled US employment panel.
+"""``opacus-structured forecast``: DP fine-tuning of a gluonts forecaster on a private panel.
 
-Trains a gluonts model (DLinear by default) with structured-subsampling DP-SGD to a target
-``(ε, δ)``, evaluates it on the held-out last ``--prediction-length`` months, and prints a table
-with the same model trained without DP (ε = ∞) and seasonal naive. Writes ``report.json`` and
-``forecasts.png`` to ``--output``.
+Starts from public pretrained weights (``--init-from public``, the default: shipped with the
+package, cached, or pretrained now on the synthetic public corpus — no private data), fine-tunes
+a gluonts model (DLinear by default) with structured-subsampling DP-SGD to a target ``(ε, δ)``
+on the bundled US employment panel or your own ``--data``, releases the tail average of the
+iterates (post-processing), evaluates on the held-out last ``--prediction-length`` steps, and
+prints a table with the same model and recipe trained without DP (ε = ∞), the pretrained model
+as it is (zero-shot) and seasonal naive. Writes ``report.json`` and ``forecasts.png`` to
+``--output``; ``--epsilons 0.5,1,2,4,inf`` trains once per budget and adds ``sweep.png``.
 
 The window sampler and the DP noise draw fresh OS entropy that is written nowhere. ``--seed``
 makes them reproducible — and the run **not private** (anyone with the seed regenerates and
@@ -15,6 +19,8 @@ stays private.
 Example::
 
     opacus-structured forecast --model dlinear --epsilon 1 --delta 1e-7
+    opacus-structured forecast --epsilons 0.5,1,2,4,inf --output sweep-report
+    opacus-structured forecast --data my_panel.csv --freq W --prediction-length 8
 """
 
 from __future__ import annotations
@@ -33,8 +39,11 @@ from ..samplers._generator import fresh_seed
 
 __all__ = ["add_arguments", "run", "run_forecast", "NOT_PRIVATE_SEEDED"]
 
+#: Defaults of the DP recipe, chosen on public panels only (``benchmarks/forecast_recipe.py``;
+#: docs/guides/forecasting.md shows the study): fine-tuning the public pretrained weights.
 DEFAULTS = dict(model="dlinear", epsilon=1.0, delta=1e-7, max_steps=200, batch_size=64,
-                prediction_length=12, max_grad_norm=1e-4, lr=1e-2, num_samples=100)
+                prediction_length=12, max_grad_norm=1e-4, lr=1e-4, lr_from_scratch=1e-2,
+                tail_average=0.5, num_samples=100)
 
 #: Printed (and put on the plot) for a DP run whose noise was seeded with ``--seed``.
 NOT_PRIVATE_SEEDED = "NOT PRIVATE: reproducible noise (--seed given); for evaluation only"
@@ -65,16 +74,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
                    help="series per step Λ (one window each; default %(default)s)")
     p.add_argument("--prediction-length", type=int, default=DEFAULTS["prediction_length"],
-                   help="forecast horizon L_F in months; also the held-out test months")
+                   help="forecast horizon L_F in time steps; also the held-out test steps "
+                        "(default %(default)s)")
     p.add_argument("--context-length", type=int, default=None,
                    help="model context before lags (default 3·L_F, DeepAR 2·L_F)")
     p.add_argument("--max-grad-norm", type=float, default=DEFAULTS["max_grad_norm"],
                    help="per-window clipping norm C (default %(default)g)")
-    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="Adam learning rate")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"Adam learning rate (default {DEFAULTS['lr']:g} when fine-tuning "
+                        f"public weights, {DEFAULTS['lr_from_scratch']:g} from scratch)")
+    p.add_argument("--init-from", default="public", metavar="{public,none,PATH}",
+                   help="start DP fine-tuning from public pretrained weights (default "
+                        "'public': shipped with the package, cached, or pretrained now on the "
+                        "synthetic public corpus; see `opacus-structured pretrain`), from a "
+                        "weights file, or from a random initialisation ('none')")
+    p.add_argument("--tail-average", type=float, default=DEFAULTS["tail_average"],
+                   help="release the mean of the last fraction of the iterates (post-processing:"
+                        " no privacy cost; default %(default)g, 0 = the last iterate)")
+    p.add_argument("--epsilons", default=None, metavar="LIST",
+                   help="sweep: train once per budget in this comma-separated list (e.g. "
+                        "0.5,1,2,4,inf) and write sweep.png (CRPS and MASE against ε with the "
+                        "seasonal-naive and non-private lines); replaces --epsilon")
     p.add_argument("--num-series", type=int, default=None,
                    help="use only the first N series (quick runs)")
     p.add_argument("--min-length", type=int, default=1,
-                   help="drop series shorter than this many months")
+                   help="exclude series shorter than this many time steps (reported)")
     p.add_argument("--data", default=None, metavar="PATH",
                    help="train on your own CSV (long: item_id,timestamp,target columns; wide: "
                         "a timestamp column and one column per series); default: the bundled "
@@ -171,8 +195,101 @@ def _plot(path, panel_test, forecasts_by_method: dict, series_idx, prediction_le
         ax.set_title(f"{title} ({panel_test.item_ids[i]})", fontsize=9)
         ax.axvline(len(y) - prediction_length - 0.5, color="grey", ls=":", lw=0.8)
     axes[0, 0].legend(fontsize=7, loc="upper left")
-    axes[-1, 0].set_xlabel("month index (shaded: 10–90% band; right of dotted line: test)")
+    axes[-1, 0].set_xlabel("time index (shaded: 10–90% band; right of dotted line: test)")
     if banner:  # e.g. NOT_PRIVATE_SEEDED
+        fig.suptitle(banner, color="tab:red", fontsize=10, fontweight="bold")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_epsilons(text):
+    """``"0.5,1,inf"`` → ``[0.5, 1.0, inf]`` (``None`` stays ``None``); clear errors."""
+    if text is None:
+        return None
+    budgets = []
+    for part in str(text).split(","):
+        part = part.strip()
+        try:
+            value = float(part)
+        except ValueError:
+            raise ValueError(f"--epsilons: {part!r} is not a number (expected a comma-separated "
+                             "list such as 0.5,1,2,4,inf)") from None
+        if not value > 0:
+            raise ValueError(f"--epsilons: every budget must be > 0 (or inf), got {part!r}")
+        budgets.append(value)
+    if len(set(budgets)) != len(budgets):
+        raise ValueError(f"--epsilons lists a budget twice: {text!r}")
+    return budgets
+
+
+def _initial_weights(init_from, args, freq, progress, log):
+    """``(state_dict or None, meta or None)`` for ``--init-from`` (public weights only)."""
+    from ..forecasting.estimators import default_context_length
+    from ..forecasting.pretraining import load_weights, pretrained_weights
+
+    if init_from == "none":
+        return None, None
+    if init_from == "public":
+        state, meta = pretrained_weights(args.model, freq=freq,
+                                         prediction_length=args.prediction_length,
+                                         context_length=args.context_length,
+                                         progress=progress, log=log)
+    else:
+        state, meta = load_weights(init_from)
+        meta = {**meta, "source": "file", "path": init_from}
+    want = {"model": args.model, "prediction_length": args.prediction_length,
+            "context_length": (default_context_length(args.model, args.prediction_length)
+                               if args.context_length is None else args.context_length)}
+    for key, value in want.items():
+        if key in meta and meta[key] != value:
+            raise ValueError(f"--init-from {init_from}: the weights were trained for "
+                             f"{key}={meta[key]!r} but this run uses {key}={value!r}")
+    log(f"initial weights: {meta.get('source')} ({meta.get('path')}); public data only")
+    return state, {k: v for k, v in meta.items() if k != "train_seconds"}
+
+
+def _sweep_entry(budget, res, row) -> dict:
+    return {"target_epsilon": budget, "epsilon": res.epsilon, "private": res.private,
+            "dp_sgd": res.dp_sgd, "noise_multiplier": res.noise_multiplier,
+            "steps": res.steps, "crps": row["crps"], "mase": row["mase"],
+            "train_seconds": res.train_seconds}
+
+
+def _plot_sweep(path, sweep, baselines, model, banner=None):
+    """CRPS and MASE against ε (the layout of Table 1 of Schuchardt et al. 2025), with the
+    seasonal-naive, non-private and zero-shot levels as horizontal lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finite = [e for e in sweep if math.isfinite(e["target_epsilon"])]
+    infinite = [e for e in sweep if not math.isfinite(e["target_epsilon"])]
+    xs = [e["target_epsilon"] for e in finite]
+    x_inf = (max(xs) * 2.5) if xs else 1.0
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, metric in zip(axes, ("crps", "mase"), strict=True):
+        ax.plot(xs, [e[metric] for e in finite], "o-", color="tab:blue", label=f"{model} DP")
+        if infinite:
+            ax.plot([x_inf], [infinite[0][metric]], "s", color="tab:blue",
+                    label=f"{model} at ε=∞ (DP path)")
+        for key, name, style in (("seasonal_naive", "seasonal naive", ("tab:red", "--")),
+                                 ("non_private", f"{model} non-private", ("black", ":")),
+                                 ("zero_shot", "pretrained, zero-shot", ("tab:green", "-."))):
+            if key in baselines:
+                ax.axhline(baselines[key][metric], color=style[0], ls=style[1], lw=1,
+                           label=name)
+        ax.set_xscale("log")
+        ticks = xs + ([x_inf] if infinite else [])
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([f"{t:g}" for t in xs] + (["∞"] if infinite else []))
+        ax.minorticks_off()
+        ax.set_xlabel("ε (δ fixed)")
+        ax.set_ylabel(metric.upper())
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    if banner:
         fig.suptitle(banner, color="tab:red", fontsize=10, fontweight="bold")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -189,6 +306,17 @@ def run_forecast(args, *, print_fn=print) -> dict:
 
     if args.epsilon is None or not args.epsilon > 0:
         raise ValueError(f"--epsilon must be > 0 (or inf), got {args.epsilon}")
+    budgets = parse_epsilons(getattr(args, "epsilons", None))
+    if budgets is not None:
+        if args.noise_multiplier is not None:
+            raise ValueError("--epsilons calibrates σ per budget; it cannot be combined with "
+                             "--noise-multiplier")
+        args.epsilon = budgets[0]
+    tail_average = getattr(args, "tail_average", DEFAULTS["tail_average"])
+    if not 0.0 <= tail_average <= 1.0:
+        raise ValueError(f"--tail-average must be in [0, 1] (fraction of the last steps whose "
+                         f"iterates are averaged), got {tail_average}")
+    init_from = getattr(args, "init_from", "none") or "none"
     if not 0 < args.delta < 1:
         raise ValueError(f"--delta must be in (0, 1), got {args.delta}")
     if args.max_steps is None and args.epochs is None:
@@ -206,6 +334,8 @@ def run_forecast(args, *, print_fn=print) -> dict:
     init_seed = given_init if given_init is not None else (seed if seed is not None
                                                            else fresh_seed())
     seeded_dp = dp_sgd and seed is not None
+    # a seeded sweep with any finite budget releases NOT-private models: say so up front
+    seeded_any = seed is not None and (dp_sgd or any(math.isfinite(b) for b in budgets or ()))
 
     t_start = time.perf_counter()
     from ..forecasting.user_data import load_panel  # optional: gluonts
@@ -240,16 +370,21 @@ def run_forecast(args, *, print_fn=print) -> dict:
                          "or smaller")
     test_ds = test.to_gluonts()
     progress = not args.no_progress and sys.stderr.isatty()
+    log = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
+    # public pretrained weights (read before any private data is used; see pretraining.py)
+    init_state, init_meta = _initial_weights(init_from, args, train.freq, progress, log)
+    lr = args.lr if args.lr is not None else (
+        DEFAULTS["lr"] if init_state is not None else DEFAULTS["lr_from_scratch"])
     common = dict(prediction_length=args.prediction_length, context_length=args.context_length,
-                  batch_size=args.batch_size, max_grad_norm=args.max_grad_norm, lr=args.lr,
+                  batch_size=args.batch_size, max_grad_norm=args.max_grad_norm, lr=lr,
+                  init_state=init_state, tail_average=tail_average,
                   max_steps=args.max_steps, epochs=args.epochs, device=args.device,
                   seed=seed, init_seed=init_seed, progress=progress,
                   lstm_impl=getattr(args, "lstm_impl", "fast"),
                   grad_sample_mode=getattr(args, "grad_sample_mode", "hooks"),
                   num_workers=getattr(args, "num_workers", 0),
                   discretization=args.discretization)
-    log = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
-    if seeded_dp:  # said up front, on stderr even with --json (stdout then holds the JSON)
+    if seeded_any:  # said up front, on stderr even with --json (stdout then holds the JSON)
         print(NOT_PRIVATE_SEEDED, file=sys.stderr)
     log(f"data: {'US employment (BLS)' if data_path is None else data_name}, {len(train)} "
         f"series (freq {train.freq}), shortest training series {train.min_length} steps, test = "
@@ -266,28 +401,66 @@ def run_forecast(args, *, print_fn=print) -> dict:
         rows.append(row)
         return row
 
-    result = train_forecaster(args.model, train,
-                              epsilon=args.epsilon if math.isfinite(args.epsilon) else None,
-                              delta=args.delta if dp_sgd else None,
-                              noise_multiplier=args.noise_multiplier, log=log, **common)
+    def train_at(budget):
+        private_run = math.isfinite(budget) or args.noise_multiplier is not None
+        return train_forecaster(args.model, train,
+                                epsilon=budget if math.isfinite(budget) else None,
+                                delta=args.delta if private_run else None,
+                                noise_multiplier=args.noise_multiplier, log=log, **common)
+
+    def row_label(res, budget):
+        tag = (f", ε={budget:g}" if budgets is not None and math.isfinite(budget) else
+               ", ε=∞" if budgets is not None else "")
+        if res.private:
+            return f"{args.model} (DP{tag})"
+        if res.reproducible_noise:
+            return f"{args.model} (DP-SGD{tag}, seeded: NOT PRIVATE)"
+        return f"{args.model} (non-private{', DP path at ε=∞' if budgets else ''})"
+
+    sweep_bar = None
+    if budgets is not None and progress:
+        from tqdm.auto import tqdm
+
+        sweep_bar = tqdm(total=len(budgets), desc="ε sweep", position=0, leave=True)
+    result = train_at(args.epsilon)
     if result.dp_sgd != dp_sgd or result.reproducible_noise != seeded_dp:
         raise RuntimeError("the trainer's privacy mode differs from the command's")
-    label = (f"{args.model} (DP)" if result.private else
-             f"{args.model} (DP-SGD, seeded: NOT PRIVATE)" if seeded_dp else
-             f"{args.model} (non-private)")
-    main_row = evaluate(label, result.create_predictor(), {
+    main_row = evaluate(row_label(result, args.epsilon), result.create_predictor(), {
         "epsilon": result.epsilon, "noise_multiplier": result.noise_multiplier,
         "steps": result.steps, "seconds": result.train_seconds})
+    sweep = None
+    if budgets is not None:
+        sweep = [_sweep_entry(args.epsilon, result, main_row)]
+        if sweep_bar is not None:
+            sweep_bar.update(1)
+        for budget in budgets[1:]:
+            res = train_at(budget)
+            row = evaluate(row_label(res, budget), res.create_predictor(), {
+                "epsilon": res.epsilon, "noise_multiplier": res.noise_multiplier,
+                "steps": res.steps, "seconds": res.train_seconds})
+            sweep.append(_sweep_entry(budget, res, row))
+            if sweep_bar is not None:
+                sweep_bar.update(1)
+        if sweep_bar is not None:
+            sweep_bar.close()
 
     baselines = {}
     if not args.no_baselines:
-        if dp_sgd:
+        if dp_sgd or budgets is not None:
             np_result = train_forecaster(args.model, train, epsilon=None, delta=None, **common)
             row = evaluate(f"{args.model} (non-private)", np_result.create_predictor(), {
                 "epsilon": math.inf, "steps": np_result.steps,
                 "seconds": np_result.train_seconds})
             baselines["non_private"] = {k: row[k] for k in ("crps", "mase", "steps", "seconds")}
             baselines["non_private"]["step_seconds"] = np_result.step_seconds
+        if init_state is not None:  # reads no private data: costs no privacy
+            from ..forecasting.pretraining import zero_shot_predictor
+
+            row = evaluate("pretrained (public, zero-shot)", zero_shot_predictor(
+                args.model, init_state, freq=train.freq,
+                prediction_length=args.prediction_length,
+                context_length=args.context_length), {"epsilon": 0.0, "steps": 0})
+            baselines["zero_shot"] = {k: row[k] for k in ("crps", "mase")}
         t0 = time.perf_counter()
         row = evaluate("seasonal naive", seasonal_naive_predictor(args.prediction_length,
                                                                   train.freq), {})
@@ -313,6 +486,8 @@ def run_forecast(args, *, print_fn=print) -> dict:
                     "num_series_loaded": data_report.num_series, "num_series": len(train),
                     "min_train_length": train.min_length, "test_steps": args.prediction_length,
                     "test_months": args.prediction_length},
+        "init_from": init_from, "pretrained": init_meta, "lr": lr,
+        "tail_average": tail_average,
         "baselines": baselines, "device": args.device,
         "grad_sample_mode": getattr(args, "grad_sample_mode", "hooks"),
         "total_seconds": time.perf_counter() - t_start, "rows": rows,
@@ -323,6 +498,8 @@ def run_forecast(args, *, print_fn=print) -> dict:
         report["seed"] = seed
     if seeded_dp:
         report["notice"] = NOT_PRIVATE_SEEDED
+    if sweep is not None:
+        report["sweep"] = sweep
     if seed is not None or given_init is not None:
         report["init_seed"] = init_seed
     if args.output:
@@ -339,6 +516,10 @@ def run_forecast(args, *, print_fn=print) -> dict:
                 _plot(os.path.join(args.output, "forecasts.png"), test, forecasts, picks,
                       args.prediction_length, banner=NOT_PRIVATE_SEEDED if seeded_dp else None)
                 report["plot"] = os.path.join(args.output, "forecasts.png")
+                if sweep is not None:
+                    report["sweep_plot"] = os.path.join(args.output, "sweep.png")
+                    _plot_sweep(report["sweep_plot"], sweep, baselines, args.model,
+                                banner=NOT_PRIVATE_SEEDED if seeded_any else None)
     report["table"] = _table(rows)
     return report
 
@@ -377,5 +558,6 @@ def run(args) -> int:
     return 0
 
 
-register_command("forecast", "DP forecasting on the bundled US employment panel (gluonts)",
+register_command("forecast", "DP fine-tuning of a gluonts forecaster on the bundled panel or "
+                 "your own --data (ε sweep, baselines, report)",
                  add_arguments, run)

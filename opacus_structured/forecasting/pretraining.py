@@ -38,7 +38,7 @@ from .public_corpus import synthetic_panel
 from .training import train_forecaster
 
 __all__ = ["PretrainRecipe", "PRETRAIN_RECIPE", "pretrain", "pretrained_weights",
-           "zero_shot_predictor",
+           "zero_shot_predictor", "shipped_weights_path",
            "weights_key", "cache_dir", "load_weights", "save_weights"]
 
 
@@ -145,7 +145,8 @@ def pretrain(model: str, *, freq: str = "M", prediction_length: int = 12,
     return state, meta
 
 
-def _shipped_path(key: str) -> Optional[str]:
+def shipped_weights_path(key: str) -> Optional[str]:
+    """Path of the weights shipped in the package for :func:`weights_key` ``key``, or None."""
     res = importlib.resources.files("opacus_structured") / "data" / "pretrained" / f"{key}.pt"
     return str(res) if res.is_file() else None
 
@@ -158,7 +159,7 @@ def pretrained_weights(model: str, *, freq: str = "M", prediction_length: int = 
     say = log or (lambda msg: None)
     key = weights_key(model, freq=freq, prediction_length=prediction_length,
                       context_length=context_length)
-    shipped = _shipped_path(key)
+    shipped = shipped_weights_path(key)
     if shipped is not None:
         state, meta = load_weights(shipped)
         return state, {**meta, "source": "shipped", "path": shipped}

@@ -1,0 +1,122 @@
+"""``opacus-structured pretrain``: public (non-private) pretraining for DP fine-tuning.
+
+Trains a gluonts model on the synthetic public corpus
+(:func:`~opacus_structured.forecasting.public_corpus.synthetic_panel`) with the fixed recipe of
+:data:`~opacus_structured.forecasting.pretraining.PRETRAIN_RECIPE` and fixed seeds, and writes
+the weights to the user cache (where ``forecast --init-from public`` finds them) or to
+``--output``. Nothing private is read: the weights are public, and ``forecast`` fine-tunes
+them with DP on your panel (the guarantee covers the fine-tuning panel only).
+
+``--verify`` retrains and compares with the weights shipped in the package (the default
+geometry of each model): the command reproduces them.
+
+Examples::
+
+    opacus-structured pretrain --model dlinear                  # cache for monthly, h = 12
+    opacus-structured pretrain --model dlinear --freq W --prediction-length 8
+    opacus-structured pretrain --model dlinear --output weights.pt
+    opacus-structured forecast --init-from weights.pt
+    opacus-structured pretrain --model dlinear --verify         # reproduces the shipped file
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ..cli import register_command
+from ..forecasting.warning_filters import known_harmless_warnings_filtered
+
+__all__ = ["add_arguments", "run", "run_pretrain"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=("deepar", "dlinear", "simpleff"), default="dlinear",
+                   help="gluonts model (default %(default)s)")
+    p.add_argument("--freq", default="M",
+                   help="pandas frequency of the data to be fine-tuned on (sets the corpus' "
+                        "season length; default %(default)s)")
+    p.add_argument("--prediction-length", type=int, default=12,
+                   help="forecast horizon L_F (default %(default)s)")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="model context before lags (default 3·L_F, DeepAR 2·L_F)")
+    p.add_argument("--output", default=None, metavar="PATH",
+                   help="write the weights here (default: the user cache, "
+                        "$OPACUS_STRUCTURED_CACHE or ~/.cache/opacus-structured/pretrained)")
+    p.add_argument("--force", action="store_true",
+                   help="pretrain even if the cache already holds these weights")
+    p.add_argument("--verify", action="store_true",
+                   help="pretrain and compare with the weights shipped in the package (exit "
+                        "status 1 if they differ beyond float round-off)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_pretrain(args) -> dict:
+    """Pretrain (or find cached) weights as ``args`` says; returns a JSON-ready record."""
+    from ..forecasting.pretraining import (  # optional: gluonts
+        shipped_weights_path,
+        cache_dir,
+        load_weights,
+        pretrain,
+        save_weights,
+        weights_key,
+    )
+
+    if args.prediction_length < 1:
+        raise ValueError(f"--prediction-length must be >= 1, got {args.prediction_length}")
+    if args.context_length is not None and args.context_length < 1:
+        raise ValueError(f"--context-length must be >= 1, got {args.context_length}")
+    key = weights_key(args.model, freq=args.freq, prediction_length=args.prediction_length,
+                      context_length=args.context_length)
+    progress = not args.no_progress and sys.stderr.isatty()
+    record = {"model": args.model, "freq": args.freq, "key": key}
+    if args.verify:
+        shipped = shipped_weights_path(key)
+        if shipped is None:
+            raise ValueError(f"no weights are shipped for {key} (only the default geometry of "
+                             "each model is); --verify compares with a shipped file")
+        reference, _ = load_weights(shipped)
+        state, meta = pretrain(args.model, freq=args.freq,
+                               prediction_length=args.prediction_length,
+                               context_length=args.context_length, progress=progress)
+        diffs = {name: float((state[name].double() - reference[name].double()).abs().max())
+                 for name in reference}
+        worst = max(diffs.values()) if diffs else 0.0
+        scale = max(float(t.double().abs().max()) for t in reference.values())
+        same_keys = set(state) == set(reference)
+        record.update(path=shipped, max_abs_difference=worst, max_abs_weight=scale,
+                      reproduced=same_keys and worst <= 1e-5 * max(1.0, scale),
+                      train_seconds=meta["train_seconds"])
+        return record
+    path = args.output or os.path.join(cache_dir(), f"{key}.pt")
+    if os.path.isfile(path) and not args.force and args.output is None:
+        record.update(path=path, source="cache (already there; --force retrains)")
+        return record
+    state, meta = pretrain(args.model, freq=args.freq, prediction_length=args.prediction_length,
+                           context_length=args.context_length, progress=progress)
+    save_weights(path, state, meta)
+    record.update(path=path, source="pretrained now", train_seconds=meta["train_seconds"],
+                  recipe=meta["recipe"], bytes=os.path.getsize(path))
+    return record
+
+
+def run(args) -> int:
+    with known_harmless_warnings_filtered():
+        record = run_pretrain(args)
+    if args.json:
+        print(json.dumps(record, sort_keys=True))
+    elif args.verify:
+        verdict = "reproduced" if record["reproduced"] else "DIFFERS"
+        print(f"{record['key']}: {verdict} the shipped weights (max |difference| "
+              f"{record['max_abs_difference']:.3g}, max |weight| "
+              f"{record['max_abs_weight']:.3g}) — {record['path']}")
+    else:
+        print(f"{record['key']}: {record['source']} — {record['path']}")
+    return 0 if record.get("reproduced", True) else 1
+
+
+register_command("pretrain", "public (non-private) pretraining for DP fine-tuning (cached)",
+                 add_arguments, run)

@@ -33,8 +33,9 @@ from typing import Any, Optional
 from .._validation import check_int
 from .fast_rnn import replace_lstm
 
-__all__ = ["MODELS", "LSTM_IMPLS", "build_estimator", "prepare_estimator", "PreparedModel",
-           "per_window_scalers", "default_context_length"]
+__all__ = ["MODELS", "LSTM_IMPLS", "ESTIMATOR_CLASSES", "build_estimator", "prepare_estimator",
+           "PreparedModel", "per_window_scalers", "default_context_length", "estimator_model",
+           "dp_safe_network"]
 
 MODELS = ("deepar", "dlinear", "simpleff")
 #: LSTM implementations for DP training: "fast" (FastDPLSTM) or "opacus" (DPLSTM).
@@ -51,6 +52,47 @@ def _check_model(model: str) -> str:
     if model not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {model!r}")
     return model
+
+
+#: gluonts torch estimator class (module path, class name) of every model in :data:`MODELS`.
+ESTIMATOR_CLASSES = {
+    "dlinear": ("gluonts.torch.model.d_linear", "DLinearEstimator"),
+    "simpleff": ("gluonts.torch.model.simple_feedforward", "SimpleFeedForwardEstimator"),
+    "deepar": ("gluonts.torch.model.deepar", "DeepAREstimator"),
+}
+
+
+def estimator_model(estimator) -> str:
+    """The model name (one of :data:`MODELS`) of a user-built gluonts estimator.
+
+    ``DLinearEstimator`` → ``"dlinear"``, ``SimpleFeedForwardEstimator`` → ``"simpleff"``,
+    ``DeepAREstimator`` → ``"deepar"`` (subclasses included); any other object raises a
+    ValueError naming the supported classes. Only these three are supported because DP training
+    needs to know the network's training inputs and that every layer has per-window gradients.
+    """
+    import importlib
+
+    for name, (module, cls) in ESTIMATOR_CLASSES.items():
+        if isinstance(estimator, getattr(importlib.import_module(module), cls)):
+            return name
+    supported = ", ".join(f"{m}.{c}" for m, c in ESTIMATOR_CLASSES.values())
+    raise ValueError(f"unsupported estimator {type(estimator).__module__}."
+                     f"{type(estimator).__qualname__}: DP training supports the gluonts torch "
+                     f"estimators {supported}")
+
+
+def _check_user_estimator(model: str, estimator) -> None:
+    """Reject estimator settings that per-window DP-SGD on a target-only panel cannot honour."""
+    if model == "simpleff" and getattr(estimator, "batch_norm", False):
+        raise ValueError("batch_norm=True mixes windows in a batch; per-window clipping needs "
+                         "SimpleFeedForwardEstimator(batch_norm=False)")
+    if model == "deepar":
+        extra = {k: getattr(estimator, k, 0) for k in
+                 ("num_feat_dynamic_real", "num_feat_static_real", "num_feat_static_cat")}
+        extra = {k: v for k, v in extra.items() if v}
+        if extra:
+            raise ValueError(f"DP training reads target-only panels (no covariates), but the "
+                             f"DeepAREstimator expects {extra}: set them to 0")
 
 
 def build_estimator(model: str, *, freq: str, prediction_length: int,
@@ -160,35 +202,69 @@ def _training_input_names(model: str) -> list:
     return list(TRAINING_INPUT_NAMES)
 
 
-def prepare_estimator(model: str, estimator=None, *, lstm_impl: str = "fast",
-                      **build_kwargs) -> PreparedModel:
-    """Build (or take) an estimator and return its :class:`PreparedModel` with DP-safe layers.
+def dp_safe_network(network, lstm_impl: str = "fast"):
+    """``network`` with DP-safe layers, and the remaining ``ModuleValidator`` errors.
 
     ``lstm_impl="fast"`` replaces ``nn.LSTM`` by ``FastDPLSTM``
     (:func:`~opacus_structured.forecasting.fast_rnn.replace_lstm`), ``"opacus"`` lets
     ``ModuleValidator.fix`` replace it by ``DPLSTM`` (both copy the weights); then
-    :func:`per_window_scalers` removes batch-coupled scaling; ``ModuleValidator.validate``
-    must then report no error, otherwise a ValueError lists them.
+    :func:`per_window_scalers` removes batch-coupled scaling (in place). Deterministic in the
+    network's architecture, and a no-op on a network that is already DP-safe (the same object
+    is returned): applying it to a freshly built gluonts network gives the trained network's
+    architecture again, which is how a serialized DP predictor is rebuilt
+    (:class:`~opacus_structured.forecasting.dp_estimator.DPPyTorchPredictor`).
     """
+    import torch.nn as nn
+    from opacus.layers import DPLSTM
     from opacus.validators import ModuleValidator
 
-    _check_model(model)
+    if lstm_impl not in LSTM_IMPLS:
+        raise ValueError(f"lstm_impl must be one of {LSTM_IMPLS}, got {lstm_impl!r}")
+    training = network.training
+    network.train()  # Opacus validates modules in training mode only
+    if lstm_impl == "fast" and any(isinstance(m, (nn.LSTM, DPLSTM)) for m in network.modules()):
+        network = replace_lstm(network)
+    if ModuleValidator.validate(network, strict=False):
+        network = ModuleValidator.fix(network)
+    per_window_scalers(network)
+    errors = ModuleValidator.validate(network, strict=False)
+    network.train(training)
+    return network, errors
+
+
+def prepare_estimator(model: Optional[str], estimator=None, *, lstm_impl: str = "fast",
+                      **build_kwargs) -> PreparedModel:
+    """Build (or take) an estimator and return its :class:`PreparedModel` with DP-safe layers.
+
+    With ``estimator`` (a user-built ``DLinearEstimator``, ``SimpleFeedForwardEstimator`` or
+    ``DeepAREstimator``) no build arguments may be given; ``model`` may be ``None`` (inferred by
+    :func:`estimator_model`) or must name the estimator's model.
+
+    The network is made DP-safe by :func:`dp_safe_network`; ``ModuleValidator.validate`` must
+    then report no error, otherwise a ValueError lists them.
+    """
     if lstm_impl not in LSTM_IMPLS:
         raise ValueError(f"lstm_impl must be one of {LSTM_IMPLS}, got {lstm_impl!r}")
     if estimator is None:
+        if model is None:
+            raise ValueError(f"pass a model name (one of {MODELS}) or an estimator")
+        _check_model(model)
         estimator = build_estimator(model, **build_kwargs)
-    elif build_kwargs:
-        raise ValueError("pass either an estimator or build arguments, not both")
+    else:
+        if build_kwargs:
+            raise ValueError("pass either an estimator or build arguments, not both")
+        inferred = estimator_model(estimator)
+        if model is not None and _check_model(model) != inferred:
+            raise ValueError(f"model={model!r} does not match the estimator "
+                             f"{type(estimator).__name__} ({inferred!r})")
+        model = inferred
+        _check_user_estimator(model, estimator)
     if getattr(estimator, "lead_time", 0) != 0:
         raise ValueError("lead_time must be 0 (the structured accountant assumes the forecast "
                          "window starts right after the context)")
     transformation = estimator.create_transformation()
     module = estimator.create_lightning_module()
-    if lstm_impl == "fast":
-        module.model = replace_lstm(module.model)
-    module.model = ModuleValidator.fix(module.model)
-    per_window_scalers(module.model)
-    errors = ModuleValidator.validate(module.model, strict=False)
+    module.model, errors = dp_safe_network(module.model, lstm_impl)
     if errors:
         raise ValueError(f"model {model!r} is not compatible with per-sample clipping: {errors}")
     splitter = estimator._create_instance_splitter(module, "training")

@@ -59,7 +59,8 @@ from ..accounting.calibration import calibrate_noise_multiplier
 from ..samplers._generator import fresh_seed
 from ..schemes.structured import StructuredScheme
 from .data import Panel
-from .estimators import PreparedModel, prepare_estimator
+from .estimators import PreparedModel, estimator_model, prepare_estimator
+from .user_data import _period_freq as period_freq
 from .warning_filters import known_harmless_warnings_filtered
 from .windowing import GluonTSWindowDataset
 
@@ -132,6 +133,14 @@ def max_steps_within_budget(epsilon_of_steps: Callable[[int], float], target_eps
         else:
             hi = mid
     return lo
+
+
+def _period_freq(freq: str) -> str:
+    """A pandas frequency as its Period alias (``"MS"``/``"ME"`` → ``"M"``), for comparing."""
+    try:
+        return period_freq(freq)
+    except ValueError:
+        return str(freq)
 
 
 def _epochs_to_steps(epochs: float, steps_per_epoch: int) -> int:
@@ -353,13 +362,15 @@ class TrainResult:
 
 # ---- driver ----------------------------------------------------------------------------------
 @known_harmless_warnings_filtered()
-def train_forecaster(model: str, train: Panel, *, prediction_length: int,
-                     context_length: Optional[int] = None, batch_size: int = 32,
+def train_forecaster(model: Optional[str], train: Panel, *,
+                     prediction_length: Optional[int] = None,
+                     context_length: Optional[int] = None, batch_size: Optional[int] = None,
                      epsilon: Optional[float] = None, delta: Optional[float] = None,
                      noise_multiplier: Optional[float] = None,
                      max_grad_norm: float = DEFAULT_MAX_GRAD_NORM,
                      max_steps: Optional[int] = None, epochs: Optional[float] = None,
-                     lr: float = 1e-3, weight_decay: float = 1e-8, device: str = "cpu",
+                     lr: Optional[float] = None, weight_decay: Optional[float] = None,
+                     device: str = "cpu",
                      seed: Optional[int] = None, init_seed: Optional[int] = None,
                      progress: bool = False,
                      discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
@@ -368,7 +379,7 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
                      callbacks: Sequence = (), sampler_wrapper: Optional[Callable] = None,
                      log: Optional[Callable[[str], None]] = None,
                      lstm_impl: str = "fast", grad_sample_mode: str = "hooks",
-                     num_workers: int = 0) -> TrainResult:
+                     num_workers: int = 0, estimator=None) -> TrainResult:
     """Train a gluonts model on ``train`` with structured-subsampling DP-SGD (or without DP).
 
     Privacy modes:
@@ -383,11 +394,14 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
       same sampler, model and steps (the ε = ∞ baseline).
 
     Args:
-        model: "deepar", "dlinear" or "simpleff".
+        model: "deepar", "dlinear" or "simpleff"; ``None`` with ``estimator`` (inferred).
         train: training panel (only it is touched by training).
-        prediction_length: L_F.
+        prediction_length: L_F (required unless ``estimator`` is given).
         context_length: model context length before lags (default per model).
-        batch_size: Λ = series per step (one window each, λ = 1).
+        batch_size: Λ = series per step (one window each, λ = 1); default 32, or the
+            estimator's ``batch_size``.
+        lr, weight_decay: Adam's step size and weight decay (default 1e-3 and 1e-8, or the
+            estimator's ``lr`` / ``weight_decay``).
         max_grad_norm: per-window clipping norm C.
         device: "cpu" or "cuda".
         seed: seeds the privacy coins — sampler (``seed``) and noise (``seed + 1``) — and,
@@ -409,10 +423,57 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
         num_workers: DataLoader worker processes that cut and collate the windows (the
             sampler, and so the batches, stay in the main process: same batches for any
             value); > 0 hides the data time behind a GPU step.
+        estimator: a user-built gluonts ``DLinearEstimator``, ``SimpleFeedForwardEstimator`` or
+            ``DeepAREstimator`` to train instead of building one (``model`` is inferred from
+            its class; anything else raises). Its network, transformation, splitter,
+            ``prediction_length``, ``context_length``, ``lr`` and ``weight_decay`` are used;
+            ``prediction_length`` / ``context_length`` / ``lr`` / ``weight_decay`` given here
+            must equal the estimator's, and ``estimator_kwargs`` must not be given (configure
+            the estimator instead). ``batch_size`` given here is Λ, the sampler's batch size
+            that the accountant prices; the estimator's own ``batch_size`` is then only the
+            inference batch size of its predictor (public, no privacy effect) — without
+            ``batch_size`` here, Λ is the estimator's ``batch_size``. The estimator's
+            ``trainer_kwargs`` (e.g. gluonts' ``gradient_clip_val``), train sampler, batches
+            per epoch and callbacks are not used: DP training takes its steps, sampler and
+            clipping from the arguments here.
     """
     import torch
 
     pl = _lightning()
+    if estimator is not None:
+        inferred = estimator_model(estimator)
+        if model is not None and model != inferred:
+            raise ValueError(f"model={model!r} does not match the estimator "
+                             f"{type(estimator).__name__} ({inferred!r}); pass model=None")
+        model = inferred
+        if estimator_kwargs:
+            raise ValueError("estimator_kwargs cannot be combined with estimator=: configure "
+                             "the estimator itself")
+        for name, given in (("prediction_length", prediction_length),
+                            ("context_length", context_length), ("lr", lr),
+                            ("weight_decay", weight_decay)):
+            own = getattr(estimator, name, None)
+            if given is not None and own is not None and given != own:
+                raise ValueError(f"{name}={given!r} differs from the estimator's {name}="
+                                 f"{own!r}: leave {name} unset (the estimator's is used) or "
+                                 f"build the estimator with it")
+        prediction_length = int(estimator.prediction_length)
+        batch_size = estimator.batch_size if batch_size is None else batch_size
+        lr = getattr(estimator, "lr", 1e-3) if lr is None else lr
+        weight_decay = (getattr(estimator, "weight_decay", 1e-8) if weight_decay is None
+                        else weight_decay)
+        own_freq = getattr(estimator, "freq", None)
+        if own_freq is not None and _period_freq(own_freq) != _period_freq(train.freq):
+            raise ValueError(f"the estimator's freq={own_freq!r} differs from the training "
+                             f"panel's frequency {train.freq!r}")
+    elif model is None:
+        raise ValueError("pass a model name ('deepar', 'dlinear' or 'simpleff') or an "
+                         "estimator")
+    elif prediction_length is None:
+        raise ValueError("prediction_length is required (unless an estimator is given)")
+    batch_size = 32 if batch_size is None else batch_size
+    lr = 1e-3 if lr is None else lr
+    weight_decay = 1e-8 if weight_decay is None else weight_decay
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if grad_sample_mode not in ("hooks", "ghost"):
@@ -451,10 +512,14 @@ def train_forecaster(model: str, train: Panel, *, prediction_length: int,
     # public randomness only (weights, dropout, forecast sampling): never the privacy coins
     torch.manual_seed(init_seed)
     np.random.seed(init_seed % 2**32)
-    prepared = prepare_estimator(model, freq=train.freq, prediction_length=prediction_length,
-                                 context_length=context_length, batch_size=batch_size, lr=lr,
-                                 weight_decay=weight_decay, lstm_impl=lstm_impl,
-                                 **(estimator_kwargs or {}))
+    if estimator is not None:
+        prepared = prepare_estimator(model, estimator, lstm_impl=lstm_impl)
+    else:
+        prepared = prepare_estimator(model, freq=train.freq,
+                                     prediction_length=prediction_length,
+                                     context_length=context_length, batch_size=batch_size,
+                                     lr=lr, weight_decay=weight_decay, lstm_impl=lstm_impl,
+                                     **(estimator_kwargs or {}))
     if init_state is not None:  # public pretrained weights (fine-tuning starts from them)
         try:
             prepared.module.model.load_state_dict(init_state)

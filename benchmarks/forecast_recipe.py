@@ -90,17 +90,24 @@ def main(argv=None) -> int:
             add({"panel": panel_name, "model": model, "recipe": "pretrained, zero-shot"},
                 score(zero_shot_predictor(model, state, freq=train.freq,
                                           prediction_length=H)))
+            sigma_of_steps: dict = {}  # σ depends on the steps only: calibrate once each
             for lr, steps, tail in itertools.product(args.lrs, args.steps, args.tails):
                 for private in (True, False) if args.nonprivate else (True,):
                     runs = []
                     for seed in args.seeds:
                         t0 = time.perf_counter()
+                        sigma = sigma_of_steps.get(steps) if private else None
                         res = train_forecaster(
                             model, train, prediction_length=H, batch_size=batch,
                             max_steps=steps, lr=lr,
-                            epsilon=args.epsilon if private else None,
+                            epsilon=args.epsilon if private and sigma is None else None,
+                            noise_multiplier=sigma,
                             delta=args.delta if private else None, seed=seed,
                             init_seed=seed, init_state=state, tail_average=tail)
+                        if private:
+                            if res.epsilon > args.epsilon:
+                                raise RuntimeError(f"spent {res.epsilon} > {args.epsilon}")
+                            sigma_of_steps[steps] = res.noise_multiplier
                         runs.append({**score(res.create_predictor()),
                                      "seconds": time.perf_counter() - t0,
                                      "sigma": res.noise_multiplier})

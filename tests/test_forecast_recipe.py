@@ -243,3 +243,46 @@ def test_dp_beats_seasonal_naive_on_held_out_public_panel(tmp_path, capsys):
     assert rep["dataset"]["num_series"] == 20 and rep["epsilon"] <= 1.0
     assert rep["pretrained"]["source"] in ("pretrained now", "cache")
     assert rep["crps"] < rep["baselines"]["seasonal_naive"]["crps"]
+
+
+# ---- inference-time privacy through the command (issue 17, deliverable 5) -----------------
+def test_privatize_panel_releases_histories_and_keeps_the_held_out_truth(tiny):
+    from opacus_structured.forecasting.private_inference import privatize_panel
+
+    _, test = tiny
+    kw = dict(subsampling_rate=0.5, sensitivity=50.0, delta=1e-5, epsilon=2.0)
+    released, reports = privatize_panel(test, H, seed=3, **kw)
+    again, _ = privatize_panel(test, H, seed=3, **kw)
+    assert len(reports) == len(test)
+    assert len({r.epsilon for r in reports}) == 1 and reports[0].epsilon <= 2.0 + 1e-6
+    assert not reports[0].private  # seeded
+    for y, z, w in zip(test.targets, released.targets, again.targets, strict=True):
+        assert len(z) == len(y) and np.array_equal(z[-H:], y[-H:])
+        assert not np.array_equal(z[:-H], y[:-H]) and np.array_equal(z, w)
+    fresh, fresh_reports = privatize_panel(test, H, **kw)
+    assert fresh_reports[0].private
+    with pytest.raises(ValueError, match="no history"):
+        privatize_panel(test, 10_000, **kw)
+
+
+def test_forecast_inference_privacy_row_and_report(tmp_path, capsys):
+    args = _forecast_args(tmp_path / "out", "--init-from", "none", "--no-baselines",
+                          "--no-plot", "--epsilon", "2", "--inference-epsilon", "3",
+                          "--inference-sensitivity", "100", "--inference-rate", "0.6")
+    assert main(args) == 0
+    rep = json.loads(capsys.readouterr().out)
+    inf = rep["inference_privacy"]
+    assert inf["epsilon"] <= 3.0 + 1e-6 and inf["delta"] == 1e-5 and inf["private"] is True
+    assert inf["subsampling_rate"] == 0.6 and inf["sensitivity"] == 100.0
+    assert inf["series"] == 10 and 0.4 < inf["kept_fraction"] < 0.8
+    assert "separate from" in inf["scope"] and inf["crps"] > 0
+    assert rep["epsilon"] <= 2.0  # the training guarantee is reported on its own
+    assert "private inputs" in rep["rows"][1]["method"]
+    for bad, msg in ((["--inference-epsilon", "1"], "--inference-sensitivity"),
+                     (["--inference-sensitivity", "1"], "applies to --inference-epsilon"),
+                     (["--inference-epsilon", "1", "--inference-sensitivity", "0"],
+                      "--inference-sensitivity must be > 0"),
+                     (["--inference-epsilon", "1", "--inference-sensitivity", "1",
+                       "--inference-rate", "0"], "--inference-rate")):
+        assert main(_forecast_args(tmp_path, "--init-from", "none", *bad)) == 2
+        assert msg in capsys.readouterr().err

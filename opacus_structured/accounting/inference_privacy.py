@@ -95,7 +95,6 @@ from .._validation import check_int, check_open_unit, check_positive, check_prob
 from .bounds import BoundKind
 
 __all__ = [
-    "BoundKind",
     "FORECAST_BOUND",
     "MAX_USES",
     "RELEASE_BOUND",

@@ -41,7 +41,7 @@ __all__ = ["add_arguments", "run", "run_forecast", "NOT_PRIVATE_SEEDED"]
 
 #: Defaults of the DP recipe, chosen on public panels only (``benchmarks/forecast_recipe.py``;
 #: docs/guides/forecasting.md shows the study): fine-tuning the public pretrained weights.
-DEFAULTS = dict(model="dlinear", epsilon=1.0, delta=1e-7, max_steps=200, batch_size=64,
+DEFAULTS = dict(model="dlinear", epsilon=1.0, delta=1e-7, max_steps=100, batch_size=64,
                 prediction_length=12, max_grad_norm=1e-4, lr=1e-4, lr_from_scratch=1e-2,
                 tail_average=0.5, num_samples=100)
 
@@ -95,6 +95,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sweep: train once per budget in this comma-separated list (e.g. "
                         "0.5,1,2,4,inf) and write sweep.png (CRPS and MASE against ε with the "
                         "seasonal-naive and non-private lines); replaces --epsilon")
+    p.add_argument("--inference-epsilon", type=float, default=None, metavar="EPS",
+                   help="also forecast the test series from PRIVATE inputs: each series' "
+                        "history is Poisson-subsampled in time and gets Gaussian noise "
+                        "calibrated to this ε (Koga et al. 2022; Schuchardt et al. 2025 App. H); "
+                        "reported separately from the training ε, as its own row")
+    p.add_argument("--inference-sensitivity", type=float, default=None, metavar="V",
+                   help="with --inference-epsilon: the largest change of one protected time "
+                        "step, in the data's units (public; required)")
+    p.add_argument("--inference-rate", type=float, default=0.5, metavar="R",
+                   help="with --inference-epsilon: probability that an input time step is kept "
+                        "(default %(default)g)")
     p.add_argument("--num-series", type=int, default=None,
                    help="use only the first N series (quick runs)")
     p.add_argument("--min-length", type=int, default=1,
@@ -225,8 +236,8 @@ def parse_epsilons(text):
 
 def _initial_weights(init_from, args, freq, progress, log):
     """``(state_dict or None, meta or None)`` for ``--init-from`` (public weights only)."""
-    from ..forecasting.estimators import default_context_length
-    from ..forecasting.pretraining import load_weights, pretrained_weights
+    from ..forecasting.estimators import default_context_length  # optional: gluonts
+    from ..forecasting.pretraining import load_weights, pretrained_weights  # optional: gluonts
 
     if init_from == "none":
         return None, None
@@ -247,6 +258,41 @@ def _initial_weights(init_from, args, freq, progress, log):
                              f"{key}={meta[key]!r} but this run uses {key}={value!r}")
     log(f"initial weights: {meta.get('source')} ({meta.get('path')}); public data only")
     return state, {k: v for k, v in meta.items() if k != "train_seconds"}
+
+
+def _private_inputs_row(args, result, test, truth, rows, seed, log) -> dict:
+    """Forecast the test series from privatized inputs with the trained model; add its row
+    and return the inference-privacy record (separate from the training ε)."""
+    from gluonts.evaluation import make_evaluation_predictions  # optional: gluonts
+
+    from ..forecasting.metrics import evaluate_forecasts  # optional: gluonts
+    from ..forecasting.private_inference import privatize_panel  # optional: gluonts
+
+    t0 = time.perf_counter()
+    released, reports = privatize_panel(
+        test, args.prediction_length, subsampling_rate=args.inference_rate,
+        sensitivity=args.inference_sensitivity, delta=args.delta,
+        epsilon=args.inference_epsilon, seed=seed)
+    f_it, _ = make_evaluation_predictions(dataset=released.to_gluonts(),
+                                          predictor=result.create_predictor(),
+                                          num_samples=args.num_samples)
+    metrics = evaluate_forecasts(list(f_it), truth)  # scored against the true values
+    first = reports[0]
+    record = {key: value for key, value in first.as_dict().items()
+              if key not in ("kept_steps", "series_length")}
+    record.update(series=len(reports), kept_fraction=sum(r.kept_steps for r in reports)
+                  / sum(r.series_length for r in reports), crps=metrics["crps"],
+                  mase=metrics["mase"])
+    if seed is not None:
+        record["seed"] = seed
+    rows.append({"method": f"{rows[0]['method']}, private inputs (ε_in={first.epsilon:.3g})",
+                 **metrics, "epsilon": first.epsilon,
+                 "noise_multiplier": first.noise_multiplier,
+                 "seconds": time.perf_counter() - t0})
+    log(f"inference privacy: every test series' input released with epsilon="
+        f"{first.epsilon:.4g} at delta={first.delta:g} ({first.relation}; separate from the "
+        f"training epsilon)")
+    return record
 
 
 def _sweep_entry(budget, res, row) -> dict:
@@ -317,6 +363,21 @@ def run_forecast(args, *, print_fn=print) -> dict:
         raise ValueError(f"--tail-average must be in [0, 1] (fraction of the last steps whose "
                          f"iterates are averaged), got {tail_average}")
     init_from = getattr(args, "init_from", "none") or "none"
+    inference_epsilon = getattr(args, "inference_epsilon", None)
+    if inference_epsilon is not None:
+        if not (inference_epsilon > 0 and math.isfinite(inference_epsilon)):
+            raise ValueError(f"--inference-epsilon must be finite and > 0, got "
+                             f"{inference_epsilon}")
+        if getattr(args, "inference_sensitivity", None) is None:
+            raise ValueError("--inference-epsilon needs --inference-sensitivity V (the largest "
+                             "change of one protected time step, in the data's units)")
+        if not args.inference_sensitivity > 0:
+            raise ValueError(f"--inference-sensitivity must be > 0, got "
+                             f"{args.inference_sensitivity}")
+        if not 0 < args.inference_rate <= 1:
+            raise ValueError(f"--inference-rate must be in (0, 1], got {args.inference_rate}")
+    elif getattr(args, "inference_sensitivity", None) is not None:
+        raise ValueError("--inference-sensitivity applies to --inference-epsilon only")
     if not 0 < args.delta < 1:
         raise ValueError(f"--delta must be in (0, 1), got {args.delta}")
     if args.max_steps is None and args.epochs is None:
@@ -390,11 +451,13 @@ def run_forecast(args, *, print_fn=print) -> dict:
         f"series (freq {train.freq}), shortest training series {train.min_length} steps, test = "
         f"last {args.prediction_length} steps; {data_report.summary()}")
 
-    rows, forecasts = [], {}
+    rows, forecasts, truth = [], {}, []
 
     def evaluate(name, predictor, extra):
         t0 = time.perf_counter()
-        metrics, fcs, _ = evaluate_predictor(predictor, test_ds, num_samples=args.num_samples)
+        metrics, fcs, series = evaluate_predictor(predictor, test_ds,
+                                                  num_samples=args.num_samples)
+        truth[:] = series
         forecasts[name] = fcs
         row = {"method": name, **metrics, **extra,
                "eval_seconds": time.perf_counter() - t0}
@@ -428,6 +491,9 @@ def run_forecast(args, *, print_fn=print) -> dict:
     main_row = evaluate(row_label(result, args.epsilon), result.create_predictor(), {
         "epsilon": result.epsilon, "noise_multiplier": result.noise_multiplier,
         "steps": result.steps, "seconds": result.train_seconds})
+    inference = None
+    if inference_epsilon is not None:
+        inference = _private_inputs_row(args, result, test, truth, rows, seed, log)
     sweep = None
     if budgets is not None:
         sweep = [_sweep_entry(args.epsilon, result, main_row)]
@@ -454,7 +520,7 @@ def run_forecast(args, *, print_fn=print) -> dict:
             baselines["non_private"] = {k: row[k] for k in ("crps", "mase", "steps", "seconds")}
             baselines["non_private"]["step_seconds"] = np_result.step_seconds
         if init_state is not None:  # reads no private data: costs no privacy
-            from ..forecasting.pretraining import zero_shot_predictor
+            from ..forecasting.pretraining import zero_shot_predictor  # optional: gluonts
 
             row = evaluate("pretrained (public, zero-shot)", zero_shot_predictor(
                 args.model, init_state, freq=train.freq,
@@ -500,6 +566,8 @@ def run_forecast(args, *, print_fn=print) -> dict:
         report["notice"] = NOT_PRIVATE_SEEDED
     if sweep is not None:
         report["sweep"] = sweep
+    if inference is not None:
+        report["inference_privacy"] = inference
     if seed is not None or given_init is not None:
         report["init_seed"] = init_seed
     if args.output:
@@ -552,6 +620,12 @@ def run(args) -> int:
                   f"({report['bound']} bound, structured subsampling, Thm 4.4 of Schuchardt "
                   f"et al. ICML 2025), sigma = {report['noise_multiplier']:.4g}, "
                   f"{report['steps']} steps")
+        if "inference_privacy" in report:
+            inf = report["inference_privacy"]
+            print(f"inference privacy ({'private' if inf['private'] else 'NOT private: seeded'}"
+                  f"; separate from training): epsilon = {inf['epsilon']:.4g} at delta = "
+                  f"{inf['delta']:g} per test series' input ({inf['relation']}), noise "
+                  f"{inf['noise_multiplier']:.4g}·V, keep rate {inf['subsampling_rate']:g}")
         if args.output:
             print(f"report: {os.path.join(args.output, 'report.json')}"
                   + (f", plot: {report['plot']}" if "plot" in report else ""))

@@ -52,8 +52,9 @@ from ..accounting.inference_privacy import (
     time_domain_epsilon,
 )
 from ..samplers._generator import resolve_generator
+from .data import Panel
 
-__all__ = ["InferencePrivacyReport", "privatize_series", "private_forecast"]
+__all__ = ["InferencePrivacyReport", "privatize_series", "private_forecast", "privatize_panel"]
 
 IMPUTATIONS = ("mean", "constant")
 
@@ -274,3 +275,39 @@ def private_forecast(model_fn: Callable[[torch.Tensor], Any], series, *,
     with torch.no_grad():
         forecast = model_fn(released)
     return forecast, report
+
+
+def privatize_panel(panel, holdout: int, *, subsampling_rate: float, sensitivity: float,
+                    delta: float, epsilon: Optional[float] = None,
+                    noise_multiplier: Optional[float] = None, changed_steps: int = 1,
+                    imputation: str = "mean", fill_value: float = 0.0,
+                    value_range: Optional[tuple[float, float]] = None,
+                    seed: Optional[int] = None):
+    """Privatize the forecast inputs of every series of ``panel`` (evaluation of private inputs).
+
+    Each series' history — all but its last ``holdout`` values — is released once through
+    :func:`privatize_series` (fresh coins per series; one protected input per series, so every
+    series gets the same (ε, δ)); the last ``holdout`` values are kept as they are, as the
+    ground truth a held-out evaluation scores against (``make_evaluation_predictions`` removes
+    them before the model sees the input). Returns ``(panel_with_private_inputs, reports)``
+    with one :class:`InferencePrivacyReport` per series. ``seed`` seeds series ``i`` with
+    ``seed + i`` (reproducible, hence not private).
+    """
+    if holdout < 0:
+        raise ValueError(f"holdout must be >= 0, got {holdout}")
+    targets, reports = [], []
+    for i, y in enumerate(panel.targets):
+        y = np.asarray(y, dtype=np.float64)
+        if len(y) <= holdout:
+            raise ValueError(f"series {panel.item_ids[i]!r} has {len(y)} values, no history "
+                             f"before the {holdout} held-out ones")
+        history, future = y[:len(y) - holdout], y[len(y) - holdout:]
+        released, report = privatize_series(
+            history, subsampling_rate=subsampling_rate, sensitivity=sensitivity, delta=delta,
+            epsilon=epsilon, noise_multiplier=noise_multiplier, changed_steps=changed_steps,
+            imputation=imputation, fill_value=fill_value, value_range=value_range,
+            seed=None if seed is None else seed + i)
+        targets.append(np.concatenate([released.numpy(), future]).astype(np.float32))
+        reports.append(report)
+    return Panel(tuple(targets), panel.starts, panel.item_ids, panel.freq,
+                 panel.titles), reports

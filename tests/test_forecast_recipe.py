@@ -286,3 +286,16 @@ def test_forecast_inference_privacy_row_and_report(tmp_path, capsys):
                        "--inference-rate", "0"], "--inference-rate")):
         assert main(_forecast_args(tmp_path, "--init-from", "none", *bad)) == 2
         assert msg in capsys.readouterr().err
+
+
+def test_forecast_warns_when_the_window_covers_the_shortest_series(tmp_path, capsys):
+    args = ["forecast", "--num-series", "6", "--batch-size", "3", "--max-steps", "2",
+            "--context-length", "1000", "--init-from", "none", "--no-baselines",
+            "--num-samples", "5", "--epsilon", "4", "--delta", "1e-5", "--discretization",
+            str(TEST_DISCRETIZATION), "--output", str(tmp_path), "--json", "--no-progress"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    rep = json.loads(captured.out)
+    assert "warning: the model window" in captured.err
+    assert "not shorter than the shortest training series" in rep["warnings"][0]
+    assert (tmp_path / "forecasts.png").stat().st_size > 1000  # dated axes render

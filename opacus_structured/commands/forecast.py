@@ -161,7 +161,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="directory for report.json and forecasts.png (default %(default)s)")
     p.add_argument("--no-plot", action="store_true", help="do not write forecasts.png")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    p.add_argument("--json", action="store_true", help="also print the JSON report")
+    p.add_argument("--json", action="store_true",
+                   help="print the report as one JSON object instead of the table (progress "
+                        "and notices go to stderr)")
 
 
 def _fmt(x, spec=".4g"):
@@ -189,14 +191,18 @@ def _plot(path, panel_test, forecasts_by_method: dict, series_idx, prediction_le
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    import pandas as pd
+
     n = len(series_idx)
     fig, axes = plt.subplots(n, 1, figsize=(9, 2.6 * n), squeeze=False)
     for ax, i in zip(axes[:, 0], series_idx, strict=False):
         y = panel_test.targets[i]
         hist = min(len(y), 4 * prediction_length)
-        xs = range(len(y) - hist, len(y))
-        ax.plot(list(xs), y[-hist:], color="black", lw=1.2, label="observed")
-        x_f = list(range(len(y) - prediction_length, len(y)))
+        dates = pd.period_range(panel_test.starts[i], periods=len(y),
+                                freq=panel_test.freq).to_timestamp()
+        xs = dates[len(y) - hist:]
+        ax.plot(xs, y[-hist:], color="black", lw=1.2, label="observed")
+        x_f = dates[len(y) - prediction_length:]
         for (name, fcs), color in zip(forecasts_by_method.items(),
                                       ("tab:blue", "tab:orange", "tab:green"), strict=False):
             f = fcs[i]
@@ -204,9 +210,10 @@ def _plot(path, panel_test, forecasts_by_method: dict, series_idx, prediction_le
             ax.fill_between(x_f, f.quantile(0.1), f.quantile(0.9), color=color, alpha=0.2)
         title = panel_test.titles[i] if panel_test.titles else panel_test.item_ids[i]
         ax.set_title(f"{title} ({panel_test.item_ids[i]})", fontsize=9)
-        ax.axvline(len(y) - prediction_length - 0.5, color="grey", ls=":", lw=0.8)
+        ax.axvline(dates[len(y) - prediction_length], color="grey", ls=":", lw=0.8)
+        ax.set_ylabel("value")
     axes[0, 0].legend(fontsize=7, loc="upper left")
-    axes[-1, 0].set_xlabel("time index (shaded: 10–90% band; right of dotted line: test)")
+    axes[-1, 0].set_xlabel("date (shaded: 10–90% band; from the dotted line on: test)")
     if banner:  # e.g. NOT_PRIVATE_SEEDED
         fig.suptitle(banner, color="tab:red", fontsize=10, fontweight="bold")
     fig.tight_layout()
@@ -488,6 +495,16 @@ def run_forecast(args, *, print_fn=print) -> dict:
     result = train_at(args.epsilon)
     if result.dp_sgd != dp_sgd or result.reproducible_noise != seeded_dp:
         raise RuntimeError("the trainer's privacy mode differs from the command's")
+    warnings_out = []
+    window = result.prepared.past_length + args.prediction_length
+    if window >= train.min_length:
+        warnings_out.append(
+            f"the model window (input {result.prepared.past_length} incl. lags + forecast "
+            f"{args.prediction_length} = {window} steps) is not shorter than the shortest "
+            f"training series ({train.min_length} steps): every step reads every time step of "
+            "a sampled series (no amplification from window subsampling) and most windows are "
+            "padded; lower --context-length or --prediction-length")
+        print("warning: " + warnings_out[-1], file=sys.stderr)
     main_row = evaluate(row_label(result, args.epsilon), result.create_predictor(), {
         "epsilon": result.epsilon, "noise_multiplier": result.noise_multiplier,
         "steps": result.steps, "seconds": result.train_seconds})
@@ -564,6 +581,8 @@ def run_forecast(args, *, print_fn=print) -> dict:
         report["seed"] = seed
     if seeded_dp:
         report["notice"] = NOT_PRIVATE_SEEDED
+    if warnings_out:
+        report["warnings"] = warnings_out
     if sweep is not None:
         report["sweep"] = sweep
     if inference is not None:

@@ -17,11 +17,13 @@ import argparse
 import json
 import math
 import sys
+import warnings
 from typing import Callable
 
 from . import __version__
 from ._discovery import import_submodules
 from .accounting import pld as pld_lib
+from .accounting import resource_guard
 from .accounting.calibration import calibrate_noise_multiplier
 from .schemes import SCHEMES, Scheme
 
@@ -54,7 +56,12 @@ def _add_common(p: argparse.ArgumentParser, *, calibrate: bool) -> None:
                                  "up: a partial epoch is priced as run)")
     p.add_argument("--delta", type=float, required=True, help="target δ in (0, 1)")
     p.add_argument("--discretization", type=float, default=pld_lib.DEFAULT_DISCRETIZATION,
-                   help="privacy-loss discretisation interval (pessimistic; default %(default)g)")
+                   help="privacy-loss discretisation interval (pessimistic; default %(default)g; "
+                        "at most 0.1, a warning above 0.01)")
+    p.add_argument("--memory-budget", default=None, metavar="SIZE",
+                   help="memory allowed for composing the privacy-loss distribution, e.g. 4GiB "
+                        "(default: $OPACUS_STRUCTURED_MEMORY_BUDGET, else min(2 GiB, RAM/4)); "
+                        "over it a sound cheaper route is used and named, or the command stops")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -92,6 +99,26 @@ def _steps(scheme: Scheme, args) -> int:
     return epochs_to_steps(args.epochs, per_epoch)
 
 
+def _checked_discretization(args) -> None:
+    """Refuse ``--discretization`` above 0.1; one warning line on stderr above 0.01."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resource_guard.check_discretization(args.discretization)
+    for w in caught:
+        print(f"opacus-structured: warning: {w.message}", file=sys.stderr)
+
+
+def _route(eps) -> tuple[dict, str]:
+    """JSON fields and a text label for the route that priced ``eps`` (PLD unless labelled)."""
+    record = eps.record() if isinstance(eps, resource_guard.PricedEpsilon) else {"route": "pld"}
+    route = record["route"]
+    if route == "pld":
+        return record, ""
+    if route == "closed-form":
+        return record, "  (exact closed form)"
+    return record, f"  [{route.upper()} route: {record['route_note']}]"
+
+
 def _emit(args, record: dict, text: str) -> None:
     if args.json:
         print(json.dumps(record, sort_keys=True))
@@ -104,8 +131,10 @@ def _run_epsilon(args) -> int:
     scheme = scheme_class.from_cli_args(args)
     options = scheme_class.pricing_options_from_cli_args(args)  # e.g. a Monte Carlo run's settings
     steps = _steps(scheme, args)
-    eps = scheme.epsilon(args.noise_multiplier, steps, args.delta,
-                         discretization=args.discretization, **options)
+    _checked_discretization(args)
+    with resource_guard.memory_budget_scope(getattr(args, "memory_budget", None)):
+        eps = scheme.epsilon(args.noise_multiplier, steps, args.delta,
+                             discretization=args.discretization, **options)
     seed = getattr(getattr(eps, "estimate", None), "seed", None)  # a Monte Carlo run's seed
     parameters = scheme.describe()
     for value in options.values():
@@ -115,7 +144,9 @@ def _run_epsilon(args) -> int:
     record = {"scheme": scheme.name, "epsilon": eps, "delta": args.delta,
               "noise_multiplier": args.noise_multiplier, "steps": steps, "bound": scheme.bound,
               "discretization": args.discretization, "parameters": parameters}
-    label = {"lower": "  (LOWER BOUND, not a guarantee)",
+    route_fields, route_label = _route(eps)
+    record.update(route_fields)
+    label = route_label + {"lower": "  (LOWER BOUND, not a guarantee)",
              "monte-carlo": "  (MONTE CARLO estimate, holds only with high probability"
                             + ("" if seed is None else f"; seed {seed}") + ")"}.get(
         scheme.bound, "")
@@ -135,16 +166,22 @@ def _run_calibrate(args) -> int:
     steps = _steps(scheme, args)
     if steps == 0:
         raise ValueError("calibration needs at least one step")
+    _checked_discretization(args)
     f = lambda s: scheme.epsilon(s, steps, args.delta, discretization=args.discretization)  # noqa: E731
-    sigma = calibrate_noise_multiplier(f, args.target_epsilon)
-    eps = f(sigma)
+    with resource_guard.memory_budget_scope(getattr(args, "memory_budget", None)):
+        if hasattr(scheme, "noise_for_epsilon"):  # a closed form: calibrate by inversion
+            sigma = scheme.noise_for_epsilon(args.target_epsilon, steps, args.delta)
+        else:
+            sigma = calibrate_noise_multiplier(f, args.target_epsilon)
+        eps = f(sigma)
+    route_fields, route_label = _route(eps)
     record = {"scheme": scheme.name, "noise_multiplier": sigma, "epsilon": eps,
               "target_epsilon": args.target_epsilon, "delta": args.delta, "steps": steps,
               "bound": scheme.bound, "discretization": args.discretization,
-              "parameters": scheme.describe()}
+              "parameters": scheme.describe(), **route_fields}
     _emit(args, record, f"noise multiplier = {sigma:.6g} gives epsilon = {eps:.6g} <= "
                         f"{args.target_epsilon:g} at delta = {args.delta:g} after {steps} steps "
-                        f"(scheme {scheme.name})")
+                        f"(scheme {scheme.name}){route_label}")
     return 0
 
 

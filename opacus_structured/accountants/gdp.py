@@ -2,8 +2,10 @@
 
 Every example is in every step (the batch sampler is
 :class:`~opacus_structured.samplers.full_batch.FullBatchSampler`, so Opacus' hook reports
-``sample_rate = 1``); each step is a Gaussian mechanism with sensitivity 1, priced by its
-pessimistic PLD (tight up to the discretisation; the closed form is μ-GDP with μ = √T/σ).
+``sample_rate = 1``); each step is a Gaussian mechanism with sensitivity 1, i.e. (1/σ)-GDP, and
+steps at noise multipliers σ_i compose to μ-GDP with μ = √(Σ_i 1/σ_i²) (Dong, Roth & Su 2022,
+Cor. 3.3; μ = √T/σ at a constant σ). ε and δ are that closed form (exact, no PLD, memory and time
+independent of the number of steps), the same numbers as ``GDPScheme.epsilon``.
 
 The name is not ``"gdp"``: Opacus registers its own ``"gdp"`` accountant (a central-limit
 approximation for *Poisson* sampling), and replacing it would change what a stock script
@@ -14,6 +16,11 @@ parameters, so the accountant is bound from construction.
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
+from .._validation import check_open_unit
+from ..accounting.gaussian import gdp_delta, gdp_epsilon
 from ..schemes.gdp import GDPScheme
 from .base import SchemeAccountant
 
@@ -26,3 +33,25 @@ class GDPFullBatchAccountant(SchemeAccountant):
     default_scheme = GDPScheme()
     mechanism_name = "gdp-full-batch"
     scheme_class = GDPScheme
+
+    def mu(self) -> float:
+        """μ = √(Σ_i n_i/σ_i²) of the recorded history (``n_i`` steps at ``σ_i``)."""
+        total = 0.0
+        for sigma, q, n in self.history:
+            if n:
+                self.scheme.check_sample_rate(q)
+                total += int(n) / float(sigma) ** 2
+        return math.sqrt(total)
+
+    def get_epsilon(self, delta: float, *, discretization: Optional[float] = None,
+                    **kwargs) -> float:
+        """Exact ε(δ) of μ-GDP (``discretization`` is accepted and unused)."""
+        self._require_observed()
+        return gdp_epsilon(check_open_unit("delta", delta), self.mu())
+
+    def get_delta(self, epsilon: float, *, discretization: Optional[float] = None) -> float:
+        """Exact δ(ε) of μ-GDP."""
+        self._require_observed()
+        if math.isnan(epsilon):
+            raise ValueError("epsilon must not be NaN")
+        return float(gdp_delta(float(epsilon), self.mu()))

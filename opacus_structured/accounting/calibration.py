@@ -1,6 +1,8 @@
 r"""Noise calibration: the smallest noise multiplier whose ε stays within a target.
 
-:func:`calibrate_noise_multiplier` brackets the target by doubling/halving σ and then bisects on
+:func:`calibrate_noise_multiplier` first checks that the target is reachable at all (one
+evaluation at the largest σ searched, ``max_sigma``: fails at once with :class:`CalibrationError`
+otherwise), then brackets the target by doubling/halving σ and bisects on
 σ (ε is non-increasing in σ for every scheme here). It returns the *upper* end of the final
 bracket, so ``epsilon(result) <= target_epsilon`` always holds: calibration never
 under-reports. :func:`calibrate_within_tolerance` bisects until ε itself is within a relative
@@ -42,6 +44,16 @@ def _bracket_from_above(ev: Callable[[float], float], target_epsilon: float, ini
     """``(σ, ε(σ))`` with ``ε(σ) ≤ target``, doubling σ from ``initial`` (``CalibrationError``
     past ``max_sigma``)."""
     hi = check_positive("initial", initial)
+    if hi < max_sigma:
+        # Reachability first: ε is non-increasing in σ, so if the largest σ searched misses the
+        # target no bracket exists. A large σ has a narrow PLD, so this costs one cheap
+        # evaluation and an unreachable target fails at once instead of after the doubling.
+        eps_max = ev(max_sigma)
+        if eps_max > target_epsilon:
+            raise CalibrationError(
+                f"target_epsilon={target_epsilon} is out of reach: even noise_multiplier="
+                f"{max_sigma:g} gives epsilon={eps_max:.4g}; raise the budget or take fewer "
+                f"steps")
     eps_hi = ev(hi)
     while eps_hi > target_epsilon:
         if hi >= max_sigma:

@@ -81,10 +81,11 @@ def gdp_epsilon(delta: float, mu: float) -> float:
         if hi > 1e6:
             raise ValueError(f"epsilon for delta={delta} and mu={mu} exceeds 1e6")
     f = lambda e: math.log(max(gdp_delta(e, mu), 1e-300)) - math.log(delta)  # noqa: E731
-    eps = optimize.brentq(f, 0.0, hi, xtol=1e-12, rtol=1e-14, maxiter=500)
+    # Relative tolerance only: an absolute xtol would swamp tiny epsilons (1e-9 targets).
+    eps = optimize.brentq(f, 0.0, hi, xtol=1e-300, rtol=1e-14, maxiter=500)
     # Round up until the guarantee holds exactly (Brent's root may sit a hair below).
     while gdp_delta(eps, mu) > delta:
-        eps = math.nextafter(eps, math.inf) + 1e-12 * max(1.0, eps)
+        eps = max(math.nextafter(eps, math.inf), eps * (1.0 + 1e-13))
     return float(eps)
 
 

@@ -21,6 +21,7 @@ from dp_accounting.pld import pld_pmf
 from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 
 from .._validation import check_finite, check_int, check_open_unit, check_positive
+from . import resource_guard
 from .profiles import PrivacyProfile
 
 __all__ = [
@@ -84,12 +85,20 @@ def pld_from_profile(remove: PrivacyProfile, add: PrivacyProfile | None = None, 
 
 
 def self_compose(pld: PrivacyLossDistribution, count: int) -> PrivacyLossDistribution | None:
-    """``count``-fold composition; ``None`` for zero compositions (no privacy spent)."""
+    """``count``-fold composition; ``None`` for zero compositions (no privacy spent).
+
+    Raises:
+        ResourceBudgetError: (a ``ValueError``) when the composed grid would exceed the memory
+            budget of :mod:`.resource_guard`; nothing large has been allocated then.
+    """
     count = check_int("count", count, minimum=0)
     if count == 0:
         return None
     if count == 1:
         return pld
+    # Estimate the composed grid first: raise ResourceBudgetError instead of allocating past
+    # the memory budget (see :mod:`.resource_guard`).
+    resource_guard.check_self_compose(pld, count)
     return pld.self_compose(count, tail_mass_truncation=TAIL_MASS_TRUNCATION)
 
 
@@ -100,8 +109,11 @@ def compose(parts: Iterable[tuple[PrivacyLossDistribution, int]]) -> PrivacyLoss
         composed = self_compose(pld, count)
         if composed is None:
             continue
-        result = composed if result is None else result.compose(
-            composed, tail_mass_truncation=TAIL_MASS_TRUNCATION)
+        if result is None:
+            result = composed
+            continue
+        resource_guard.check_compose(result, composed)
+        result = result.compose(composed, tail_mass_truncation=TAIL_MASS_TRUNCATION)
     return result
 
 

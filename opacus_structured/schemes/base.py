@@ -25,6 +25,7 @@ from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 from .._validation import check_int, check_positive
 from ..accounting import pld as pld_lib
 from ..accounting.bounds import BoundKind
+from ..accounting.resource_guard import MAX_DISCRETIZATION, PricedEpsilon, ResourceBudgetError
 from .registry import SCHEMES, get_scheme_class, register_scheme, sampler_factory_for
 
 __all__ = ["Scheme", "SCHEMES", "register_scheme", "get_scheme_class", "BoundKind"]
@@ -135,7 +136,50 @@ class Scheme(abc.ABC):
         if n == 0:
             return 0.0
         step = self.pld(noise_multiplier, sample_rate=sample_rate, discretization=discretization)
-        return pld_lib.epsilon_for_delta(pld_lib.self_compose(step, n), delta)
+        try:
+            return pld_lib.epsilon_for_delta(pld_lib.self_compose(step, n), delta)
+        except ResourceBudgetError as exc:
+            return self.epsilon_over_budget(exc, noise_multiplier, steps, delta,
+                                            discretization=discretization,
+                                            sample_rate=sample_rate)
+
+    def epsilon_over_budget(self, error: ResourceBudgetError, noise_multiplier: float,
+                            steps: int, delta: float, *, discretization: float,
+                            sample_rate: float | None = None) -> PricedEpsilon:
+        r"""ε when the PLD at ``discretization`` would exceed the memory budget (``error``).
+
+        Default route: the same pessimistic PLD on a coarser grid
+        :math:`d' = d \cdot r` with :math:`r \ge 1.25\,\text{estimate}/\text{budget}` (the
+        composed grid has :math:`\propto 1/d` points), as long as :math:`d' \le`
+        :data:`~opacus_structured.accounting.resource_guard.MAX_DISCRETIZATION`. A pessimistic
+        discretisation upper-bounds ε at every grid step, so the result is sound; it is looser
+        than at ``d`` by the extra rounding (less than one grid step :math:`d'` of privacy loss
+        per composition) and labelled ``route="coarse-pld"``. Otherwise ``error`` is re-raised
+        (one line naming ``--memory-budget``). Schemes with a cheaper sound route (a closed form,
+        an RDP bound) override this.
+        """
+        ratio = max(error.estimated_bytes / max(error.budget, 1), 1.0)
+        coarse = discretization
+        for _ in range(8):
+            coarse = float(f"{coarse * max(1.25 * ratio, 2.0):.2g}")
+            if coarse > MAX_DISCRETIZATION:
+                raise error
+            step = self.pld(noise_multiplier, sample_rate=sample_rate, discretization=coarse)
+            try:
+                value = pld_lib.epsilon_for_delta(
+                    pld_lib.self_compose(step, self.compositions(steps)), delta)
+            except ResourceBudgetError as again:
+                ratio = max(again.estimated_bytes / max(again.budget, 1), 1.0)
+                continue
+            return PricedEpsilon(
+                value, "coarse-pld",
+                f"pessimistic PLD on a coarser grid (discretization {coarse:g} instead of "
+                f"{discretization:g}) to stay within the memory budget: still an upper bound, "
+                f"looser by the extra rounding (under one grid step of privacy loss per "
+                f"composition); raise --memory-budget for the requested grid",
+                discretization_used=coarse, refused_estimate_bytes=error.estimated_bytes,
+                memory_budget_bytes=error.budget)
+        raise error
 
     def delta(self, noise_multiplier: float, steps: int, epsilon: float, *,
               discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
@@ -145,6 +189,8 @@ class Scheme(abc.ABC):
         n = self.compositions(steps)
         step = None if n == 0 else self.pld(
             noise_multiplier, sample_rate=sample_rate, discretization=discretization)
+        # Over the memory budget, self_compose raises ResourceBudgetError (a ValueError naming
+        # --memory-budget) before allocating; schemes with a closed form override delta().
         return pld_lib.delta_for_epsilon(pld_lib.self_compose(step, n) if step else None,
                                          epsilon)
 

@@ -23,7 +23,8 @@ from dp_accounting.pld import privacy_loss_distribution as dp_pld
 
 from .._validation import check_int, check_positive
 from ..accounting import pld as pld_lib
-from ..accounting.gaussian import gdp_epsilon
+from ..accounting.gaussian import gdp_delta, gdp_epsilon, gdp_mu
+from ..accounting.resource_guard import PricedEpsilon
 from .base import BoundKind, Scheme, register_scheme
 
 __all__ = ["GDPScheme"]
@@ -52,6 +53,59 @@ class GDPScheme(Scheme):
         return dp_pld.from_gaussian_mechanism(
             standard_deviation=sigma, sensitivity=1.0, pessimistic_estimate=True,
             value_discretization_interval=check_positive("discretization", discretization))
+
+    def epsilon(self, noise_multiplier, steps, delta, *,
+                discretization=pld_lib.DEFAULT_DISCRETIZATION, sample_rate=None):
+        r"""ε(δ) in closed form, no PLD (memory and time independent of ``steps``).
+
+        :math:`T` steps are :math:`\mu`-GDP with :math:`\mu = \sqrt{T}/\sigma`, whose exact
+        profile is :math:`\delta(\varepsilon) = \Phi(-\varepsilon/\mu + \mu/2)
+        - e^{\varepsilon}\Phi(-\varepsilon/\mu - \mu/2)`; ε(δ) is its root, found by Brent's
+        method in log space and rounded up (:func:`~opacus_structured.accounting.gaussian.gdp_epsilon`).
+        It is the exact ε: the pessimistic PLD route is at or above it by the discretisation.
+        ``discretization`` is accepted for a uniform signature and unused (route
+        ``"closed-form"``).
+        """
+        self.check_sample_rate(sample_rate)
+        check_positive("discretization", discretization)
+        value = self.gdp_epsilon(noise_multiplier, steps, delta)
+        return PricedEpsilon(value, "closed-form",
+                             "exact mu-GDP closed form, mu = sqrt(T)/sigma (no discretisation)",
+                             mu=self.mu(noise_multiplier, steps))
+
+    def delta(self, noise_multiplier, steps, epsilon, *,
+              discretization=pld_lib.DEFAULT_DISCRETIZATION, sample_rate=None):
+        """δ(ε) of μ-GDP with μ = √T/σ, exact (:func:`~opacus_structured.accounting.gdp_delta`)."""
+        self.check_sample_rate(sample_rate)
+        check_positive("discretization", discretization)
+        return gdp_delta(epsilon, self.mu(noise_multiplier, steps))
+
+    def noise_for_epsilon(self, target_epsilon: float, steps: int, delta: float) -> float:
+        r"""Smallest σ with ε(δ) ≤ ``target_epsilon`` after ``steps`` steps, by inversion:
+        :math:`\mu^* = ` :func:`~opacus_structured.accounting.gdp_mu` (largest μ meeting
+        (ε, δ), rounded down) and :math:`\sigma = \sqrt{T}/\mu^*`, rounded up until
+        ``gdp_epsilon`` confirms the target (never under-reports)."""
+        target_epsilon = check_positive("target_epsilon", target_epsilon)
+        steps = check_int("steps", steps, minimum=1)
+        mu = gdp_mu(target_epsilon, delta)
+        if not mu > 0:
+            raise ValueError(f"no noise multiplier reaches epsilon={target_epsilon:g} at "
+                             f"delta={delta:g} (the largest mu is 0)")
+        sigma = math.sqrt(steps) / mu
+        if not math.isfinite(sigma):
+            raise ValueError(f"epsilon={target_epsilon:g} at delta={delta:g} after {steps} "
+                             f"steps needs an infinite noise multiplier")
+        # gdp_mu and gdp_epsilon solve the same equation to floating-point accuracy (relative
+        # ~1e-6 when mu is tiny and delta(eps) is a difference of two near-equal Phi values):
+        # raise sigma by a geometrically growing step until both confirm the target.
+        bump = 1e-12
+        for _ in range(64):
+            if (gdp_delta(target_epsilon, self.mu(sigma, steps)) <= delta
+                    and self.gdp_epsilon(sigma, steps, delta) <= target_epsilon):
+                return sigma
+            sigma = math.nextafter(sigma * (1.0 + bump), math.inf)
+            bump *= 2.0
+        raise ValueError(f"could not confirm sigma={sigma:g} for epsilon={target_epsilon:g}")
 
     @classmethod
     def from_training(cls, *, dataset_size: int, steps_per_epoch: int,

@@ -1,7 +1,8 @@
 """DP DeepAR on the bundled US employment panel (structured subsampling).
 
-DeepAR's LSTM is swapped for FastDPLSTM (Opacus' DPLSTM per-sample gradients, faster), and its
-model input window includes the lags:
+DeepAR's LSTM is replaced by this package's FastDPLSTM (the default, ``lstm_impl="fast"``): a
+drop-in ``nn.LSTM`` with exact per-sample gradients, the same as Opacus' DPLSTM gives
+(``lstm_impl="opacus"``) but much faster. DeepAR's model input window includes the lags:
 ``L_C = context_length + max(lags) - 1``; the accountant is given exactly that window.
 
 Run: ``python examples/forecast_deepar.py [--device cuda] [--epsilon 1]``.

@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_callbacks import DPCallback, IndividualGDPFilter, PerSampleEpsilonTracker
+from opacus_structured._optional import install_excepthook, require
 from opacus_structured.accounting.individual_gdp import budget_from_steps
 from opacus_structured.schemes.gdp import GDPScheme
 from opacus_structured.schemes.poisson import PoissonScheme
@@ -100,8 +101,8 @@ def main(argv=None):
         p.error("--filter-steps must be in [1, --steps]")
 
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    load_digits = require("sklearn.datasets", "this example's data set").load_digits
+    train_test_split = require("sklearn.model_selection").train_test_split
 
     xs, ys = load_digits(return_X_y=True)
     xs = (xs / 16.0).astype(np.float32)
@@ -148,4 +149,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    install_excepthook()  # a missing extra: one install line, no traceback
     main()

@@ -15,11 +15,11 @@ import warnings
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_callbacks.dp_callback import DPCallback
+from opacus_structured._optional import install_excepthook, require
 from opacus_structured.schemes.poisson import PoissonScheme
 
 
@@ -56,7 +56,7 @@ def main(argv=None):
     warnings.filterwarnings("ignore")
     torch.manual_seed(args.seed)
 
-    digits = load_digits()
+    digits = require("sklearn.datasets", "this example's data set").load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     y = torch.tensor(digits.target)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(args.seed))
@@ -84,4 +84,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    install_excepthook()  # a missing extra: one install line, no traceback
     main()

@@ -36,11 +36,11 @@ import warnings
 import torch
 from opacus import PrivacyEngine
 from opacus.accountants import PRVAccountant, RDPAccountant
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import opacus_structured
+from opacus_structured._optional import install_excepthook, require
 from opacus_structured.optim import CorrelatedNoisePrivacyEngine
 
 SCHEME = "poisson"  # <- the one line: which of our schemes samples and prices training
@@ -67,7 +67,7 @@ CORRELATED = {"bandmf-cyclic-poisson"}
 
 
 def load_data(seed: int):
-    digits = load_digits()
+    digits = require("sklearn.datasets", "this example's data set").load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     y = torch.tensor(digits.target)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
@@ -160,4 +160,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    install_excepthook()  # a missing extra: one install line, no traceback
     main()

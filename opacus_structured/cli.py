@@ -245,6 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"opacus-structured: error: {exc}", file=sys.stderr)
         return 2
+    except ImportError as exc:  # a missing optional package: one line naming the extra
+        from ._optional import install_hint
+
+        hint = install_hint(exc)
+        if hint is None:
+            raise
+        print(f"opacus-structured: error: {hint}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 r"""Opacus accountant with per-example (individual) GDP state: ``"individual-gdp"``.
 
 Koskela, Tobaben & Honkela, "Individual Privacy Accounting with Gaussian Differential Privacy"
-(arXiv:2209.15596, AISTATS 2023). Per example :math:`i` it keeps, as torch tensors on the
+(arXiv:2209.15596, ICLR 2023). Per example :math:`i` it keeps, as torch tensors on the
 training device and indexed by dataset index,
 
 * ``observed_mu_sq[i]`` :math:`=\sum_{j \ni i} (\mu_j^{(i)})^2` over the steps whose batch

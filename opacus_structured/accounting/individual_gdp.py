@@ -1,7 +1,7 @@
 r"""Individual (per-example) privacy accounting with Gaussian differential privacy.
 
 Koskela, Tobaben & Honkela, *Individual Privacy Accounting with Gaussian Differential Privacy*
-(arXiv:2209.15596, AISTATS 2023). Pure numpy/scipy: no torch (the torch state lives in
+(arXiv:2209.15596, ICLR 2023). Pure numpy/scipy: no torch (the torch state lives in
 :mod:`opacus_structured.accountants.individual_gdp` and :mod:`lightning_callbacks`).
 
 Exact results (certified):

@@ -47,7 +47,7 @@ Two recurrences compute ``(hs, h_n, c_n)`` and ``G`` (``recurrence=``):
 Why not a module with its own grad sampler for ``W_hh``? Opacus' full backward hook fires
 before the module's internal backward when the module input does not require grad, so a
 recurrence module could not hand its internal ``G`` to a registered grad sampler reliably; the
-formulation above needs no custom sampler at all (design choice, see the helper-10 brief).
+formulation above needs no custom sampler at all.
 
 Exactness: with the weights of an ``nn.LSTM`` (``replace_lstm`` copies them) the forward is the
 LSTM recurrence of ``torch.nn.LSTM`` and the per-sample gradients equal those of Opacus'

@@ -15,7 +15,7 @@ Registered as ``GDPScheme``'s sampler, so ``GDPScheme().sampler(n)`` builds it (
 ``DPCallback(scheme=GDPScheme())`` installs it). Valid accountant: the one the registry names for
 ``GDPScheme`` (the Gaussian mechanism with sensitivity C composed T times:
 :math:`\sqrt{T}/\sigma`-GDP), and the individual GDP filter and tracker of Koskela, Tobaben &
-Honkela, "Individual Privacy Accounting with Gaussian Differential Privacy" (AISTATS 2023),
+Honkela, "Individual Privacy Accounting with Gaussian Differential Privacy" (ICLR 2023, arXiv:2209.15596),
 whose Theorem 1 is stated for exactly this setting.
 """
 

@@ -468,7 +468,8 @@ class MonteCarloSettings:
         parser.add_argument("--confidence-failure", type=float,
                             default=default.failure_probability, metavar="q",
                             help="failure probability q of the Monte Carlo upper estimate")
-        parser.add_argument("--workers", type=int, default=None)
+        parser.add_argument("--workers", type=int, default=None,
+                            help="worker processes (default: all cores; 1: inline)")
         parser.add_argument("--device", default=None, help="torch device (e.g. cuda)")
 
     @classmethod

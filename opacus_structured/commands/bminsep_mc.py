@@ -38,20 +38,28 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         p = sub.add_parser(action, help=help_)
         BMinSepMonteCarloScheme.add_cli_arguments(p)
         p.add_argument("--steps", type=int, required=True, help="iterations n")
-        p.add_argument("--delta", type=float, required=True)
-        p.add_argument("--json", action="store_true")
+        p.add_argument("--delta", type=float, required=True, help="target δ in (0, 1)")
+        p.add_argument("--json", action="store_true", help="print one JSON object")
         if action == "estimate":
-            p.add_argument("--noise-multiplier", type=float, required=True)
+            p.add_argument("--noise-multiplier", type=float, required=True,
+                           help="σ: noise std divided by the clipping norm, > 0")
             p.add_argument("--directory", default=None,
                            help="save/resume shards here (seed-addressed, mergeable)")
-            p.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE)
-            p.add_argument("--progress", action="store_true")
+            p.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE,
+                           help="Monte Carlo samples per shard (default %(default)d)")
+            p.add_argument("--progress", action="store_true",
+                           help="progress bar over the shards on stderr")
         else:
-            p.add_argument("--target-epsilon", type=float, required=True)
-            p.add_argument("--sigma-min", type=float, required=True)
-            p.add_argument("--sigma-max", type=float, default=None)
+            p.add_argument("--target-epsilon", type=float, required=True,
+                           help="privacy budget ε > 0 to certify")
+            p.add_argument("--sigma-min", type=float, required=True,
+                           help="smallest noise multiplier on the grid searched (least noise)")
+            p.add_argument("--sigma-max", type=float, default=None,
+                           help="largest noise multiplier on the grid (default: the fallback's)")
             p.add_argument("--fallback", choices=("unamplified", "cyclic-poisson"),
-                           default="unamplified")
+                           default="unamplified",
+                           help="closed-form mechanism used when no grid point certifies "
+                                "(default %(default)s)")
     parser.set_defaults(func=_run)
 
 

@@ -136,7 +136,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sample paths per forecast")
     p.add_argument("--no-baselines", action="store_true",
                    help="skip the non-private and seasonal-naive baselines")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="torch device for training (default cpu)")
     p.add_argument("--lstm-impl", choices=("fast", "opacus"), default="fast",
                    help="DP LSTM for DeepAR: fast (FastDPLSTM, default) or opacus (DPLSTM); "
                         "same per-window gradients")

@@ -22,11 +22,12 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from .. import _progress
 from ..accounting import pld as pld_lib
 from ..cli import register_command
 from ..schemes.structured import StructuredScheme
 
-__all__ = ["structured_curves", "PRESETS", "parse_curve"]
+__all__ = ["structured_curves", "PRESETS", "parse_curve", "coinciding_curves"]
 
 _FIG_BASE = dict(num_series=320, series_length=20, context_length=1, forecast_length=1,
                  batch_size=32)
@@ -86,31 +87,64 @@ def structured_curves(base: StructuredScheme, curves: Iterable[dict], steps: Seq
     return rows
 
 
+def coinciding_curves(rows: Sequence[dict], *, rtol: float = 1e-9) -> list:
+    """For each row, the index of an earlier row with the same ε grid and δ(ε) (to ``rtol``),
+    else ``None``: such a curve would be drawn exactly over the earlier one and be invisible."""
+    out = []
+    for i, row in enumerate(rows):
+        twin = next((j for j in range(i)
+                     if np.array_equal(rows[j]["epsilons"], row["epsilons"])
+                     and np.allclose(rows[j]["deltas"], row["deltas"], rtol=rtol, atol=0.0)),
+                    None)
+        out.append(twin)
+    return out
+
+
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="plot_kind", required=True)
     sp = sub.add_parser("structured", help="δ(ε) curves of structured subsampling")
-    sp.add_argument("--preset", choices=sorted(PRESETS), help="paper figure settings")
-    for flag, kind, metavar in (("--num-series", int, "N"), ("--series-length", int, "L"),
-                                ("--context-length", int, "LC"), ("--forecast-length", int, "LF"),
-                                ("--batch-size", int, "B"), ("--instances-per-series", int, "LAMBDA"),
-                                ("--w", int, "W"), ("--context-noise", float, "SC"),
-                                ("--forecast-noise", float, "SF")):
-        sp.add_argument(flag, type=kind, metavar=metavar)
-    sp.add_argument("--top-level", choices=("wor", "deterministic", "shuffle"))
-    sp.add_argument("--bottom-level", choices=("wr", "poisson"))
-    sp.add_argument("--relation", choices=("event", "user"))
-    sp.add_argument("--bound", choices=("tight", "upper", "lower"))
+    sp.add_argument("--preset", choices=sorted(PRESETS),
+                    help="paper figure settings (Schuchardt et al., ICML 2025, Fig. 2 / Fig. 4); "
+                         "flags given as well override the preset")
+    for flag, kind, metavar, helptext in (
+            ("--num-series", int, "N", "number of time series N"),
+            ("--series-length", int, "L", "length L of every series"),
+            ("--context-length", int, "LC", "context (input) window length L_C"),
+            ("--forecast-length", int, "LF", "forecast (target) window length L_F"),
+            ("--batch-size", int, "B", "batch size Λ (windows per step)"),
+            ("--instances-per-series", int, "LAMBDA",
+             "windows drawn per sampled series λ (default 1)"),
+            ("--w", int, "W", "bottom-level window-start range W (default: all starts)"),
+            ("--context-noise", float, "SC", "data-augmentation noise σ_C on the context"),
+            ("--forecast-noise", float, "SF", "data-augmentation noise σ_F on the forecast")):
+        sp.add_argument(flag, type=kind, metavar=metavar, help=helptext)
+    sp.add_argument("--top-level", choices=("wor", "deterministic", "shuffle"),
+                    help="how series are chosen per step: without replacement, deterministic "
+                         "(cyclic) or shuffled epochs")
+    sp.add_argument("--bottom-level", choices=("wr", "poisson"),
+                    help="how windows are drawn inside a series: with replacement or Poisson")
+    sp.add_argument("--relation", choices=("event", "user"),
+                    help="neighbouring relation: one time step (event) or one whole series (user)")
+    sp.add_argument("--bound", choices=("tight", "upper", "lower"),
+                    help="which analysis prices the scheme (lower: optimistic, not a guarantee)")
     sp.add_argument("--noise-multiplier", type=float, help="σ (preset: 1)")
     sp.add_argument("--steps", type=int, nargs="+", help="step counts (one curve each)")
     sp.add_argument("--curve", action="append", default=[],
                     help="scheme overrides key=value[,key=value] for one curve (repeatable)")
-    sp.add_argument("--eps-min", type=float, default=1e-3)
-    sp.add_argument("--eps-max", type=float, default=10.0)
-    sp.add_argument("--points", type=int, default=120)
+    sp.add_argument("--eps-min", type=float, default=1e-3,
+                    help="smallest ε on the x axis (default %(default)g)")
+    sp.add_argument("--eps-max", type=float, default=10.0,
+                    help="largest ε on the x axis (default %(default)g)")
+    sp.add_argument("--points", type=int, default=120,
+                    help="ε values per curve, log-spaced (default %(default)d)")
     sp.add_argument("--discretization", type=float, default=1e-3,
                     help="pessimistic PLD discretisation (default %(default)g)")
-    sp.add_argument("-o", "--output", required=True, help="output image (PNG/PDF/SVG)")
-    sp.add_argument("--title", default=None)
+    sp.add_argument("-o", "--output", required=True,
+                    help="output image (PNG/PDF/SVG); its directory is created")
+    sp.add_argument("--title", default=None, help="figure title (default: names σ)")
+    sp.add_argument("--no-progress", action="store_true",
+                    help="no progress bar on stderr (it is hidden anyway when stderr is not a "
+                         "terminal)")
 
 
 def _run(args) -> int:
@@ -138,27 +172,36 @@ def _run(args) -> int:
     if args.points < 2:
         raise ValueError("--points must be >= 2")
     eps = np.logspace(np.log10(args.eps_min), np.log10(args.eps_max), args.points)
-    rows = structured_curves(StructuredScheme(**base), curves, steps, sigma, eps,
-                             discretization=args.discretization)
+    with _progress.elapsed("pricing curves", show=_progress.enabled(args.no_progress)):
+        rows = structured_curves(StructuredScheme(**base), curves, steps, sigma, eps,
+                                 discretization=args.discretization)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for row in rows:
+    for row, twin in zip(rows, coinciding_curves(rows)):
         d = np.maximum(row["deltas"], 1e-300)
-        ax.loglog(row["epsilons"], d, "--" if row["bound"] == "lower" else "-",
-                  label=row["label"])
+        style = dict(linestyle="--" if row["bound"] == "lower" else "-", label=row["label"])
+        if twin is not None:  # drawn exactly over an earlier curve: markers + dots, and say so
+            style.update(linestyle=":", marker="o", markevery=max(1, len(d) // 12),
+                         markersize=4, markerfacecolor="none",
+                         label=f"{row['label']} (coincides with curve {twin + 1})")
+        ax.loglog(row["epsilons"], d, **style)
     ax.set_xlabel("ε")
     ax.set_ylabel("δ(ε)")
     ax.set_title(args.title or f"structured subsampling, σ = {sigma:g}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)  # like forecast
-    fig.savefig(args.output, dpi=110)
-    plt.close(fig)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)  # like forecast
+        fig.savefig(args.output, dpi=110)
+    except OSError as exc:  # unwritable directory, unknown extension's backend error, ...
+        raise ValueError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
     print(f"wrote {args.output} ({len(rows)} curves)")
     return 0
 

@@ -164,7 +164,10 @@ class BandMFCyclicPoissonScheme(Scheme):
                             help="expected batch size (bands * B <= |D|)")
         parser.add_argument("--strategy", default="optimal-banded", choices=BANDED_STRATEGIES,
                             help="strategy matrix family (default optimal-banded)")
-        parser.add_argument("--partition", default="equal", choices=("equal", "independent"))
+        parser.add_argument("--partition", default="equal", choices=("equal", "independent"),
+                            help="how the data is split into the b cyclic groups: equal (equal "
+                                 "split of a random permutation, default) or independent (each "
+                                 "example joins a uniformly random group)")
 
     @classmethod
     def from_cli_args(cls, args):

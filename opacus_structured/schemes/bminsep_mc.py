@@ -310,7 +310,8 @@ class BMinSepMonteCarloScheme(Scheme):
         """The scheme's flags and the run's (:meth:`MonteCarloSettings.add_cli_arguments`)."""
         parser.add_argument("--bands", type=int, required=True, metavar="b",
                             help="bands of C and (default) the min separation b")
-        parser.add_argument("--dataset-size", type=int, required=True, metavar="N")
+        parser.add_argument("--dataset-size", type=int, required=True, metavar="N",
+                            help="number of examples |D| (public)")
         parser.add_argument("--batch-size", type=float, required=True, metavar="B",
                             help="expected batch size (b * B <= N)")
         parser.add_argument("--min-sep", type=int, default=None,
@@ -325,7 +326,8 @@ class BMinSepMonteCarloScheme(Scheme):
         parser.add_argument("--sampling-prob", type=float, default=None, metavar="p",
                             help="interim sampling rate p of Algorithm 3 (only with "
                                  "--max-user-examples > 1)")
-        parser.add_argument("--strategy", choices=STRATEGY_CHOICES, default="optimal-banded")
+        parser.add_argument("--strategy", choices=STRATEGY_CHOICES, default="optimal-banded",
+                            help="banded Toeplitz noise strategy C (default %(default)s)")
         MonteCarloSettings.add_cli_arguments(parser)
 
     @classmethod

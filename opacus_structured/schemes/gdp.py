@@ -41,6 +41,10 @@ class GDPScheme(Scheme):
     def expected_sample_rate(self) -> float:
         return 1.0
 
+    def steps_per_epoch(self) -> int:
+        """One step per epoch: every step uses the whole dataset."""
+        return 1
+
     @property
     def bound(self) -> str:
         return BoundKind.TIGHT

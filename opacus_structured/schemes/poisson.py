@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from typing import Optional
 
 from .._validation import check_int, check_positive, check_probability
@@ -77,6 +78,14 @@ class PoissonScheme(Scheme):
 
     def expected_sample_rate(self):
         return self.sample_rate
+
+    def steps_per_epoch(self) -> int:
+        """``floor(1/q)`` steps per epoch, as Opacus counts them (``len(DPDataLoader)`` for a
+        loader whose rate is ``q = 1/len(loader)``); needs a fixed ``sample_rate``."""
+        if self.sample_rate is None:
+            raise NotImplementedError("a PoissonScheme without sample_rate has no epoch length "
+                                      "(the rate comes from Opacus' hook)")
+        return max(1, math.floor(1.0 / self.sample_rate + 1e-9))
 
     def implemented_by(self, sampler_scheme) -> bool:
         """Any Poisson sampler when the rate comes from Opacus' hook (``sample_rate=None``:

@@ -13,8 +13,9 @@ themselves here from the layer above, keyed by scheme class:
   ``runners/``), so the description never imports the machinery that prices it.
 
 Lookups walk the scheme's MRO, so a subclass of a scheme inherits its sampler and accountant
-unless it registers its own. ``import opacus_structured`` imports every layer, so every
-registration has happened before a lookup.
+unless it registers its own. A lookup that misses first imports every layer once
+(:func:`opacus_structured._lazy.ensure_loaded`; ``import opacus_structured`` itself is lazy), so
+every registration has happened before a lookup answers "none".
 
 Noise strategies are not registered: they are math (``accounting/strategies.py``), which a
 scheme imports directly.
@@ -23,6 +24,8 @@ scheme imports directly.
 from __future__ import annotations
 
 from typing import Callable, Optional
+
+from .._lazy import ensure_loaded
 
 __all__ = ["SCHEMES", "register_scheme", "get_scheme_class", "register_sampler",
            "sampler_factory_for", "register_accountant", "accountant_class_for",
@@ -67,6 +70,8 @@ def _lookup(table: dict, scheme) -> Optional[object]:
     for klass in type(scheme).__mro__:
         if klass in table:
             return table[klass]
+    if ensure_loaded():  # the layers were not imported yet (lazy package): load, look again
+        return _lookup(table, scheme)
     return None
 
 

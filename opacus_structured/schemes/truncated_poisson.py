@@ -123,6 +123,23 @@ class TruncatedPoissonScheme(Scheme):
         """η: probability that any of ``steps`` batches is truncated (baseline)."""
         return tp.truncation_eta(self.dataset_size, self.sample_rate, self.max_batch_size, steps)
 
+    def infinite_epsilon_reason(self, noise_multiplier: float, steps: int,
+                                delta: float) -> str | None:
+        """Why ε(δ) is infinite, in one sentence (``None``: no scheme-specific reason; the
+        command line then gives the generic one)."""
+        if self.analysis != "baseline":
+            return None
+        eta = self.eta(steps)
+        if eta >= delta:
+            return (f"the baseline analysis spends delta on truncation: it needs delta > eta, "
+                    f"but the probability that any of the {steps} batches is truncated is "
+                    f"eta = {eta:.3g} >= delta = {delta:g}; use --analysis tight, a larger "
+                    f"--max-batch-size or a larger --delta")
+        return (f"the baseline analysis needs delta > e^eps * eta for Poisson's eps(delta - "
+                f"e^eps * eta), which has no solution: eta = {eta:.3g} (probability that any "
+                f"of the {steps} batches is truncated) is too close to delta = {delta:g}; use "
+                f"--analysis tight, a larger --max-batch-size or a larger --delta")
+
     def _baseline_poisson(self, segments, discretization):
         return pld_lib.compose((self.poisson_pld(s, discretization=discretization), int(k))
                                for s, k in segments if k)

@@ -469,3 +469,72 @@ def test_blt_scheme_is_upper_bound_vs_bruteforce_and_monte_carlo():
     mc = ra.monte_carlo_epsilon_estimate(scheme.means(), sigma, delta, samples=60_000, seed=3)
     assert math.isfinite(eps) and eps >= mc["epsilon_low"]
     assert RandomAllocationMFScheme.from_dict(scheme.to_dict()) == scheme
+
+
+# ---- issue 20: best skips conditional composition when it provably cannot win --------------
+def test_cc_lower_bound_gaussian_terms_match_gdp():
+    from opacus_structured.accounting.gaussian import gdp_epsilon
+    # w = 1, v = 1 for 25 steps at σ = 2: the sub-product is exactly N(0, 1)-shifted, μ = 2.5
+    terms = [(0.0, 1.0)] * 25
+    lb = cc._eps_lower_from_terms(terms, 2.0, 1e-5)
+    exact = gdp_epsilon(1e-5, 2.5)
+    assert lb <= exact and lb == pytest.approx(exact, rel=1e-6)
+    assert cc._eps_lower_from_terms([], 1.0, 1e-5) == 0.0
+    assert cc._delta_lower_from_terms(terms, 2.0, exact) <= 1e-5
+
+
+@pytest.mark.parametrize("strategy, bands, k, b", [("identity", 1, 2, 10), ("bsr", 2, 2, 8)])
+def test_cc_lower_bounds_are_below_conditional_composition(strategy, bands, k, b):
+    s = RandomAllocationMFScheme(strategy=strategy, bands=bands, epochs=k, batches_per_epoch=b,
+                                 method="conditional")
+    m, sigma, delta = s.means(), 1.0, 1e-4
+    cache: dict = {}
+    eps_cc = cc.conditional_composition_epsilon(m, sigma, delta, discretization=1e-3,
+                                                cache=cache)
+    lb = cc.conditional_composition_epsilon_lower_bound(m, sigma, delta, cache=cache)
+    assert 0.0 < lb <= eps_cc
+    # the cache is reused, and a fresh computation gives the same pairs
+    assert cc.conditional_composition_epsilon_lower_bound(m, sigma, delta) == lb
+    d_cc = cc.conditional_composition_delta(m, sigma, 1.0, bad_event_mass=delta / 2,
+                                            discretization=1e-3)
+    d_lb = cc.conditional_composition_delta_lower_bound(m, sigma, 1.0, bad_event_mass=delta / 2)
+    assert delta / 2 <= d_lb <= d_cc
+
+
+def test_best_skips_conditional_issue20(monkeypatch):
+    """k = 3, b = 100, σ = 1, δ = 1e-5 (issue 20 item 5). Before: Rényi ε = 4.632862 and the
+    full conditional-composition PLD ε = 139.077 (d = 1e-4, measured; ~2-12 min), best = 4.632862.
+    After: the certified lower bound on conditional composition passes 4.63 after a few steps
+    (its full value, 89.48, is below 139.077 as it must be), the PLD is never built and best is
+    the same 4.632862."""
+    s = RandomAllocationMFScheme(batches_per_epoch=100, epochs=3, method="best")
+    calls = []
+
+    def no_pld(*a, **k):
+        raise AssertionError("conditional-composition PLD built although it cannot win")
+    monkeypatch.setattr(cc, "conditional_composition_epsilon", no_pld)
+    eps = s.epsilon(1.0, 300, 1e-5, progress=lambda *a: calls.append(a))
+    assert eps == pytest.approx(4.632862, rel=1e-6)
+    assert calls and calls[-1][0] == "lower bound" and calls[-1][1] < 300
+    lb = cc.conditional_composition_epsilon_lower_bound(s.means(), 1.0, 1e-5)
+    assert 4.632862 <= lb <= 139.077
+    monkeypatch.setattr(cc, "conditional_composition_delta", no_pld)
+    d_r = RandomAllocationMFScheme(batches_per_epoch=100, epochs=3,
+                                   method="renyi").delta(1.0, 300, 4.7)
+    assert s.delta(1.0, 300, 4.7) == d_r
+
+
+@pytest.mark.slow
+def test_best_still_runs_conditional_when_it_wins():
+    # k = 1, b = 50, σ = 2, δ = 1e-5: conditional composition wins (0.4165 < Rényi 0.4303)
+    base = dict(epochs=1, batches_per_epoch=50)
+    e_r = RandomAllocationMFScheme(method="renyi", **base).epsilon(2.0, 50, 1e-5)
+    e_c = RandomAllocationMFScheme(method="conditional", **base).epsilon(
+        2.0, 50, 1e-5, discretization=1e-3)
+    assert e_c < e_r
+    calls = []
+    e_b = RandomAllocationMFScheme(method="best", **base).epsilon(
+        2.0, 50, 1e-5, discretization=1e-3, progress=lambda *a: calls.append(a))
+    assert e_b == e_c
+    assert any(c[0] == "PLD composition" for c in calls)
+    assert calls[-1][0] == "PLD composition" and calls[-1][1] == calls[-1][2]

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 from scipy import special
@@ -74,6 +74,10 @@ __all__ = [
     "conditional_composition_pld",
     "conditional_composition_epsilon",
     "conditional_composition_delta",
+    "remove_lower_bound_epsilon",
+    "remove_lower_bound_delta",
+    "conditional_composition_epsilon_lower_bound",
+    "conditional_composition_delta_lower_bound",
 ]
 
 #: Option-3 temperatures of Appendix F (t = ∞, the uniform Option 1, is always included).
@@ -225,59 +229,267 @@ def _step_pair(v_sorted: np.ndarray, lam: np.ndarray) -> StepPair:
     return StepPair(tuple(float(x) for x in vals), tuple(float(x) for x in w))
 
 
+#: ``progress(stage, done, total)``: optional callback of the long computations below.
+ProgressCallback = Callable[[str, int, int], None]
+
+
+def _step_pair_at(means: np.ndarray, n: int, sigma: float, beta: float, relation: str,
+                  temperatures: Sequence[float], cache: Optional[dict]) -> StepPair:
+    """The step-``n`` pair (1-indexed) at per-step budget ``beta``, memoised in ``cache``."""
+    key = (relation, float(beta), float(sigma), tuple(float(t) for t in temperatures), int(n))
+    if cache is not None and key in cache:
+        return cache[key]
+    order, lam = reverse_hazard_bounds(means, n, sigma, beta, relation,
+                                       temperatures=temperatures)
+    pair = _step_pair(means[order, n - 1], lam)
+    if cache is not None:
+        cache[key] = pair
+    return pair
+
+
 def step_pairs(means, noise_multiplier: float, bad_event_mass: float, relation: str, *,
-               temperatures: Sequence[float] = DEFAULT_TEMPERATURES) -> list[StepPair]:
-    """The ``N`` per-step pairs of one direction with the union-bound budget ``δ_E/N`` per step."""
+               temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
+               cache: Optional[dict] = None,
+               progress: Optional[ProgressCallback] = None) -> list[StepPair]:
+    """The ``N`` per-step pairs of one direction with the union-bound budget ``δ_E/N`` per step.
+
+    ``cache``: a dict shared by calls on the **same** ``means`` (keys: relation, per-step
+    budget, σ, temperatures, step); ``progress(stage, done, total)`` is called after each step.
+    """
     means = _check_means(means)
+    sigma = check_positive("noise_multiplier", noise_multiplier)
     N = means.shape[1]
     beta = check_open_unit("bad_event_mass", bad_event_mass) / N
     out = []
     for n in range(1, N + 1):
-        order, lam = reverse_hazard_bounds(means, n, noise_multiplier, beta, relation,
-                                           temperatures=temperatures)
-        out.append(_step_pair(means[order, n - 1], lam))
+        out.append(_step_pair_at(means, n, sigma, beta, relation, temperatures, cache))
+        if progress is not None:
+            progress(f"step pairs ({relation})", n, N)
     return out
 
 
 def conditional_composition_pld(means, noise_multiplier: float, bad_event_mass: float, *,
                                 discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
-                                temperatures: Sequence[float] = DEFAULT_TEMPERATURES):
+                                temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
+                                cache: Optional[dict] = None,
+                                progress: Optional[ProgressCallback] = None):
     """PLD of ``×_n P^{(n)}`` vs ``×_n Q^{(n)}`` (both directions). The privacy profile of the
-    mechanism is bounded by ``δ_PLD(ε) + bad_event_mass`` (Lemma 4.1)."""
+    mechanism is bounded by ``δ_PLD(ε) + bad_event_mass`` (Lemma 4.1).
+
+    ``cache`` and ``progress``: see :func:`step_pairs` (progress stages: the two step-pair
+    passes, then ``"PLD composition"`` over the distinct step pairs)."""
     sigma = check_positive("noise_multiplier", noise_multiplier)
-    rem = step_pairs(means, sigma, bad_event_mass, "remove", temperatures=temperatures)
-    add = step_pairs(means, sigma, bad_event_mass, "add", temperatures=temperatures)
+    rem = step_pairs(means, sigma, bad_event_mass, "remove", temperatures=temperatures,
+                     cache=cache, progress=progress)
+    add = step_pairs(means, sigma, bad_event_mass, "add", temperatures=temperatures,
+                     cache=cache, progress=progress)
     counts: dict[tuple, int] = {}
     for r, a in zip(rem, add, strict=True):
         counts[(r, a)] = counts.get((r, a), 0) + 1
-    parts = []
-    for (r, a), c in counts.items():
-        step_pld = pld_lib.pld_from_profile(PairProfile(r.pair(sigma)),
-                                            PairProfile(a.pair(sigma).reversed()),
-                                            discretization=discretization)
-        parts.append((step_pld, c))
-    return pld_lib.compose(parts)
+    total = len(counts)
+
+    def parts():
+        for i, ((r, a), c) in enumerate(counts.items()):
+            step_pld = pld_lib.pld_from_profile(PairProfile(r.pair(sigma)),
+                                                PairProfile(a.pair(sigma).reversed()),
+                                                discretization=discretization)
+            yield step_pld, c
+            if progress is not None:
+                progress("PLD composition", i + 1, total)
+    return pld_lib.compose(parts())
+
+
+# ----------------------------------------------------------------------------------------------
+# Certified lower bounds on what conditional composition returns (to skip it in "best" mode)
+# ----------------------------------------------------------------------------------------------
+def _gaussian_delta(mu: np.ndarray, eps: np.ndarray) -> np.ndarray:
+    """Hockey-stick ``δ(ε)`` of ``N(μ, 1)`` vs ``N(0, 1)`` (μ > 0), vectorised."""
+    with np.errstate(over="ignore", under="ignore"):
+        return special.ndtr(-eps / mu + mu / 2) - np.exp(eps + special.log_ndtr(-eps / mu
+                                                                                 - mu / 2))
+
+
+# Floating-point margin of the comparisons below (δ values are ≥ 1e-300 relative, ≥ 1e-14 abs).
+_REL = 1e-9
+_ABS = 1e-14
+
+
+def _prefix_terms(terms: list[tuple[float, float]], sigma: float
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Sort per-step ``(log w, v²)`` by a gain score; cumulative ``(log W_K, μ_K)``."""
+    arr = np.asarray(terms, dtype=np.float64).reshape(-1, 2)
+    score = arr[:, 1] / (2 * sigma ** 2) + arr[:, 0]
+    arr = arr[np.argsort(-score, kind="stable")]
+    log_w = np.cumsum(arr[:, 0])
+    mu = np.sqrt(np.cumsum(arr[:, 1])) / sigma
+    return log_w, mu
+
+
+def _eps_lower_from_terms(terms: list[tuple[float, float]], sigma: float, delta: float
+                          ) -> float:
+    r"""Largest certified ``ε`` with :math:`\delta_{m true}(ε) > δ` from the sub-products.
+
+    For any set ``S`` of steps and one component ``(w_n, v_n)`` of each remove mixture,
+    :math:`P^{(n)} \ge w_n \mathcal N(v_n, σ^2)` as measures, so with :math:`W = \prod_S w_n`,
+    :math:`μ = \|v_S\|/σ` and post-processing (dropping the other steps),
+    :math:`δ_{m true}(ε) \ge W\,δ_μ(ε + \log(1/W))` (Gaussian hockey stick :math:`δ_μ`).
+    """
+    if not terms:
+        return 0.0
+    log_w, mu = _prefix_terms(terms, sigma)
+    W = np.exp(log_w)
+    ok = (W * (1 - _REL) > delta + _ABS) & (mu > 0)
+    if not np.any(ok):
+        return 0.0
+    log_w, mu, W = log_w[ok], mu[ok], W[ok]
+    target = (delta + _ABS) / (W * (1 - _REL))      # need δ_μ(x) > target (with margin)
+    # bracket: δ_μ(lo) > target (checked), δ_μ(hi) <= target (Φ(-hi/μ + μ/2) <= target)
+    lo = np.zeros_like(mu)
+    good = _gaussian_delta(mu, lo) > target
+    hi = mu ** 2 / 2 - mu * special.ndtri(np.minimum(target, 0.5)) + 1.0
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        above = _gaussian_delta(mu, mid) > target
+        lo = np.where(above, mid, lo)
+        hi = np.where(above, hi, mid)
+    eps = np.where(good, lo + log_w, 0.0)          # x - log(1/W)
+    return max(0.0, float(np.max(eps)))
+
+
+def _delta_lower_from_terms(terms: list[tuple[float, float]], sigma: float, epsilon: float
+                            ) -> float:
+    """Certified lower bound on the remove-direction ``δ_true(ε)`` (see above)."""
+    if not terms:
+        return 0.0
+    log_w, mu = _prefix_terms(terms, sigma)
+    keep = mu > 0
+    if not np.any(keep):
+        return 0.0
+    vals = np.exp(log_w[keep]) * _gaussian_delta(mu[keep], float(epsilon) - log_w[keep])
+    return max(0.0, float(np.max(vals)) * (1 - _REL) - _ABS)
+
+
+def _best_component(pair: StepPair, sigma: float) -> Optional[tuple[float, float]]:
+    best = None
+    for v, w in zip(pair.means, pair.weights, strict=True):
+        if v > 0 and w > 0:
+            cand = (math.log(w), v * v)
+            if best is None or cand[1] / (2 * sigma ** 2) + cand[0] > \
+                    best[1] / (2 * sigma ** 2) + best[0]:
+                best = cand
+    return best
+
+
+def _remove_terms(means: np.ndarray, sigma: float, bad_event_mass: float,
+                  temperatures: Sequence[float], cache: Optional[dict],
+                  stop: Callable[[list], bool], progress: Optional[ProgressCallback],
+                  check_every: int = 4) -> list:
+    """Remove pairs from the last step backwards (later steps know more of the prefix, so
+    their hazard bounds are larger) until ``stop(terms)``; returns the collected terms."""
+    N = means.shape[1]
+    beta = check_open_unit("bad_event_mass", bad_event_mass) / N
+    terms: list[tuple[float, float]] = []
+    for i, n in enumerate(range(N, 0, -1)):
+        t = _best_component(_step_pair_at(means, n, sigma, beta, "remove", temperatures,
+                                          cache), sigma)
+        if t is not None:
+            terms.append(t)
+        if progress is not None:
+            progress("lower bound", i + 1, N)
+        if (i + 1) % check_every == 0 and stop(terms):
+            break
+    return terms
+
+
+def remove_lower_bound_epsilon(means, noise_multiplier: float, bad_event_mass: float,
+                               delta: float, *, target: Optional[float] = None,
+                               temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
+                               cache: Optional[dict] = None,
+                               progress: Optional[ProgressCallback] = None) -> float:
+    r"""A certified **lower** bound on ε(``delta``) of the remove product ``×_n P^{(n)}`` vs
+    ``×_n Q^{(n)}`` (no discretisation): see :func:`_eps_lower_from_terms`. With ``target``
+    it stops as soon as the bound reaches ``target`` (the value is then still a lower bound)."""
+    means = _check_means(means)
+    sigma = check_positive("noise_multiplier", noise_multiplier)
+    delta = check_open_unit("delta", delta)
+
+    def stop(terms):
+        return target is not None and _eps_lower_from_terms(terms, sigma, delta) >= target
+    terms = _remove_terms(means, sigma, bad_event_mass, temperatures, cache, stop, progress)
+    return _eps_lower_from_terms(terms, sigma, delta)
+
+
+def remove_lower_bound_delta(means, noise_multiplier: float, bad_event_mass: float,
+                             epsilon: float, *, target: Optional[float] = None,
+                             temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
+                             cache: Optional[dict] = None,
+                             progress: Optional[ProgressCallback] = None) -> float:
+    """A certified **lower** bound on δ(``epsilon``) of the remove product (as above)."""
+    means = _check_means(means)
+    sigma = check_positive("noise_multiplier", noise_multiplier)
+
+    def stop(terms):
+        return target is not None and _delta_lower_from_terms(terms, sigma, epsilon) >= target
+    terms = _remove_terms(means, sigma, bad_event_mass, temperatures, cache, stop, progress)
+    return _delta_lower_from_terms(terms, sigma, epsilon)
+
+
+def conditional_composition_epsilon_lower_bound(
+        means, noise_multiplier: float, delta: float, *, bad_event_fraction: float = 0.5,
+        target: Optional[float] = None, temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
+        cache: Optional[dict] = None, progress: Optional[ProgressCallback] = None) -> float:
+    r"""A certified lower bound on what :func:`conditional_composition_epsilon` returns with the
+    same arguments (any ``discretization``).
+
+    That function returns :math:`ε_{m PLD}((1-f)δ)` of a *pessimistic* PLD whose remove
+    direction dominates the product of the per-step remove pairs, so it is at least the true
+    ε of that product at :math:`(1-f)δ`, which is bounded below by
+    :func:`remove_lower_bound_epsilon` (exact closed forms, no discretisation). Used by
+    ``method="best"`` to skip conditional composition when it cannot beat the Rényi bound: the
+    reported minimum is then unchanged.
+    """
+    delta = check_open_unit("delta", delta)
+    frac = check_open_unit("bad_event_fraction", bad_event_fraction)
+    return remove_lower_bound_epsilon(means, noise_multiplier, frac * delta, (1 - frac) * delta,
+                                      target=target, temperatures=temperatures, cache=cache,
+                                      progress=progress)
+
+
+def conditional_composition_delta_lower_bound(
+        means, noise_multiplier: float, epsilon: float, *, bad_event_mass: float,
+        target: Optional[float] = None, temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
+        cache: Optional[dict] = None, progress: Optional[ProgressCallback] = None) -> float:
+    """A certified lower bound on what :func:`conditional_composition_delta` returns with the same
+    arguments: ``min(1, δ_true(ε) + δ_E)`` with ``δ_true`` bounded below as above."""
+    lb = remove_lower_bound_delta(means, noise_multiplier, bad_event_mass, epsilon,
+                                  target=None if target is None else target - bad_event_mass,
+                                  temperatures=temperatures, cache=cache, progress=progress)
+    return min(1.0, lb + bad_event_mass)
 
 
 def conditional_composition_epsilon(means, noise_multiplier: float, delta: float, *,
                                     bad_event_fraction: float = 0.5,
                                     discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
-                                    temperatures: Sequence[float] = DEFAULT_TEMPERATURES
-                                    ) -> float:
+                                    temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
+                                    cache: Optional[dict] = None,
+                                    progress: Optional[ProgressCallback] = None) -> float:
     """ε at ``delta`` with ``δ_E = bad_event_fraction·δ`` (App. B.2 uses 1/2)."""
     delta = check_open_unit("delta", delta)
     frac = check_open_unit("bad_event_fraction", bad_event_fraction)
     pld = conditional_composition_pld(means, noise_multiplier, frac * delta,
-                                      discretization=discretization, temperatures=temperatures)
+                                      discretization=discretization, temperatures=temperatures,
+                                      cache=cache, progress=progress)
     return pld_lib.epsilon_for_delta(pld, (1 - frac) * delta)
 
 
 def conditional_composition_delta(means, noise_multiplier: float, epsilon: float, *,
                                   bad_event_mass: float,
                                   discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
-                                  temperatures: Sequence[float] = DEFAULT_TEMPERATURES
-                                  ) -> float:
+                                  temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
+                                  cache: Optional[dict] = None,
+                                  progress: Optional[ProgressCallback] = None) -> float:
     """``δ_PLD(ε) + δ_E`` for a fixed bad-event mass ``δ_E``."""
     pld = conditional_composition_pld(means, noise_multiplier, bad_event_mass,
-                                      discretization=discretization, temperatures=temperatures)
+                                      discretization=discretization, temperatures=temperatures,
+                                      cache=cache, progress=progress)
     return min(1.0, float(pld_lib.delta_for_epsilon(pld, float(epsilon))) + bad_event_mass)

@@ -192,7 +192,16 @@ class RandomAllocationMFScheme(Scheme):
                                        bands=bands, max_cost=self.max_dp_cost)
 
     def epsilon(self, noise_multiplier, steps, delta, *,
-                discretization=pld_lib.DEFAULT_DISCRETIZATION, sample_rate=None):
+                discretization=pld_lib.DEFAULT_DISCRETIZATION, sample_rate=None,
+                progress: Optional[cc_lib.ProgressCallback] = None):
+        """ε of the whole run (the smaller of the two accountants for ``method="best"``).
+
+        ``best`` prices the cheap Rényi bound first and skips conditional composition when a
+        certified lower bound on its result (``conditional_composition_epsilon_lower_bound`` of
+        :mod:`opacus_structured.accounting.conditional_composition`) already reaches the Rényi ε: the minimum, hence the reported ε, is then unchanged.
+        ``progress(stage, done, total)``: optional callback of the conditional-composition
+        stages (``"lower bound"``, ``"step pairs (remove|add)"``, ``"PLD composition"``).
+        """
         sigma = check_positive("noise_multiplier", noise_multiplier)
         delta = check_open_unit("delta", delta)
         self.check_sample_rate(sample_rate)
@@ -202,12 +211,23 @@ class RandomAllocationMFScheme(Scheme):
         if self.method in ("renyi", "best"):
             out = min(out, self.renyi(sigma).epsilon(delta))
         if self.method in ("conditional", "best"):
+            means = self.means()
+            cache: dict = {}
+            if self.method == "best" and np.isfinite(out):
+                lower = cc_lib.conditional_composition_epsilon_lower_bound(
+                    means, sigma, delta, target=out, cache=cache, progress=progress)
+                if lower >= out:
+                    return float(out)
             out = min(out, cc_lib.conditional_composition_epsilon(
-                self.means(), sigma, delta, discretization=discretization))
+                means, sigma, delta, discretization=discretization, cache=cache,
+                progress=progress))
         return float(out)
 
     def delta(self, noise_multiplier, steps, epsilon, *,
-              discretization=pld_lib.DEFAULT_DISCRETIZATION, sample_rate=None):
+              discretization=pld_lib.DEFAULT_DISCRETIZATION, sample_rate=None,
+              progress: Optional[cc_lib.ProgressCallback] = None):
+        """δ at ``epsilon`` (``best``: the smaller; conditional composition is skipped when a
+        certified lower bound on its δ already reaches the Rényi δ, as in :meth:`epsilon`)."""
         sigma = check_positive("noise_multiplier", noise_multiplier)
         self.check_sample_rate(sample_rate)
         if self.compositions(steps) == 0:
@@ -217,11 +237,17 @@ class RandomAllocationMFScheme(Scheme):
             out = min(out, self.renyi(sigma).delta(float(epsilon)))
         if self.method in ("conditional", "best"):
             # δ_E must be fixed in advance: try a few masses relative to the Rényi δ (or 1e-5)
+            means = self.means()
+            cache: dict = {}
             ref = out if out < 1.0 else 1e-5
             for frac in _CC_BAD_EVENT_GRID:
+                if self.method == "best" and cc_lib.conditional_composition_delta_lower_bound(
+                        means, sigma, float(epsilon), bad_event_mass=frac * ref, target=out,
+                        cache=cache, progress=progress) >= out:
+                    continue
                 out = min(out, cc_lib.conditional_composition_delta(
-                    self.means(), sigma, float(epsilon), bad_event_mass=frac * ref,
-                    discretization=discretization))
+                    means, sigma, float(epsilon), bad_event_mass=frac * ref,
+                    discretization=discretization, cache=cache, progress=progress))
         return float(out)
 
     # ---- from a training run / streaming ---------------------------------------------------

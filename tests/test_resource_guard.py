@@ -73,6 +73,19 @@ def test_estimate_bounds_the_real_peak():
     assert m["peak"] <= m["estimate"] <= 3 * m["peak"], m
 
 
+@pytest.mark.parametrize("count", [2, 1000, 10 ** 5, 10 ** 9])
+def test_fast_bounds_contain_dp_accountings(count):
+    """The vectorised Chernoff bounds equal dp_accounting's up to the one-point widening."""
+    from dp_accounting.pld import common
+
+    step = PoissonScheme(sample_rate=0.01).pld(0.7, discretization=1e-3)
+    for pmf in (step._pmf_remove, step._pmf_add):
+        lo, hi = rg.self_convolve_bounds(pmf._probs, count, pld_lib.TAIL_MASS_TRUNCATION)
+        ref_lo, ref_hi = common.compute_self_convolve_bounds(pmf._probs, count,
+                                                             pld_lib.TAIL_MASS_TRUNCATION)
+        assert lo <= ref_lo and hi >= ref_hi and (hi - lo) - (ref_hi - ref_lo) <= 4
+
+
 def test_self_compose_refuses_before_allocating():
     step = PoissonScheme(sample_rate=0.01).pld(1.0)
     t = time.perf_counter()

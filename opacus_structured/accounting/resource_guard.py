@@ -119,12 +119,13 @@ def parse_bytes(value) -> int:
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
         if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"memory budget must be bytes or a size like '512MiB' or '2GiB', "
-                             f"got {value!r}")
+            raise ValueError(f"memory budget (--memory-budget, ${ENV_VAR}) must be bytes or a "
+                             f"size like '512MiB' or '2GiB', got {value!r}")
         number, unit = float(m.group(1)), m.group(2).lower()
     out = number * _UNITS[unit]
     if not math.isfinite(out) or out <= 0:
-        raise ValueError(f"memory budget must be > 0, got {value!r}")
+        raise ValueError(f"memory budget (--memory-budget, ${ENV_VAR}) must be > 0, "
+                         f"got {value!r}")
     return int(out)
 
 

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 
 from tqdm import tqdm
 
-__all__ = ["enabled", "bar", "elapsed", "counting", "format_seconds"]
+__all__ = ["enabled", "bar", "elapsed", "counting", "staged", "format_seconds"]
 
 ENV = "OPACUS_STRUCTURED_PROGRESS"
 
@@ -67,6 +67,18 @@ def counting(f: Callable, b: tqdm) -> Callable:
         finally:
             b.update(1)
     return wrapped
+
+
+def staged(b: tqdm, prefix: str) -> Callable[[str, int, int], None]:
+    """A ``progress(stage, done, total)`` callback drawing each stage on bar ``b``."""
+    def progress(stage: str, done: int, total: int) -> None:
+        desc = f"{prefix}: {stage}"
+        if b.desc != desc:
+            b.set_description(desc, refresh=False)
+            b.reset(total=total)
+        b.n = done
+        b.refresh()
+    return progress
 
 
 def format_seconds(seconds: float) -> str:

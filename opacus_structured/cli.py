@@ -14,6 +14,7 @@ sub-commands through :func:`register_command`.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import sys
@@ -142,11 +143,16 @@ def _run_epsilon(args) -> int:
     options = scheme_class.pricing_options_from_cli_args(args)  # e.g. a Monte Carlo run's settings
     steps = _steps(scheme, args)
     _checked_discretization(args)
+    show = _progress.enabled(getattr(args, "no_progress", False))
+    # schemes that report their stages (random-allocation-mf) get a bar per stage, the others
+    # an elapsed-time bar
+    staged = show and "progress" in inspect.signature(scheme.epsilon).parameters
     with resource_guard.memory_budget_scope(getattr(args, "memory_budget", None)), \
-            _progress.elapsed(f"pricing {scheme.name}",
-                              show=_progress.enabled(getattr(args, "no_progress", False))):
+            (_progress.bar(desc=f"pricing {scheme.name}", show=True) if staged
+             else _progress.elapsed(f"pricing {scheme.name}", show=show)) as bar:
+        extra = {"progress": _progress.staged(bar, scheme.name)} if staged else {}
         eps = scheme.epsilon(args.noise_multiplier, steps, args.delta,
-                             discretization=args.discretization, **options)
+                             discretization=args.discretization, **options, **extra)
     seed = getattr(getattr(eps, "estimate", None), "seed", None)  # a Monte Carlo run's seed
     parameters = scheme.describe()
     for value in options.values():

@@ -253,3 +253,22 @@ def test_top_level_help_lists_the_commands_the_full_parser_has(capsys):
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["--help"])
     assert fast == capsys.readouterr().out
+
+
+def test_staged_progress_draws_each_stage(monkeypatch, capsys):
+    monkeypatch.setenv(_progress.ENV, "1")
+    with _progress.bar(desc="x", show=True) as b:
+        cb = _progress.staged(b, "random-allocation-mf")
+        cb("lower bound", 1, 4)
+        assert b.total == 4 and b.n == 1 and "lower bound" in b.desc
+        cb("PLD composition", 2, 10)
+        assert b.total == 10 and b.n == 2 and "PLD composition" in b.desc
+
+
+def test_random_allocation_mf_reports_its_stages(monkeypatch, capsys):
+    monkeypatch.setenv(_progress.ENV, "1")
+    assert cli.main(["epsilon", "random-allocation-mf", "--batches-per-epoch", "4", "--epochs",
+                     "1", "--method", "conditional", "--noise-multiplier", "1", "--delta",
+                     "1e-5"]) == 0
+    captured = capsys.readouterr()
+    assert "random-allocation-mf: " in captured.err and "epsilon = " in captured.out

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+from .. import _progress
 from ..advisor import DEFAULT_TIME_BUDGET, advise, plot_advice
 from ..cli import register_command
 
@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    progress = not args.no_progress and sys.stderr.isatty()
+    progress = _progress.enabled(args.no_progress)
     advice = advise(dataset_size=args.dataset_size, batch_size=args.batch_size,
                     steps=args.steps, epochs=args.epochs, target_epsilon=args.target_epsilon,
                     delta=args.delta, bands=args.bands, max_batch_size=args.max_batch_size,

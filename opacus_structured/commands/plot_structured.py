@@ -181,7 +181,7 @@ def _run(args) -> int:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for row, twin in zip(rows, coinciding_curves(rows)):
+    for row, twin in zip(rows, coinciding_curves(rows), strict=True):
         d = np.maximum(row["deltas"], 1e-300)
         style = dict(linestyle="--" if row["bound"] == "lower" else "-", label=row["label"])
         if twin is not None:  # drawn exactly over an earlier curve: markers + dots, and say so

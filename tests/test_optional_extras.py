@@ -69,6 +69,16 @@ def test_cli_prints_one_line_when_pld_accounting_is_missing():
     assert "pld-accounting" in lines[0] and lines[0].startswith("opacus-structured: error:")
 
 
+def test_forecast_command_prints_one_line_without_gluonts():
+    r = _run_blocked({"gluonts"}, (
+        "from opacus_structured.cli import main\n"
+        "sys.exit(main(['forecast', '--model', 'dlinear', '--epsilon', '1', '--delta', '1e-7']))\n"))
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "opacus-structured[forecast]" in lines[0]
+
+
 @pytest.mark.parametrize("example", [
     "swap_accountant_opacus.py",
     pytest.param("lightning_dp.py", marks=pytest.mark.slow),  # ~20 s each (imports lightning)

@@ -183,6 +183,10 @@ def _infinite_epsilon_reason(scheme: Scheme, noise_multiplier: float, steps: int
     or the generic one."""
     own = getattr(scheme, "infinite_epsilon_reason", None)
     reason = own(noise_multiplier, steps, delta) if own is not None else None
+    if reason is None and scheme.bound == "monte-carlo":
+        reason = (f"the Monte Carlo estimate's confidence bound cannot reach delta = {delta:g} "
+                  f"with this many samples (or the privacy loss is unbounded at this delta); "
+                  f"raise --samples or --delta")
     return reason or (
         f"the privacy-loss distribution puts more than delta = {delta:g} of probability on an "
         f"infinite privacy loss (an outcome possible under one neighbouring dataset only), so "

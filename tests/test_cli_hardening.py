@@ -114,6 +114,12 @@ def test_generic_reason_for_schemes_without_their_own():
     assert "infinite privacy loss" in reason and "--delta" in reason
 
 
+def test_monte_carlo_infinite_epsilon_names_the_samples():
+    scheme = SCHEMES["bminsep-mc"](bands=1, dataset_size=100, batch_size=10.0)
+    reason = cli._infinite_epsilon_reason(scheme, 1.0, 2, 1e-3)
+    assert "--samples" in reason and "Monte Carlo" in reason
+
+
 # ---- 3. no tracebacks; no hidden curves -----------------------------------------------------
 _SMALL_PLOT = ["plot", "structured", "--num-series", "8", "--series-length", "6",
                "--context-length", "1", "--forecast-length", "1", "--batch-size", "2",

@@ -108,5 +108,5 @@ def runner_for(scheme):
     runner = _lookup(_RUNNERS, scheme)
     if runner is None:
         raise LookupError(f"no runner is registered for scheme {getattr(scheme, 'name', scheme)!r}"
-                          f"; import opacus_structured (it imports opacus_structured.runners)")
+                          f" (every layer is loaded; register one with register_runner)")
     return runner

@@ -311,10 +311,11 @@ def check_discretization(discretization: float, *, flag: str = "--discretization
 class PricedEpsilon(float):
     """An ε (a float) that records which route priced it when that is not the requested PLD.
 
-    Attributes:
-        route: ``"pld"``, ``"closed-form"``, ``"rdp"`` or ``"coarse-pld"``.
-        note: one sentence: what the route is and how much looser than the PLD it is known to be.
-        details: extra JSON-able fields (the coarser discretisation, the estimate refused).
+    Its fields (documented here once; autodoc lists them as annotated members):
+
+    * ``route``: ``"pld"``, ``"closed-form"``, ``"rdp"`` or ``"coarse-pld"``;
+    * ``note``: one sentence: what the route is and how much looser than the PLD it is known to be;
+    * ``details``: extra JSON-able fields (the coarser discretisation, the estimate refused).
     """
 
     route: str

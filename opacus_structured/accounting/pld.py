@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 DEFAULT_DISCRETIZATION = 1e-4
-TAIL_MASS_TRUNCATION = 1e-15
+TAIL_MASS_TRUNCATION = resource_guard.TAIL_MASS_TRUNCATION
 _GRID_TAIL = 1e-18  # delta below which the grid stops; the rest is kept as infinity mass
 _MAX_GRID = 5_000_000
 

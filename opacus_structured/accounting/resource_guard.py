@@ -52,6 +52,10 @@ from typing import Iterator
 
 import numpy as np
 
+#: Tail mass dropped by every PLD composition (dp_accounting's ``tail_mass_truncation``);
+#: :mod:`.pld` composes with this value and the estimates below assume it.
+TAIL_MASS_TRUNCATION = 1e-15
+
 __all__ = [
     "ENV_VAR",
     "DEFAULT_MEMORY_BUDGET",
@@ -235,9 +239,8 @@ def self_convolve_bounds(probs, count: int, tail_mass_truncation: float) -> tupl
 
 def estimate_self_compose(pld, count: int) -> CompositionEstimate:
     """Points and bytes of ``pld.self_compose(count)`` (the bounds dp_accounting will use)."""
-    from scipy import fft
+    from scipy import fft  # lazy: scipy.fft only when a composition is priced
 
-    from .pld import TAIL_MASS_TRUNCATION
     points, total = 0, 0
     retained = 0
     for pmf in _directions(pld):

@@ -327,12 +327,12 @@ def _prefix_terms(terms: list[tuple[float, float]], sigma: float
 
 def _eps_lower_from_terms(terms: list[tuple[float, float]], sigma: float, delta: float
                           ) -> float:
-    r"""Largest certified ``ε`` with :math:`\delta_{m true}(ε) > δ` from the sub-products.
+    r"""Largest certified ``ε`` with :math:`\delta_{\mathrm{true}}(ε) > δ` from the sub-products.
 
     For any set ``S`` of steps and one component ``(w_n, v_n)`` of each remove mixture,
     :math:`P^{(n)} \ge w_n \mathcal N(v_n, σ^2)` as measures, so with :math:`W = \prod_S w_n`,
     :math:`μ = \|v_S\|/σ` and post-processing (dropping the other steps),
-    :math:`δ_{m true}(ε) \ge W\,δ_μ(ε + \log(1/W))` (Gaussian hockey stick :math:`δ_μ`).
+    :math:`δ_{\mathrm{true}}(ε) \ge W\,δ_μ(ε + \log(1/W))` (Gaussian hockey stick :math:`δ_μ`).
     """
     if not terms:
         return 0.0
@@ -441,7 +441,7 @@ def conditional_composition_epsilon_lower_bound(
     r"""A certified lower bound on what :func:`conditional_composition_epsilon` returns with the
     same arguments (any ``discretization``).
 
-    That function returns :math:`ε_{m PLD}((1-f)δ)` of a *pessimistic* PLD whose remove
+    That function returns :math:`ε_{\mathrm{PLD}}((1-f)δ)` of a *pessimistic* PLD whose remove
     direction dominates the product of the per-step remove pairs, so it is at least the true
     ε of that product at :math:`(1-f)δ`, which is bounded below by
     :func:`remove_lower_bound_epsilon` (exact closed forms, no discretisation). Used by

@@ -29,24 +29,29 @@ it can never certify that a pipeline is private.
 
 **Choosing the threshold from the same data** (the default, ``threshold_selection="bonferroni"``)
 is valid because the Clopper–Pearson bands are simultaneous over all thresholds. For the false
-positives, a threshold with ``k`` of the ``n`` "without" scores at or above it has
-:math:`\mathrm{FPR}(t) \le \mathrm{FPR}(t^*_k)` where :math:`t^*_k` is the largest threshold with
-:math:`\mathrm{FPR} > U_k`; the count at :math:`t^*_k` is binomial, so
-:math:`\Pr[\exists t: \mathrm{count}(t) = k,\ \mathrm{FPR}(t) > U_k] \le \alpha_k` for the
-one-sided Clopper–Pearson bound :math:`U_k` at level :math:`\alpha_k` (Clopper & Pearson,
-Biometrika 1934). ``k = n`` gives :math:`U_n = 1`, so a union bound over the ``n`` count values
-with :math:`\alpha_k = \alpha / (2n)` makes the FPR band hold at every threshold at once with
-probability :math:`\ge 1 - \alpha/2`; the FNR band likewise with :math:`\alpha/(2 n_{\text{with}})`.
-This holds for any score distribution (ties included). ``threshold_selection="split"`` instead
-picks the threshold on a random part of the runs and bounds the rates on the rest at level
-:math:`\alpha/2` each (no multiplicity correction needed: the threshold is independent of the
-evaluation half). A ``threshold=`` given in advance is evaluated on all runs at
-:math:`\alpha/2` per rate.
+positives, fix a count ``k`` and let :math:`t^*` be the largest threshold with
+:math:`\mathrm{FPR}(t^*) > U_k`, where :math:`U_k` is the one-sided Clopper–Pearson upper bound
+at level :math:`\alpha_k` for ``k`` of ``n`` (Clopper & Pearson, Biometrika 1934). Any threshold
+``t`` with at most ``k`` "without" scores at or above it and :math:`\mathrm{FPR}(t) > U_k` has
+:math:`t \le t^*`, so the count at :math:`t^*` is at most ``k``; that count is binomial with rate
+above :math:`U_k`, an event of probability at most :math:`\alpha_k`. Hence
+:math:`\Pr[\exists t:\ \mathrm{count}(t) \le k,\ \mathrm{FPR}(t) > U_k] \le \alpha_k` for any score
+distribution (ties included). We fix before seeing the data a grid ``G`` of counts (every count
+below 10, then counts growing by 10 %, :func:`count_grid`), bound the FPR at a threshold with
+count ``k`` by :math:`U_{k'}` for the smallest :math:`k' \in G` with :math:`k' \ge k` (``1`` past
+the grid), and take :math:`\alpha_k = \alpha / (2|G|)`: by the union bound the FPR band holds at
+every threshold at once with probability :math:`\ge 1 - \alpha/2`; the FNR band likewise. The
+grid keeps :math:`|G|` near :math:`10 + 24 \ln(n/10)` instead of ``n``.
+``threshold_selection="split"`` instead picks the threshold on a random part of the runs and
+bounds the rates on the rest at level :math:`\alpha/2` each (the threshold is independent of the
+evaluation part, so no multiplicity correction). A ``threshold=`` given in advance is evaluated
+on all runs at :math:`\alpha/2` per rate.
 
 jax_privacy's ``CanaryScoreAuditor.epsilon_clopper_pearson`` (2.0.0) is the peer; its
 ``Bonferroni()`` strategy divides the significance by the number of thresholds left on the
-convex hull of the empirical ROC (a data-dependent count, fewer than our ``n`` count values), so
-our Bonferroni bound is a little smaller (more conservative); its ``Explicit`` and ``Split``
+convex hull of the empirical ROC, a count chosen after seeing the data (usually smaller than our
+:math:`|G|`, and without the rounding to the grid), so our Bonferroni bound is a little smaller
+(more conservative); its ``Explicit`` and ``Split``
 strategies equal ours exactly (``tests/test_audit_estimators.py``).
 """
 
@@ -68,8 +73,7 @@ __all__ = [
     "one_run_epsilon_lower_bound",
     "roc_curve",
     "clopper_pearson_upper",
-    "gdp_delta",
-    "gdp_epsilon",
+    "count_grid",
     "METHODS",
     "THRESHOLD_SELECTIONS",
 ]
@@ -144,8 +148,8 @@ class AuditScores:
 @dataclass(frozen=True)
 class EpsilonLowerBound:
     """An **empirical lower bound** on ε at ``delta``: with probability at least
-    ``confidence`` over the audit's runs, the mechanism is not (ε', δ)-DP for any ε' < ``epsilon``
-    (under ``assumption`` when it is set). Never a privacy guarantee.
+    ``confidence`` over the audit's runs, the mechanism is not (ε', δ)-DP for any
+    ε' < ``epsilon`` (under ``assumption`` when it is set). Never a privacy guarantee.
 
     ``threshold`` is the score threshold that attains the bound (``None`` for the one-run
     estimator), ``runs`` the number of runs used (with + without), ``kind`` always
@@ -190,6 +194,27 @@ def clopper_pearson_upper(k, n: int, alpha: float) -> np.ndarray:
     return np.where(k < n, upper, 1.0)
 
 
+def count_grid(n: int) -> np.ndarray:
+    """The counts at which the simultaneous bands of :func:`epsilon_lower_bound` are set, fixed
+    before the data: every count below ``min(n, 10)``, then ``ceil(10 · 1.1^j)`` below ``n``."""
+    n = check_int("n", n, minimum=1)
+    grid = set(range(min(n, 10)))
+    x = 10.0
+    while x < n:
+        grid.add(int(math.ceil(x)))
+        x *= 1.1
+    return np.array(sorted(k for k in grid if k < n), dtype=np.int64)
+
+
+def _band_upper(counts, n: int, alpha: float) -> np.ndarray:
+    """Simultaneous (over every threshold) upper bounds on a rate with ``counts`` of ``n`` at
+    total level ``alpha``: the count rounded up to :func:`count_grid` at ``alpha / |grid|``."""
+    grid = count_grid(n)
+    idx = np.searchsorted(grid, counts, side="left")
+    rounded = np.where(idx < grid.size, grid[np.minimum(idx, grid.size - 1)], n)
+    return clopper_pearson_upper(rounded, n, alpha / grid.size)
+
+
 def _rates_counts(scores_with: np.ndarray, scores_without: np.ndarray,
                   thresholds: Optional[np.ndarray] = None):
     """Thresholds (every score and +inf unless given) with their false-positive and
@@ -212,11 +237,8 @@ def roc_curve(scores_with, scores_without) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([[0.0], fpr]), np.concatenate([[0.0], tpr])
 
 
-def _cp_epsilons(fp, fn, n_without: int, n_with: int, alpha_fpr, alpha_fnr,
-                 delta: float) -> np.ndarray:
-    """ε lower bound at each threshold from Clopper–Pearson upper bounds on FPR and FNR."""
-    fpr_u = clopper_pearson_upper(fp, n_without, alpha_fpr)
-    fnr_u = clopper_pearson_upper(fn, n_with, alpha_fnr)
+def _cp_epsilons(fpr_u: np.ndarray, fnr_u: np.ndarray, delta: float) -> np.ndarray:
+    """ε lower bound at each threshold from upper bounds on FPR and FNR."""
     with np.errstate(divide="ignore", invalid="ignore"):
         a = np.where(1 - delta - fnr_u > 0, np.log(np.maximum(1 - delta - fnr_u, 1e-300))
                      - np.log(fpr_u), -np.inf)
@@ -225,37 +247,10 @@ def _cp_epsilons(fp, fn, n_without: int, n_with: int, alpha_fpr, alpha_fnr,
     return np.maximum(a, b)
 
 
-def gdp_delta(epsilon: float, mu: float) -> float:
-    r"""δ(ε) of μ-GDP: :math:`\Phi(-\varepsilon/\mu + \mu/2) - e^{\varepsilon}
-    \Phi(-\varepsilon/\mu - \mu/2)` (Dong, Roth & Su, "Gaussian differential privacy", JRSS-B
-    2022, Corollary 2.13), in the log domain."""
-    if mu <= 0:
-        return 0.0
-    a = stats.norm.logcdf(-epsilon / mu + mu / 2)
-    b = epsilon + stats.norm.logcdf(-epsilon / mu - mu / 2)
-    if b >= a:
-        return 0.0
-    return float(np.exp(a) * -np.expm1(b - a))
-
-
-def gdp_epsilon(mu: float, delta: float) -> float:
-    """The smallest ε with ``gdp_delta(ε, μ) <= delta``: ε(δ) of μ-GDP (0 when μ <= 0)."""
-    mu = check_finite("mu", mu)
-    delta = check_open_unit("delta", delta)
-    if mu <= 0 or gdp_delta(0.0, mu) <= delta:
-        return 0.0
-    hi = max(1.0, mu * mu)
-    while gdp_delta(hi, mu) > delta:
-        hi *= 2
-    return float(optimize.brentq(lambda e: gdp_delta(e, mu) - delta, 0.0, hi, xtol=1e-10))
-
-
-def _gdp_mus(fp, fn, n_without: int, n_with: int, alpha_fpr, alpha_fnr) -> np.ndarray:
+def _gdp_mus(fpr_u: np.ndarray, fnr_u: np.ndarray) -> np.ndarray:
     r""":math:`\mu \ge \Phi^{-1}(1-\mathrm{FPR}_u) - \Phi^{-1}(\mathrm{FNR}_u)` at each threshold:
     a μ-GDP mechanism has :math:`\mathrm{FNR} \ge \Phi(\Phi^{-1}(1-\mathrm{FPR}) - \mu)` (Dong,
     Roth & Su 2022, Eq. 6), decreasing in both rates, so upper bounds give a lower bound."""
-    fpr_u = clopper_pearson_upper(fp, n_without, alpha_fpr)
-    fnr_u = clopper_pearson_upper(fn, n_with, alpha_fnr)
     return stats.norm.isf(fpr_u) - stats.norm.ppf(fnr_u)
 
 
@@ -289,7 +284,8 @@ def epsilon_lower_bound(scores_with, scores_without, *, delta: float, confidence
     ``method="gdp"`` (Nasr, Hayes, Steinke, Balle, Tramèr, Jagielski, Carlini & Terzis, "Tight
     auditing of differentially private machine learning", USENIX Security 2023, §4): the same
     bounds give :math:`\mu_{lb} = \max(0, \max_t \Phi^{-1}(1-\mathrm{FPR}_u) -
-    \Phi^{-1}(\mathrm{FNR}_u))`, reported as ε(δ) of :math:`\mu_{lb}`-GDP. Tighter with few runs,
+    \Phi^{-1}(\mathrm{FNR}_u))`, reported as ε(δ) of :math:`\mu_{lb}`-GDP
+    (:func:`opacus_structured.accounting.gaussian.gdp_epsilon`). Tighter with few runs,
     but a lower bound on ε **only if** the mechanism's trade-off curve is Gaussian (a single
     Gaussian release of a Dirac canary is; a subsampled or composed one need not be); the result
     carries that ``assumption``. jax_privacy 2.0.0's ``epsilon_from_gdp`` takes
@@ -297,9 +293,9 @@ def epsilon_lower_bound(scores_with, scores_without, *, delta: float, confidence
     \mathrm{FNR}_u > 1`) as evidence of leakage; we do not.
 
     Threshold choice (module docstring): ``threshold`` fixed in advance, else
-    ``threshold_selection="bonferroni"`` (simultaneous bands: :math:`\alpha/(2n)` per count
-    value) or ``"split"`` (pick ``t`` on a ``split_fraction`` of the runs drawn with ``seed``,
-    bound the rest).
+    ``threshold_selection="bonferroni"`` (bands simultaneous over every threshold:
+    :math:`\alpha/(2|G|)` per count of the grid ``G``) or ``"split"`` (pick ``t`` on a
+    ``split_fraction`` of the runs drawn with ``seed``, bound the rest).
 
     Args:
         scores_with, scores_without: one score per run, >= 2 each, finite; higher = present.
@@ -318,18 +314,17 @@ def epsilon_lower_bound(scores_with, scores_without, *, delta: float, confidence
     alpha = 1.0 - confidence
     runs = int(w.size + wo.size)
 
-    def best(sw, swo, thresholds, a_fpr, a_fnr):
+    def best(sw, swo, thresholds, simultaneous=False):
         t, fp, fn = _rates_counts(sw, swo, thresholds)
-        if method == "gdp":
-            values = _gdp_mus(fp, fn, swo.size, sw.size, a_fpr, a_fnr)
-        else:
-            values = _cp_epsilons(fp, fn, swo.size, sw.size, a_fpr, a_fnr, delta)
+        upper = _band_upper if simultaneous else clopper_pearson_upper
+        fpr_u, fnr_u = upper(fp, swo.size, alpha / 2), upper(fn, sw.size, alpha / 2)
+        values = _gdp_mus(fpr_u, fnr_u) if method == "gdp" else _cp_epsilons(fpr_u, fnr_u, delta)
         i = int(np.argmax(values))
         return max(0.0, float(values[i])), float(t[i])
 
     if threshold is not None:
         threshold = check_finite("threshold", threshold)
-        value, t = best(w, wo, np.array([threshold]), alpha / 2, alpha / 2)
+        value, t = best(w, wo, np.array([threshold]))
     elif threshold_selection == "split":
         split_fraction = check_open_unit("split_fraction", split_fraction)
         rng = np.random.default_rng(check_int("seed", seed))
@@ -338,12 +333,14 @@ def epsilon_lower_bound(scores_with, scores_without, *, delta: float, confidence
         if min(w1.size, w2.size, wo1.size, wo2.size) < 1:
             raise ValueError(f"split_fraction = {split_fraction} leaves an empty part of "
                              f"{w.size} / {wo.size} runs; pick it in (1/runs, 1 - 1/runs)")
-        _, t = best(w1, wo1, None, alpha / 2, alpha / 2)
-        value, t = best(w2, wo2, np.array([t]), alpha / 2, alpha / 2)
+        _, t = best(w1, wo1, None)
+        value, t = best(w2, wo2, np.array([t]))
     else:
-        value, t = best(w, wo, None, alpha / (2 * wo.size), alpha / (2 * w.size))
+        value, t = best(w, wo, None, simultaneous=True)
     if method == "gdp":
-        return EpsilonLowerBound(gdp_epsilon(value, delta), t, method, confidence, delta, runs,
+        from ..accounting.gaussian import gdp_epsilon  # ε(δ) of μ-GDP, Dong, Roth & Su Cor. 2.13
+
+        return EpsilonLowerBound(gdp_epsilon(delta, value), t, method, confidence, delta, runs,
                                  assumption=_GDP_ASSUMPTION)
     return EpsilonLowerBound(value, t, method, confidence, delta, runs)
 

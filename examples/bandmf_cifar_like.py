@@ -75,10 +75,12 @@ def train(bands, epochs, epsilon, delta, batch_size=50, seed=0):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--bands", type=int, default=8)
-    ap.add_argument("--epochs", type=int, default=5)
-    ap.add_argument("--epsilon", type=float, default=4.0)
-    ap.add_argument("--delta", type=float, default=1e-5)
+    ap.add_argument("--bands", type=int, default=8,
+                    help="BandMF bands b (the script also runs b = 1, plain DP-SGD)")
+    ap.add_argument("--epochs", type=int, default=5, help="training epochs")
+    ap.add_argument("--epsilon", type=float, default=4.0,
+                    help="target ε; σ is calibrated to it for each method")
+    ap.add_argument("--delta", type=float, default=1e-5, help="δ of the (ε, δ) target")
     args = ap.parse_args(argv)
     print("| method | σ | ε spent | test acc | prefix-sum MSE (σ² units) |")
     print("|---|---|---|---|---|")

@@ -88,14 +88,16 @@ def _worker(rank: int, world: int, port: int, args) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--n", type=int, default=2000)
-    p.add_argument("--batch-size", type=float, default=100.0)
-    p.add_argument("--sigma", type=float, default=1.0)
-    p.add_argument("--lr", type=float, default=0.5)
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--bands", type=int, default=1)
-    p.add_argument("--delta", type=float, default=1e-5)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n", type=int, default=2000, help="synthetic training examples")
+    p.add_argument("--batch-size", type=float, default=100.0,
+                   help="expected global batch size (Poisson rate q = batch size / n)")
+    p.add_argument("--sigma", type=float, default=1.0, help="noise multiplier σ")
+    p.add_argument("--lr", type=float, default=0.5, help="SGD learning rate")
+    p.add_argument("--epochs", type=int, default=2, help="training epochs")
+    p.add_argument("--bands", type=int, default=1,
+                   help="1: independent noise, Poisson; > 1: BandMF with cyclic Poisson")
+    p.add_argument("--delta", type=float, default=1e-5, help="δ at which ε is reported")
+    p.add_argument("--seed", type=int, default=0, help="data and model seed")
     p.add_argument("--nproc", type=int, default=2, help="processes to spawn without torchrun")
     args = p.parse_args(argv)
     if "LOCAL_RANK" in os.environ:  # launched by torchrun

@@ -16,10 +16,11 @@ from opacus_structured.forecasting.metrics import evaluate_predictor
 from opacus_structured.forecasting.training import train_forecaster
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--epsilon", type=float, default=1.0)
-parser.add_argument("--delta", type=float, default=1e-7)
-parser.add_argument("--max-steps", type=int, default=200)
-parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+parser.add_argument("--epsilon", type=float, default=1.0, help="privacy budget ε (default 1)")
+parser.add_argument("--delta", type=float, default=1e-7, help="δ (default 1e-7)")
+parser.add_argument("--max-steps", type=int, default=200, help="training steps")
+parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where to train")
 parser.add_argument("--seed", type=int, default=None,
                     help="reproducible sampler and noise: the DP model is then NOT private "
                          "(evaluation only); default: OS entropy")

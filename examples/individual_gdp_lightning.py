@@ -85,15 +85,16 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=60, help="DP-GD steps T (fixed in advance)")
     p.add_argument("--filter-steps", type=int, default=30,
                    help="T0: budget B = sqrt(T0)/sigma (worst-case examples last T0 steps)")
-    p.add_argument("--noise-multiplier", type=float, default=20.0)
-    p.add_argument("--clip", type=float, default=2.0)
-    p.add_argument("--lr", type=float, default=0.5)
-    p.add_argument("--delta", type=float, default=1e-5)
+    p.add_argument("--noise-multiplier", type=float, default=20.0, help="noise multiplier σ")
+    p.add_argument("--clip", type=float, default=2.0, help="clipping norm C")
+    p.add_argument("--lr", type=float, default=0.5, help="SGD learning rate")
+    p.add_argument("--delta", type=float, default=1e-5, help="δ at which ε is reported")
     p.add_argument("--sample-rate", type=float, default=0.125,
                    help="Poisson rate q of run 4 (its steps: --steps / q, the same epochs)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="individual_gdp_out")
+    p.add_argument("--seed", type=int, default=0, help="data, model and noise seed")
+    p.add_argument("--out", default="individual_gdp_out",
+                   help="directory for the histograms and CSVs")
     args = p.parse_args(argv)
     if not 0 < args.sample_rate <= 1:
         p.error(f"--sample-rate must be in (0, 1], got {args.sample_rate}")

@@ -44,14 +44,17 @@ class DigitsMLP(pl.LightningModule):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--steps-per-epoch", type=int, default=20)
-    parser.add_argument("--noise-multiplier", type=float, default=1.0)
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--delta", type=float, default=1e-5)
-    parser.add_argument("--target-epsilon", type=float, default=2.5)
-    parser.add_argument("--log-dir", default="lightning_logs_dp")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=3, help="training epochs")
+    parser.add_argument("--steps-per-epoch", type=int, default=20,
+                        help="steps per epoch; the Poisson rate is 1 / steps per epoch")
+    parser.add_argument("--noise-multiplier", type=float, default=1.0, help="noise multiplier σ")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clipping norm C")
+    parser.add_argument("--delta", type=float, default=1e-5, help="δ at which ε is reported")
+    parser.add_argument("--target-epsilon", type=float, default=2.5,
+                        help="training stops before the step that would exceed this ε")
+    parser.add_argument("--log-dir", default="lightning_logs_dp",
+                        help="CSVLogger directory (per-step dp/epsilon)")
+    parser.add_argument("--seed", type=int, default=0, help="data, model and noise seed")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.manual_seed(args.seed)

@@ -30,7 +30,8 @@ def row(scheme: StructuredScheme, steps: int, eps, d: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--discretization", type=float, default=1e-3)
+    parser.add_argument("--discretization", type=float, default=1e-3,
+                        help="PLD grid step (pessimistic); coarser is faster and looser")
     args = parser.parse_args()
     d = args.discretization
 

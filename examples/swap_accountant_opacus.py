@@ -52,7 +52,8 @@ OPTIONS = {
         "max_batch_size": math.ceil(1.25 * n / steps)},      # B = 1.25·E[|batch|]
     "balls-in-bins": lambda n, steps, epochs: {"epochs": epochs},
     "random-allocation-mf": lambda n, steps, epochs: {"epochs": epochs, "bands": 1},
-    "bandmf-cyclic-poisson": lambda n, steps, epochs: {"epochs": epochs, "bands": 4},
+    # cyclic Poisson needs bands <= steps per epoch (each example's cycle has `bands` steps)
+    "bandmf-cyclic-poisson": lambda n, steps, epochs: {"epochs": epochs, "bands": min(4, steps)},
     "gdp-full-batch": lambda n, steps, epochs: {},
 }
 NOTES = {
@@ -60,7 +61,7 @@ NOTES = {
     "truncated-poisson": "batches truncated to B = 1.25·E[|batch|] (Ganesh 2025, tight)",
     "balls-in-bins": "each example in one fixed bin per epoch (pld-accounting)",
     "random-allocation-mf": "same sampler, Rényi DP / conditional composition (C = I)",
-    "bandmf-cyclic-poisson": "BandMF correlated noise, 4 bands, cyclic Poisson",
+    "bandmf-cyclic-poisson": "BandMF correlated noise, 4 bands (fewer if an epoch is shorter), cyclic Poisson",
     "gdp-full-batch": "full-batch DP-GD: one step per epoch, no amplification",
 }
 CORRELATED = {"bandmf-cyclic-poisson"}
@@ -135,15 +136,21 @@ def train(name: str, args, *, verbose: bool = True) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scheme", default=SCHEME, choices=sorted(OPTIONS) + ["all"])
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--steps-per-epoch", type=int, default=20)
-    parser.add_argument("--noise-multiplier", type=float, default=1.0)
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--delta", type=float, default=1e-5)
-    parser.add_argument("--discretization", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scheme", default=SCHEME, choices=sorted(OPTIONS) + ["all"],
+                        help="which scheme samples and prices training; all: every scheme")
+    parser.add_argument("--epochs", type=int, default=3, help="training epochs, >= 1")
+    parser.add_argument("--steps-per-epoch", type=int, default=20,
+                        help="steps per epoch (len(loader)), >= 1")
+    parser.add_argument("--noise-multiplier", type=float, default=1.0, help="noise multiplier σ")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clipping norm C")
+    parser.add_argument("--delta", type=float, default=1e-5, help="δ at which ε is reported")
+    parser.add_argument("--discretization", type=float, default=1e-3,
+                        help="PLD grid step (pessimistic); coarser is faster and looser")
+    parser.add_argument("--seed", type=int, default=0, help="data, model and sampler seed")
     args = parser.parse_args(argv)
+    for flag in ("epochs", "steps_per_epoch"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     warnings.filterwarnings("ignore")
 
     names = sorted(OPTIONS) if args.scheme == "all" else [args.scheme]

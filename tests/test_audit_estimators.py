@@ -253,3 +253,38 @@ def test_one_run_equals_jax_privacy(mu, n):
     correct, made = int(np.sum(w >= t)), int(np.sum(w >= t) + np.sum(wo >= t))
     ours = one_run_epsilon_lower_bound(correct, made, 2 * n, delta=1e-5).epsilon
     assert ours == pytest.approx(theirs, abs=1e-5)
+
+
+# --- the accountant's predicted trade-off curve (audit.report) -----------------------------
+
+def test_predicted_tradeoff_of_the_gaussian_profile_is_its_roc():
+    """From δ(ε) of μ-GDP the curve is the Gaussian ROC 1 − Φ(Φ⁻¹(1−α) − μ): never below it
+    (a finite ε grid can only raise it) and within 1e-4 of it."""
+    from scipy import stats
+
+    from opacus_structured.accounting.gaussian import gdp_delta
+    from opacus_structured.audit.report import predicted_tradeoff
+
+    fpr = np.concatenate([[0.0], np.logspace(-5, 0, 60)])
+    for mu in (0.5, 1.0, 3.0):
+        exact = stats.norm.sf(stats.norm.isf(fpr) - mu)
+        predicted = predicted_tradeoff(lambda e, mu=mu: gdp_delta(e, mu), fpr)
+        assert np.all(predicted >= exact - 1e-12) and np.max(predicted - exact) < 1e-4
+    # a scalar-only δ(ε) is evaluated once per ε
+    scalar = predicted_tradeoff(lambda e: float(gdp_delta(float(e), 1.0)), fpr,
+                                epsilons=np.linspace(0, 8, 81))
+    assert scalar[-1] == 1.0 and np.all(np.diff(scalar) >= 0)
+    with pytest.raises(ValueError, match="fpr_grid must be"):
+        predicted_tradeoff(lambda e: 0 * e, [1.5])
+    with pytest.raises(ValueError, match="delta_of_epsilon must return values in"):
+        predicted_tradeoff(lambda e: 0 * e + 2, [0.5])
+
+
+def test_scheme_profile_is_the_accountants_delta():
+    from opacus_structured.audit.report import scheme_profile
+    from opacus_structured.schemes import SCHEMES
+
+    scheme = SCHEMES["poisson"](sample_rate=0.5)
+    profile = scheme_profile(scheme, 0.7, 3)
+    eps = scheme.epsilon(0.7, 3, 0.05, discretization=1e-3)
+    assert profile(np.array([eps]))[0] == pytest.approx(0.05, rel=1e-3)

@@ -120,6 +120,27 @@ def test_poisson_over_budget_uses_rdp_upper_bound(q, sigma, steps):
     assert eps == pytest.approx(rdp_epsilon(sigma, q, steps, 1e-5))
 
 
+def test_opacus_poisson_accountant_over_budget_takes_the_schemes_route():
+    # Issue 20: the Opacus adapter falls back like the command line (RDP for Poisson), with a
+    # warning naming the route; a mixed history (no single sound route) still refuses.
+    from opacus_structured.accountants.poisson import PoissonAccountant
+
+    q, sigma, steps = 0.01, 1.0, 1000
+    acc = PoissonAccountant()
+    acc.history = [(sigma, q, steps)]
+    within = acc.get_epsilon(1e-5)
+    assert not isinstance(within, rg.PricedEpsilon)
+    acc = PoissonAccountant()  # a fresh one: the first kept its composed PLD
+    acc.history = [(sigma, q, steps)]
+    with rg.memory_budget_scope(1000), pytest.warns(UserWarning, match="route 'rdp'"):
+        eps = acc.get_epsilon(1e-5)
+    assert eps.route == "rdp" and eps == pytest.approx(rdp_epsilon(sigma, q, steps, 1e-5))
+    assert within <= eps <= 1.3 * within
+    acc.history = [(sigma, q, steps // 2), (2 * sigma, q, steps // 2)]
+    with rg.memory_budget_scope(1000), pytest.raises(rg.ResourceBudgetError):
+        acc.get_epsilon(1e-5)
+
+
 @dataclasses.dataclass(frozen=True)
 class _PlainGaussian(Scheme):
     """A test-only scheme without a cheaper route: the base class' coarse-grid fallback."""

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 import weakref
 from typing import ClassVar, Optional
 
@@ -51,6 +52,7 @@ from opacus.accountants.registry import _ACCOUNTANTS, register_accountant
 
 from .._validation import check_open_unit, check_positive
 from ..accounting import pld as pld_lib
+from ..accounting.resource_guard import ResourceBudgetError
 from ..samplers import verification
 from ..schemes import registry
 from ..schemes.base import Scheme
@@ -344,7 +346,26 @@ class SchemeAccountant(IAccountant):
         delta = check_open_unit("delta", delta)
         d = self.discretization if discretization is None else check_positive(
             "discretization", discretization)
-        return pld_lib.epsilon_for_delta(self._composed(d), delta)
+        try:
+            return pld_lib.epsilon_for_delta(self._composed(d), delta)
+        except ResourceBudgetError as exc:
+            return self._epsilon_over_budget(exc, delta, d)
+
+    def _epsilon_over_budget(self, error: ResourceBudgetError, delta: float,
+                             discretization: float) -> float:
+        """Over the memory budget: the scheme's sound cheaper route (an RDP bound for Poisson,
+        a coarser pessimistic grid otherwise; :meth:`Scheme.epsilon_over_budget`) when the
+        history has one noise multiplier and rate, with a warning naming the route and its
+        looseness; otherwise (or when no route fits) ``error``, one line naming the budget."""
+        settings = {(sigma, q) for sigma, q, n in self.history if n}
+        if len(settings) != 1:
+            raise error
+        ((sigma, q),) = settings
+        value = self.scheme.epsilon_over_budget(error, sigma, len(self), delta,
+                                                discretization=discretization, sample_rate=q)
+        warnings.warn(f"{type(self).__name__}: epsilon priced by route {value.route!r}: "
+                      f"{value.note}", stacklevel=3)
+        return value
 
     def get_delta(self, epsilon: float, *, discretization: Optional[float] = None) -> float:
         """δ(ε) for all steps recorded so far."""

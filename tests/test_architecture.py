@@ -14,7 +14,8 @@ own layer or lower ones, never higher:
 5. ``optim``, ``engine``             — DP optimizers, correlated noise, the privacy engine;
    ``make_private`` for every scheme by name
 6. ``lightning_callbacks``          — Lightning callbacks (a top-level package)
-7. ``forecasting``                  — gluonts / Lightning glue
+7. ``forecasting``, ``audit``       — gluonts / Lightning glue; empirical privacy audits
+                                      (estimators, and canaries planted in every pipeline)
 8. ``commands``, ``cli``            — the command line
 
 The check also refuses any import of our own modules inside a function (a hidden cycle), unless
@@ -51,6 +52,8 @@ LAYERS = {
     "opacus_structured.advisor": 3,
     "lightning_callbacks": 6,
     "opacus_structured.forecasting": 7,
+    # empirical auditing: its pipelines drive samplers, optimizers, accountants and callbacks
+    "opacus_structured.audit": 7,
     "opacus_structured.commands": 8, "opacus_structured.cli": 8,
     # the console entry point: answers --help without importing the layers
     "opacus_structured.console": 8,

@@ -65,6 +65,7 @@ import numpy as np
 from scipy import optimize, special, stats
 
 from .._validation import check_finite, check_int, check_open_unit
+from ..accounting.gaussian import gdp_epsilon
 
 __all__ = [
     "AuditScores",
@@ -338,8 +339,6 @@ def epsilon_lower_bound(scores_with, scores_without, *, delta: float, confidence
     else:
         value, t = best(w, wo, None, simultaneous=True)
     if method == "gdp":
-        from ..accounting.gaussian import gdp_epsilon  # ε(δ) of μ-GDP, Dong, Roth & Su Cor. 2.13
-
         return EpsilonLowerBound(gdp_epsilon(delta, value), t, method, confidence, delta, runs,
                                  assumption=_GDP_ASSUMPTION)
     return EpsilonLowerBound(value, t, method, confidence, delta, runs)

@@ -22,6 +22,7 @@ import math
 import sys
 
 from .. import _progress
+from .._validation import check_int
 from ..cli import register_command
 
 #: Help for the scheme settings the audit registry exposes (fallback: a generic line).
@@ -46,8 +47,8 @@ def _add_scheme_parsers(parser: argparse.ArgumentParser) -> None:
     if getattr(parser, "_schemes_added", False):
         return
     parser._schemes_added = True
-    from ..audit.estimators import METHODS
-    from ..audit.pipelines import AUDIT_PATHS, audit_registry
+    from ..audit.estimators import METHODS  # lazy: the audit layer loads with `audit` only
+    from ..audit.pipelines import AUDIT_PATHS, audit_registry  # lazy: imports torch
 
     sub = parser.add_subparsers(dest="scheme", required=True, metavar="SCHEME",
                                 parser_class=argparse.ArgumentParser)
@@ -112,8 +113,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _reported_profile(scores):
     """δ(ε) of the audited mechanism as its accountant prices it, or ``None`` (and why)."""
-    from ..audit import pipelines
-    from ..audit.report import scheme_profile
+    from ..audit import pipelines  # lazy: imports torch
+    from ..audit.report import scheme_profile  # lazy: the audit layer loads with `audit` only
 
     spec = getattr(pipelines, "_SPECS", {}).get(scores.meta.get("scheme"))
     if spec is None:
@@ -123,9 +124,8 @@ def _reported_profile(scores):
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .._validation import check_int
-    from ..audit.estimators import _confidence, epsilon_lower_bound
-    from ..audit.pipelines import run_audit
+    from ..audit.estimators import _confidence, epsilon_lower_bound  # lazy: audit layer
+    from ..audit.pipelines import run_audit  # lazy: imports torch
 
     runs = check_int("--runs", args.runs, minimum=2)
     confidence = _confidence(args.confidence)
@@ -155,7 +155,7 @@ def _run(args: argparse.Namespace) -> int:
               "settings": scores.meta.get("flags", flags)}
     note = None
     if args.plot:
-        from ..audit.report import plot_audit
+        from ..audit.report import plot_audit  # lazy: the audit layer loads with `audit` only
 
         profile, note = _reported_profile(scores)
         plot_audit(scores, args.plot, delta_of_epsilon=profile, bound=bound,

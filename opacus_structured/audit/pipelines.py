@@ -1,0 +1,726 @@
+r"""Canaries planted into **real** training runs of every scheme and path (issue 19).
+
+:func:`run_audit` trains ``runs`` independent models **with** a canary and ``runs`` without it,
+through the package's own pieces — the scheme's sampler (``scheme.sampler(...)``), Opacus'
+per-sample-gradient module and ``DPOptimizer`` (hooks), Opacus' ghost clipping, our
+book-keeping optimizer, our correlated-noise (BandMF) optimizer, the scheme's registered
+accountant, their ``state_dict`` / ``load_state_dict`` — observes what the pipeline releases
+and returns one attack score per run as :class:`~opacus_structured.audit.estimators.AuditScores`
+(with the ε the accountant reports for the same run), for
+:func:`~opacus_structured.audit.estimators.epsilon_lower_bound`.
+
+**What is released and what is scored.** Every run trains a bias-free linear model under the
+linear loss (:mod:`~opacus_structured.audit.canaries`), so each example's gradient is its input
+and the canary (:class:`~opacus_structured.audit.canaries.DiracCanary`) is a gradient
+:math:`m C e_k` in a coordinate ``k`` of its own. The auditor reads, after every optimizer step
+``t``, the released noisy gradient sum in that coordinate, :math:`y_t` (in units of ``C``); for
+an independent-noise optimizer :math:`y = b + \sigma \xi`, for the matrix mechanism with
+strategy ``C`` (lower-triangular Toeplitz, first column ``c``, read from the optimizer) the
+optimizer releases :math:`y = b + \sigma C^{-1}\xi` and the auditor decorrelates,
+:math:`w = C y = C b + \sigma \xi`, exactly as the accountant's mechanism does. Here
+:math:`b \in \{0,1\}^T` is the canary's participation pattern (0 in the "without" runs). The
+score is the log likelihood ratio of "with" against "without" under the scheme's participation
+law :math:`P(S)` (Neyman–Pearson: the most powerful test of the priced mechanism),
+
+.. math::
+
+    s(y) = \log \sum_{S} P(S)\, \exp\Bigl(\frac{\langle w, C 1_S\rangle
+            - \tfrac12 \lVert C 1_S \rVert^2}{\sigma^2}\Bigr),
+
+summed over the participation patterns ``S`` (every subset of steps for Poisson, one step per
+epoch for balls-in-bins, the canary's cycle steps for cyclic Poisson, ...). The black-box
+:class:`~opacus_structured.audit.canaries.InputCanary` scores the drop of the canary's loss
+instead (a post-processing: a weaker attack, still a valid one).
+
+**Many runs, one pass.** ``R`` independent runs are trained side by side in one model of
+``2R`` coordinates: run ``r`` owns coordinates ``2r`` (its canary) and ``2r + 1`` (its other
+examples), its examples are nonzero only there, and its batches come from its **own** sampler
+(``scheme.sampler(n, generator=...)``, one per run, :class:`ParallelRunsBatchSampler`). Since a
+per-example gradient touches only its run's coordinates, per-example clipping (hooks, ghost,
+book-keeping: all clip the norm over the whole model) clips it exactly as in a run of its own,
+and the optimizer's i.i.d. (or per-coordinate correlated) noise is independent across
+coordinates: the ``R`` runs are ``R`` independent copies of the same pipeline. The optimizer
+sums (``loss_reduction="sum"``), so the released gradient is the noisy clipped sum itself.
+
+**Mutations** (``mutation=``) break the real pipeline *after* the accountant was told the true
+setting, to show that the audit catches each: ``"noise-halved"`` (the optimizer's
+``noise_multiplier`` is σ/2), ``"rate-doubled"`` (the samplers draw at twice the priced rate),
+``"no-clipping"`` (the optimizer clips at :math:`10^6 C` with the same noise std σC, so the
+canary's gradient :math:`m C` passes unclipped), ``"wrong-band"`` (matrix mechanisms: the
+optimizer's strategy has twice the bands the scheme prices, so a canary's participations
+overlap through ``C``).
+
+**Paths** (``path=``): ``"hooks"`` (Opacus ``GradSampleModule`` + ``DPOptimizer``),
+``"ghost"`` (Opacus ghost clipping: ``GradSampleModuleFastGradientClipping`` +
+``DPOptimizerFastGradientClipping`` + its loss wrapper), ``"bookkeeping"``
+(:class:`~opacus_structured.optim.bookkeeping.BookKeepingHooks` + ``BookKeepingDPOptimizer``),
+``"resume"`` (hooks, checkpointed after half the steps: samplers, optimizer — its correlated
+noise state included — and accountant are rebuilt from scratch with *other* seeds and
+restored with ``load_state_dict``); correlated-noise schemes use our correlated-noise variant of
+each optimizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+from .._validation import check_int, check_open_unit, check_positive, check_probability
+from .canaries import CANARIES, DiracCanary, LinearLoss
+from .estimators import AuditScores
+
+__all__ = ["run_audit", "AUDIT_SCHEMES", "AUDIT_PATHS", "MUTATIONS", "audit_registry",
+           "ParallelRunsBatchSampler", "likelihood_ratio_scores", "toeplitz_matrix"]
+
+#: Clipping / execution paths every scheme can be audited on.
+AUDIT_PATHS = ("hooks", "ghost", "bookkeeping", "resume")
+#: Deliberate breakages of the pipeline (each must be caught: audited ε > reported ε).
+MUTATIONS = ("noise-halved", "rate-doubled", "no-clipping", "wrong-band")
+
+#: Clipping norm of every audit (the scores are in units of it).
+CLIP = 1.0
+#: Clipping norm of the "no-clipping" mutation (noise multiplier scaled by CLIP/NO_CLIP).
+NO_CLIP = 1e6
+#: At most this many runs share one model (bounds the per-sample-gradient memory).
+CHUNK_RUNS = 256
+#: Participation patterns are enumerated exactly; refuse runs with more patterns.
+MAX_PATTERNS = 4096
+
+
+# ---- scoring ----------------------------------------------------------------------------------
+def toeplitz_matrix(coefficients, steps: int) -> np.ndarray:
+    r"""Lower-triangular Toeplitz ``C`` (``steps × steps``) with first column ``coefficients``
+    (truncated / zero-padded to ``steps``): :math:`C_{ij} = c_{i-j}` for
+    :math:`0 \le i - j < \mathrm{len}(c)`."""
+    c = np.asarray(coefficients, dtype=np.float64).reshape(-1)
+    steps = check_int("steps", steps, minimum=1)
+    out = np.zeros((steps, steps))
+    for k, v in enumerate(c[:steps]):
+        out += v * np.eye(steps, k=-k)
+    return out
+
+
+def _log_mixture(y: np.ndarray, means: np.ndarray, log_probs: np.ndarray,
+                 sigma2: float) -> np.ndarray:
+    r""":math:`\log\sum_S P(S)\exp((\langle y, m_S\rangle - \|m_S\|^2/2)/\sigma^2)` per row of
+    ``y`` (the Gaussian mixture density up to the factor common to all mixtures)."""
+    logits = log_probs[None, :] + (y @ means.T - 0.5 * np.sum(means * means, axis=1)[None, :]) \
+        / sigma2
+    top = logits.max(axis=1, keepdims=True)
+    return (top + np.log(np.exp(logits - top).sum(axis=1, keepdims=True))).reshape(-1)
+
+
+def likelihood_ratio_scores(observed, patterns, log_probs, noise_multiplier: float,
+                            strategy: Optional[np.ndarray] = None, patterns_without=None,
+                            log_probs_without=None) -> np.ndarray:
+    r"""Log likelihood ratio of "canary present" for each row of ``observed`` (module docstring).
+
+    Args:
+        observed: ``(R, T)`` released canary-coordinate values :math:`y` in units of ``C``.
+        patterns: ``(P, T)`` mean vectors :math:`b_S` of the canary coordinate "with" (0/1
+            participation patterns :math:`1_S`, or e.g. :math:`2 \cdot 1_S - B` when an
+            included canary displaces another example).
+        log_probs: ``(P,)`` :math:`\log P(S)`.
+        noise_multiplier: σ of the Gaussian noise (in units of ``C``).
+        strategy: ``(T, T)`` matrix ``C`` of the matrix mechanism (``None``: the identity).
+        patterns_without, log_probs_without: the same for the "without" runs (default: the
+            single pattern 0, probability 1).
+
+    Returns:
+        ``(R,)`` :math:`\log\frac{\sum_S P(S)\,\varphi_\sigma(Cy - Cb_S)}
+        {\sum_{S'} P'(S')\,\varphi_\sigma(Cy - Cb'_{S'})}`, :math:`\varphi_\sigma` the
+        :math:`\mathcal N(0, \sigma^2 I)` density.
+    """
+    y = np.asarray(observed, dtype=np.float64)
+    s = np.asarray(patterns, dtype=np.float64)
+    lp = np.asarray(log_probs, dtype=np.float64)
+    if patterns_without is None:
+        s0, lp0 = np.zeros((1, s.shape[1] if s.ndim == 2 else 0)), np.zeros(1)
+    else:
+        s0 = np.asarray(patterns_without, dtype=np.float64)
+        lp0 = np.asarray(log_probs_without, dtype=np.float64)
+    for a, b in ((s, lp), (s0, lp0)):
+        if y.ndim != 2 or a.ndim != 2 or a.shape[1] != y.shape[1] or b.shape != (a.shape[0],):
+            raise ValueError(f"observed (R, T), patterns (P, T) and log_probs (P,) must agree, "
+                             f"got {y.shape}, {a.shape}, {b.shape}")
+    sigma2 = check_positive("noise_multiplier", noise_multiplier) ** 2
+    if strategy is not None:
+        c = np.asarray(strategy, dtype=np.float64)
+        y, s, s0 = y @ c.T, s @ c.T, s0 @ c.T
+    return _log_mixture(y, s, lp, sigma2) - _log_mixture(y, s0, lp0, sigma2)
+
+
+def bernoulli_patterns(steps: int, eligible, rate: float) -> tuple[np.ndarray, np.ndarray]:
+    r"""Every pattern of independent participation with probability ``rate`` at each step of
+    ``eligible`` (never at the others): :math:`P(S) = q^{|S|}(1-q)^{|E|-|S|}` for
+    :math:`S \subseteq E`."""
+    eligible = list(eligible)
+    if 2 ** len(eligible) > MAX_PATTERNS:
+        raise ValueError(f"steps: {len(eligible)} eligible steps give 2^{len(eligible)} "
+                         f"participation patterns (max {MAX_PATTERNS}); audit fewer steps")
+    q = check_probability("rate", rate)
+    rows, lps = [], []
+    for bits in itertools.product((0, 1), repeat=len(eligible)):
+        k = sum(bits)
+        if (q == 1.0 and k < len(eligible)):
+            continue
+        row = np.zeros(steps)
+        row[[e for e, b in zip(eligible, bits) if b]] = 1.0
+        rows.append(row)
+        lps.append(k * math.log(q) + (len(eligible) - k) * (math.log1p(-q) if q < 1 else 0.0))
+    return np.array(rows), np.array(lps)
+
+
+# ---- running many independent runs side by side -----------------------------------------------
+class ParallelRunsBatchSampler(Sampler[list[int]]):
+    """Batches of ``R`` independent runs, each drawn by its own sampler (one per run).
+
+    Run ``r`` owns dataset rows ``r·n … r·n + n − 1``; at every step each run's sampler draws its
+    batch (of its own indices ``0 … n−1``, or ``0 … n−2`` for a run whose dataset lacks its
+    first example: ``shifts[r] = 1`` maps them to rows ``1 … n−1``) and the union, shifted to
+    the run's rows, is the step's batch. ``len`` is ``steps``. The per-run samplers keep their
+    own state (``state_dict`` of each), so a checkpoint restores every run exactly.
+    """
+
+    def __init__(self, samplers, examples_per_run: int, steps: int, shifts=None):
+        self.samplers = list(samplers)
+        self.examples_per_run = check_int("examples_per_run", examples_per_run, minimum=1)
+        self.steps = check_int("steps", steps, minimum=1)
+        self.shifts = [0] * len(self.samplers) if shifts is None else [int(v) for v in shifts]
+        self._iters: list = [None] * len(self.samplers)
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def _next(self, r: int) -> list[int]:
+        for _ in range(2):
+            if self._iters[r] is None:
+                self._iters[r] = iter(self.samplers[r])
+            try:
+                return list(next(self._iters[r]))
+            except StopIteration:  # the run's epoch is over: the next one continues
+                self._iters[r] = None
+        raise RuntimeError(f"the sampler of run {r} yields empty epochs")
+
+    def __iter__(self):
+        n = self.examples_per_run
+        for _ in range(self.steps):
+            batch: list[int] = []
+            for r in range(len(self.samplers)):
+                base = r * n + self.shifts[r]
+                batch.extend(base + int(i) for i in self._next(r))
+            yield batch
+
+    def state_dict(self) -> list[dict]:
+        """Every run's sampler state (between draws)."""
+        return [s.state_dict() for s in self.samplers]
+
+    def load_state_dict(self, states) -> None:
+        if len(states) != len(self.samplers):
+            raise ValueError(f"state has {len(states)} runs, this sampler {len(self.samplers)}")
+        for s, st in zip(self.samplers, states):
+            s.load_state_dict(st)
+        self._iters = [None] * len(self.samplers)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """One audit: the priced scheme and what the (possibly mutated) pipeline really does."""
+
+    spec: "_SchemeAudit"
+    flags: dict
+    scheme: Any                   # what the accountant prices
+    drawn: Any                    # what the samplers draw (== scheme unless rate-doubled)
+    noise_multiplier: float       # σ told to the accountant
+    actual_noise_multiplier: float
+    clip: float                   # the optimizer's clipping norm
+    coefficients: Optional[list]  # strategy the optimizer uses (None: independent noise)
+    steps: int
+    delta: float
+    examples: int
+    path: str
+    canary: DiracCanary
+
+
+def _optimizer_pieces(plan: _Plan, model: nn.Module, generator: torch.Generator):
+    """``(module, optimizer, criterion)`` of ``plan.path`` around ``model`` (real classes)."""
+    from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+    from ..optim.bookkeeping import BookKeepingHooks, bookkeeping_optimizer_class
+    from ..optim.correlated_noise import correlated_optimizer_class
+    from ..optim.ghost_clipping import CorrelatedNoiseDPOptimizerFastGradientClipping
+
+    correlated = plan.coefficients is not None
+    kw = dict(noise_multiplier=plan.actual_noise_multiplier, max_grad_norm=plan.clip,
+              expected_batch_size=1, loss_reduction="sum", generator=generator)
+    if correlated:
+        kw["noise_correlation"] = list(plan.coefficients)
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+    if plan.path in ("hooks", "resume"):
+        module = GradSampleModule(model, batch_first=True, loss_reduction="sum")
+        cls = correlated_optimizer_class(DPOptimizer) if correlated else DPOptimizer
+        return module, cls(sgd, **kw), LinearLoss("sum")
+    if plan.path == "ghost":
+        module = GradSampleModuleFastGradientClipping(
+            model, batch_first=True, loss_reduction="sum", max_grad_norm=plan.clip,
+            use_ghost_clipping=True)
+        cls = (CorrelatedNoiseDPOptimizerFastGradientClipping if correlated
+               else DPOptimizerFastGradientClipping)
+        optimizer = cls(sgd, **kw)
+        criterion = DPLossFastGradientClipping(module, optimizer, LinearLoss("sum"),
+                                               loss_reduction="sum")
+        return module, optimizer, criterion
+    if plan.path == "bookkeeping":
+        hooks = BookKeepingHooks(model, max_grad_norm=plan.clip, loss_reduction="sum")
+        base = (CorrelatedNoiseDPOptimizerFastGradientClipping if correlated
+                else DPOptimizerFastGradientClipping)
+        optimizer = bookkeeping_optimizer_class(base)(sgd, **kw)
+        optimizer.attach_bookkeeper(hooks)
+        return model, optimizer, LinearLoss("sum")
+    raise ValueError(f"path must be one of {AUDIT_PATHS}, got {plan.path!r}")
+
+
+def _loader(dataset, batch_sampler, width: int) -> DataLoader:
+    from opacus.data_loader import wrap_collate_with_empty
+    from torch.utils.data._utils.collate import default_collate
+
+    collate = wrap_collate_with_empty(collate_fn=default_collate,
+                                      sample_empty_shapes=[(0, width), (0,)],
+                                      dtypes=[torch.float32, torch.float32])
+    return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate)
+
+
+class _Chunk:
+    """``R`` runs trained side by side (module docstring): build, train, checkpoint."""
+
+    def __init__(self, plan: _Plan, present: np.ndarray, seeds: np.ndarray):
+        self.plan = plan
+        self.present = present
+        R, n = present.size, plan.examples
+        self.width = 2 * R
+        rng = np.random.default_rng(int(seeds[0]))
+        x = torch.zeros(R * n, self.width)
+        rows = torch.arange(R) * n
+        x[rows, 2 * torch.arange(R)] = torch.as_tensor(
+            present.astype(np.float32)) * plan.canary.value(CLIP)
+        others = plan.spec.others
+        for j in range(1, n):
+            if others is None:  # gradients in the run's second coordinate, never the canary's
+                x[rows + j, 2 * torch.arange(R) + 1] = torch.as_tensor(
+                    rng.uniform(-1.0, 1.0, R).astype(np.float32)) * CLIP
+            else:  # a fixed gradient in the canary's coordinate (e.g. -C: displaced by it)
+                x[rows + j, 2 * torch.arange(R)] = float(others) * CLIP
+        self.dataset = TensorDataset(x, torch.ones(R * n))
+        self.canary_rows = rows
+        self.sampler_seeds = [int(s) for s in seeds[2:2 + R]]
+        self.noise_seed = int(seeds[1])
+        # add/remove audits of samplers that depend on the dataset size: the "without" runs
+        # draw from the n - 1 examples that remain
+        self.removed = [bool(plan.spec.removal and not p) for p in present]
+        self.samplers = self._samplers(0)
+        self.observed = np.zeros((R, plan.steps))
+        self.model = nn.Linear(self.width, 1, bias=False)
+        nn.init.zeros_(self.model.weight)
+        self.initial = nn.Linear(self.width, 1, bias=False)
+        nn.init.zeros_(self.initial.weight)
+        self.step = 0
+        self._build(torch.Generator().manual_seed(self.noise_seed))
+        from ..accountants.base import SchemeAccountant
+
+        self.accountant = SchemeAccountant(plan.scheme)
+
+    def _samplers(self, offset: int) -> list:
+        return [self.plan.spec.sampler(self.plan, torch.Generator().manual_seed(s + offset),
+                                       removed=removed)
+                for s, removed in zip(self.sampler_seeds, self.removed)]
+
+    def _build(self, noise_generator: torch.Generator) -> None:
+        self.batch_sampler = ParallelRunsBatchSampler(self.samplers, self.plan.examples,
+                                                      self.plan.steps - self.step,
+                                                      shifts=[int(r) for r in self.removed])
+        self.loader = _loader(self.dataset, self.batch_sampler, self.width)
+        self.module, self.optimizer, self.criterion = _optimizer_pieces(
+            self.plan, self.model, noise_generator)
+
+    def train(self, until: int) -> None:
+        plan = self.plan
+        rate = plan.scheme.expected_sample_rate()
+        weight = self.model.weight
+        batches = iter(self.loader)
+        while self.step < until:
+            x, target = next(batches)
+            self.optimizer.zero_grad()
+            loss = self.criterion(self.module(x), target)
+            loss.backward()
+            self.optimizer.step()
+            # the accountant is told the *claimed* σ (a mutation does not tell it)
+            self.accountant.step(noise_multiplier=plan.noise_multiplier,
+                                 sample_rate=rate if rate is not None else 1.0)
+            self.observed[:, self.step] = weight.grad.detach().reshape(-1)[0::2].double().numpy() \
+                / CLIP
+            self.step += 1
+
+    def checkpoint_and_restore(self) -> None:
+        """Save samplers, optimizer (noise state) and accountant, rebuild all of them from
+        scratch with other seeds, and load the saved state (the ``resume`` path)."""
+        from ..accountants.base import SchemeAccountant
+
+        state = {"samplers": self.batch_sampler.state_dict(),
+                 "optimizer": self.optimizer.state_dict(),
+                 "accountant": self.accountant.state_dict(),
+                 "model": {k: v.clone() for k, v in self.model.state_dict().items()}}
+        if hasattr(self.module, "_close"):
+            self.module._close()
+        # fresh pieces, other seeds: only the checkpoint can make them continue the run
+        self.samplers = self._samplers(1)
+        self.model = nn.Linear(self.width, 1, bias=False)
+        self.model.load_state_dict(state["model"])
+        self._build(torch.Generator().manual_seed(self.noise_seed + 1))
+        self.batch_sampler.load_state_dict(state["samplers"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.accountant = SchemeAccountant(self.plan.scheme)
+        self.accountant.load_state_dict(state["accountant"])
+
+    def run(self) -> None:
+        if self.plan.path == "resume":
+            half = max(1, self.plan.steps // 2)
+            self.train(half)
+            self.checkpoint_and_restore()
+        self.train(self.plan.steps)
+
+    def loss_drop(self) -> np.ndarray:
+        """Black-box scores: drop of the canary input's loss under the trained model."""
+        x = torch.zeros(self.present.size, self.width)
+        x[torch.arange(self.present.size), 2 * torch.arange(self.present.size)] = CLIP
+        return self.plan.canary.loss_drop(self.initial, self.model, x).double().numpy()
+
+    def strategy(self) -> Optional[np.ndarray]:
+        """The strategy matrix of the optimizer that ran (white-box: read from it)."""
+        c = getattr(self.optimizer, "noise_coefficients", None)
+        if c is None or len(c) == 1 and float(c[0]) == 1.0:
+            return None
+        return toeplitz_matrix(c, self.plan.steps)
+
+
+# ---- per-scheme audit specs -------------------------------------------------------------------
+class _SchemeAudit:
+    """How to audit one scheme: its default flags, the scheme priced, the sampler of one run,
+    the canary's participation law and (for matrix mechanisms) the strategy."""
+
+    name = ""
+    summary = ""
+    defaults: dict = {}
+    #: The other examples' gradient in the canary's coordinate (units of C); None: they use a
+    #: coordinate of their own.
+    others: Optional[float] = None
+    #: "Without" runs remove the canary (their sampler draws from n - 1 examples) instead of
+    #: zeroing it (the same mechanism for samplers drawing every example independently).
+    removal = False
+
+    def scheme(self, f: dict):
+        raise NotImplementedError
+
+    def doubled(self, scheme, f: dict):
+        """The scheme the samplers draw under ``mutation="rate-doubled"``."""
+        raise NotImplementedError
+
+    def sampler(self, plan: _Plan, generator: torch.Generator, *, removed: bool = False):
+        return plan.drawn.sampler(plan.examples, generator=generator)
+
+    def patterns(self, plan: _Plan, sampler) -> tuple[tuple, np.ndarray, np.ndarray]:
+        """``(key, patterns, log_probs)`` of the canary (row 0) of a run drawn by ``sampler``;
+        runs with equal ``key`` share the law."""
+        raise NotImplementedError
+
+    def patterns_without(self, plan: _Plan):
+        """``(patterns, log_probs)`` of the canary coordinate without the canary (``None``:
+        always 0)."""
+        return None
+
+    def coefficients(self, scheme, f: dict) -> Optional[list]:
+        return None
+
+    def wrong_band(self, scheme, f: dict) -> list:
+        raise ValueError(f"mutation 'wrong-band' applies to matrix-mechanism schemes; scheme "
+                         f"{self.name!r} adds independent noise")
+
+
+class _PoissonAudit(_SchemeAudit):
+    name = "poisson"
+    summary = "Poisson sampling, DP-SGD (add/remove; a zero canary = removed)"
+    defaults = dict(sample_rate=0.5, noise_multiplier=0.7, steps=3, delta=0.05, examples=4)
+
+    def scheme(self, f):
+        from ..schemes.poisson import PoissonScheme
+
+        return PoissonScheme(sample_rate=f["sample_rate"])
+
+    def doubled(self, scheme, f):
+        return dataclasses.replace(scheme, sample_rate=min(1.0, 2 * scheme.sample_rate))
+
+    def sampler(self, plan, generator, *, removed=False):
+        return plan.drawn.sampler(plan.examples, generator=generator, steps=plan.steps)
+
+    def patterns(self, plan, sampler):
+        return (), *bernoulli_patterns(plan.steps, range(plan.steps), plan.scheme.sample_rate)
+
+
+class _TruncatedPoissonAudit(_SchemeAudit):
+    r"""Truncated Poisson, add/remove (Theorem 3.1 of Ganesh 2025). The worst case of its
+    :math:`r = 2` branch is an included canary **displacing** another example whose gradient
+    points the other way: the other examples here have gradient :math:`-C e_k` in the canary's
+    coordinate, and the rate is high enough that at least ``B`` others are drawn almost always,
+    so every batch sums to :math:`-B` without the canary and to :math:`-B + 2` when the canary
+    is kept (probability ``q``, the scheme's conditional sampling probability): the pair
+    :math:`(1-q)N(0) + qN(2)` vs :math:`N(0)` the accountant prices. "Without" runs draw from
+    the ``n - 1`` other examples (removal)."""
+
+    name = "truncated-poisson"
+    summary = ("Poisson sampling truncated to B examples (add/remove; the canary displaces an "
+               "opposite example)")
+    defaults = dict(sample_rate=0.9, max_batch_size=3, noise_multiplier=1.4, steps=2,
+                    delta=0.05, examples=6)
+    others = -1.0
+    removal = True
+
+    def scheme(self, f):
+        from ..schemes.truncated_poisson import TruncatedPoissonScheme
+
+        return TruncatedPoissonScheme(dataset_size=f["examples"], sample_rate=f["sample_rate"],
+                                      max_batch_size=f["max_batch_size"])
+
+    def doubled(self, scheme, f):
+        return dataclasses.replace(scheme, sample_rate=min(1.0, 2 * scheme.sample_rate),
+                                   epoch_steps=scheme.steps_per_epoch())
+
+    def sampler(self, plan, generator, *, removed=False):
+        scheme = plan.drawn
+        if removed:
+            scheme = dataclasses.replace(scheme, dataset_size=scheme.dataset_size - 1,
+                                         epoch_steps=scheme.steps_per_epoch())
+        return scheme.sampler(scheme.dataset_size, generator=generator, pad=False)
+
+    def patterns(self, plan, sampler):
+        B = plan.scheme.max_batch_size
+        rows, lps = bernoulli_patterns(plan.steps, range(plan.steps),
+                                       plan.scheme.conditional_sampling_probability)
+        return (), 2.0 * rows - B, lps
+
+    def patterns_without(self, plan):
+        return np.full((1, plan.steps), -float(plan.scheme.max_batch_size)), np.zeros(1)
+
+
+class _BallsInBinsAudit(_SchemeAudit):
+    name = "balls-in-bins"
+    summary = "balls-in-bins (each example in one uniform bin, bins reused every epoch)"
+    defaults = dict(num_bins=2, epochs=1, noise_multiplier=0.8, delta=0.05, examples=4)
+
+    def scheme(self, f):
+        from ..schemes.balls_in_bins import BallsInBinsScheme
+
+        return BallsInBinsScheme(num_bins=f["num_bins"], epochs=f["epochs"])
+
+    def doubled(self, scheme, f):
+        if scheme.num_bins % 2:
+            raise ValueError(f"num_bins: 'rate-doubled' halves the bins, needs an even "
+                             f"num_bins, got {scheme.num_bins}")
+        return dataclasses.replace(scheme, num_bins=scheme.num_bins // 2,
+                                   epochs=2 * scheme.epochs)
+
+    def patterns(self, plan, sampler):
+        k, T = plan.scheme.num_bins, plan.steps
+        rows = np.zeros((k, T))
+        for b in range(k):
+            rows[b, b::k] = 1.0
+        return (), rows, np.full(k, -math.log(k))
+
+
+class _BandMFAudit(_SchemeAudit):
+    name = "bandmf-cyclic-poisson"
+    summary = "BandMF correlated noise with cyclic Poisson sampling (b-banded strategy)"
+    defaults = dict(bands=2, batch_size=2.0, noise_multiplier=1.3, steps=12, delta=0.05,
+                    examples=8)
+
+    def scheme(self, f):
+        from ..schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme
+
+        return BandMFCyclicPoissonScheme(dataset_size=f["examples"], batch_size=f["batch_size"],
+                                         bands=f["bands"])
+
+    def doubled(self, scheme, f):
+        return dataclasses.replace(scheme, batch_size=2 * scheme.batch_size)
+
+    def coefficients(self, scheme, f):
+        return [float(v) for v in scheme.noise_correlation(f["steps"])]
+
+    def wrong_band(self, scheme, f):
+        from ..accounting.strategies import strategy_coefficients
+
+        # banded over the whole run: the canary's participations (bands steps apart) overlap
+        return [float(v) for v in strategy_coefficients(scheme.strategy, f["steps"],
+                                                         f["steps"])]
+
+    def sampler(self, plan, generator, *, removed=False):
+        return plan.drawn.sampler(plan.examples, generator=generator, steps=plan.steps)
+
+    def patterns(self, plan, sampler):
+        b = plan.scheme.bands
+        group = int(sampler.groups[0])
+        eligible = [t for t in range(plan.steps) if t % b == group]
+        return (group,), *bernoulli_patterns(plan.steps, eligible, plan.scheme.sample_rate)
+
+
+_SPECS: dict[str, _SchemeAudit] = {s.name: s for s in (
+    _PoissonAudit(), _TruncatedPoissonAudit(), _BallsInBinsAudit(), _BandMFAudit())}
+
+
+def audit_registry() -> dict[str, dict]:
+    """Scheme name -> ``{"summary", "paths", "mutations", "defaults"}`` of every auditable
+    scheme (what ``opacus-structured audit <scheme>`` accepts)."""
+    out = {}
+    for name, spec in _SPECS.items():
+        mutations = [m for m in MUTATIONS
+                     if m != "wrong-band" or type(spec).wrong_band is not _SchemeAudit.wrong_band]
+        out[name] = {"summary": spec.summary, "paths": list(AUDIT_PATHS),
+                     "mutations": mutations, "defaults": dict(spec.defaults)}
+    return out
+
+
+#: Auditable scheme names.
+AUDIT_SCHEMES = tuple(_SPECS)
+
+
+def _flags(spec: _SchemeAudit, scheme_flags: dict) -> dict:
+    unknown = sorted(set(scheme_flags) - set(spec.defaults))
+    if unknown:
+        raise ValueError(f"scheme {spec.name!r} takes no flag {unknown[0]!r}; its flags are "
+                         f"{sorted(spec.defaults)}")
+    f = {**spec.defaults, **scheme_flags}
+    for key in ("steps", "examples", "num_bins", "epochs", "bands", "max_batch_size"):
+        if key in f:
+            f[key] = check_int(key, f[key], minimum=1)
+    f["noise_multiplier"] = check_positive("noise_multiplier", f["noise_multiplier"])
+    f["delta"] = check_open_unit("delta", f["delta"])
+    if "num_bins" in f:
+        f["steps"] = f["num_bins"] * f["epochs"]
+    return f
+
+
+def _plan(scheme_name: str, path: str, mutation: Optional[str], canary, flags: dict) -> _Plan:
+    spec = _SPECS.get(scheme_name)
+    if spec is None:
+        raise ValueError(f"scheme must be one of {list(AUDIT_SCHEMES)}, got {scheme_name!r}")
+    if path not in AUDIT_PATHS:
+        raise ValueError(f"path must be one of {list(AUDIT_PATHS)}, got {path!r}")
+    if mutation is not None and mutation not in MUTATIONS:
+        raise ValueError(f"mutation must be None or one of {list(MUTATIONS)}, got {mutation!r}")
+    if isinstance(canary, str):
+        if canary not in CANARIES or canary == "event":
+            raise ValueError(f"canary must be 'dirac' or 'input' (or a canary object), got "
+                             f"{canary!r}")
+        canary = CANARIES[canary]()
+    if not isinstance(canary, DiracCanary):
+        raise ValueError(f"canary must be a canary name or object, got {canary!r}")
+    f = _flags(spec, flags)
+    scheme = spec.scheme(f)
+    sigma = f["noise_multiplier"]
+    coefficients = spec.coefficients(scheme, f)
+    plan = _Plan(spec=spec, flags=f, scheme=scheme, drawn=scheme, noise_multiplier=sigma,
+                 actual_noise_multiplier=sigma, clip=CLIP, coefficients=coefficients,
+                 steps=f["steps"], delta=f["delta"], examples=f["examples"], path=path,
+                 canary=canary)
+    if mutation == "noise-halved":
+        plan.actual_noise_multiplier = sigma / 2
+    elif mutation == "rate-doubled":
+        plan.drawn = spec.doubled(scheme, f)
+    elif mutation == "no-clipping":
+        plan.clip = NO_CLIP
+        plan.actual_noise_multiplier = sigma * CLIP / NO_CLIP  # same noise std σ·C
+    elif mutation == "wrong-band":
+        plan.coefficients = spec.wrong_band(scheme, f)
+    return plan
+
+
+def _scores(plan: _Plan, chunks: list[_Chunk]) -> np.ndarray:
+    if plan.canary.observes == "loss":
+        return np.concatenate([c.loss_drop() for c in chunks])
+    out = []
+    for chunk in chunks:
+        laws: dict = {}
+        keys = []
+        for sampler in chunk.samplers:
+            key, rows, lps = plan.spec.patterns(plan, sampler)
+            laws[key] = (rows, lps)
+            keys.append(key)
+        scores = np.empty(chunk.present.size)
+        strategy = chunk.strategy()
+        without = plan.spec.patterns_without(plan) or (None, None)
+        for key, (rows, lps) in laws.items():
+            idx = np.array([i for i, k in enumerate(keys) if k == key])
+            scores[idx] = likelihood_ratio_scores(chunk.observed[idx], rows, lps,
+                                                  plan.noise_multiplier, strategy, *without)
+        out.append(scores)
+    return np.concatenate(out)
+
+
+def run_audit(scheme: str, *, runs: int, seed: Optional[int] = None, path: str = "hooks",
+              mutation: Optional[str] = None, canary="dirac",
+              progress: Optional[Callable[[int, int], None]] = None,
+              **scheme_flags) -> AuditScores:
+    r"""Train ``runs`` runs with and ``runs`` without a canary through the real pipeline of
+    ``scheme`` on ``path`` and score each (module docstring).
+
+    Args:
+        scheme: one of :data:`AUDIT_SCHEMES`.
+        runs: runs **per side** (``runs`` with the canary, ``runs`` without), >= 2.
+        seed: seeds every sampler, noise generator and dataset (``None``: OS entropy).
+        path: one of :data:`AUDIT_PATHS`.
+        mutation: ``None`` or one of :data:`MUTATIONS` (a deliberately broken pipeline).
+        canary: ``"dirac"`` (white-box gradients, likelihood-ratio score), ``"input"``
+            (black-box loss of the canary input) or a canary object.
+        progress: called as ``progress(done_runs, total_runs)``.
+        **scheme_flags: the scheme's settings (``audit_registry()[scheme]["defaults"]``:
+            ``noise_multiplier``, ``steps``, ``delta``, ``examples`` per run, and the scheme's
+            own, e.g. ``sample_rate``).
+
+    Returns:
+        :class:`~opacus_structured.audit.estimators.AuditScores` with the ε the scheme's
+        accountant reports at ``delta`` after the run (told the *claimed* setting, also under a
+        mutation) and ``meta`` (settings, seconds).
+    """
+    runs = check_int("runs", runs, minimum=2)
+    plan = _plan(scheme, path, mutation, canary, scheme_flags)
+    started = time.perf_counter()
+    seq = np.random.SeedSequence(seed)
+    present = np.concatenate([np.ones(runs, dtype=bool), np.zeros(runs, dtype=bool)])
+    order = np.random.default_rng(seq.spawn(1)[0]).permutation(present.size)
+    present = present[order]  # with/without runs interleaved across chunks
+    chunks = []
+    for start in range(0, present.size, CHUNK_RUNS):
+        part = present[start:start + CHUNK_RUNS]
+        child = seq.spawn(1)[0]
+        chunk = _Chunk(plan, part, child.generate_state(part.size + 2, dtype=np.uint64)
+                       .astype(np.int64) & ((1 << 62) - 1))
+        chunk.run()
+        chunks.append(chunk)
+        if progress is not None:
+            progress(min(start + CHUNK_RUNS, present.size), present.size)
+    scores = _scores(plan, chunks)
+    reported = float(chunks[0].accountant.get_epsilon(plan.delta))
+    meta = {"scheme": scheme, "path": path, "mutation": mutation, "canary": plan.canary.name,
+            "runs_per_side": runs, "seed": seed, "noise_multiplier": plan.noise_multiplier,
+            "steps": plan.steps, "clip": CLIP, "flags": dict(plan.flags),
+            "scheme_object": repr(plan.scheme),
+            "noise_correlation": None if plan.coefficients is None else list(plan.coefficients),
+            "seconds": time.perf_counter() - started}
+    return AuditScores(scores[present], scores[~present], reported, plan.delta, meta)

@@ -63,6 +63,7 @@ each optimizer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -190,8 +191,9 @@ class ParallelRunsBatchSampler(Sampler[list[int]]):
     own state (``state_dict`` of each), so a checkpoint restores every run exactly.
     """
 
-    def __init__(self, samplers, examples_per_run: int, steps: int, shifts=None):
+    def __init__(self, samplers, examples_per_run: int, steps: int, shifts=None, row=int):
         self.samplers = list(samplers)
+        self.row = row  # a drawn item (an index, or a (series, start) window) -> its row
         self.examples_per_run = check_int("examples_per_run", examples_per_run, minimum=1)
         self.steps = check_int("steps", steps, minimum=1)
         self.shifts = [0] * len(self.samplers) if shifts is None else [int(v) for v in shifts]
@@ -216,7 +218,8 @@ class ParallelRunsBatchSampler(Sampler[list[int]]):
             batch: list[int] = []
             for r in range(len(self.samplers)):
                 base = r * n + self.shifts[r]
-                batch.extend(base + int(i) for i in self._next(r))
+                batch.extend(base + self.row(i) for i in self._next(r))
+            self.last_batch = batch
             yield batch
 
     def state_dict(self) -> list[dict]:
@@ -306,20 +309,25 @@ class _Chunk:
     def __init__(self, plan: _Plan, present: np.ndarray, seeds: np.ndarray):
         self.plan = plan
         self.present = present
+        spec = plan.spec
         R, n = present.size, plan.examples
         self.width = 2 * R
         rng = np.random.default_rng(int(seeds[0]))
         x = torch.zeros(R * n, self.width)
         rows = torch.arange(R) * n
-        x[rows, 2 * torch.arange(R)] = torch.as_tensor(
-            present.astype(np.float32)) * plan.canary.value(CLIP)
-        others = plan.spec.others
-        for j in range(1, n):
-            if others is None:  # gradients in the run's second coordinate, never the canary's
-                x[rows + j, 2 * torch.arange(R) + 1] = torch.as_tensor(
+        mine = 2 * torch.arange(R)  # each run's canary coordinate
+        canary_rows = set(spec.canary_rows(plan))
+        others = spec.others
+        for j in range(n):
+            if j in canary_rows:  # the canary; "without": zero (zero-out/removal) or `others`
+                absent = 0.0 if others is None or not spec.substitution else float(others)
+                x[rows + j, mine] = torch.as_tensor(np.where(
+                    present, plan.canary.value(CLIP), absent * CLIP).astype(np.float32))
+            elif others is None:  # gradients in the run's second coordinate, not the canary's
+                x[rows + j, mine + 1] = torch.as_tensor(
                     rng.uniform(-1.0, 1.0, R).astype(np.float32)) * CLIP
             else:  # a fixed gradient in the canary's coordinate (e.g. -C: displaced by it)
-                x[rows + j, 2 * torch.arange(R)] = float(others) * CLIP
+                x[rows + j, mine] = float(others) * CLIP
         self.dataset = TensorDataset(x, torch.ones(R * n))
         self.canary_rows = rows
         self.sampler_seeds = [int(s) for s in seeds[2:2 + R]]
@@ -334,10 +342,8 @@ class _Chunk:
         self.initial = nn.Linear(self.width, 1, bias=False)
         nn.init.zeros_(self.initial.weight)
         self.step = 0
+        self.accountant = spec.new_accountant(self)
         self._build(torch.Generator().manual_seed(self.noise_seed))
-        from ..accountants.base import SchemeAccountant
-
-        self.accountant = SchemeAccountant(plan.scheme)
 
     def _samplers(self, offset: int) -> list:
         return [self.plan.spec.sampler(self.plan, torch.Generator().manual_seed(s + offset),
@@ -347,25 +353,27 @@ class _Chunk:
     def _build(self, noise_generator: torch.Generator) -> None:
         self.batch_sampler = ParallelRunsBatchSampler(self.samplers, self.plan.examples,
                                                       self.plan.steps - self.step,
-                                                      shifts=[int(r) for r in self.removed])
+                                                      shifts=[int(r) for r in self.removed],
+                                                      row=functools.partial(
+                                                          self.plan.spec.row, self.plan))
         self.loader = _loader(self.dataset, self.batch_sampler, self.width)
         self.module, self.optimizer, self.criterion = _optimizer_pieces(
             self.plan, self.model, noise_generator)
+        self.plan.spec.attach(self)
 
     def train(self, until: int) -> None:
-        plan = self.plan
-        rate = plan.scheme.expected_sample_rate()
+        spec = self.plan.spec
         weight = self.model.weight
         batches = iter(self.loader)
         while self.step < until:
             x, target = next(batches)
+            spec.before_backward(self)
             self.optimizer.zero_grad()
             loss = self.criterion(self.module(x), target)
             loss.backward()
+            spec.before_step(self)
             self.optimizer.step()
-            # the accountant is told the *claimed* σ (a mutation does not tell it)
-            self.accountant.step(noise_multiplier=plan.noise_multiplier,
-                                 sample_rate=rate if rate is not None else 1.0)
+            spec.record(self)
             self.observed[:, self.step] = weight.grad.detach().reshape(-1)[0::2].double().numpy() \
                 / CLIP
             self.step += 1
@@ -373,8 +381,7 @@ class _Chunk:
     def checkpoint_and_restore(self) -> None:
         """Save samplers, optimizer (noise state) and accountant, rebuild all of them from
         scratch with other seeds, and load the saved state (the ``resume`` path)."""
-        from ..accountants.base import SchemeAccountant
-
+        spec = self.plan.spec
         state = {"samplers": self.batch_sampler.state_dict(),
                  "optimizer": self.optimizer.state_dict(),
                  "accountant": self.accountant.state_dict(),
@@ -385,11 +392,11 @@ class _Chunk:
         self.samplers = self._samplers(1)
         self.model = nn.Linear(self.width, 1, bias=False)
         self.model.load_state_dict(state["model"])
+        self.accountant = spec.new_accountant(self)
+        self.accountant.load_state_dict(state["accountant"])
         self._build(torch.Generator().manual_seed(self.noise_seed + 1))
         self.batch_sampler.load_state_dict(state["samplers"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.accountant = SchemeAccountant(self.plan.scheme)
-        self.accountant.load_state_dict(state["accountant"])
 
     def run(self) -> None:
         if self.plan.path == "resume":
@@ -426,6 +433,49 @@ class _SchemeAudit:
     #: "Without" runs remove the canary (their sampler draws from n - 1 examples) instead of
     #: zeroing it (the same mechanism for samplers drawing every example independently).
     removal = False
+    #: Substitution relation: "without" runs hold ``others`` in the canary's rows.
+    substitution = False
+    #: Paths this scheme's pipeline supports.
+    paths = AUDIT_PATHS
+
+    def row(self, plan: _Plan, item) -> int:
+        """The dataset row (within its run) of an item the sampler draws."""
+        return int(item)
+
+    def examples(self, f: dict) -> int:
+        """Dataset rows per run."""
+        return f["examples"]
+
+    # -- the accountant, fed by the training loop -------------------------------------------
+    def new_accountant(self, chunk: "_Chunk"):
+        """A fresh accountant of the priced scheme (its registered class)."""
+        from ..accountants.base import SchemeAccountant
+
+        return SchemeAccountant(chunk.plan.scheme)
+
+    def record(self, chunk: "_Chunk") -> None:
+        """After each optimizer step: the accountant is told the *claimed* σ and the scheme's
+        rate (a mutation does not tell it)."""
+        rate = chunk.plan.scheme.expected_sample_rate()
+        chunk.accountant.step(noise_multiplier=chunk.plan.noise_multiplier,
+                              sample_rate=rate if rate is not None else 1.0)
+
+    def reported(self, chunk: "_Chunk") -> float:
+        """The ε the pipeline reports at the plan's δ."""
+        return float(chunk.accountant.get_epsilon(chunk.plan.delta))
+
+    def attach(self, chunk: "_Chunk") -> None:
+        """After the optimizer is built (hook for per-example machinery)."""
+
+    def before_backward(self, chunk: "_Chunk") -> None:
+        """Before each backward."""
+
+    def before_step(self, chunk: "_Chunk") -> None:
+        """Between backward and the optimizer step."""
+
+    def canary_rows(self, plan: _Plan) -> list[int]:
+        """Rows (within a run) that carry the canary."""
+        return [0]
 
     def scheme(self, f: dict):
         raise NotImplementedError
@@ -580,8 +630,152 @@ class _BandMFAudit(_SchemeAudit):
         return (group,), *bernoulli_patterns(plan.steps, eligible, plan.scheme.sample_rate)
 
 
+class _StructuredAudit(_SchemeAudit):
+    r"""Structured window subsampling (Schuchardt et al., ICML 2025), 1-event relation, WR
+    bottom level, one window per drawn series. The canary is an **event**: one time step
+    ``time`` of series 0 (:class:`~opacus_structured.audit.canaries.EventCanary`). Every window
+    of every series has gradient :math:`-C e_k`; with the event, the
+    :math:`k = L_C + L_F` windows covering it have :math:`+mC e_k` instead (clipped to
+    :math:`+C e_k`: the substitution changes each of them by :math:`2C`). With ``batch_size``
+    = 1 window per step, every step releases :math:`-1` without the event and :math:`+1` when a
+    covering window was drawn (probability :math:`\rho r` for WOR, :math:`r = k/T` at the
+    canary series' step of the epoch for the deterministic top level): exactly the pair
+    :math:`(1-q)N(0) + qN(2)` vs :math:`N(0)` of Theorems 4.4 / 4.2 — the tight results."""
+
+    name = "structured"
+    summary = ("structured time-series windows, 1-event relation (the canary is one time step "
+               "of one series), WOR or deterministic top level")
+    defaults = dict(top_level="wor", num_series=2, series_length=3, context_length=2,
+                    forecast_length=1, noise_multiplier=1.4, steps=3, delta=0.05)
+    others = -1.0
+    substitution = True
+
+    def scheme(self, f):
+        from ..schemes.structured import StructuredScheme
+
+        return StructuredScheme(num_series=f["num_series"], series_length=f["series_length"],
+                                context_length=f["context_length"],
+                                forecast_length=f["forecast_length"], batch_size=1,
+                                top_level=f["top_level"], bottom_level="wr", relation="event",
+                                w=1)
+
+    def doubled(self, scheme, f):
+        raise ValueError("mutation 'rate-doubled' is audited on the poisson scheme; the "
+                         "structured sampler's rate is fixed by its geometry")
+
+    def sampler(self, plan, generator, *, removed=False):
+        return plan.drawn.sampler(generator=generator)
+
+    @staticmethod
+    def _starts(scheme) -> int:
+        return scheme.series_length - scheme.forecast_length + 1
+
+    def examples(self, f):
+        return f["num_series"] * (f["series_length"] - f["forecast_length"] + 1)
+
+    def row(self, plan, item) -> int:  # (series, start) -> series * T + start
+        series, start = item
+        return int(series) * self._starts(plan.scheme) + int(start)
+
+    def event(self, plan):
+        """The event: time ``L_F - 1`` of series 0, so that all ``min(L_C + L_F, T)`` windows
+        that can cover an event cover it."""
+        from .canaries import EventCanary
+
+        return EventCanary(series=0, time=plan.scheme.forecast_length - 1)
+
+    def canary_rows(self, plan):
+        # the window at (padded) start s reads x[s - L_C .. s + L_F - 1]
+        scheme = plan.scheme
+        return self.event(plan).covering_windows(
+            [s - scheme.context_length for s in range(self._starts(scheme))],
+            scheme.context_length + scheme.forecast_length)
+
+    def patterns(self, plan, sampler):
+        scheme = plan.scheme
+        r = len(self.canary_rows(plan)) / self._starts(scheme)
+        if scheme.top_level == "wor":  # one of num_series series per step, uniformly
+            eligible, rate = range(plan.steps), r / scheme.num_series
+        else:  # series 0 is in block 0: the first step of every epoch
+            per_epoch = scheme.steps_per_epoch()
+            eligible, rate = [t for t in range(plan.steps) if t % per_epoch == 0], r
+        rows, lps = bernoulli_patterns(plan.steps, eligible, rate)
+        return (), 2.0 * rows - 1.0, lps
+
+    def patterns_without(self, plan):
+        return np.full((1, plan.steps), -1.0), np.zeros(1)
+
+
+class _GDPFilterAudit(_SchemeAudit):
+    r"""Full-batch DP-GD with the individual GDP filter (Koskela, Tobaben & Honkela 2023,
+    :class:`lightning_callbacks.gdp_filter.IndividualGDPFilter`, driven as in a plain Opacus
+    loop). The canary's gradient has norm ``C``, so it spends :math:`\mu_t = 1/\sigma` per step
+    and the filter keeps it for the first :math:`k = \lfloor B^2\sigma^2 \rfloor` steps only;
+    the other examples (norms < C) stay active. The released canary coordinate is
+    :math:`N(1, \sigma^2)` for ``k`` steps then :math:`N(0, \sigma^2)`: :math:`\sqrt{k}/\sigma`-GDP,
+    equal to the budget ``B`` the filter certifies when :math:`B^2\sigma^2` is an integer
+    (the defaults: σ = √2/1.5, B = 1.5, k = 2 of 4 steps). The reported ε is the filter's
+    (:meth:`~lightning_callbacks.gdp_filter.IndividualGDPFilter.epsilon`). Paths: hooks
+    (inactive ``grad_sample`` rows zeroed before the optimizer clips) and ghost (the mask
+    enters the clipping coefficients)."""
+
+    name = "gdp-filter"
+    summary = "full-batch DP-GD with the individual GDP filter (per-example budget B)"
+    defaults = dict(budget=1.5, noise_multiplier=math.sqrt(2) / 1.5, steps=4, delta=0.05,
+                    examples=4)
+    paths = ("hooks", "ghost")
+
+    def scheme(self, f):
+        from ..schemes.gdp import GDPScheme
+
+        check_positive("budget", f["budget"])
+        return GDPScheme()
+
+    def doubled(self, scheme, f):
+        raise ValueError("mutation 'rate-doubled' needs a subsampled scheme; full-batch DP-GD "
+                         "already uses every example")
+
+    def new_accountant(self, chunk):
+        from lightning_callbacks.gdp_filter import IndividualGDPFilter
+
+        return IndividualGDPFilter(chunk.present.size * chunk.plan.examples,
+                                   chunk.plan.flags["budget"])
+
+    def record(self, chunk):
+        """The filter recorded the step itself (its μ use the optimizer's σ)."""
+
+    def reported(self, chunk):
+        return float(chunk.accountant.epsilon(chunk.plan.delta))
+
+    def attach(self, chunk):
+        if chunk.plan.path == "ghost":
+            chunk.accountant.attach_ghost(chunk.module, chunk.optimizer)
+
+    def before_backward(self, chunk):
+        if chunk.plan.path == "ghost":
+            chunk.accountant.set_batch_indices(chunk.batch_sampler.last_batch)
+
+    def before_step(self, chunk):
+        if chunk.plan.path != "ghost":
+            from lightning_callbacks.gdp_filter import step_norms
+
+            norms, _ = step_norms(chunk.optimizer)
+            chunk.accountant.mask_and_record(
+                [p for p in chunk.module.parameters() if p.requires_grad],
+                torch.as_tensor(chunk.batch_sampler.last_batch), norms,
+                chunk.optimizer.noise_multiplier, chunk.optimizer.max_grad_norm)
+
+    def patterns(self, plan, sampler):
+        mu2 = (1.0 / plan.noise_multiplier) ** 2
+        k = min(plan.steps, int(math.floor(plan.flags["budget"] ** 2 / mu2 * (1 + 1e-9))))
+        row = np.zeros((1, plan.steps))
+        row[0, :k] = 1.0
+        return (), row, np.zeros(1)
+
+
 _SPECS: dict[str, _SchemeAudit] = {s.name: s for s in (
-    _PoissonAudit(), _TruncatedPoissonAudit(), _BallsInBinsAudit(), _BandMFAudit())}
+    _PoissonAudit(), _TruncatedPoissonAudit(), _BallsInBinsAudit(), _BandMFAudit(),
+    _StructuredAudit(), _GDPFilterAudit())}
 
 
 def audit_registry() -> dict[str, dict]:
@@ -591,7 +785,7 @@ def audit_registry() -> dict[str, dict]:
     for name, spec in _SPECS.items():
         mutations = [m for m in MUTATIONS
                      if m != "wrong-band" or type(spec).wrong_band is not _SchemeAudit.wrong_band]
-        out[name] = {"summary": spec.summary, "paths": list(AUDIT_PATHS),
+        out[name] = {"summary": spec.summary, "paths": list(spec.paths),
                      "mutations": mutations, "defaults": dict(spec.defaults)}
     return out
 
@@ -606,9 +800,10 @@ def _flags(spec: _SchemeAudit, scheme_flags: dict) -> dict:
         raise ValueError(f"scheme {spec.name!r} takes no flag {unknown[0]!r}; its flags are "
                          f"{sorted(spec.defaults)}")
     f = {**spec.defaults, **scheme_flags}
-    for key in ("steps", "examples", "num_bins", "epochs", "bands", "max_batch_size"):
+    for key in ("steps", "examples", "num_bins", "epochs", "bands", "max_batch_size",
+                "num_series", "series_length", "context_length", "forecast_length"):
         if key in f:
-            f[key] = check_int(key, f[key], minimum=1)
+            f[key] = check_int(key, f[key], minimum=0 if key == "context_length" else 1)
     f["noise_multiplier"] = check_positive("noise_multiplier", f["noise_multiplier"])
     f["delta"] = check_open_unit("delta", f["delta"])
     if "num_bins" in f:
@@ -620,8 +815,9 @@ def _plan(scheme_name: str, path: str, mutation: Optional[str], canary, flags: d
     spec = _SPECS.get(scheme_name)
     if spec is None:
         raise ValueError(f"scheme must be one of {list(AUDIT_SCHEMES)}, got {scheme_name!r}")
-    if path not in AUDIT_PATHS:
-        raise ValueError(f"path must be one of {list(AUDIT_PATHS)}, got {path!r}")
+    if path not in spec.paths:
+        raise ValueError(f"path must be one of {list(spec.paths)} for scheme {scheme_name!r}, "
+                         f"got {path!r}")
     if mutation is not None and mutation not in MUTATIONS:
         raise ValueError(f"mutation must be None or one of {list(MUTATIONS)}, got {mutation!r}")
     if isinstance(canary, str):
@@ -637,7 +833,7 @@ def _plan(scheme_name: str, path: str, mutation: Optional[str], canary, flags: d
     coefficients = spec.coefficients(scheme, f)
     plan = _Plan(spec=spec, flags=f, scheme=scheme, drawn=scheme, noise_multiplier=sigma,
                  actual_noise_multiplier=sigma, clip=CLIP, coefficients=coefficients,
-                 steps=f["steps"], delta=f["delta"], examples=f["examples"], path=path,
+                 steps=f["steps"], delta=f["delta"], examples=spec.examples(f), path=path,
                  canary=canary)
     if mutation == "noise-halved":
         plan.actual_noise_multiplier = sigma / 2
@@ -716,7 +912,7 @@ def run_audit(scheme: str, *, runs: int, seed: Optional[int] = None, path: str =
         if progress is not None:
             progress(min(start + CHUNK_RUNS, present.size), present.size)
     scores = _scores(plan, chunks)
-    reported = float(chunks[0].accountant.get_epsilon(plan.delta))
+    reported = plan.spec.reported(chunks[0])
     meta = {"scheme": scheme, "path": path, "mutation": mutation, "canary": plan.canary.name,
             "runs_per_side": runs, "seed": seed, "noise_multiplier": plan.noise_multiplier,
             "steps": plan.steps, "clip": CLIP, "flags": dict(plan.flags),

@@ -127,7 +127,7 @@ def test_bad_input_raises_one_line_naming_the_argument(kwargs, match):
 # ---- the sweep (slow) ---------------------------------------------------------------------
 TIGHT = [(s, "hooks") for s in AUDIT_SCHEMES if s != "poisson"] + [("gdp-filter", "ghost")] + [
     (s, p) for s in ("poisson", "bandmf-cyclic-poisson") for p in ("ghost", "bookkeeping")] + [
-    ("poisson", "resume"), ("truncated-poisson", "ghost")]
+    ("poisson", "resume"), ("truncated-poisson", "ghost"), ("poisson", "ddp")]
 
 
 @pytest.mark.slow
@@ -157,6 +157,18 @@ CAUGHT = [("poisson", "rate-doubled"), ("poisson", "no-clipping"),
 @pytest.mark.parametrize("scheme, mutation", CAUGHT)
 def test_mutation_is_caught(scheme, mutation):
     _check_caught(run_audit(scheme, runs=RUNS, seed=20, mutation=mutation))
+
+
+@pytest.mark.slow
+def test_ddp_with_two_gloo_ranks_releases_what_one_process_releases():
+    """2 gloo processes, each drawing the same global batches and training on its shard, noise
+    added once (rank 0) by the distributed correlated-noise optimizer, all-reduced: the
+    released sums, hence the scores, are the single-process run's."""
+    one = run_audit("bandmf-cyclic-poisson", runs=16, seed=6, path="hooks")
+    two = run_audit("bandmf-cyclic-poisson", runs=16, seed=6, path="ddp")
+    np.testing.assert_allclose(two.scores_with, one.scores_with, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(two.scores_without, one.scores_without, rtol=1e-5, atol=1e-5)
+    assert two.reported_epsilon == one.reported_epsilon
 
 
 @pytest.mark.slow

@@ -82,7 +82,9 @@ __all__ = ["run_audit", "AUDIT_SCHEMES", "AUDIT_PATHS", "MUTATIONS", "audit_regi
            "ParallelRunsBatchSampler", "likelihood_ratio_scores", "toeplitz_matrix"]
 
 #: Clipping / execution paths every scheme can be audited on.
-AUDIT_PATHS = ("hooks", "ghost", "bookkeeping", "resume")
+AUDIT_PATHS = ("hooks", "ghost", "bookkeeping", "resume", "ddp")
+#: Processes of the ``ddp`` path (gloo, CPU).
+DDP_WORLD_SIZE = 2
 #: Deliberate breakages of the pipeline (each must be caught: audited ε > reported ε).
 MUTATIONS = ("noise-halved", "rate-doubled", "no-clipping", "wrong-band")
 
@@ -251,6 +253,7 @@ class _Plan:
     examples: int
     path: str
     canary: DiracCanary
+    mutation: Optional[str] = None
 
 
 def _optimizer_pieces(plan: _Plan, model: nn.Module, generator: torch.Generator):
@@ -269,6 +272,15 @@ def _optimizer_pieces(plan: _Plan, model: nn.Module, generator: torch.Generator)
     if correlated:
         kw["noise_correlation"] = list(plan.coefficients)
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+    if plan.path == "ddp":  # Opacus' order: DPDDP inside, GradSampleModule outside
+        from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+        from opacus.optimizers import DistributedDPOptimizer
+
+        from ..optim.distributed import DistributedCorrelatedNoiseDPOptimizer
+
+        module = GradSampleModule(DPDDP(model), batch_first=True, loss_reduction="sum")
+        cls = DistributedCorrelatedNoiseDPOptimizer if correlated else DistributedDPOptimizer
+        return module, cls(sgd, **kw), LinearLoss("sum")
     if plan.path in ("hooks", "resume"):
         module = GradSampleModule(model, batch_first=True, loss_reduction="sum")
         cls = correlated_optimizer_class(DPOptimizer) if correlated else DPOptimizer
@@ -356,7 +368,12 @@ class _Chunk:
                                                       shifts=[int(r) for r in self.removed],
                                                       row=functools.partial(
                                                           self.plan.spec.row, self.plan))
-        self.loader = _loader(self.dataset, self.batch_sampler, self.width)
+        sampler = self.batch_sampler
+        if self.plan.path == "ddp":  # every rank draws the global batch, keeps its shard
+            from ..samplers.distributed import DistributedBatchSampler
+
+            sampler = DistributedBatchSampler(self.batch_sampler, sync_state=False)
+        self.loader = _loader(self.dataset, sampler, self.width)
         self.module, self.optimizer, self.criterion = _optimizer_pieces(
             self.plan, self.model, noise_generator)
         self.plan.spec.attach(self)
@@ -834,7 +851,7 @@ def _plan(scheme_name: str, path: str, mutation: Optional[str], canary, flags: d
     plan = _Plan(spec=spec, flags=f, scheme=scheme, drawn=scheme, noise_multiplier=sigma,
                  actual_noise_multiplier=sigma, clip=CLIP, coefficients=coefficients,
                  steps=f["steps"], delta=f["delta"], examples=spec.examples(f), path=path,
-                 canary=canary)
+                 canary=canary, mutation=mutation)
     if mutation == "noise-halved":
         plan.actual_noise_multiplier = sigma / 2
     elif mutation == "rate-doubled":
@@ -896,6 +913,14 @@ def run_audit(scheme: str, *, runs: int, seed: Optional[int] = None, path: str =
     """
     runs = check_int("runs", runs, minimum=2)
     plan = _plan(scheme, path, mutation, canary, scheme_flags)
+    if path == "ddp":
+        return _run_ddp(plan, runs, seed)
+    return _run(plan, runs, seed, progress)
+
+
+def _run(plan: _Plan, runs: int, seed: Optional[int],
+         progress: Optional[Callable[[int, int], None]] = None) -> AuditScores:
+    """The audit of ``plan`` in this process (every rank of the ``ddp`` path runs it)."""
     started = time.perf_counter()
     seq = np.random.SeedSequence(seed)
     present = np.concatenate([np.ones(runs, dtype=bool), np.zeros(runs, dtype=bool)])
@@ -913,10 +938,50 @@ def run_audit(scheme: str, *, runs: int, seed: Optional[int] = None, path: str =
             progress(min(start + CHUNK_RUNS, present.size), present.size)
     scores = _scores(plan, chunks)
     reported = plan.spec.reported(chunks[0])
-    meta = {"scheme": scheme, "path": path, "mutation": mutation, "canary": plan.canary.name,
-            "runs_per_side": runs, "seed": seed, "noise_multiplier": plan.noise_multiplier,
-            "steps": plan.steps, "clip": CLIP, "flags": dict(plan.flags),
-            "scheme_object": repr(plan.scheme),
+    meta = {"scheme": plan.spec.name, "path": plan.path, "mutation": plan.mutation,
+            "canary": plan.canary.name, "runs_per_side": runs, "seed": seed,
+            "noise_multiplier": plan.noise_multiplier, "steps": plan.steps, "clip": CLIP,
+            "flags": dict(plan.flags), "scheme_object": repr(plan.scheme),
             "noise_correlation": None if plan.coefficients is None else list(plan.coefficients),
             "seconds": time.perf_counter() - started}
     return AuditScores(scores[present], scores[~present], reported, plan.delta, meta)
+
+
+# ---- DDP: the same audit in DDP_WORLD_SIZE gloo processes ---------------------------------------
+def _ddp_worker(rank: int, world: int, address: str, plan: _Plan, runs: int, seed, out: str):
+    import pickle
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        scores = _run(plan, runs, seed)
+        if rank == 0:
+            with open(out, "wb") as fh:
+                pickle.dump(scores, fh)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_ddp(plan: _Plan, runs: int, seed: Optional[int]) -> AuditScores:
+    """Every chunk trained by :data:`DDP_WORLD_SIZE` processes (``torch.multiprocessing``,
+    gloo): each rank draws the same global batches (same sampler seeds) and trains on its shard
+    (:class:`~opacus_structured.samplers.distributed.DistributedBatchSampler`), Opacus'
+    ``DifferentiallyPrivateDistributedDataParallel`` + ``DistributedDPOptimizer`` (our
+    ``DistributedCorrelatedNoiseDPOptimizer`` for correlated noise) add the noise once (rank 0)
+    and all-reduce; rank 0 reads the released sums."""
+    import os
+    import pickle
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "scores.pkl")
+        # file rendezvous in a fresh directory: no port to race for
+        address = "file://" + os.path.join(tmp, "rendezvous")
+        mp.spawn(_ddp_worker, args=(DDP_WORLD_SIZE, address, plan, runs, seed, out),
+                 nprocs=DDP_WORLD_SIZE, join=True)
+        with open(out, "rb") as fh:
+            return pickle.load(fh)

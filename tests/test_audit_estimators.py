@@ -288,3 +288,24 @@ def test_scheme_profile_is_the_accountants_delta():
     profile = scheme_profile(scheme, 0.7, 3)
     eps = scheme.epsilon(0.7, 3, 0.05, discretization=1e-3)
     assert profile(np.array([eps]))[0] == pytest.approx(0.05, rel=1e-3)
+
+
+def test_scheme_profile_of_a_scalar_only_scheme_stays_above_the_exact_curve():
+    """A scheme whose ``delta`` takes a scalar ε only (and has no PLD): evaluated on a coarse ε
+    grid, rounded down, so the predicted curve may only rise above the exact one."""
+    from scipy import stats
+
+    from opacus_structured.accounting.gaussian import gdp_delta
+    from opacus_structured.audit.report import predicted_tradeoff, scheme_profile
+
+    class ScalarGaussian:
+        def pld(self, noise_multiplier, **kwargs):
+            raise NotImplementedError
+
+        def delta(self, noise_multiplier, steps, epsilon, *, discretization):
+            return float(gdp_delta(float(epsilon), np.sqrt(steps) / noise_multiplier))
+
+    fpr = np.logspace(-4, 0, 40)
+    curve = predicted_tradeoff(scheme_profile(ScalarGaussian(), 1.0, 1), fpr)
+    exact = stats.norm.sf(stats.norm.isf(fpr) - 1.0)
+    assert np.all(curve >= exact - 1e-12) and np.max(curve - exact) < 0.05

@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from ..accounting import pld as pld_lib
 from .estimators import AuditScores, EpsilonLowerBound, roc_curve
 
 __all__ = ["predicted_tradeoff", "default_epsilon_grid", "scheme_profile", "plot_audit"]
@@ -71,11 +72,54 @@ def predicted_tradeoff(delta_of_epsilon: Callable, fpr_grid, *,
 def scheme_profile(scheme, noise_multiplier: float, steps: int, *,
                    discretization: float = 1e-3) -> Callable:
     """δ(ε) of ``scheme`` after ``steps`` steps at ``noise_multiplier``, as its accountant prices
-    it (:meth:`~opacus_structured.schemes.Scheme.delta`: the composed pessimistic PLD, or the
-    scheme's closed form); returns a function of an ε array composing the PLD once per call."""
+    it (:meth:`~opacus_structured.schemes.Scheme.delta`), as a function of an ε array.
+
+    :meth:`Scheme.delta` composes the PLD on every call, and some schemes accept a scalar ε
+    only. The returned function therefore prefers one composed PLD: the scheme's ``pld``
+    self-composed over its ``compositions(steps)``, used only if it reproduces
+    ``scheme.delta`` at three probe values of ε (to 1e-9 relative); otherwise it calls
+    ``scheme.delta`` with the whole array, or, for a scalar-only ``delta``, once per ε of a
+    coarse grid (steps of 0.5 up to 12, or until δ < 1e-7; every ε takes the value at the grid
+    point below it: δ is decreasing, so the curve can only rise, never fall below the
+    accountant's)."""
+    probes = np.array([0.0, 0.5, 2.0])
+    try:
+        expected = np.array([float(scheme.delta(noise_multiplier, steps, float(e),
+                                                discretization=discretization))
+                             for e in probes])
+        composed = pld_lib.self_compose(
+            scheme.pld(noise_multiplier, discretization=discretization),
+            scheme.compositions(steps))
+        got = np.asarray(pld_lib.delta_for_epsilon(composed, probes), dtype=float)
+        if np.allclose(got, expected, rtol=1e-9, atol=1e-15):
+            return lambda epsilons: pld_lib.delta_for_epsilon(
+                composed, np.asarray(epsilons, dtype=float))
+    except (NotImplementedError, TypeError, ValueError):
+        pass
+
+    coarse = np.arange(0.0, 12.0 + 1e-9, 0.5)
+    cache: dict = {}
+
     def delta_of_epsilon(epsilons):
-        return scheme.delta(noise_multiplier, steps, np.asarray(epsilons, dtype=float),
-                            discretization=discretization)
+        eps = np.asarray(epsilons, dtype=float)
+        try:
+            out = np.asarray(scheme.delta(noise_multiplier, steps, eps,
+                                          discretization=discretization), dtype=float)
+            if out.shape == eps.shape:
+                return out
+        except (TypeError, ValueError):
+            pass
+        if "values" not in cache:
+            values = []
+            for e in coarse:  # stop once δ is negligible: δ(12) <= δ(ε) <= that value
+                values.append(float(scheme.delta(noise_multiplier, steps, float(e),
+                                                  discretization=discretization)))
+                if values[-1] < 1e-7:
+                    break
+            cache["values"] = np.array(values + [values[-1]] * (coarse.size - len(values)))
+        # round each ε down to the coarse grid: δ there is >= δ(ε), a valid (higher) profile
+        idx = np.clip(np.searchsorted(coarse, eps, side="right") - 1, 0, coarse.size - 1)
+        return cache["values"][idx]
     return delta_of_epsilon
 
 

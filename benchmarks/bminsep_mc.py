@@ -1,144 +1,186 @@
-"""Samples/s of the b-min-sep Monte Carlo sampler vs a faithful numpy port of the reference.
+"""Samples/s of the b-min-sep Monte Carlo sampler beside jax_privacy's, in one process.
 
-The reference (jax_privacy ``experimental/monte_carlo/sample_generation.py``, without numba)
-draws one sample at a time: a Python ``while`` loop over the Bernoulli draws for ``x``, ``C x``
-by convolution, the window dot products by ``scipy.signal.convolve`` and the dynamic program
-as a Python loop of scalar ``np.logaddexp`` (with the *correct* boundary norms). Ours
-(:func:`opacus_structured.accounting.bminsep_mc.sample_privacy_losses`) vectorises over
-samples: geometric gaps for ``x``, banded products, and the recursion over an ``(b, S)``
-circular buffer. Both run on the same CPU, single process; the torch backend
-(:mod:`opacus_structured.runners.bminsep_mc_torch`) is timed on the CPU and on CUDA when
-available. ``--variant`` times our truncated + padded (``--truncate``) or multi-attribution
-(``--max-user-examples``) sampler as well (the reference speed is always the plain warm-start
-loop, so the speedup is only comparable for the default variant).
+The reference is jax_privacy's own ``experimental/monte_carlo/sample_generation.py`` as its
+users run it: ``generate_sample`` + ``compute_privacy_loss`` (``BMinSepSampling``, warm start,
+``sampling_prob = p0/(1 − (b−1)p0)``, ``p0 = 1/128``, ``σ = 1``, the BandMF square-root Toeplitz
+coefficients normalised to unit norm), imported from the installed ``jax-privacy`` wheel
+(``pip install "opacus-structured[peers]"``) or, with ``--reference-path DIR``, from a source
+checkout (``DIR`` holds the ``jax_privacy`` package). Ours is
+:func:`opacus_structured.runners.monte_carlo.sample_losses` (the numpy backend the shard runner
+uses). Both run single-threaded (BLAS and torch limited to one thread), interleaved, ``--reps``
+times per row; the table gives the median samples/s of each and their ratio.
 
-    python benchmarks/bminsep_mc.py [--n 1024] [--bands 4] [--samples 20000] \
-        [--variant plain|truncated|multi] [--json [PATH]]
+Agreement per row: the mean privacy loss of each sampler (± its standard error) and a two-sample
+Kolmogorov–Smirnov test on the pooled remove-direction losses. jax_privacy assigns the squared
+norms of the last ``b − 1`` (truncated) columns of ``C`` in reverse order (the column-order bug
+pinned by ``test_last_columns_norm_order_regression``): rows with ``b ≥ 3`` say so, since a
+difference there is the reference's, not ours (at these ``n`` it is too small for the test to
+see).
 
-``--json`` prints the record as one JSON line instead of the text table; ``--json PATH`` also
-writes it to ``PATH``.
+    python benchmarks/bminsep_mc.py --reference jax_privacy [--reference-path DIR] [--quick]
+        [--bands 1 4 16 64] [--n 1000 10000] [--reps 3] [--workers W] [--json PATH]
+
+``--workers W`` (W > 1) adds the throughput of our sharded runner
+(:func:`~opacus_structured.runners.monte_carlo.collect_privacy_losses`) with ``W`` processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
+import sys
 import time
+import typing
 
 import numpy as np
-from scipy import signal, special
+from scipy import stats
 
-from opacus_structured.accounting.bminsep_mc import (
-    BandedStrategy,
-    BandMFMonteCarlo,
-    sample_privacy_losses,
-)
-from opacus_structured.runners.monte_carlo import sample_losses
+from opacus_structured.accounting.bminsep_mc import BandedStrategy, BandMFMonteCarlo
+from opacus_structured.runners.monte_carlo import collect_privacy_losses, sample_losses
+
+P0 = 1 / 128
 
 
-def reference_sample_loss(c, n, b, p, sigma, warm, rng):
-    """One remove-direction privacy-loss sample, the reference's per-sample loop in numpy."""
-    pre = rng.binomial(1, p, size=n)
-    x = np.zeros(n)
-    if warm:
-        i = rng.choice(range(b), p=[1 / (1 + (b - 1) * p)] + [p / (1 + (b - 1) * p)] * (b - 1))
-    else:
-        i = 0
-    while i < n:
-        if pre[i] == 1:
-            x[i] = 1.0
-            i += b
-        else:
-            i += 1
-    mode = signal.convolve(c, x)[:n]  # banded Toeplitz C x (truncated last columns)
-    y = rng.normal(loc=mode, scale=sigma)
-    dots = signal.convolve(c[::-1], y)[c.size - 1:]
-    sq = np.ones(n) * np.sum(c**2)
-    for k in range(1, c.size):
-        sq[-k] = np.sum(c[:k] ** 2)  # correct order (see the regression test)
-    llr = (2 * dots - sq) / (2 * sigma**2)
-    suffix = np.zeros(n)
-    suffix[-1] = np.logaddexp(np.log1p(-p), np.log(p) + llr[-1])
-    for i in range(n - 2, n - b - 1, -1):
-        suffix[i] = np.logaddexp(np.log1p(-p) + suffix[i + 1], np.log(p) + llr[i])
-    for i in range(n - b - 1, -1, -1):
-        suffix[i] = np.logaddexp(np.log1p(-p) + suffix[i + 1],
-                                 np.log(p) + llr[i] + suffix[i + b])
-    if warm:
-        terms = np.concatenate([[suffix[0]], np.log(p) + suffix[1:b]])
-        return special.logsumexp(terms) - np.log1p((b - 1) * p)
-    return suffix[0]
+def load_jax_privacy(path: typing.Optional[str] = None):
+    """``(batch_selection, sample_generation)`` of jax_privacy: the installed wheel, or the
+    source checkout at ``path`` (put first on ``sys.path``)."""
+    if path is not None:
+        sys.path.insert(0, path)
+    try:
+        import optax
+
+        # jax-privacy 2.0.0 annotates with optax.ArrayTree, which newer optax releases dropped.
+        optax.ArrayTree = getattr(optax, "ArrayTree", typing.Any)
+        batch_selection = importlib.import_module("jax_privacy.batch_selection")
+        sample_generation = importlib.import_module(
+            "jax_privacy.experimental.monte_carlo.sample_generation")
+    except ModuleNotFoundError as exc:
+        raise SystemExit(f"error: --reference jax_privacy needs jax-privacy==2.0.0 and jax "
+                         f"(pip install \"opacus-structured[peers]\"): {exc}") from None
+    return batch_selection, sample_generation
+
+
+def coefficients(b: int) -> np.ndarray:
+    """BandMF's banded square-root Toeplitz coefficients, ``b`` bands, unit norm."""
+    c = np.cumprod([1.0] + [(2 * j - 1) / (2 * j) for j in range(1, b)])
+    return c / np.linalg.norm(c)
+
+
+def single_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        import threadpoolctl
+
+        threadpoolctl.threadpool_limits(1)
+    except ImportError:  # pragma: no cover - BLAS may then use more than one core
+        pass
+
+
+def bench_row(b: int, n: int, sigma: float, reps: int, ref_elements: int, our_elements: int,
+              workers: int, bs, sg) -> dict:
+    c = coefficients(b)
+    p = P0 / (1 - (b - 1) * P0)
+    strategy = bs.BMinSepSampling(sampling_prob=p, iterations=n, min_sep=b, warm_start=True)
+    mech = BandMFMonteCarlo(BandedStrategy.toeplitz(c, n), sigma, "bminsep", p, b,
+                            warm_start=True)
+    s_ref = max(100, ref_elements // n)
+    s_our = max(256, our_elements // n)
+    ref_rates, our_rates, ref_losses, our_losses = [], [], [], []
+    for rep in range(reps):
+        t = time.perf_counter()
+        y = sg.generate_sample(strategy, sigma, c, seed=1000 + rep, positive_sample=True,
+                               num_samples=s_ref)
+        loss = sg.compute_privacy_loss(strategy, y, sigma, c)
+        ref_rates.append(s_ref / (time.perf_counter() - t))
+        ref_losses.append(np.asarray(loss))
+        t = time.perf_counter()
+        ours = sample_losses(mech, s_our, "remove", seed=2000 + rep)
+        our_rates.append(s_our / (time.perf_counter() - t))
+        our_losses.append(ours)
+    ref_all, our_all = np.concatenate(ref_losses), np.concatenate(our_losses)
+    ks = stats.ks_2samp(ref_all, our_all)
+    row = {"b": b, "n": n, "jax_privacy_samples_per_s": float(np.median(ref_rates)),
+           "ours_samples_per_s": float(np.median(our_rates)),
+           "ratio": float(np.median(our_rates) / np.median(ref_rates)),
+           "mean_loss_jax_privacy": float(ref_all.mean()),
+           "mean_loss_ours": float(our_all.mean()),
+           "mean_loss_se": float(math.hypot(ref_all.std() / math.sqrt(ref_all.size),
+                                            our_all.std() / math.sqrt(our_all.size))),
+           "ks_statistic": float(ks.statistic), "ks_pvalue": float(ks.pvalue),
+           "samples_compared": [int(ref_all.size), int(our_all.size)],
+           "note": ("jax_privacy's last b-1 column norms are in reverse order (its bug)"
+                    if b >= 3 else "")}
+    if workers > 1:
+        S = s_our * workers * 2
+        t = time.perf_counter()
+        collect_privacy_losses(mech, S, seed=7, workers=workers,
+                               shard_size=-(-S // (2 * workers)))
+        row[f"ours_{workers}_workers_samples_per_s"] = 2 * S / (time.perf_counter() - t)
+    return row
+
+
+def format_table(rows: list[dict]) -> str:
+    workers_key = next((k for k in rows[0] if k.endswith("_workers_samples_per_s")), None)
+    head = ["b", "n", "jax_privacy /s", "ours /s", "ratio"]
+    if workers_key:
+        head.append(workers_key.replace("ours_", "ours ").replace("_samples_per_s", " /s")
+                    .replace("_workers", " workers"))
+    head += ["mean loss jax_privacy", "mean loss ours", "KS p", "note"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [str(r["b"]), str(r["n"]), f"{r['jax_privacy_samples_per_s']:,.0f}",
+                 f"{r['ours_samples_per_s']:,.0f}", f"{r['ratio']:.1f}×"]
+        if workers_key:
+            cells.append(f"{r[workers_key]:,.0f}")
+        cells += [f"{r['mean_loss_jax_privacy']:.4f}",
+                  f"{r['mean_loss_ours']:.4f} (±{r['mean_loss_se']:.4f})",
+                  f"{r['ks_pvalue']:.2f}", r["note"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=1024)
-    ap.add_argument("--bands", type=int, default=4)
-    ap.add_argument("--samples", type=int, default=20000)
-    ap.add_argument("--reference-samples", type=int, default=300)
+    ap.add_argument("--reference", choices=("jax_privacy",), default="jax_privacy",
+                    help="the peer sampler (jax_privacy's, from the installed wheel)")
+    ap.add_argument("--reference-path", default=None, metavar="DIR",
+                    help="import jax_privacy from this source checkout instead of the wheel")
+    ap.add_argument("--bands", type=int, nargs="+", default=[1, 4, 16, 64], metavar="B",
+                    help="b = number of bands of C (min separation)")
+    ap.add_argument("--n", type=int, nargs="+", default=[1000, 10000], help="iterations")
     ap.add_argument("--sigma", type=float, default=1.0)
-    ap.add_argument("--variant", choices=("plain", "truncated", "multi"), default="plain")
-    ap.add_argument("--torch-cpu-samples", type=int, default=20000)
-    ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                    help="print the record as JSON; with PATH, also write it to that file")
+    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions per row")
+    ap.add_argument("--ref-elements", type=int, default=4_000_000,
+                    help="samples × n per reference timing")
+    ap.add_argument("--our-elements", type=int, default=8_000_000,
+                    help="samples × n per timing of ours")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="also time our sharded runner with this many processes (> 1)")
+    ap.add_argument("--quick", action="store_true",
+                    help="b in {4, 64}, n = 1000, 2 repetitions, fewer samples")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
-    n, b = args.n, args.bands
-    c = np.cumprod([1.0] + [(2 * j - 1) / (2 * j) for j in range(1, b)])
-    c /= np.linalg.norm(c)
-    p0 = 1 / 128
-    p = p0 / (1 - (b - 1) * p0)
-    rng = np.random.default_rng(0)
-    t = time.perf_counter()
-    ref = [reference_sample_loss(c, n, b, p, args.sigma, True, rng)
-           for _ in range(args.reference_samples)]
-    ref_rate = args.reference_samples / (time.perf_counter() - t)
-    st = BandedStrategy.toeplitz(c, n)
-    if args.variant == "plain":
-        mech = BandMFMonteCarlo(st, args.sigma, "bminsep", p, b, warm_start=True)
-    elif args.variant == "truncated":  # |D| = 128 * 64 examples, B_max = 1.1 * expected batch
-        mech = BandMFMonteCarlo(st, args.sigma, "bminsep", p, b, warm_start=True,
-                                truncated_batch_size=71, dataset_size=128 * 64)
-    else:
-        mech = BandMFMonteCarlo(st, args.sigma, "bminsep", p, b, max_user_examples=2)
-    t = time.perf_counter()
-    ours = sample_privacy_losses(mech, args.samples, "remove", seed=0)
-    our_rate = args.samples / (time.perf_counter() - t)
-    record = {"n": n, "bands": b, "variant": args.variant, "reference_samples_per_s": ref_rate,
-              "numpy_samples_per_s": our_rate}
-    if args.variant == "plain":  # same mechanism: speedup and a sanity check of the mean loss
-        record.update({"speedup": our_rate / ref_rate, "mean_loss_reference": float(np.mean(ref)),
-                       "mean_loss_ours": float(np.mean(ours)),
-                       "mean_loss_se": float(np.std(ours) / math.sqrt(len(ours))
-                                             + np.std(ref) / math.sqrt(len(ref)))})
-    else:  # a different (costlier) mechanism than the reference loop prices
-        record["rate_vs_plain_reference"] = our_rate / ref_rate
-    try:
-        import torch
-
-        torch.set_num_threads(1)  # same single CPU core as numpy and the reference
-        t = time.perf_counter()
-        sample_losses(mech, args.torch_cpu_samples, "remove", seed=1, device="cpu")
-        record["torch_cpu_samples_per_s"] = args.torch_cpu_samples / (time.perf_counter() - t)
-        if torch.cuda.is_available():
-            sample_losses(mech, 1000, "remove", seed=1, device="cuda")  # warm-up
-            torch.cuda.synchronize()
-            S = max(args.samples, 200_000)
-            t = time.perf_counter()
-            sample_losses(mech, S, "remove", seed=1, device="cuda", chunk_size=S)
-            torch.cuda.synchronize()
-            record["cuda_samples_per_s"] = S / (time.perf_counter() - t)
-            record["cuda_device"] = torch.cuda.get_device_name()
-    except ImportError:  # pragma: no cover
-        pass
+    if args.quick:
+        args.bands, args.n, args.reps = [4, 64], [1000], 2
+        args.ref_elements, args.our_elements = 2_000_000, 4_000_000
+    bs, sg = load_jax_privacy(args.reference_path)
+    single_thread()
+    rows = []
+    for n in args.n:
+        for b in args.bands:
+            rows.append(bench_row(b, n, args.sigma, args.reps, args.ref_elements,
+                                  args.our_elements, args.workers, bs, sg))
+            print(f"b={b} n={n}: jax_privacy {rows[-1]['jax_privacy_samples_per_s']:,.0f}/s, "
+                  f"ours {rows[-1]['ours_samples_per_s']:,.0f}/s", file=sys.stderr, flush=True)
+    print(format_table(rows))
     if args.json:
-        print(json.dumps(record, sort_keys=True))
-        if args.json != "-":
-            with open(args.json, "w") as fh:
-                json.dump(record, fh, sort_keys=True, indent=1)
-    else:
-        for k, v in record.items():
-            print(f"{k:>28}: {v:.6g}" if isinstance(v, float) else f"{k:>28}: {v}")
+        with open(args.json, "w") as fh:
+            json.dump({"reference": "jax_privacy " + getattr(sg, "__name__", ""),
+                       "sigma": args.sigma, "p0": P0, "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":

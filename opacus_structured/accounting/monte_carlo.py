@@ -49,6 +49,7 @@ from .calibration import smallest_passing, smallest_passing_int
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
+    "EXECUTORS",
     "fresh_monte_carlo_seed",
     "MonteCarloSettings",
     "kl_bernoulli",
@@ -370,6 +371,10 @@ def fresh_monte_carlo_seed() -> int:
 # ---------------------------------------------------------------------------------------------
 # Run settings
 # ---------------------------------------------------------------------------------------------
+#: Where a run's shards execute (:attr:`MonteCarloSettings.executor`).
+EXECUTORS = ("process", "dask")
+
+
 @dataclasses.dataclass(frozen=True)
 class MonteCarloSettings:
     """How a Monte Carlo run is made — not what it measures.
@@ -397,6 +402,11 @@ class MonteCarloSettings:
         device: ``None`` (numpy) or a torch device for the torch backend (run inline).
         progress: show a progress bar over the shards.
         shard_size: samples per shard (the samples of a seed depend on it).
+        executor: ``"process"`` (default: a local process pool of ``workers``) or ``"dask"``
+            (the shards run as tasks on a Dask cluster; needs the ``cluster`` extra). Never
+            changes a result.
+        scheduler: the Dask scheduler address (``"tcp://host:8786"``) for
+            ``executor="dask"``; ``None`` starts a local cluster of ``workers`` processes.
     """
 
     samples: int = 100_000
@@ -406,6 +416,8 @@ class MonteCarloSettings:
     device: Optional[str] = None
     progress: bool = False
     shard_size: int = DEFAULT_SHARD_SIZE
+    executor: str = "process"
+    scheduler: Optional[str] = None
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -422,6 +434,13 @@ class MonteCarloSettings:
         if not isinstance(self.progress, bool):
             raise ValueError(f"progress must be a bool, got {self.progress!r}")
         set_("shard_size", check_int("shard_size", self.shard_size, minimum=1))
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if self.scheduler is not None and (self.executor != "dask"
+                                           or not isinstance(self.scheduler, str)
+                                           or not self.scheduler):
+            raise ValueError(f"scheduler must be a Dask scheduler address string and needs "
+                             f"executor='dask', got {self.scheduler!r}")
 
     @property
     def backend(self) -> str:
@@ -438,8 +457,8 @@ class MonteCarloSettings:
 
     def differences(self, other: "MonteCarloSettings") -> list[str]:
         """The settings that make ``other``'s results differ from these (``samples``, ``seed``,
-        ``failure_probability``, ``shard_size``, the backend); ``workers`` and ``progress``
-        never change a result."""
+        ``failure_probability``, ``shard_size``, the backend); ``workers``, ``progress``,
+        ``executor`` and ``scheduler`` never change a result."""
         out = [name for name in ("samples", "seed", "failure_probability", "shard_size")
                if getattr(self, name) != getattr(other, name)]
         if self.backend != other.backend:
@@ -471,6 +490,12 @@ class MonteCarloSettings:
         parser.add_argument("--workers", type=int, default=None,
                             help="worker processes (default: all cores; 1: inline)")
         parser.add_argument("--device", default=None, help="torch device (e.g. cuda)")
+        parser.add_argument("--executor", choices=EXECUTORS, default="process",
+                            help="where the shards run: a local process pool (default) or a "
+                                 "Dask cluster (pip install \"opacus-structured[cluster]\")")
+        parser.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                            help="Dask scheduler address for --executor dask (e.g. "
+                                 "tcp://host:8786; default: a local cluster of --workers)")
 
     @classmethod
     def from_cli_args(cls, args) -> "MonteCarloSettings":
@@ -479,4 +504,6 @@ class MonteCarloSettings:
         return cls(samples=args.samples, seed=args.seed,
                    failure_probability=args.confidence_failure, workers=args.workers,
                    device=args.device, progress=bool(getattr(args, "progress", False)),
-                   shard_size=getattr(args, "shard_size", DEFAULT_SHARD_SIZE))
+                   shard_size=getattr(args, "shard_size", DEFAULT_SHARD_SIZE),
+                   executor=getattr(args, "executor", "process"),
+                   scheduler=getattr(args, "scheduler", None))

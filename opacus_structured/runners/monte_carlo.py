@@ -32,6 +32,7 @@ recorded seed, and a directory refuses a different one.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import os
@@ -39,10 +40,12 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from .._optional import require
 from .._validation import check_int
 from ..accounting.bminsep_mc import (
     DEFAULT_CHUNK_SIZE,
     DIRECTIONS,
+    SAMPLER_VERSION,
     BandMFMonteCarlo,
     sample_privacy_losses,
 )
@@ -70,20 +73,61 @@ __all__ = [
     "MonteCarloSettings",
     "MonteCarloRunner",
     "collect_with_settings",
+    "dask_executor",
+    "settings_executor",
     "sample_losses",
     "collect_privacy_losses",
     "verify_candidate",
     "certify_noise_multiplier",
 ]
 
+@contextlib.contextmanager
+def dask_executor(scheduler: Optional[str] = None, workers: Optional[int] = None):
+    """A Dask cluster as a :class:`concurrent.futures.Executor` (a context manager).
+
+    ``scheduler``: the address of a running cluster's scheduler (``"tcp://host:8786"``);
+    ``None`` starts a local cluster of ``workers`` single-threaded processes (default: one per
+    core) for the duration of the block. Needs ``distributed`` (the ``cluster`` extra), which
+    is imported only here.
+    """
+    distributed = require("distributed", "the Dask executor (--executor dask)")
+    cluster = None
+    if scheduler is None:
+        cluster = distributed.LocalCluster(n_workers=workers or os.cpu_count() or 1,
+                                           threads_per_worker=1, processes=True)
+        client = distributed.Client(cluster)
+    else:
+        client = distributed.Client(scheduler)
+    try:
+        yield client.get_executor()
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+@contextlib.contextmanager
+def settings_executor(settings: MonteCarloSettings):
+    """The executor a run's ``settings`` ask for: ``None`` (the local process pool) or a Dask
+    cluster's (:func:`dask_executor`)."""
+    if settings.executor == "dask":
+        with dask_executor(settings.scheduler, settings.workers) as executor:
+            yield executor
+    else:
+        yield None
+
+
 def collect_with_settings(mechanism: BandMFMonteCarlo, settings: MonteCarloSettings, *,
                           directory: Optional[str] = None,
                           shards: Optional[Sequence[int]] = None) -> Optional[MonteCarloSamples]:
-    """:func:`collect_privacy_losses` of ``mechanism`` with a run's ``settings``."""
-    return collect_privacy_losses(mechanism, settings.samples, seed=settings.seed,
-                                  shard_size=settings.shard_size, shards=shards,
-                                  workers=settings.workers, directory=directory,
-                                  progress=settings.progress, device=settings.device)
+    """:func:`collect_privacy_losses` of ``mechanism`` with a run's ``settings`` (on the
+    executor they name)."""
+    with settings_executor(settings) as executor:
+        return collect_privacy_losses(mechanism, settings.samples, seed=settings.seed,
+                                      shard_size=settings.shard_size, shards=shards,
+                                      workers=settings.workers, directory=directory,
+                                      progress=settings.progress, device=settings.device,
+                                      executor=executor)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,12 +160,14 @@ def _shard_seed(seed: int, direction: str, shard: int) -> np.random.SeedSequence
 
 def _run_shard(mech_dict: dict, direction: str, seed: int, shard: int, size: int,
                device: Optional[str]) -> np.ndarray:
+    """One shard's samples: what a process-pool or cluster worker runs."""
     mech = BandMFMonteCarlo.from_dict(mech_dict)
     return sample_losses(mech, size, direction, seed=_shard_seed(seed, direction, shard),
                          device=device)
 def _fingerprint(mech_dict: dict, seed: int, shard_size: int, device: Optional[str]) -> str:
     blob = json.dumps({"mechanism": mech_dict, "seed": int(seed), "shard_size": shard_size,
-                       "backend": "numpy" if device is None else "torch"}, sort_keys=True)
+                       "backend": "numpy" if device is None else "torch",
+                       "sampler_version": SAMPLER_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -144,13 +190,45 @@ def _recorded_seed(directory: Optional[str], mech_dict: dict, shard_size: int,
     return seed
 
 
+def _run_on_executor(executor: concurrent.futures.Executor, todo: list, mech_dict: dict,
+                     seed: int, device: Optional[str], finish: Callable, retries: int) -> None:
+    """Submit every shard of ``todo`` to ``executor`` and ``finish`` each as it completes.
+
+    A shard whose future fails (a crashed or killed worker) is resubmitted — it is
+    seed-addressed, so a retry draws the same samples — up to ``retries`` times; the shards
+    already finished are saved, so even a run that gives up resumes from them.
+    """
+    attempts: dict[tuple[str, int], int] = {}
+
+    def submit(d, k, size):
+        return executor.submit(_run_shard, mech_dict, d, seed, k, size, device)
+
+    pending = {submit(d, k, size): (d, k, size, path) for d, k, size, path in todo}
+    while pending:
+        done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+        for fut in done:
+            d, k, size, path = pending.pop(fut)
+            try:
+                arr = fut.result()
+            except Exception:
+                attempts[(d, k)] = attempts.get((d, k), 0) + 1
+                if attempts[(d, k)] > retries:
+                    for other in pending:
+                        other.cancel()
+                    raise
+                pending[submit(d, k, size)] = (d, k, size, path)
+                continue
+            finish(d, k, path, np.asarray(arr, dtype=np.float64))
+
+
 def collect_privacy_losses(mechanism: BandMFMonteCarlo, num_samples: int, *,
                            seed: Optional[int] = None,
                            shard_size: int = DEFAULT_SHARD_SIZE,
                            shards: Optional[Sequence[int]] = None,
                            workers: Optional[int] = None, directory: Optional[str] = None,
-                           progress: bool = False, device: Optional[str] = None
-                           ) -> MonteCarloSamples:
+                           progress: bool = False, device: Optional[str] = None,
+                           executor: Optional[concurrent.futures.Executor] = None,
+                           retries: int = 3) -> MonteCarloSamples:
     """``num_samples`` privacy-loss samples per direction, in seed-addressed shards.
 
     Args:
@@ -170,7 +248,16 @@ def collect_privacy_losses(mechanism: BandMFMonteCarlo, num_samples: int, *,
         directory: save each shard as ``<direction>-<k>.npz`` with ``meta.json``; existing
             shards with the same fingerprint are loaded instead of recomputed.
         progress: show a tqdm progress bar.
-        device: ``None`` numpy; a torch device string for the torch backend (run inline).
+        device: ``None`` numpy; a torch device string for the torch backend (run inline
+            unless an ``executor`` is given).
+        executor: any :class:`concurrent.futures.Executor` to run the shards on instead of a
+            process pool of ``workers`` — e.g. a Dask cluster's
+            ``distributed.Client(address).get_executor()`` (:func:`dask_executor`). Each shard is
+            one task; finished shards are saved to ``directory`` as they arrive (a killed run
+            resumes from them), and the merge is the same concatenation in shard order, so the
+            result is bit-identical to a single-process run of the same seed.
+        retries: how many times a shard whose task failed (a crashed worker) is resubmitted
+            to ``executor`` before the run raises.
     """
     S = check_int("num_samples", num_samples, minimum=1)
     shard_size = check_int("shard_size", shard_size, minimum=1)
@@ -182,6 +269,11 @@ def collect_privacy_losses(mechanism: BandMFMonteCarlo, num_samples: int, *,
         shards = sorted({check_int("shard", k, minimum=0, maximum=n_shards - 1) for k in shards})
     workers = (os.cpu_count() or 1) if workers is None else check_int("workers", workers,
                                                                       minimum=1)
+    retries = check_int("retries", retries, minimum=0)
+    if executor is not None and not isinstance(executor, concurrent.futures.Executor):
+        raise ValueError(f"executor must be a concurrent.futures.Executor (e.g. "
+                         f"distributed.Client(...).get_executor()), got "
+                         f"{type(executor).__name__}")
     mech_dict = mechanism.to_dict()
     if seed is None:
         seed = _recorded_seed(directory, mech_dict, shard_size, device)
@@ -193,10 +285,16 @@ def collect_privacy_losses(mechanism: BandMFMonteCarlo, num_samples: int, *,
         os.makedirs(directory, exist_ok=True)
         meta_path = os.path.join(directory, "meta.json")
         meta = {"fingerprint": fp, "mechanism": mech_dict, "seed": int(seed),
-                "shard_size": shard_size, "backend": "numpy" if device is None else "torch"}
+                "shard_size": shard_size, "backend": "numpy" if device is None else "torch",
+                "sampler_version": SAMPLER_VERSION}
         if os.path.exists(meta_path):
             with open(meta_path) as fh:
                 old = json.load(fh)
+            if old.get("sampler_version", 1) != SAMPLER_VERSION:
+                raise ValueError(f"directory {directory!r} holds shards of sampler version "
+                                 f"{old.get('sampler_version', 1)}, not {SAMPLER_VERSION} (the "
+                                 f"random stream changed; mixing them would bias the run): use "
+                                 f"a new directory")
             if old.get("fingerprint") != fp:
                 raise ValueError(f"directory {directory!r} holds shards of another run "
                                  f"(fingerprint {old.get('fingerprint')} != {fp}); use a new "
@@ -233,16 +331,14 @@ def collect_privacy_losses(mechanism: BandMFMonteCarlo, num_samples: int, *,
             bar.update(1)
 
     try:
-        if workers == 1 or device is not None or len(todo) <= 1:
+        if executor is not None:
+            _run_on_executor(executor, todo, mech_dict, seed, device, finish, retries)
+        elif workers == 1 or device is not None or len(todo) <= 1:
             for d, k, size, path in todo:
                 finish(d, k, path, _run_shard(mech_dict, d, seed, k, size, device))
         else:
             with concurrent.futures.ProcessPoolExecutor(max_workers=workers) as pool:
-                futs = {pool.submit(_run_shard, mech_dict, d, seed, k, size, None): (d, k, path)
-                        for d, k, size, path in todo}
-                for fut in concurrent.futures.as_completed(futs):
-                    d, k, path = futs[fut]
-                    finish(d, k, path, fut.result())
+                _run_on_executor(pool, todo, mech_dict, seed, None, finish, retries=0)
     finally:
         if bar is not None:
             bar.close()
@@ -260,11 +356,14 @@ def collect_privacy_losses(mechanism: BandMFMonteCarlo, num_samples: int, *,
 def verify_candidate(mechanism: BandMFMonteCarlo, epsilon: float, base_delta_: float,
                      num_samples: int, *, seed: int, workers: int = 1,
                      shard_size: int = DEFAULT_SHARD_SIZE, device: Optional[str] = None,
-                     directory: Optional[str] = None) -> tuple[bool, float, float]:
+                     directory: Optional[str] = None,
+                     executor: Optional[concurrent.futures.Executor] = None
+                     ) -> tuple[bool, float, float]:
     """Verifier ``V(M)``: 1 iff ``δ̃_P(ε) ≤ δ′`` and ``δ̃_Q(ε) ≤ δ′`` on fresh samples
     (:func:`~opacus_structured.accounting.certification.passes`)."""
     samples = collect_privacy_losses(mechanism, num_samples, seed=seed, workers=workers,
-                                     shard_size=shard_size, device=device, directory=directory)
+                                     shard_size=shard_size, device=device, directory=directory,
+                                     executor=executor)
     return passes(samples, epsilon, base_delta_)
 
 
@@ -302,7 +401,8 @@ def certify_noise_multiplier(mechanism: BandMFMonteCarlo, epsilon: float, target
                              seed: Optional[int] = None,
                              workers: int = 1, shard_size: int = DEFAULT_SHARD_SIZE,
                              device: Optional[str] = None, directory: Optional[str] = None,
-                             progress: Optional[Callable[[float, bool], None]] = None
+                             progress: Optional[Callable[[float, bool], None]] = None,
+                             executor: Optional[concurrent.futures.Executor] = None
                              ) -> CertifiedCalibration:
     r"""Algorithm 5 (Theorem A.1): the smallest verified σ on a ``ratio`` grid, else the fallback.
 
@@ -323,7 +423,8 @@ def certify_noise_multiplier(mechanism: BandMFMonteCarlo, epsilon: float, target
             ``result.seed``. Run the certification **once**: re-running after a failed check
             with another seed and keeping the better outcome is multiple testing and voids
             Theorem A.1's guarantee. A directory refuses a different seed for the same reason.
-        workers, shard_size, device: how the verifications run (:func:`collect_privacy_losses`).
+        workers, shard_size, device, executor: how the verifications run
+            (:func:`collect_privacy_losses`).
         progress: ``progress(sigma, passed)`` after each verified candidate.
     """
     plan = plan_certification(mechanism, epsilon, target_delta, sigma_min=sigma_min,
@@ -335,7 +436,8 @@ def certify_noise_multiplier(mechanism: BandMFMonteCarlo, epsilon: float, target
         sub = None if directory is None else os.path.join(directory, f"candidate-{k}")
         return verify_candidate(mechanism.with_noise(sigma), plan.epsilon, plan.base_delta,
                                 plan.num_samples, seed=candidate_seed(seed, k), workers=workers,
-                                shard_size=shard_size, device=device, directory=sub)
+                                shard_size=shard_size, device=device, directory=sub,
+                                executor=executor)
 
     return run_algorithm5(plan, verify, seed=seed, progress=progress)
 
@@ -350,6 +452,11 @@ class MonteCarloRunner:
         return collect_with_settings(mechanism, settings, **kwargs)
 
     @staticmethod
-    def certify(mechanism: BandMFMonteCarlo, epsilon: float, target_delta: float, **kwargs):
-        """Algorithm 5 (:func:`certify_noise_multiplier`)."""
-        return certify_noise_multiplier(mechanism, epsilon, target_delta, **kwargs)
+    def certify(mechanism: BandMFMonteCarlo, epsilon: float, target_delta: float, *,
+                settings: Optional[MonteCarloSettings] = None, **kwargs):
+        """Algorithm 5 (:func:`certify_noise_multiplier`), on the executor ``settings`` names."""
+        if settings is None or "executor" in kwargs:
+            return certify_noise_multiplier(mechanism, epsilon, target_delta, **kwargs)
+        with settings_executor(settings) as executor:
+            return certify_noise_multiplier(mechanism, epsilon, target_delta,
+                                            executor=executor, **kwargs)

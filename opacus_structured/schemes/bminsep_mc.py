@@ -291,7 +291,7 @@ class BMinSepMonteCarloScheme(Scheme):
         :func:`~opacus_structured.runners.monte_carlo.certify_noise_multiplier`.
 
         ``settings`` gives the seed (``None``: fresh, or the one recorded in ``directory``),
-        the device, the shard size and the workers (default 1); its ``samples`` and
+        the device, the shard size, the workers (default 1) and the executor; its ``samples`` and
         ``failure_probability`` do not apply (Algorithm 5 derives both from ``δ``).
         """
         run = MonteCarloSettings() if settings is None else settings
@@ -302,7 +302,7 @@ class BMinSepMonteCarloScheme(Scheme):
         kwargs.setdefault("seed", run.seed)
         kwargs.setdefault("shard_size", run.shard_size)
         return runner_for(self).certify(self.mechanism(1.0, steps), epsilon, delta,
-                                        sigma_min=sigma_min, **kwargs)
+                                        sigma_min=sigma_min, settings=run, **kwargs)
 
     # ---- command line --------------------------------------------------------------------
     @classmethod

@@ -150,6 +150,7 @@ def test_structured_deterministic_top_level_audit_is_sound_and_nearly_tight():
 
 CAUGHT = [("poisson", "rate-doubled"), ("poisson", "no-clipping"),
           ("bandmf-cyclic-poisson", "wrong-band"), ("bandmf-cyclic-poisson", "noise-halved"),
+          ("bminsep-mc", "wrong-band"),
           ("poisson", "noise-halved")]
 
 

@@ -254,6 +254,7 @@ class _Plan:
     path: str
     canary: DiracCanary
     mutation: Optional[str] = None
+    seed: Optional[int] = None
 
 
 def _optimizer_pieces(plan: _Plan, model: nn.Module, generator: torch.Generator):
@@ -628,7 +629,11 @@ class _BandMFAudit(_SchemeAudit):
         return dataclasses.replace(scheme, batch_size=2 * scheme.batch_size)
 
     def coefficients(self, scheme, f):
-        return [float(v) for v in scheme.noise_correlation(f["steps"])]
+        """The scheme's strategy over the run (``scheme.noise_correlation(steps)``)."""
+        from ..accounting.strategies import strategy_coefficients
+
+        return [float(v) for v in strategy_coefficients(scheme.strategy, f["steps"],
+                                                         scheme.bands)]
 
     def wrong_band(self, scheme, f):
         from ..accounting.strategies import strategy_coefficients
@@ -645,6 +650,62 @@ class _BandMFAudit(_SchemeAudit):
         group = int(sampler.groups[0])
         eligible = [t for t in range(plan.steps) if t % b == group]
         return (group,), *bernoulli_patterns(plan.steps, eligible, plan.scheme.sample_rate)
+
+
+def min_sep_patterns(steps: int, min_sep: int, rate: float) -> tuple[np.ndarray, np.ndarray]:
+    r"""Every participation pattern of one example under cold-start b-min-sep sampling
+    (Algorithm 1 of Dong & Ganesh): at each step an *available* example joins with probability
+    ``p`` and is then barred for the next ``b - 1`` steps, so
+    :math:`P(S) = p^{|S|}(1-p)^{\#\text{available steps not taken}}`."""
+    b, p = check_int("min_sep", min_sep, minimum=1), check_probability("rate", rate)
+    rows, lps = [], []
+
+    def walk(t: int, row: list, lp: float):
+        if t >= steps:
+            rows.append(row), lps.append(lp)
+            return
+        if p < 1:  # available, not taken
+            walk(t + 1, row + [0.0], lp + math.log1p(-p))
+        if p > 0:  # taken: barred for b - 1 steps
+            barred = min(b - 1, steps - t - 1)
+            walk(t + 1 + barred, row + [1.0] + [0.0] * barred, lp + math.log(p))
+
+    walk(0, [], 0.0)
+    if len(rows) > MAX_PATTERNS:
+        raise ValueError(f"steps: {len(rows)} participation patterns (max {MAX_PATTERNS}); "
+                         f"audit fewer steps")
+    return np.array(rows), np.array(lps)
+
+
+class _BMinSepAudit(_BandMFAudit):
+    """BandMF with cold-start b-min-sep sampling (Dong & Ganesh), priced by its Monte Carlo
+    accountant (an estimate that holds with probability 1 - q, not a bound; Algorithm 5
+    certifies it). The canary's participations are at least ``min_sep`` steps apart, so with a
+    strategy of at most ``min_sep`` bands they never overlap through ``C``."""
+
+    name = "bminsep-mc"
+    summary = "BandMF with b-min-sep sampling (Monte Carlo accountant: an estimate)"
+    defaults = dict(bands=2, batch_size=8 / 3, noise_multiplier=1.3, steps=12, delta=0.05,
+                    examples=8, mc_samples=100_000)
+
+    def scheme(self, f):
+        from ..schemes.bminsep_mc import BMinSepMonteCarloScheme
+
+        return BMinSepMonteCarloScheme(bands=f["bands"], dataset_size=f["examples"],
+                                       batch_size=f["batch_size"], min_sep=f["bands"])
+
+    def new_accountant(self, chunk):
+        from ..accounting.monte_carlo import MonteCarloSettings
+        from ..accountants.base import SchemeAccountant
+
+        seed = None if chunk.plan.seed is None else int(chunk.plan.seed)
+        return SchemeAccountant(chunk.plan.scheme, settings=MonteCarloSettings(
+            samples=check_int("mc_samples", chunk.plan.flags["mc_samples"], minimum=1000),
+            seed=seed))
+
+    def patterns(self, plan, sampler):
+        scheme = plan.scheme
+        return (), *min_sep_patterns(plan.steps, scheme.min_sep, scheme.sampling_prob)
 
 
 class _StructuredAudit(_SchemeAudit):
@@ -792,7 +853,7 @@ class _GDPFilterAudit(_SchemeAudit):
 
 _SPECS: dict[str, _SchemeAudit] = {s.name: s for s in (
     _PoissonAudit(), _TruncatedPoissonAudit(), _BallsInBinsAudit(), _BandMFAudit(),
-    _StructuredAudit(), _GDPFilterAudit())}
+    _StructuredAudit(), _GDPFilterAudit(), _BMinSepAudit())}
 
 
 def audit_registry() -> dict[str, dict]:
@@ -913,6 +974,7 @@ def run_audit(scheme: str, *, runs: int, seed: Optional[int] = None, path: str =
     """
     runs = check_int("runs", runs, minimum=2)
     plan = _plan(scheme, path, mutation, canary, scheme_flags)
+    plan.seed = seed
     if path == "ddp":
         return _run_ddp(plan, runs, seed)
     return _run(plan, runs, seed, progress)

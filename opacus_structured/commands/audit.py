@@ -36,7 +36,14 @@ _FLAG_HELP = {
     "num_bins": "bins (steps) per epoch, >= 1",
     "epochs": "epochs, >= 1",
     "bands": "bands of the BandMF strategy, >= 1",
-    "batch_size": "expected batch size of the cyclic Poisson sampler, > 0",
+    "batch_size": "expected batch size of the sampler, > 0",
+    "top_level": "top-level sampling of series: wor (without replacement) or deterministic",
+    "num_series": "time series in the data set, >= 1",
+    "series_length": "time steps per series, >= 1",
+    "context_length": "context window length, >= 0",
+    "forecast_length": "forecast window length, >= 1",
+    "budget": "per-example GDP budget B of the individual filter, > 0",
+    "mc_samples": "Monte Carlo samples of the accountant's ε estimate, >= 1000",
 }
 _PREFIX = "scheme_flag_"
 
@@ -48,14 +55,15 @@ def _add_scheme_parsers(parser: argparse.ArgumentParser) -> None:
         return
     parser._schemes_added = True
     from ..audit.estimators import METHODS  # lazy: the audit layer loads with `audit` only
-    from ..audit.pipelines import AUDIT_PATHS, audit_registry  # lazy: imports torch
+    from ..audit.pipelines import audit_registry  # lazy: imports torch
 
     sub = parser.add_subparsers(dest="scheme", required=True, metavar="SCHEME",
                                 parser_class=argparse.ArgumentParser)
     for name, info in sorted(audit_registry().items()):
         p = sub.add_parser(name, help=info["summary"], description=info["summary"])
         for key, default in info["defaults"].items():
-            kind = int if isinstance(default, int) and not isinstance(default, bool) else float
+            kind = (str if isinstance(default, str) else
+                    int if isinstance(default, int) and not isinstance(default, bool) else float)
             p.add_argument("--" + key.replace("_", "-"), type=kind, default=default,
                            dest=_PREFIX + key, metavar=kind.__name__.upper(),
                            help=f"{_FLAG_HELP.get(key, f'scheme setting {key}')} "
@@ -71,9 +79,10 @@ def _add_scheme_parsers(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--seed", type=int, default=None,
                        help="seed of every sampler, noise draw and data set (default: fresh "
                             "entropy, reported in the output)")
-        p.add_argument("--path", choices=AUDIT_PATHS, default="hooks",
-                       help="training path: Opacus hooks, ghost clipping, book-keeping, or a "
-                            "checkpoint/resume mid-run (default %(default)s)")
+        p.add_argument("--path", choices=info["paths"], default=info["paths"][0],
+                       help="training path: Opacus hooks, ghost clipping, book-keeping, a "
+                            "checkpoint/resume mid-run, or DDP with 2 gloo ranks, as the "
+                            "scheme offers (default %(default)s)")
         p.add_argument("--mutation", choices=info["mutations"], default=None,
                        help="deliberately break the pipeline (the accountant is told the "
                             "unbroken setting) to see the audit catch it (default: none)")
@@ -112,15 +121,31 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _reported_profile(scores):
-    """δ(ε) of the audited mechanism as its accountant prices it, or ``None`` (and why)."""
+    """δ(ε) of the audited mechanism as its accountant prices it, or ``None`` and why not.
+
+    The individual GDP filter certifies B-GDP per example (Koskela, Tobaben & Honkela,
+    "Individual privacy accounting with Gaussian differential privacy", ICLR 2023, Theorem 1),
+    so its curve is that of B-GDP; a Monte Carlo accountant's ε is an
+    estimate, not a curve to plot; every other scheme's is its accountant's privacy profile
+    (:func:`~opacus_structured.audit.report.scheme_profile`)."""
+    from ..accounting.gaussian import gdp_delta  # lazy: the audit layer loads with `audit` only
     from ..audit import pipelines  # lazy: imports torch
     from ..audit.report import scheme_profile  # lazy: the audit layer loads with `audit` only
 
-    spec = getattr(pipelines, "_SPECS", {}).get(scores.meta.get("scheme"))
+    flags = scores.meta.get("flags", {})
+    name = scores.meta.get("scheme")
+    if name == "gdp-filter":
+        return (lambda eps: gdp_delta(eps, flags["budget"])), None
+    spec = getattr(pipelines, "_SPECS", {}).get(name)
     if spec is None:
         return None, "the audit registry does not expose the scheme object"
-    flags = scores.meta["flags"]
-    return scheme_profile(spec.scheme(flags), flags["noise_multiplier"], flags["steps"]), None
+    scheme = spec.scheme(flags)
+    if getattr(scheme, "bound", None) == "monte-carlo":  # BoundKind is a str enum
+        return None, "the accountant's epsilon is a Monte Carlo estimate"
+    try:
+        return scheme_profile(scheme, flags["noise_multiplier"], flags["steps"]), None
+    except (ValueError, NotImplementedError) as exc:
+        return None, f"the scheme's privacy profile is not available ({exc})"
 
 
 def _run(args: argparse.Namespace) -> int:

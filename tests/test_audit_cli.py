@@ -104,8 +104,10 @@ def test_every_audit_flag_has_help(capsys):
 
 
 def test_building_the_command_line_imports_no_torch():
-    """The audit parser adds its torch-backed scheme flags only when `audit` is parsed."""
+    """The audit parser adds its torch-backed scheme flags only when `audit` is parsed; the
+    estimators and the report need no torch."""
     code = ("import argparse, sys\n"
+            "from opacus_structured.audit import estimators, report\n"
             "from opacus_structured.commands import audit\n"
             "p = argparse.ArgumentParser(); audit._add_arguments(p); p.format_usage()\n"
             "print('torch' in sys.modules)")

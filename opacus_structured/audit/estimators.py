@@ -1,4 +1,5 @@
-r"""Empirical ε lower bounds from membership-attack scores (pure numpy / scipy, no torch).
+r"""Empirical ε lower bounds from membership-attack scores (numpy / scipy and the accounting
+core; no torch).
 
 An audit runs the mechanism ``R`` times **with** a canary and ``R`` times **without** it and
 records one attack score per run (higher = "the canary is present"). A threshold ``t`` turns the
@@ -51,8 +52,8 @@ jax_privacy's ``CanaryScoreAuditor.epsilon_clopper_pearson`` (2.0.0) is the peer
 ``Bonferroni()`` strategy divides the significance by the number of thresholds left on the
 convex hull of the empirical ROC, a count chosen after seeing the data (usually smaller than our
 :math:`|G|`, and without the rounding to the grid), so our Bonferroni bound is a little smaller
-(more conservative); its ``Explicit`` and ``Split``
-strategies equal ours exactly (``tests/test_audit_estimators.py``).
+(more conservative); its ``Explicit`` and ``Split`` strategies equal ours exactly
+(``tests/test_audit_estimators.py``).
 """
 
 from __future__ import annotations

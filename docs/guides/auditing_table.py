@@ -19,16 +19,18 @@ from opacus_structured.audit.estimators import epsilon_lower_bound
 from opacus_structured.audit.pipelines import audit_registry, run_audit
 
 
-def rows(runs: int, seed: int, path: str):
+def rows(runs: int, seed: int, path: str, schemes=None):
     for scheme, info in audit_registry().items():
+        if schemes and scheme not in schemes:
+            continue
         for mutation in [None, *info["mutations"]]:
             start = time.perf_counter()
             scores = run_audit(scheme, runs=runs, seed=seed, path=path, mutation=mutation)
             cp, gdp = (epsilon_lower_bound(scores.scores_with, scores.scores_without,
                                            delta=scores.delta, method=m)
                        for m in ("clopper-pearson", "gdp"))
-            settings = ", ".join(f"{k}={v:g}" for k, v in scores.meta["flags"].items()
-                                 if k not in ("delta",))
+            settings = ", ".join(f"{k}={v:g}" if isinstance(v, (int, float)) else f"{k}={v}"
+                                 for k, v in scores.meta["flags"].items() if k != "delta")
             caught = cp.epsilon > scores.reported_epsilon
             verdict = ("caught" if caught else "GDP estimate above (assumption-based)"
                        if gdp.epsilon > scores.reported_epsilon else "not caught at these runs")
@@ -44,12 +46,16 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=500, help="runs per side (default 500)")
     parser.add_argument("--seed", type=int, default=0, help="audit seed (default 0)")
     parser.add_argument("--path", default="hooks", help="training path (default hooks)")
+    parser.add_argument("--schemes", nargs="*", default=None,
+                        help="audit only these schemes (default: every registered one)")
+    parser.add_argument("--no-header", action="store_true", help="rows only")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    print("| scheme | mutation | settings | δ | reported ε | CP lower bound (ratio) | "
-          "GDP estimate | verdict | time |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for row in rows(args.runs, args.seed, args.path):
+    if not args.no_header:
+        print("| scheme | mutation | settings | δ | reported ε | CP lower bound (ratio) | "
+              "GDP estimate | verdict | time |")
+        print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows(args.runs, args.seed, args.path, args.schemes):
         print(row, flush=True)
 
 

@@ -196,7 +196,7 @@ def _run(args: argparse.Namespace) -> int:
                  + (f", MUTATION {args.mutation}" if args.mutation else "")
                  + f"), {runs} runs with and {runs} without the canary, seed {seed}",
                  f"reported epsilon      = {reported:.4g} at delta = {scores.delta:g} "
-                 f"(the accountant's upper bound)",
+                 f"(what the accountant reports)",
                  f"audited epsilon       >= {bound.epsilon:.4g} (EMPIRICAL LOWER BOUND, "
                  f"{confidence:.0%} confidence, {bound.method})"]
         if ratio is not None:

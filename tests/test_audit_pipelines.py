@@ -105,6 +105,7 @@ def test_registry_lists_schemes_paths_and_mutations():
         assert set(entry["mutations"]) <= set(MUTATIONS)
     assert "wrong-band" in reg["bandmf-cyclic-poisson"]["mutations"]
     assert "wrong-band" not in reg["poisson"]["mutations"]
+    assert "lightning" in reg["poisson"]["paths"]
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -127,7 +128,8 @@ def test_bad_input_raises_one_line_naming_the_argument(kwargs, match):
 # ---- the sweep (slow) ---------------------------------------------------------------------
 TIGHT = [(s, "hooks") for s in AUDIT_SCHEMES if s != "poisson"] + [("gdp-filter", "ghost")] + [
     (s, p) for s in ("poisson", "bandmf-cyclic-poisson") for p in ("ghost", "bookkeeping")] + [
-    ("poisson", "resume"), ("truncated-poisson", "ghost"), ("poisson", "ddp")]
+    ("poisson", "resume"), ("truncated-poisson", "ghost"), ("poisson", "ddp"),
+    ("poisson", "lightning")]
 
 
 @pytest.mark.slow

@@ -82,7 +82,7 @@ __all__ = ["run_audit", "AUDIT_SCHEMES", "AUDIT_PATHS", "MUTATIONS", "audit_regi
            "ParallelRunsBatchSampler", "likelihood_ratio_scores", "toeplitz_matrix"]
 
 #: Clipping / execution paths every scheme can be audited on.
-AUDIT_PATHS = ("hooks", "ghost", "bookkeeping", "resume", "ddp")
+AUDIT_PATHS = ("hooks", "ghost", "bookkeeping", "resume", "ddp", "lightning")
 #: Processes of the ``ddp`` path (gloo, CPU).
 DDP_WORLD_SIZE = 2
 #: Deliberate breakages of the pipeline (each must be caught: audited ε > reported ε).
@@ -316,33 +316,40 @@ def _loader(dataset, batch_sampler, width: int) -> DataLoader:
     return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate)
 
 
+def runs_dataset(plan: _Plan, present: np.ndarray, rng: np.random.Generator) -> TensorDataset:
+    """The examples of ``R = present.size`` runs side by side (module docstring): run ``r``
+    owns rows ``r·n …`` and coordinates ``2r`` (canary) and ``2r + 1``; targets are 1 (linear
+    loss). Canary rows hold ``m·C`` in the canary coordinate where ``present``, else 0 (or the
+    scheme's ``others`` value under substitution)."""
+    spec = plan.spec
+    R, n = present.size, plan.examples
+    x = torch.zeros(R * n, 2 * R)
+    rows = torch.arange(R) * n
+    mine = 2 * torch.arange(R)  # each run's canary coordinate
+    canary_rows = set(spec.canary_rows(plan))
+    others = spec.others
+    for j in range(n):
+        if j in canary_rows:  # the canary; "without": zero (zero-out/removal) or `others`
+            absent = 0.0 if others is None or not spec.substitution else float(others)
+            x[rows + j, mine] = torch.as_tensor(np.where(
+                present, plan.canary.value(CLIP), absent * CLIP).astype(np.float32))
+        elif others is None:  # gradients in the run's second coordinate, not the canary's
+            x[rows + j, mine + 1] = torch.as_tensor(
+                rng.uniform(-1.0, 1.0, R).astype(np.float32)) * CLIP
+        else:  # a fixed gradient in the canary's coordinate (e.g. -C: displaced by it)
+            x[rows + j, mine] = float(others) * CLIP
+    return TensorDataset(x, torch.ones(R * n))
+
+
 class _Chunk:
     """``R`` runs trained side by side (module docstring): build, train, checkpoint."""
 
     def __init__(self, plan: _Plan, present: np.ndarray, seeds: np.ndarray):
         self.plan = plan
         self.present = present
-        spec = plan.spec
-        R, n = present.size, plan.examples
+        R = present.size
         self.width = 2 * R
-        rng = np.random.default_rng(int(seeds[0]))
-        x = torch.zeros(R * n, self.width)
-        rows = torch.arange(R) * n
-        mine = 2 * torch.arange(R)  # each run's canary coordinate
-        canary_rows = set(spec.canary_rows(plan))
-        others = spec.others
-        for j in range(n):
-            if j in canary_rows:  # the canary; "without": zero (zero-out/removal) or `others`
-                absent = 0.0 if others is None or not spec.substitution else float(others)
-                x[rows + j, mine] = torch.as_tensor(np.where(
-                    present, plan.canary.value(CLIP), absent * CLIP).astype(np.float32))
-            elif others is None:  # gradients in the run's second coordinate, not the canary's
-                x[rows + j, mine + 1] = torch.as_tensor(
-                    rng.uniform(-1.0, 1.0, R).astype(np.float32)) * CLIP
-            else:  # a fixed gradient in the canary's coordinate (e.g. -C: displaced by it)
-                x[rows + j, mine] = float(others) * CLIP
-        self.dataset = TensorDataset(x, torch.ones(R * n))
-        self.canary_rows = rows
+        self.dataset = runs_dataset(plan, present, np.random.default_rng(int(seeds[0])))
         self.sampler_seeds = [int(s) for s in seeds[2:2 + R]]
         self.noise_seed = int(seeds[1])
         # add/remove audits of samplers that depend on the dataset size: the "without" runs
@@ -355,7 +362,7 @@ class _Chunk:
         self.initial = nn.Linear(self.width, 1, bias=False)
         nn.init.zeros_(self.initial.weight)
         self.step = 0
-        self.accountant = spec.new_accountant(self)
+        self.accountant = plan.spec.new_accountant(self)
         self._build(torch.Generator().manual_seed(self.noise_seed))
 
     def _samplers(self, offset: int) -> list:
@@ -454,7 +461,7 @@ class _SchemeAudit:
     #: Substitution relation: "without" runs hold ``others`` in the canary's rows.
     substitution = False
     #: Paths this scheme's pipeline supports.
-    paths = AUDIT_PATHS
+    paths = tuple(p for p in AUDIT_PATHS if p != "lightning")
 
     def row(self, plan: _Plan, item) -> int:
         """The dataset row (within its run) of an item the sampler draws."""
@@ -524,7 +531,13 @@ class _SchemeAudit:
 
 
 class _PoissonAudit(_SchemeAudit):
+    """Poisson sampling (add/remove; a zeroed canary = a removed one, the sampler drawing every
+    example independently). Also the ``lightning`` path: Poisson sampling of ``R`` runs of
+    ``n`` examples each *is* Poisson sampling of their ``R·n`` examples, so ``DPCallback``
+    installs the scheme's sampler over the union itself."""
+
     name = "poisson"
+    paths = AUDIT_PATHS
     summary = "Poisson sampling, DP-SGD (add/remove; a zero canary = removed)"
     defaults = dict(sample_rate=0.5, noise_multiplier=0.7, steps=3, delta=0.05, examples=4)
 
@@ -977,6 +990,8 @@ def run_audit(scheme: str, *, runs: int, seed: Optional[int] = None, path: str =
     plan.seed = seed
     if path == "ddp":
         return _run_ddp(plan, runs, seed)
+    if path == "lightning":
+        return _run_lightning(plan, runs, seed)
     return _run(plan, runs, seed, progress)
 
 
@@ -999,7 +1014,12 @@ def _run(plan: _Plan, runs: int, seed: Optional[int],
         if progress is not None:
             progress(min(start + CHUNK_RUNS, present.size), present.size)
     scores = _scores(plan, chunks)
-    reported = plan.spec.reported(chunks[0])
+    return _audit_scores(plan, present, scores, plan.spec.reported(chunks[0]), runs, seed,
+                         started)
+
+
+def _audit_scores(plan: _Plan, present: np.ndarray, scores: np.ndarray, reported: float,
+                  runs: int, seed, started: float) -> AuditScores:
     meta = {"scheme": plan.spec.name, "path": plan.path, "mutation": plan.mutation,
             "canary": plan.canary.name, "runs_per_side": runs, "seed": seed,
             "noise_multiplier": plan.noise_multiplier, "steps": plan.steps, "clip": CLIP,
@@ -1047,3 +1067,66 @@ def _run_ddp(plan: _Plan, runs: int, seed: Optional[int]) -> AuditScores:
                  nprocs=DDP_WORLD_SIZE, join=True)
         with open(out, "rb") as fh:
             return pickle.load(fh)
+
+
+# ---- Lightning: DPCallback on an unmodified LightningModule ------------------------------------
+#: Runs per Lightning fit (one Trainer each).
+LIGHTNING_CHUNK_RUNS = 1024
+
+
+def _run_lightning(plan: _Plan, runs: int, seed: Optional[int]) -> AuditScores:
+    """Poisson runs trained by ``lightning.Trainer`` with
+    :class:`~lightning_callbacks.dp_callback.DPCallback`: it installs ``scheme.sampler`` over the
+    union of the runs' examples (Poisson over ``R·n`` examples = ``R`` independent Poisson runs),
+    hooks the module for per-sample gradients, wraps SGD into Opacus' ``DPOptimizer`` and prices
+    every step with the scheme's accountant; the released sums are read after each step."""
+    import lightning.pytorch as pl
+
+    from lightning_callbacks import DPCallback
+
+    if plan.mutation is not None:
+        raise ValueError("mutation: the lightning path audits the unmodified DPCallback; run "
+                         "mutations on the hooks path")
+    started = time.perf_counter()
+    seq = np.random.SeedSequence(seed)
+    present = np.concatenate([np.ones(runs, dtype=bool), np.zeros(runs, dtype=bool)])
+    present = present[np.random.default_rng(seq.spawn(1)[0]).permutation(present.size)]
+    observed, reported = [], None
+
+    class Canaries(pl.LightningModule):
+        def __init__(self, width: int):
+            super().__init__()
+            self.net = nn.Linear(width, 1, bias=False)
+            nn.init.zeros_(self.net.weight)
+            self.loss = LinearLoss("sum")
+
+        def training_step(self, batch, batch_idx):
+            x, target = batch
+            return self.loss(self.net(x), target)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            released.append(self.net.weight.grad.detach().reshape(-1)[0::2].double().numpy()
+                            / CLIP)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1.0)
+
+    for start in range(0, present.size, LIGHTNING_CHUNK_RUNS):
+        part = present[start:start + LIGHTNING_CHUNK_RUNS]
+        state = seq.spawn(1)[0].generate_state(2, dtype=np.uint64).astype(np.int64) & ((1 << 62) - 1)
+        dataset = runs_dataset(plan, part, np.random.default_rng(int(state[0])))
+        released: list = []
+        callback = DPCallback(delta=plan.delta, noise_multiplier=plan.actual_noise_multiplier,
+                              max_grad_norm=plan.clip, scheme=plan.scheme,
+                              seed=int(state[1]), loss_reduction="sum")
+        trainer = pl.Trainer(max_steps=plan.steps, accelerator="cpu", logger=False,
+                             callbacks=[callback], enable_progress_bar=False,
+                             enable_model_summary=False, enable_checkpointing=False,
+                             num_sanity_val_steps=0)
+        trainer.fit(Canaries(2 * part.size), DataLoader(dataset, batch_size=8))
+        observed.append(np.stack(released, axis=1))
+        if reported is None:
+            reported = float(callback.epsilon())
+    rows, lps = plan.spec.patterns(plan, None)[1:]
+    scores = likelihood_ratio_scores(np.concatenate(observed), rows, lps, plan.noise_multiplier)
+    return _audit_scores(plan, present, scores, reported, runs, seed, started)

@@ -61,6 +61,13 @@ def test_result_is_labelled_a_lower_bound():
     gdp = epsilon_lower_bound(w, wo, delta=1e-5, method="gdp")
     assert "Gaussian" in gdp.assumption and "assumes" in str(gdp)
     assert gdp.to_dict()["kind"] == "empirical lower bound"
+    # not a number: it cannot be passed where a guarantee (an ε to calibrate to) is asked
+    from opacus_structured.accounting.gaussian import gdp_mu
+
+    with pytest.raises(TypeError):
+        float(bound)
+    with pytest.raises(ValueError, match="epsilon must be a real number"):
+        gdp_mu(bound, 1e-5)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -155,7 +155,8 @@ class EpsilonLowerBound:
 
     ``threshold`` is the score threshold that attains the bound (``None`` for the one-run
     estimator), ``runs`` the number of runs used (with + without), ``kind`` always
-    ``"empirical lower bound"``.
+    ``"empirical lower bound"``. Deliberately not a number (no ``__float__``): read
+    ``.epsilon`` knowing it is a lower bound, so it cannot slip in where a guarantee is asked.
     """
 
     epsilon: float
@@ -177,9 +178,6 @@ class EpsilonLowerBound:
                 f"with {self.confidence:.0%} confidence, {self.method}, {self.runs} runs; "
                 f"not a privacy guarantee)")
         return text if self.assumption is None else f"{text}; assumes {self.assumption}"
-
-    def __float__(self) -> float:
-        return float(self.epsilon)
 
 
 def clopper_pearson_upper(k, n: int, alpha: float) -> np.ndarray:

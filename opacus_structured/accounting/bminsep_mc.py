@@ -807,14 +807,14 @@ def streamed_bminsep_losses(mechanism: "BandMFMonteCarlo", num_samples: int, dir
         rng.standard_normal(out=u[:m])
         if direction == "remove" and tau.size:
             lo, hi = np.searchsorted(tau, (j - L + 1, j + m))
-            if hi > lo:
-                t, cc = tau[lo:hi], col[lo:hi]
-                k = np.arange(L)
-                rows = t[:, None] + k[None, :]
-                ok = (rows >= j) & (rows < j + m)
-                flat = ((rows - j) * S + cc[:, None])[ok]
+            if hi > lo:  # row τ+k of the window of each participation, k = 0..L−1
+                t = tau[lo:hi]
+                off = t - j
+                base = off * S + col[lo:hi]
                 uf = u.reshape(-1)
-                uf[flat] += cvals[t][ok]
+                for k in range(L):
+                    sel = (off >= -k) & (off < m - k)
+                    uf[base[sel] + k * S] += cvals[t[sel], k]
         if Y is not None:
             np.multiply(u[:m], sigma, out=Y[j:j + m])
         g = out[:m]

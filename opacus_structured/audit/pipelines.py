@@ -445,6 +445,9 @@ class _Chunk:
 
 
 # ---- per-scheme audit specs -------------------------------------------------------------------
+#: Memo of reported ε (see :meth:`_SchemeAudit.reported`).
+_REPORTED: dict = {}
+
 class _SchemeAudit:
     """How to audit one scheme: its default flags, the scheme priced, the sampler of one run,
     the canary's participation law and (for matrix mechanisms) the strategy."""
@@ -486,8 +489,13 @@ class _SchemeAudit:
                               sample_rate=rate if rate is not None else 1.0)
 
     def reported(self, chunk: "_Chunk") -> float:
-        """The ε the pipeline reports at the plan's δ."""
-        return float(chunk.accountant.get_epsilon(chunk.plan.delta))
+        """The ε the pipeline's accountant reports at the plan's δ (memoised on the scheme, the
+        accountant's recorded history and δ: the same record prices the same)."""
+        acc = chunk.accountant
+        key = (type(acc), acc.scheme, tuple(acc.history), acc.discretization, chunk.plan.delta)
+        if key not in _REPORTED:
+            _REPORTED[key] = float(acc.get_epsilon(chunk.plan.delta))
+        return _REPORTED[key]
 
     def attach(self, chunk: "_Chunk") -> None:
         """After the optimizer is built (hook for per-example machinery)."""

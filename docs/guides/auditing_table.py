@@ -25,7 +25,10 @@ def rows(runs: int, seed: int, path: str, schemes=None):
             continue
         for mutation in [None, *info["mutations"]]:
             start = time.perf_counter()
-            scores = run_audit(scheme, runs=runs, seed=seed, path=path, mutation=mutation)
+            try:
+                scores = run_audit(scheme, runs=runs, seed=seed, path=path, mutation=mutation)
+            except ValueError:  # a mutation this scheme cannot have (e.g. a fixed-rate sampler)
+                continue
             cp, gdp = (epsilon_lower_bound(scores.scores_with, scores.scores_without,
                                            delta=scores.delta, method=m)
                        for m in ("clopper-pearson", "gdp"))

@@ -58,6 +58,35 @@ def test_streamed_sampler_equals_log_space_program(b, n, L, warm, block, sigma):
         np.testing.assert_allclose(loss, ref, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("b,n,L,block", [(4, 300, 4, 128), (1, 90, 1, 32), (20, 150, 20, 32),
+                                         (5, 37, 3, 8)])
+def test_numba_path_is_bit_identical(b, n, L, block):
+    """numba (optional) only fuses loops of the numpy path's float64 operations, in the same
+    order: the samples are equal bit for bit (large ℓ and a non-Toeplitz C included)."""
+    pytest.importorskip("numba")
+    strategies = [BandedStrategy.toeplitz(_sqrt_coefficients(L), n)]
+    cols = np.random.default_rng(4).uniform(0.1, 1.0, size=(n, L))
+    for k in range(1, L):
+        cols[n - k:, k] = 0.0
+    strategies.append(BandedStrategy.from_columns(cols))
+    for st in strategies:
+        for sigma in (1.0, 0.25):
+            mech = BandMFMonteCarlo(st, sigma, "bminsep", 0.05, b, warm_start=b > 1)
+            for direction in DIRECTIONS:
+                a = streamed_bminsep_losses(mech, 400, direction, np.random.default_rng(5),
+                                            block=block, accelerator="numpy")
+                c = streamed_bminsep_losses(mech, 400, direction, np.random.default_rng(5),
+                                            block=block, accelerator="numba")
+                np.testing.assert_array_equal(a, c)
+
+
+def test_accelerator_argument():
+    st = BandedStrategy.toeplitz([1.0], 8)
+    mech = BandMFMonteCarlo(st, 1.0, "bminsep", 0.2, 1)
+    with pytest.raises(ValueError, match="accelerator must be"):
+        streamed_bminsep_losses(mech, 10, "remove", np.random.default_rng(0), accelerator="gpu")
+
+
 def test_streamed_sampler_general_columns_and_p_one():
     """A non-Toeplitz C (per-column coefficients) and p = 1 (log-space path throughout)."""
     rng = np.random.default_rng(0)

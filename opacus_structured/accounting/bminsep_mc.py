@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Optional
 
 import numpy as np
@@ -713,6 +714,67 @@ def _participation_positions(n: int, p: float, b: int, S: int, warm_start: bool,
     return tau[order], col[order]
 
 
+def _numba_source():
+    """The optional numba kernels of :func:`streamed_bminsep_losses` (plain Python source, jitted
+    by :func:`_numba_kernels`). Each performs exactly the float64 operations of the numpy path,
+    in the same order per element (no fused multiply-add: numba compiles without fast-math), so
+    both paths give bit-identical samples; ``test_numba_path_is_bit_identical`` checks it."""
+
+    def scatter(uf, tau, col, cvals, j, m, S, L, lo, hi):
+        for k in range(L):  # band-major: each pass sweeps the block in address order
+            for e in range(lo, hi):
+                r = tau[e] + k - j
+                if 0 <= r < m:
+                    uf[r * S + col[e]] += cvals[tau[e], k]
+
+    def dots(u, coef, offset, out, m, L):
+        S = u.shape[1]
+        for r in range(m):
+            row = out[r]
+            a = coef[r, 0]
+            for s in range(S):
+                row[s] = u[r, s] * a
+            for k in range(1, L):
+                a = coef[r, k]
+                for s in range(S):
+                    row[s] += u[r + k, s] * a
+            o = offset[r]
+            for s in range(S):
+                row[s] += o
+
+    def recursion(buf, g, q, b, j, m):
+        S = buf.shape[1]
+        for i in range(j + m - 1, j - 1, -1):
+            r = i % b
+            nx = (i + 1) % b
+            gi = g[i - j]
+            for s in range(S):
+                t = buf[nx, s] * q
+                buf[r, s] = buf[r, s] * gi[s] + t
+
+    return scatter, dots, recursion
+
+
+_NUMBA_KERNELS: list = []
+
+
+def _numba_kernels():
+    """``(scatter, dots, recursion)`` jitted by numba, or ``None`` when numba is not installed
+    (or ``OPACUS_STRUCTURED_NUMBA=0``). numba is an optional accelerator: the numpy path is the
+    reference and gives the same samples."""
+    if not _NUMBA_KERNELS:
+        kernels = None
+        if os.environ.get("OPACUS_STRUCTURED_NUMBA", "1") != "0":
+            try:
+                import numba
+            except ImportError:
+                numba = None
+            if numba is not None:
+                kernels = tuple(numba.njit(cache=True, nogil=True)(f) for f in _numba_source())
+        _NUMBA_KERNELS.append(kernels)
+    return _NUMBA_KERNELS[0]
+
+
 class _WindowDots:
     """``out[r] = Σ_k (c_{j+r,k}/σ) u[r+k]`` for a block of rows ``[j, j+m)``, ``u`` holding
     rows ``j .. j+m+L−2`` (zeros past ``n``): ``⟨c_i, y⟩/σ`` with ``u = y/σ``."""
@@ -724,12 +786,19 @@ class _WindowDots:
         self.W = None
         if self.toeplitz:
             c = strategy._toeplitz_c / sigma
+            self._c = c
             self.c = c.tolist()
             if self.L >= _GEMM_MIN_BANDS:
                 W = np.zeros((block, block + self.L - 1))
                 for r in range(block):
                     W[r, r:r + self.L] = c
                 self.W = W
+
+    def coefficients(self, j: int, m: int) -> np.ndarray:
+        """``(m, L)`` coefficients of rows ``j .. j+m−1`` (``c_{i,k}/σ``), the numpy path's."""
+        if self.toeplitz:
+            return np.broadcast_to(self._c, (m, self.L))
+        return self.strategy.columns[j:j + m] / self.sigma
 
     def __call__(self, u: np.ndarray, j: int, m: int, out: np.ndarray) -> None:
         L = self.L
@@ -752,7 +821,7 @@ class _WindowDots:
 
 def streamed_bminsep_losses(mechanism: "BandMFMonteCarlo", num_samples: int, direction: str,
                             rng: np.random.Generator, *, block: int = STREAM_BLOCK,
-                            return_outputs: bool = False):
+                            return_outputs: bool = False, accelerator: str = "auto"):
     r"""Privacy-loss samples of plain b-min-sep (``k_u = 1``, no truncation), streamed in time.
 
     The same law as :meth:`BandMFMonteCarlo.sample_losses` via :func:`bminsep_log_ratio`, made
@@ -770,6 +839,10 @@ def streamed_bminsep_losses(mechanism: "BandMFMonteCarlo", num_samples: int, dir
     ``600`` nats runs the log-space recursion instead (same values up to rounding).
 
     ``return_outputs=True`` also returns the drawn outputs ``y`` (shape ``(n, S)``; for tests).
+    ``accelerator``: ``"auto"`` (numba kernels for the scatter, the elementwise window products
+    and the recursion when numba is installed), ``"numpy"`` or ``"numba"``; the samples are the
+    same bit for bit (numba only fuses loops; the Gaussians, matrix products, ``exp`` and ``log``
+    stay numpy's).
     """
     S = check_int("num_samples", num_samples, minimum=1)
     if direction not in DIRECTIONS:
@@ -781,6 +854,11 @@ def streamed_bminsep_losses(mechanism: "BandMFMonteCarlo", num_samples: int, dir
     st, sigma, p, b = m_.strategy, m_.noise_multiplier, m_.sampling_prob, m_.min_sep
     n, L = st.n, st.bands
     T = check_int("block", block, minimum=1)
+    if accelerator not in ("auto", "numpy", "numba"):
+        raise ValueError(f"accelerator must be 'auto', 'numpy' or 'numba', got {accelerator!r}")
+    kernels = None if accelerator == "numpy" else _numba_kernels()
+    if accelerator == "numba" and kernels is None:
+        raise ValueError("accelerator='numba' needs numba (pip install numba)")
     log_q = math.log1p(-p) if p < 1 else -math.inf
     q = 1.0 - p
     log_p = math.log(p)
@@ -807,7 +885,9 @@ def streamed_bminsep_losses(mechanism: "BandMFMonteCarlo", num_samples: int, dir
         rng.standard_normal(out=u[:m])
         if direction == "remove" and tau.size:
             lo, hi = np.searchsorted(tau, (j - L + 1, j + m))
-            if hi > lo:  # row τ+k of the window of each participation, k = 0..L−1
+            if hi > lo and kernels is not None:
+                kernels[0](u.reshape(-1), tau, col, cvals, j, m, S, L, lo, hi)
+            elif hi > lo:  # row τ+k of the window of each participation, k = 0..L−1
                 t = tau[lo:hi]
                 off = t - j
                 base = off * S + col[lo:hi]
@@ -818,17 +898,23 @@ def streamed_bminsep_losses(mechanism: "BandMFMonteCarlo", num_samples: int, dir
         if Y is not None:
             np.multiply(u[:m], sigma, out=Y[j:j + m])
         g = out[:m]
-        dots(u, j, m, g)
-        g += offset[j:j + m, None]
+        if kernels is not None and dots.W is None:
+            kernels[1](u, dots.coefficients(j, m), offset[j:j + m], g, m, L)
+        else:
+            dots(u, j, m, g)
+            g += offset[j:j + m, None]
         top = float(g.max())
         if linear_decay_ok and m * (max(0.0, top) + math.log(2.0)) <= _LOG_HEADROOM:
             np.exp(g, out=g)
-            for i in range(j + m - 1, j - 1, -1):
-                r = i % b
-                np.multiply(buf[(i + 1) % b], q, out=tmp)
-                row = buf[r]
-                np.multiply(row, g[i - j], out=row)
-                row += tmp
+            if kernels is not None:
+                kernels[2](buf, g, q, b, j, m)
+            else:
+                for i in range(j + m - 1, j - 1, -1):
+                    r = i % b
+                    np.multiply(buf[(i + 1) % b], q, out=tmp)
+                    row = buf[r]
+                    np.multiply(row, g[i - j], out=row)
+                    row += tmp
             mx = buf.max(axis=0)
             buf /= mx
             scale += np.log(mx)

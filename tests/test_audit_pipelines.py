@@ -100,7 +100,7 @@ def test_likelihood_ratio_of_poisson_is_the_closed_form():
 def test_registry_lists_schemes_paths_and_mutations():
     reg = audit_registry()
     assert set(reg) == set(AUDIT_SCHEMES)
-    for name, entry in reg.items():
+    for entry in reg.values():
         assert set(entry["paths"]) <= set(AUDIT_PATHS) and "hooks" in entry["paths"]
         assert set(entry["mutations"]) <= set(MUTATIONS)
     assert "wrong-band" in reg["bandmf-cyclic-poisson"]["mutations"]

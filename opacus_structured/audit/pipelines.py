@@ -176,7 +176,7 @@ def bernoulli_patterns(steps: int, eligible, rate: float) -> tuple[np.ndarray, n
         if (q == 1.0 and k < len(eligible)):
             continue
         row = np.zeros(steps)
-        row[[e for e, b in zip(eligible, bits) if b]] = 1.0
+        row[[e for e, b in zip(eligible, bits, strict=True) if b]] = 1.0
         rows.append(row)
         lps.append(k * math.log(q) + (len(eligible) - k) * (math.log1p(-q) if q < 1 else 0.0))
     return np.array(rows), np.array(lps)
@@ -231,7 +231,7 @@ class ParallelRunsBatchSampler(Sampler[list[int]]):
     def load_state_dict(self, states) -> None:
         if len(states) != len(self.samplers):
             raise ValueError(f"state has {len(states)} runs, this sampler {len(self.samplers)}")
-        for s, st in zip(self.samplers, states):
+        for s, st in zip(self.samplers, states, strict=True):
             s.load_state_dict(st)
         self._iters = [None] * len(self.samplers)
 
@@ -368,7 +368,7 @@ class _Chunk:
     def _samplers(self, offset: int) -> list:
         return [self.plan.spec.sampler(self.plan, torch.Generator().manual_seed(s + offset),
                                        removed=removed)
-                for s, removed in zip(self.sampler_seeds, self.removed)]
+                for s, removed in zip(self.sampler_seeds, self.removed, strict=True)]
 
     def _build(self, noise_generator: torch.Generator) -> None:
         self.batch_sampler = ParallelRunsBatchSampler(self.samplers, self.plan.examples,
@@ -716,8 +716,8 @@ class _BMinSepAudit(_BandMFAudit):
                                        batch_size=f["batch_size"], min_sep=f["bands"])
 
     def new_accountant(self, chunk):
-        from ..accounting.monte_carlo import MonteCarloSettings
         from ..accountants.base import SchemeAccountant
+        from ..accounting.monte_carlo import MonteCarloSettings
 
         seed = None if chunk.plan.seed is None else int(chunk.plan.seed)
         return SchemeAccountant(chunk.plan.scheme, settings=MonteCarloSettings(
@@ -1095,6 +1095,9 @@ def _run_lightning(plan: _Plan, runs: int, seed: Optional[int]) -> AuditScores:
     if plan.mutation is not None:
         raise ValueError("mutation: the lightning path audits the unmodified DPCallback; run "
                          "mutations on the hooks path")
+    if plan.canary.observes != "gradients":
+        raise ValueError("canary: the lightning path reads the released gradients (a 'dirac' "
+                         "canary); audit the 'input' canary on the hooks path")
     started = time.perf_counter()
     seq = np.random.SeedSequence(seed)
     present = np.concatenate([np.ones(runs, dtype=bool), np.zeros(runs, dtype=bool)])

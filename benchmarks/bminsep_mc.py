@@ -7,8 +7,9 @@ coefficients normalised to unit norm), imported from the installed ``jax-privacy
 (``pip install "opacus-structured[peers]"``) or, with ``--reference-path DIR``, from a source
 checkout (``DIR`` holds the ``jax_privacy`` package). Ours is
 :func:`opacus_structured.runners.monte_carlo.sample_losses` (the numpy backend the shard runner
-uses). Both run single-threaded (BLAS and torch limited to one thread), interleaved, ``--reps``
-times per row; the table gives the median samples/s of each and their ratio.
+uses; with numba installed its kernels run, and the table adds the numpy-only rate). All run
+single-threaded (BLAS and torch limited to one thread), interleaved, ``--reps`` times per row;
+the table gives the median samples/s of each and the ratios.
 
 Agreement per row: the mean privacy loss of each sampler (± its standard error) and a two-sample
 Kolmogorov–Smirnov test on the pooled remove-direction losses. jax_privacy assigns the squared
@@ -37,7 +38,12 @@ import typing
 import numpy as np
 from scipy import stats
 
-from opacus_structured.accounting.bminsep_mc import BandedStrategy, BandMFMonteCarlo
+from opacus_structured.accounting.bminsep_mc import (
+    BandedStrategy,
+    BandMFMonteCarlo,
+    _numba_kernels,
+    streamed_bminsep_losses,
+)
 from opacus_structured.runners.monte_carlo import collect_privacy_losses, sample_losses
 
 P0 = 1 / 128
@@ -89,7 +95,8 @@ def bench_row(b: int, n: int, sigma: float, reps: int, ref_elements: int, our_el
                             warm_start=True)
     s_ref = max(100, ref_elements // n)
     s_our = max(256, our_elements // n)
-    ref_rates, our_rates, ref_losses, our_losses = [], [], [], []
+    ref_rates, our_rates, ref_losses, our_losses, np_rates = [], [], [], [], []
+    numba = _numba_kernels() is not None
     for rep in range(reps):
         t = time.perf_counter()
         y = sg.generate_sample(strategy, sigma, c, seed=1000 + rep, positive_sample=True,
@@ -101,6 +108,11 @@ def bench_row(b: int, n: int, sigma: float, reps: int, ref_elements: int, our_el
         ours = sample_losses(mech, s_our, "remove", seed=2000 + rep)
         our_rates.append(s_our / (time.perf_counter() - t))
         our_losses.append(ours)
+        if numba:  # the same samples without the optional numba kernels
+            t = time.perf_counter()
+            streamed_bminsep_losses(mech, s_our, "remove", np.random.default_rng(rep),
+                                    accelerator="numpy")
+            np_rates.append(s_our / (time.perf_counter() - t))
     ref_all, our_all = np.concatenate(ref_losses), np.concatenate(our_losses)
     ks = stats.ks_2samp(ref_all, our_all)
     row = {"b": b, "n": n, "jax_privacy_samples_per_s": float(np.median(ref_rates)),
@@ -113,7 +125,10 @@ def bench_row(b: int, n: int, sigma: float, reps: int, ref_elements: int, our_el
            "ks_statistic": float(ks.statistic), "ks_pvalue": float(ks.pvalue),
            "samples_compared": [int(ref_all.size), int(our_all.size)],
            "note": ("jax_privacy's last b-1 column norms are in reverse order (its bug)"
-                    if b >= 3 else "")}
+                    if b >= 3 else ""),
+           "ours_accelerator": "numba" if numba else "numpy"}
+    if numba:
+        row["ours_numpy_only_samples_per_s"] = float(np.median(np_rates))
     if workers > 1:
         S = s_our * workers * 2
         t = time.perf_counter()
@@ -125,7 +140,10 @@ def bench_row(b: int, n: int, sigma: float, reps: int, ref_elements: int, our_el
 
 def format_table(rows: list[dict]) -> str:
     workers_key = next((k for k in rows[0] if k.endswith("_workers_samples_per_s")), None)
-    head = ["b", "n", "jax_privacy /s", "ours /s", "ratio"]
+    numpy_only = "ours_numpy_only_samples_per_s" in rows[0]
+    head = ["b", "n", "jax_privacy /s", f"ours ({rows[0]['ours_accelerator']}) /s", "ratio"]
+    if numpy_only:
+        head += ["ours numpy only /s", "ratio"]
     if workers_key:
         head.append(workers_key.replace("ours_", "ours ").replace("_samples_per_s", " /s")
                     .replace("_workers", " workers"))
@@ -134,6 +152,9 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         cells = [str(r["b"]), str(r["n"]), f"{r['jax_privacy_samples_per_s']:,.0f}",
                  f"{r['ours_samples_per_s']:,.0f}", f"{r['ratio']:.1f}×"]
+        if numpy_only:
+            v = r["ours_numpy_only_samples_per_s"]
+            cells += [f"{v:,.0f}", f"{v / r['jax_privacy_samples_per_s']:.1f}×"]
         if workers_key:
             cells.append(f"{r[workers_key]:,.0f}")
         cells += [f"{r['mean_loss_jax_privacy']:.4f}",

@@ -221,7 +221,7 @@ def test_dask_local_cluster_killed_worker_merges_exactly(tmp_path):
     """Two worker processes; one is killed mid-run (its nanny restarts it, the scheduler
     reruns its shard); the merged samples equal the single-process run of the same seed."""
     distributed = pytest.importorskip("distributed")
-    st = BandedStrategy.toeplitz(_sqrt_coefficients(4), 1500)
+    st = BandedStrategy.toeplitz(_sqrt_coefficients(4), 1000)
     mech = BandMFMonteCarlo(st, 1.0, "bminsep", 0.03, 4, warm_start=True)
     S, shard = 12000, 1500  # 16 shards of ~0.1 s
     ref = collect_privacy_losses(mech, S, seed=21, shard_size=shard, workers=1)

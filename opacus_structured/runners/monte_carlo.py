@@ -9,13 +9,16 @@ arXiv:2602.09338, Appendix A) — runs in one process. This module runs it at sc
   progress, shard size), kept out of the frozen scheme that describes the mechanism;
 * :func:`sample_losses`: the backend — numpy, or torch on a CPU or GPU
   (:mod:`.bminsep_mc_torch`);
-* :func:`collect_privacy_losses`: a run in seed-addressed shards over a process pool, saved to
-  and resumed from a directory;
+* :func:`collect_privacy_losses`: a run in seed-addressed shards over a process pool or any
+  :class:`concurrent.futures.Executor` (a Dask cluster: :func:`dask_executor`), saved to and
+  resumed from a directory;
 * :func:`certify_noise_multiplier`: Algorithm 5 with fresh, independent samples per candidate.
 
 **Shards.** Shard ``k`` of direction ``d`` always draws from ``SeedSequence(seed, (d, k))``,
-runs in a process pool, is saved to ``<dir>/<direction>-<k>.npz`` and is loaded instead of
-recomputed when the directory is resumed. The merged samples are the concatenation in shard
+runs in a process pool or on an executor (a failed task is resubmitted), is saved to
+``<dir>/<direction>-<k>.npz`` as it arrives and is loaded instead of recomputed when the
+directory is resumed; ``meta.json`` records the sampler version, and a directory of another
+version is refused. The merged samples are the concatenation in shard
 order, so a run split over processes or machines and merged is bit-identical to one run.
 
 **Seeds.** Every random check draws a fresh seed from OS entropy unless one is given

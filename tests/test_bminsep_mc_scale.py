@@ -273,3 +273,19 @@ def test_benchmark_table_against_jax_privacy(tmp_path):
         assert r["jax_privacy_samples_per_s"] > 0 and r["ours_samples_per_s"] > 0
         assert abs(r["mean_loss_ours"] - r["mean_loss_jax_privacy"]) < 6 * r["mean_loss_se"]
     assert rows[1]["note"] and not rows[0]["note"]
+
+
+def test_settings_dask_executor_local_cluster_equals_process_pool(tmp_path):
+    """``MonteCarloSettings(executor="dask")`` without a scheduler runs the shards on a local
+    cluster of ``workers`` processes; the samples are the process-pool run's."""
+    pytest.importorskip("distributed")
+    from opacus_structured.runners.monte_carlo import collect_with_settings
+
+    st = BandedStrategy.toeplitz(_sqrt_coefficients(2), 40)
+    mech = BandMFMonteCarlo(st, 1.0, "bminsep", 0.1, 2, warm_start=True)
+    local = MonteCarloSettings(samples=600, seed=9, shard_size=200, workers=1)
+    dask = MonteCarloSettings(samples=600, seed=9, shard_size=200, workers=1, executor="dask")
+    a = collect_with_settings(mech, local)
+    b = collect_with_settings(mech, dask, directory=str(tmp_path / "d"))
+    np.testing.assert_array_equal(a.remove, b.remove)
+    np.testing.assert_array_equal(a.add, b.add)

@@ -140,12 +140,12 @@ def _reported_profile(scores):
     spec = getattr(pipelines, "_SPECS", {}).get(name)
     if spec is None:
         return None, "the audit registry does not expose the scheme object"
-    scheme = spec.scheme(flags)
-    if getattr(scheme, "bound", None) == "monte-carlo":  # BoundKind is a str enum
-        return None, "the accountant's epsilon is a Monte Carlo estimate"
     try:
+        scheme = spec.scheme(flags)
+        if getattr(scheme, "bound", None) == "monte-carlo":  # BoundKind is a str enum
+            return None, "the accountant's epsilon is a Monte Carlo estimate"
         return scheme_profile(scheme, flags["noise_multiplier"], flags["steps"]), None
-    except (ValueError, NotImplementedError) as exc:
+    except (KeyError, TypeError, ValueError, NotImplementedError) as exc:
         return None, f"the scheme's privacy profile is not available ({exc})"
 
 

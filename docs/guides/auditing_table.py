@@ -19,11 +19,11 @@ from opacus_structured.audit.estimators import epsilon_lower_bound
 from opacus_structured.audit.pipelines import audit_registry, run_audit
 
 
-def rows(runs: int, seed: int, path: str, schemes=None):
+def rows(runs: int, seed: int, path: str, schemes=None, mutations: bool = True):
     for scheme, info in audit_registry().items():
-        if schemes and scheme not in schemes:
+        if (schemes and scheme not in schemes) or path not in info["paths"]:
             continue
-        for mutation in [None, *info["mutations"]]:
+        for mutation in [None, *info["mutations"]] if mutations else [None]:
             start = time.perf_counter()
             try:
                 scores = run_audit(scheme, runs=runs, seed=seed, path=path, mutation=mutation)
@@ -52,13 +52,15 @@ def main() -> None:
     parser.add_argument("--schemes", nargs="*", default=None,
                         help="audit only these schemes (default: every registered one)")
     parser.add_argument("--no-header", action="store_true", help="rows only")
+    parser.add_argument("--unbroken-only", action="store_true",
+                        help="audit the unbroken pipelines only (no mutations)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     if not args.no_header:
         print("| scheme | mutation | settings | δ | reported ε | CP lower bound (ratio) | "
               "GDP estimate | verdict | time |")
         print("|---|---|---|---|---|---|---|---|---|")
-    for row in rows(args.runs, args.seed, args.path, args.schemes):
+    for row in rows(args.runs, args.seed, args.path, args.schemes, not args.unbroken_only):
         print(row, flush=True)
 
 

@@ -42,7 +42,7 @@ below 10, then counts growing by 10 %, :func:`count_grid`), bound the FPR at a t
 count ``k`` by :math:`U_{k'}` for the smallest :math:`k' \in G` with :math:`k' \ge k` (``1`` past
 the grid), and take :math:`\alpha_k = \alpha / (2|G|)`: by the union bound the FPR band holds at
 every threshold at once with probability :math:`\ge 1 - \alpha/2`; the FNR band likewise. The
-grid keeps :math:`|G|` near :math:`10 + 24 \ln(n/10)` instead of ``n``.
+grid keeps :math:`|G|` near :math:`10 + \ln(n/10) / \ln 1.1` (76 for n = 5000) instead of ``n``.
 ``threshold_selection="split"`` instead picks the threshold on a random part of the runs and
 bounds the rates on the rest at level :math:`\alpha/2` each (the threshold is independent of the
 evaluation part, so no multiplicity correction). A ``threshold=`` given in advance is evaluated

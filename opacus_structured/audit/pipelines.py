@@ -75,7 +75,22 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from .._validation import check_int, check_open_unit, check_positive, check_probability
-from .canaries import CANARIES, DiracCanary, LinearLoss
+from ..accountants.base import SchemeAccountant
+from ..accounting.monte_carlo import MonteCarloSettings
+from ..accounting.strategies import strategy_coefficients
+from ..optim.bookkeeping import BookKeepingHooks, bookkeeping_optimizer_class
+from ..optim.correlated_noise import correlated_optimizer_class
+from ..optim.distributed import DistributedCorrelatedNoiseDPOptimizer
+from ..optim.ghost_clipping import CorrelatedNoiseDPOptimizerFastGradientClipping
+from ..samplers.distributed import DistributedBatchSampler
+from ..schemes.balls_in_bins import BallsInBinsScheme
+from ..schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme
+from ..schemes.bminsep_mc import BMinSepMonteCarloScheme
+from ..schemes.gdp import GDPScheme
+from ..schemes.poisson import PoissonScheme
+from ..schemes.structured import StructuredScheme
+from ..schemes.truncated_poisson import TruncatedPoissonScheme
+from .canaries import CANARIES, DiracCanary, EventCanary, LinearLoss
 from .estimators import AuditScores
 
 __all__ = ["run_audit", "AUDIT_SCHEMES", "AUDIT_PATHS", "MUTATIONS", "audit_registry",
@@ -263,10 +278,6 @@ def _optimizer_pieces(plan: _Plan, model: nn.Module, generator: torch.Generator)
     from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
-    from ..optim.bookkeeping import BookKeepingHooks, bookkeeping_optimizer_class
-    from ..optim.correlated_noise import correlated_optimizer_class
-    from ..optim.ghost_clipping import CorrelatedNoiseDPOptimizerFastGradientClipping
-
     correlated = plan.coefficients is not None
     kw = dict(noise_multiplier=plan.actual_noise_multiplier, max_grad_norm=plan.clip,
               expected_batch_size=1, loss_reduction="sum", generator=generator)
@@ -276,8 +287,6 @@ def _optimizer_pieces(plan: _Plan, model: nn.Module, generator: torch.Generator)
     if plan.path == "ddp":  # Opacus' order: DPDDP inside, GradSampleModule outside
         from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
         from opacus.optimizers import DistributedDPOptimizer
-
-        from ..optim.distributed import DistributedCorrelatedNoiseDPOptimizer
 
         module = GradSampleModule(DPDDP(model), batch_first=True, loss_reduction="sum")
         cls = DistributedCorrelatedNoiseDPOptimizer if correlated else DistributedDPOptimizer
@@ -378,8 +387,6 @@ class _Chunk:
                                                           self.plan.spec.row, self.plan))
         sampler = self.batch_sampler
         if self.plan.path == "ddp":  # every rank draws the global batch, keeps its shard
-            from ..samplers.distributed import DistributedBatchSampler
-
             sampler = DistributedBatchSampler(self.batch_sampler, sync_state=False)
         self.loader = _loader(self.dataset, sampler, self.width)
         self.module, self.optimizer, self.criterion = _optimizer_pieces(
@@ -477,8 +484,6 @@ class _SchemeAudit:
     # -- the accountant, fed by the training loop -------------------------------------------
     def new_accountant(self, chunk: "_Chunk"):
         """A fresh accountant of the priced scheme (its registered class)."""
-        from ..accountants.base import SchemeAccountant
-
         return SchemeAccountant(chunk.plan.scheme)
 
     def record(self, chunk: "_Chunk") -> None:
@@ -550,8 +555,6 @@ class _PoissonAudit(_SchemeAudit):
     defaults = dict(sample_rate=0.5, noise_multiplier=0.7, steps=3, delta=0.05, examples=4)
 
     def scheme(self, f):
-        from ..schemes.poisson import PoissonScheme
-
         return PoissonScheme(sample_rate=f["sample_rate"])
 
     def doubled(self, scheme, f):
@@ -583,8 +586,6 @@ class _TruncatedPoissonAudit(_SchemeAudit):
     removal = True
 
     def scheme(self, f):
-        from ..schemes.truncated_poisson import TruncatedPoissonScheme
-
         return TruncatedPoissonScheme(dataset_size=f["examples"], sample_rate=f["sample_rate"],
                                       max_batch_size=f["max_batch_size"])
 
@@ -615,8 +616,6 @@ class _BallsInBinsAudit(_SchemeAudit):
     defaults = dict(num_bins=2, epochs=1, noise_multiplier=0.8, delta=0.05, examples=4)
 
     def scheme(self, f):
-        from ..schemes.balls_in_bins import BallsInBinsScheme
-
         return BallsInBinsScheme(num_bins=f["num_bins"], epochs=f["epochs"])
 
     def doubled(self, scheme, f):
@@ -641,8 +640,6 @@ class _BandMFAudit(_SchemeAudit):
                     examples=8)
 
     def scheme(self, f):
-        from ..schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme
-
         return BandMFCyclicPoissonScheme(dataset_size=f["examples"], batch_size=f["batch_size"],
                                          bands=f["bands"])
 
@@ -651,14 +648,10 @@ class _BandMFAudit(_SchemeAudit):
 
     def coefficients(self, scheme, f):
         """The scheme's strategy over the run (``scheme.noise_correlation(steps)``)."""
-        from ..accounting.strategies import strategy_coefficients
-
         return [float(v) for v in strategy_coefficients(scheme.strategy, f["steps"],
                                                          scheme.bands)]
 
     def wrong_band(self, scheme, f):
-        from ..accounting.strategies import strategy_coefficients
-
         # banded over the whole run: the canary's participations (bands steps apart) overlap
         return [float(v) for v in strategy_coefficients(scheme.strategy, f["steps"],
                                                          f["steps"])]
@@ -710,15 +703,10 @@ class _BMinSepAudit(_BandMFAudit):
                     examples=8, mc_samples=100_000)
 
     def scheme(self, f):
-        from ..schemes.bminsep_mc import BMinSepMonteCarloScheme
-
         return BMinSepMonteCarloScheme(bands=f["bands"], dataset_size=f["examples"],
                                        batch_size=f["batch_size"], min_sep=f["bands"])
 
     def new_accountant(self, chunk):
-        from ..accountants.base import SchemeAccountant
-        from ..accounting.monte_carlo import MonteCarloSettings
-
         seed = None if chunk.plan.seed is None else int(chunk.plan.seed)
         return SchemeAccountant(chunk.plan.scheme, settings=MonteCarloSettings(
             samples=check_int("mc_samples", chunk.plan.flags["mc_samples"], minimum=1000),
@@ -750,8 +738,6 @@ class _StructuredAudit(_SchemeAudit):
     substitution = True
 
     def scheme(self, f):
-        from ..schemes.structured import StructuredScheme
-
         return StructuredScheme(num_series=f["num_series"], series_length=f["series_length"],
                                 context_length=f["context_length"],
                                 forecast_length=f["forecast_length"], batch_size=1,
@@ -779,8 +765,6 @@ class _StructuredAudit(_SchemeAudit):
     def event(self, plan):
         """The event: time ``L_F - 1`` of series 0, so that all ``min(L_C + L_F, T)`` windows
         that can cover an event cover it."""
-        from .canaries import EventCanary
-
         return EventCanary(series=0, time=plan.scheme.forecast_length - 1)
 
     def canary_rows(self, plan):
@@ -825,8 +809,6 @@ class _GDPFilterAudit(_SchemeAudit):
     paths = ("hooks", "ghost")
 
     def scheme(self, f):
-        from ..schemes.gdp import GDPScheme
-
         check_positive("budget", f["budget"])
         return GDPScheme()
 
@@ -835,7 +817,7 @@ class _GDPFilterAudit(_SchemeAudit):
                          "already uses every example")
 
     def new_accountant(self, chunk):
-        from lightning_callbacks.gdp_filter import IndividualGDPFilter
+        from lightning_callbacks.gdp_filter import IndividualGDPFilter  # optional: lightning
 
         return IndividualGDPFilter(chunk.present.size * chunk.plan.examples,
                                    chunk.plan.flags["budget"])
@@ -856,7 +838,7 @@ class _GDPFilterAudit(_SchemeAudit):
 
     def before_step(self, chunk):
         if chunk.plan.path != "ghost":
-            from lightning_callbacks.gdp_filter import step_norms
+            from lightning_callbacks.gdp_filter import step_norms  # optional: lightning
 
             norms, _ = step_norms(chunk.optimizer)
             chunk.accountant.mask_and_record(
@@ -1090,7 +1072,7 @@ def _run_lightning(plan: _Plan, runs: int, seed: Optional[int]) -> AuditScores:
     every step with the scheme's accountant; the released sums are read after each step."""
     import lightning.pytorch as pl
 
-    from lightning_callbacks import DPCallback
+    from lightning_callbacks import DPCallback  # optional: lightning
 
     if plan.mutation is not None:
         raise ValueError("mutation: the lightning path audits the unmodified DPCallback; run "

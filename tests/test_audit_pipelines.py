@@ -203,3 +203,14 @@ def test_black_box_input_canary_is_sound():
     above the reported ε."""
     scores = run_audit("poisson", runs=RUNS, seed=30, canary="input")
     assert _audited(scores) <= scores.reported_epsilon
+
+
+def test_audited_scheme_is_the_priced_scheme_and_names_bad_input():
+    from opacus_structured.audit.pipelines import audit_registry, audited_scheme
+    from opacus_structured.schemes.poisson import PoissonScheme
+
+    flags = audit_registry()["poisson"]["defaults"]
+    scheme = audited_scheme("poisson", flags)
+    assert isinstance(scheme, PoissonScheme) and scheme.sample_rate == flags["sample_rate"]
+    with pytest.raises(ValueError, match="scheme must be one of"):
+        audited_scheme("no-such-scheme", flags)

@@ -94,6 +94,7 @@ from .canaries import CANARIES, DiracCanary, EventCanary, LinearLoss
 from .estimators import AuditScores
 
 __all__ = ["run_audit", "AUDIT_SCHEMES", "AUDIT_PATHS", "MUTATIONS", "audit_registry",
+           "audited_scheme",
            "ParallelRunsBatchSampler", "likelihood_ratio_scores", "toeplitz_matrix"]
 
 #: Clipping / execution paths every scheme can be audited on.
@@ -873,6 +874,16 @@ def audit_registry() -> dict[str, dict]:
 
 #: Auditable scheme names.
 AUDIT_SCHEMES = tuple(_SPECS)
+
+
+def audited_scheme(scheme_name: str, flags: dict):
+    """The scheme object whose accountant prices an audit of ``scheme_name`` run with
+    ``flags`` (an audit's ``AuditScores.meta["flags"]``): what the predicted trade-off curve of
+    :mod:`~opacus_structured.audit.report` is drawn from."""
+    spec = _SPECS.get(scheme_name)
+    if spec is None:
+        raise ValueError(f"scheme must be one of {list(AUDIT_SCHEMES)}, got {scheme_name!r}")
+    return spec.scheme(flags)
 
 
 def _flags(spec: _SchemeAudit, scheme_flags: dict) -> dict:

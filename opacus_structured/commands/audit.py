@@ -137,11 +137,8 @@ def _reported_profile(scores):
     name = scores.meta.get("scheme")
     if name == "gdp-filter":
         return (lambda eps: gdp_delta(eps, flags["budget"])), None
-    spec = getattr(pipelines, "_SPECS", {}).get(name)
-    if spec is None:
-        return None, "the audit registry does not expose the scheme object"
     try:
-        scheme = spec.scheme(flags)
+        scheme = pipelines.audited_scheme(name, flags)
         if getattr(scheme, "bound", None) == "monte-carlo":  # BoundKind is a str enum
             return None, "the accountant's epsilon is a Monte Carlo estimate"
         return scheme_profile(scheme, flags["noise_multiplier"], flags["steps"]), None

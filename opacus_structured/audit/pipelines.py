@@ -77,7 +77,7 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 from .._validation import check_int, check_open_unit, check_positive, check_probability
 from ..accountants.base import SchemeAccountant
 from ..accounting.monte_carlo import MonteCarloSettings
-from ..accounting.strategies import strategy_coefficients
+from ..accounting.strategies import strategy_coefficients, toeplitz_matrix
 from ..optim.bookkeeping import BookKeepingHooks, bookkeeping_optimizer_class
 from ..optim.correlated_noise import correlated_optimizer_class
 from ..optim.distributed import DistributedCorrelatedNoiseDPOptimizer
@@ -115,18 +115,6 @@ MAX_PATTERNS = 4096
 
 
 # ---- scoring ----------------------------------------------------------------------------------
-def toeplitz_matrix(coefficients, steps: int) -> np.ndarray:
-    r"""Lower-triangular Toeplitz ``C`` (``steps × steps``) with first column ``coefficients``
-    (truncated / zero-padded to ``steps``): :math:`C_{ij} = c_{i-j}` for
-    :math:`0 \le i - j < \mathrm{len}(c)`."""
-    c = np.asarray(coefficients, dtype=np.float64).reshape(-1)
-    steps = check_int("steps", steps, minimum=1)
-    out = np.zeros((steps, steps))
-    for k, v in enumerate(c[:steps]):
-        out += v * np.eye(steps, k=-k)
-    return out
-
-
 def _log_mixture(y: np.ndarray, means: np.ndarray, log_probs: np.ndarray,
                  sigma2: float) -> np.ndarray:
     r""":math:`\log\sum_S P(S)\exp((\langle y, m_S\rangle - \|m_S\|^2/2)/\sigma^2)` per row of

@@ -117,6 +117,7 @@ def test_registry_lists_schemes_paths_and_mutations():
     (dict(scheme="poisson", num_bins=3), "takes no flag 'num_bins'"),
     (dict(scheme="poisson", mutation="wrong-band"), "matrix-mechanism"),
     (dict(scheme="poisson", canary="event"), "canary must be"),
+    (dict(scheme="truncated-poisson", design="remove"), "design must be one of"),
 ])
 def test_bad_input_raises_one_line_naming_the_argument(kwargs, match):
     kwargs = {"runs": 4, **kwargs}
@@ -162,6 +163,41 @@ CAUGHT = [("poisson", "rate-doubled"), ("poisson", "no-clipping"),
 @pytest.mark.parametrize("scheme, mutation", CAUGHT)
 def test_mutation_is_caught(scheme, mutation):
     _check_caught(run_audit(scheme, runs=RUNS, seed=20, mutation=mutation))
+
+
+#: Truncated Poisson where a doubled rate changes the release (the registry's mutation_flags:
+#: design "add", B = 8 of n = 10, p = 0.4; the doubled sampler truncates 44 % of its batches).
+#: At the default (displacement) settings a kept canary has probability ~B/n whatever the rate.
+TRUNCATED_DOUBLED = audit_registry()["truncated-poisson"]["mutation_flags"]["rate-doubled"]
+
+
+@pytest.mark.slow
+def test_truncated_poisson_rate_doubled_is_caught_where_the_rate_matters():
+    _check_caught(run_audit("truncated-poisson", runs=RUNS, seed=20, mutation="rate-doubled",
+                            **TRUNCATED_DOUBLED))
+
+
+@pytest.mark.slow
+def test_truncated_poisson_add_design_audit_is_sound_and_nearly_tight():
+    """The same settings unbroken: the canary's inclusion law (the r = 1 branch the price is
+    dominated by) is audited sound and >= 50 % tight, so the catch above is the doubled rate."""
+    _check_tight(run_audit("truncated-poisson", runs=RUNS, seed=10, **TRUNCATED_DOUBLED))
+
+
+def test_truncated_poisson_rate_doubled_settings_change_the_inclusion_law():
+    """Fast, exact: at the mutation's settings the doubled sampler keeps the canary far more
+    often than priced, at the default settings it does not (the truncation caps it)."""
+    from opacus_structured.audit.pipelines import audited_scheme
+
+    reg = audit_registry()["truncated-poisson"]
+    for flags, at_least in ((reg["defaults"], 1.0), ({**reg["defaults"], **TRUNCATED_DOUBLED},
+                                                    1.8)):
+        priced = audited_scheme("truncated-poisson", flags)
+        doubled = priced.__class__(dataset_size=priced.dataset_size,
+                                   sample_rate=min(1.0, 2 * priced.sample_rate),
+                                   max_batch_size=priced.max_batch_size)
+        ratio = doubled.inclusion_probability / priced.inclusion_probability
+        assert ratio >= at_least and (at_least > 1 or ratio < 1.05), (flags, ratio)
 
 
 def _same_release_paths():

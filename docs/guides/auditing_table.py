@@ -23,10 +23,16 @@ def rows(runs: int, seed: int, path: str, schemes=None, mutations: bool = True):
     for scheme, info in audit_registry().items():
         if (schemes and scheme not in schemes) or path not in info["paths"]:
             continue
-        for mutation in [None, *info["mutations"]] if mutations else [None]:
+        audits = [(m, {}) for m in ([None, *info["mutations"]] if mutations else [None])]
+        if mutations:  # a mutation the defaults cannot show: unbroken and broken at its flags
+            for m, flags in info.get("mutation_flags", {}).items():
+                i = max(i for i, (mm, _) in enumerate(audits) if mm in (None, m))
+                audits[i + 1:i + 1] = [(None, flags), (m, flags)]
+        for mutation, flags in audits:
             start = time.perf_counter()
             try:
-                scores = run_audit(scheme, runs=runs, seed=seed, path=path, mutation=mutation)
+                scores = run_audit(scheme, runs=runs, seed=seed, path=path, mutation=mutation,
+                                   **flags)
             except ValueError:  # a mutation this scheme cannot have (e.g. a fixed-rate sampler)
                 continue
             cp, gdp = (epsilon_lower_bound(scores.scores_with, scores.scores_without,

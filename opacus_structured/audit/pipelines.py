@@ -325,7 +325,7 @@ def runs_dataset(plan: _Plan, present: np.ndarray, rng: np.random.Generator) -> 
     rows = torch.arange(R) * n
     mine = 2 * torch.arange(R)  # each run's canary coordinate
     canary_rows = set(spec.canary_rows(plan))
-    others = spec.others
+    others = spec.others_value(plan)
     for j in range(n):
         if j in canary_rows:  # the canary; "without": zero (zero-out/removal) or `others`
             absent = 0.0 if others is None or not spec.substitution else float(others)
@@ -461,6 +461,13 @@ class _SchemeAudit:
     substitution = False
     #: Paths this scheme's pipeline supports.
     paths = tuple(p for p in AUDIT_PATHS if p != "lightning")
+    #: Mutation -> flags (over the defaults) at which that mutation is audited, where the
+    #: defaults cannot show it.
+    mutation_flags: dict = {}
+
+    def others_value(self, plan: _Plan) -> Optional[float]:
+        """:attr:`others` of this audit (a design flag may change it)."""
+        return self.others
 
     def row(self, plan: _Plan, item) -> int:
         """The dataset row (within its run) of an item the sampler draws."""
@@ -557,24 +564,53 @@ class _PoissonAudit(_SchemeAudit):
 
 
 class _TruncatedPoissonAudit(_SchemeAudit):
-    r"""Truncated Poisson, add/remove (Theorem 3.1 of Ganesh 2025). The worst case of its
-    :math:`r = 2` branch is an included canary **displacing** another example whose gradient
-    points the other way: the other examples here have gradient :math:`-C e_k` in the canary's
-    coordinate, and the rate is high enough that at least ``B`` others are drawn almost always,
-    so every batch sums to :math:`-B` without the canary and to :math:`-B + 2` when the canary
-    is kept (probability ``q``, the scheme's conditional sampling probability): the pair
-    :math:`(1-q)N(0) + qN(2)` vs :math:`N(0)` the accountant prices. "Without" runs draw from
-    the ``n - 1`` other examples (removal)."""
+    r"""Truncated Poisson, add/remove (Theorem 3.1 of Ganesh 2025), two canary designs
+    (flag ``design``).
+
+    ``"displace"`` (default): the worst case of its :math:`r = 2` branch is an included canary
+    **displacing** another example whose gradient points the other way: the other examples here
+    have gradient :math:`-C e_k` in the canary's coordinate, and the rate is high enough that at
+    least ``B`` others are drawn almost always, so every batch sums to :math:`-B` without the
+    canary and to :math:`-B + 2` when the canary is kept (probability ``q``, the scheme's
+    conditional sampling probability): the pair :math:`(1-q)N(0) + qN(2)` vs :math:`N(0)` the
+    accountant prices.
+
+    ``"add"``: the other examples use a coordinate of their own, so the canary's coordinate
+    releases :math:`1[\text{canary kept}]` (probability :math:`\pi` =
+    ``scheme.inclusion_probability``, independently at every step): where truncation is rare
+    (``B`` near ``n``) this is the :math:`r = 1` branch :math:`(1-p)N(0) + pN(1)` vs
+    :math:`N(0)` that dominates the price. This is the design that sees a **doubled rate**: in
+    the displacement regime (:math:`pn \gg B`) a kept canary has probability
+    :math:`q \approx B/n` whatever the rate, so doubling ``p`` changes the release by almost
+    nothing (the truncation caps it); with ``B`` near ``n`` it nearly doubles :math:`\pi`.
+
+    "Without" runs draw from the ``n - 1`` other examples (removal)."""
 
     name = "truncated-poisson"
-    summary = ("Poisson sampling truncated to B examples (add/remove; the canary displaces an "
-               "opposite example)")
+    summary = ("Poisson sampling truncated to B examples (add/remove; design=displace: the "
+               "canary displaces an opposite example; design=add: it is only added)")
     defaults = dict(sample_rate=0.9, max_batch_size=3, noise_multiplier=1.4, steps=2,
-                    delta=0.05, examples=6)
+                    delta=0.05, examples=6, design="displace")
+    #: Settings where a doubled rate changes the release (``design="add"``, truncation rare
+    #: unbroken, 44 % of the doubled sampler's batches truncated): the rate-doubled mutation's.
+    RATE_DOUBLED = dict(design="add", sample_rate=0.4, max_batch_size=8, examples=10,
+                        noise_multiplier=0.8, steps=3)
+    DESIGNS = ("displace", "add")
+    mutation_flags = {"rate-doubled": RATE_DOUBLED}
     others = -1.0
     removal = True
 
+    def others_value(self, plan):
+        return self.others if self._design(plan.flags) == "displace" else None
+
+    def _design(self, f) -> str:
+        design = f.get("design", "displace")
+        if design not in self.DESIGNS:
+            raise ValueError(f"design must be one of {list(self.DESIGNS)}, got {design!r}")
+        return design
+
     def scheme(self, f):
+        self._design(f)
         return TruncatedPoissonScheme(dataset_size=f["examples"], sample_rate=f["sample_rate"],
                                       max_batch_size=f["max_batch_size"])
 
@@ -590,12 +626,17 @@ class _TruncatedPoissonAudit(_SchemeAudit):
         return scheme.sampler(scheme.dataset_size, generator=generator, pad=False)
 
     def patterns(self, plan, sampler):
+        if self._design(plan.flags) == "add":
+            return (), *bernoulli_patterns(plan.steps, range(plan.steps),
+                                           plan.scheme.inclusion_probability)
         B = plan.scheme.max_batch_size
         rows, lps = bernoulli_patterns(plan.steps, range(plan.steps),
                                        plan.scheme.conditional_sampling_probability)
         return (), 2.0 * rows - B, lps
 
     def patterns_without(self, plan):
+        if self._design(plan.flags) == "add":
+            return None
         return np.full((1, plan.steps), -float(plan.scheme.max_batch_size)), np.zeros(1)
 
 
@@ -849,14 +890,17 @@ _SPECS: dict[str, _SchemeAudit] = {s.name: s for s in (
 
 
 def audit_registry() -> dict[str, dict]:
-    """Scheme name -> ``{"summary", "paths", "mutations", "defaults"}`` of every auditable
-    scheme (what ``opacus-structured audit <scheme>`` accepts)."""
+    """Scheme name -> ``{"summary", "paths", "mutations", "defaults", "mutation_flags"}`` of
+    every auditable scheme (what ``opacus-structured audit <scheme>`` accepts;
+    ``mutation_flags[m]``: the flags, over the defaults, at which mutation ``m`` changes the
+    release, where the defaults cannot show it)."""
     out = {}
     for name, spec in _SPECS.items():
         mutations = [m for m in MUTATIONS
                      if m != "wrong-band" or type(spec).wrong_band is not _SchemeAudit.wrong_band]
         out[name] = {"summary": spec.summary, "paths": list(spec.paths),
-                     "mutations": mutations, "defaults": dict(spec.defaults)}
+                     "mutations": mutations, "defaults": dict(spec.defaults),
+                     "mutation_flags": {m: dict(v) for m, v in spec.mutation_flags.items()}}
     return out
 
 

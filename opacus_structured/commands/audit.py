@@ -45,6 +45,8 @@ _FLAG_HELP = {
     "forecast_length": "forecast window length, >= 1",
     "budget": "per-example GDP budget B of the individual filter, > 0",
     "mc_samples": "Monte Carlo samples of the accountant's ε estimate, >= 1000",
+    "design": "canary design: displace (the canary displaces an opposite example: the "
+              "truncation branch) or add (it is only added: where truncation is rare)",
 }
 _PREFIX = "scheme_flag_"
 

@@ -28,6 +28,10 @@ EXTRA = [
     ("bandmf-cyclic-poisson", "hooks", "wrong-band", {}),
     ("bandmf-cyclic-poisson", "hooks", "noise-halved", {}),
     ("bminsep-mc", "hooks", "wrong-band", {}),
+    ("truncated-poisson", "hooks", None,
+     audit_registry()["truncated-poisson"]["mutation_flags"]["rate-doubled"]),
+    ("truncated-poisson", "hooks", "rate-doubled",
+     audit_registry()["truncated-poisson"]["mutation_flags"]["rate-doubled"]),
 ]
 
 

@@ -83,6 +83,20 @@ def test_clipping_paths_release_the_same_noisy_sums():
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_gdp_filter_releases_the_same_on_every_single_process_clipping_path():
+    """The individual GDP filter zeroes inactive grad_sample rows (hooks), masks the ghost
+    coefficients inside Opacus' backward (ghost) or the book-keeping coefficients (book-keeping):
+    the same examples are dropped at the same steps, the same sums released, the same ε."""
+    by_path = {p: run_audit("gdp-filter", runs=8, seed=2, path=p)
+               for p in ("hooks", "ghost", "bookkeeping")}
+    for p in ("ghost", "bookkeeping"):
+        np.testing.assert_allclose(by_path[p].scores_with, by_path["hooks"].scores_with,
+                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(by_path[p].scores_without, by_path["hooks"].scores_without,
+                                   rtol=1e-5, atol=1e-5)
+        assert by_path[p].reported_epsilon == by_path["hooks"].reported_epsilon
+
+
 def test_likelihood_ratio_of_poisson_is_the_closed_form():
     rng = np.random.default_rng(0)
     y, q, sigma = rng.normal(size=(5, 3)), 0.3, 0.8
@@ -132,7 +146,9 @@ def test_bad_input_raises_one_line_naming_the_argument(kwargs, match):
 #: book-keeping release exactly the hooks path's sums for every scheme (tested below), so their
 #: audits are the hooks audits.
 TIGHT = [(s, "hooks") for s in AUDIT_SCHEMES if s != "poisson"] + [
-    ("poisson", "resume"), ("poisson", "ddp"), ("poisson", "lightning")]
+    ("poisson", "resume"), ("poisson", "ddp"), ("poisson", "lightning"),
+    ("poisson", "ddp-ghost"), ("bandmf-cyclic-poisson", "ddp-bookkeeping"),
+    ("gdp-filter", "bookkeeping"), ("gdp-filter", "ddp-bookkeeping")]
 
 
 @pytest.mark.slow
@@ -228,6 +244,27 @@ def test_ddp_with_two_gloo_ranks_releases_what_one_process_releases():
     released sums, hence the scores, are the single-process run's."""
     one = run_audit("bandmf-cyclic-poisson", runs=16, seed=6, path="hooks")
     two = run_audit("bandmf-cyclic-poisson", runs=16, seed=6, path="ddp")
+    np.testing.assert_allclose(two.scores_with, one.scores_with, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(two.scores_without, one.scores_without, rtol=1e-5, atol=1e-5)
+    assert two.reported_epsilon == one.reported_epsilon
+
+
+#: DDP with 2 gloo ranks under every clipping mode: independent noise (poisson), correlated
+#: noise (BandMF) and the individual GDP filter (its decisions all-gathered across ranks).
+DDP_SAME = [("poisson", "ddp-ghost"), ("poisson", "ddp-bookkeeping"),
+            ("bandmf-cyclic-poisson", "ddp-ghost"), ("bandmf-cyclic-poisson", "ddp-bookkeeping"),
+            ("gdp-filter", "ddp"), ("gdp-filter", "ddp-ghost"), ("gdp-filter", "ddp-bookkeeping")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme, path", DDP_SAME)
+def test_ddp_clipping_paths_release_what_one_process_releases(scheme, path):
+    """Opacus' DPDDP under ghost clipping (Opacus' distributed fast-gradient-clipping optimizer
+    and loss wrapper) or book-keeping (our hooks over DPDDP + the same optimizer), noise added
+    once (rank 0), all-reduced; the GDP filter decides on the all-gathered global batch: the
+    released sums, the scores and the reported ε are the single-process hooks run's."""
+    one = run_audit(scheme, runs=8, seed=6, path="hooks")
+    two = run_audit(scheme, runs=8, seed=6, path=path)
     np.testing.assert_allclose(two.scores_with, one.scores_with, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(two.scores_without, one.scores_without, rtol=1e-5, atol=1e-5)
     assert two.reported_epsilon == one.reported_epsilon

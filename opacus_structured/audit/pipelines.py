@@ -56,8 +56,11 @@ overlap through ``C``).
 (:class:`~opacus_structured.optim.bookkeeping.BookKeepingHooks` + ``BookKeepingDPOptimizer``),
 ``"resume"`` (hooks, checkpointed after half the steps: samplers, optimizer — its correlated
 noise state included — and accountant are rebuilt from scratch with *other* seeds and
-restored with ``load_state_dict``); correlated-noise schemes use our correlated-noise variant of
-each optimizer.
+restored with ``load_state_dict``), ``"ddp"`` / ``"ddp-ghost"`` / ``"ddp-bookkeeping"`` (hooks,
+ghost clipping, book-keeping with :data:`DDP_WORLD_SIZE` gloo processes around Opacus'
+``DifferentiallyPrivateDistributedDataParallel`` and its distributed optimizers: noise added
+once, on rank 0, then all-reduced), ``"lightning"`` (``DPCallback``, Poisson only);
+correlated-noise schemes use our correlated-noise variant of each optimizer.
 """
 
 from __future__ import annotations
@@ -80,9 +83,12 @@ from ..accounting.monte_carlo import MonteCarloSettings
 from ..accounting.strategies import strategy_coefficients, toeplitz_matrix
 from ..optim.bookkeeping import BookKeepingHooks, bookkeeping_optimizer_class
 from ..optim.correlated_noise import correlated_optimizer_class
-from ..optim.distributed import DistributedCorrelatedNoiseDPOptimizer
+from ..optim.distributed import (
+    DistributedCorrelatedNoiseDPOptimizer,
+    DistributedCorrelatedNoiseDPOptimizerFastGradientClipping,
+)
 from ..optim.ghost_clipping import CorrelatedNoiseDPOptimizerFastGradientClipping
-from ..samplers.distributed import DistributedBatchSampler
+from ..samplers.distributed import DistributedBatchSampler, shard
 from ..schemes.balls_in_bins import BallsInBinsScheme
 from ..schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme
 from ..schemes.bminsep_mc import BMinSepMonteCarloScheme
@@ -97,8 +103,10 @@ __all__ = ["run_audit", "AUDIT_SCHEMES", "AUDIT_PATHS", "MUTATIONS", "audit_regi
            "audited_scheme",
            "ParallelRunsBatchSampler", "likelihood_ratio_scores", "toeplitz_matrix"]
 
-#: Clipping / execution paths every scheme can be audited on.
-AUDIT_PATHS = ("hooks", "ghost", "bookkeeping", "resume", "ddp", "lightning")
+#: Clipping / execution paths every scheme can be audited on (``ddp``: hooks under DDP;
+#: ``ddp-ghost`` / ``ddp-bookkeeping``: ghost clipping / book-keeping under DDP).
+AUDIT_PATHS = ("hooks", "ghost", "bookkeeping", "resume", "ddp", "ddp-ghost",
+               "ddp-bookkeeping", "lightning")
 #: Processes of the ``ddp`` path (gloo, CPU).
 DDP_WORLD_SIZE = 2
 #: Deliberate breakages of the pipeline (each must be caught: audited ε > reported ε).
@@ -240,6 +248,18 @@ class ParallelRunsBatchSampler(Sampler[list[int]]):
         self._iters = [None] * len(self.samplers)
 
 
+def _distributed(path: str) -> bool:
+    """Whether ``path`` trains with :data:`DDP_WORLD_SIZE` gloo processes."""
+    return path == "ddp" or path.startswith("ddp-")
+
+
+def _clipping(path: str) -> str:
+    """How ``path`` clips: ``"hooks"``, ``"ghost"`` or ``"bookkeeping"``."""
+    if path.startswith("ddp-"):
+        return path[len("ddp-"):]
+    return "hooks" if path in ("ddp", "resume", "lightning") else path
+
+
 @dataclasses.dataclass
 class _Plan:
     """One audit: the priced scheme and what the (possibly mutated) pipeline really does."""
@@ -273,34 +293,39 @@ def _optimizer_pieces(plan: _Plan, model: nn.Module, generator: torch.Generator)
     if correlated:
         kw["noise_correlation"] = list(plan.coefficients)
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)
-    if plan.path == "ddp":  # Opacus' order: DPDDP inside, GradSampleModule outside
+    clipping, distributed = _clipping(plan.path), _distributed(plan.path)
+    if distributed:  # Opacus' order: DPDDP inside, the per-sample machinery outside
         from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
         from opacus.optimizers import DistributedDPOptimizer
+        from opacus.optimizers.ddpoptimizer_fast_gradient_clipping import (
+            DistributedDPOptimizerFastGradientClipping,
+        )
 
-        module = GradSampleModule(DPDDP(model), batch_first=True, loss_reduction="sum")
-        cls = DistributedCorrelatedNoiseDPOptimizer if correlated else DistributedDPOptimizer
-        return module, cls(sgd, **kw), LinearLoss("sum")
-    if plan.path in ("hooks", "resume"):
-        module = GradSampleModule(model, batch_first=True, loss_reduction="sum")
-        cls = correlated_optimizer_class(DPOptimizer) if correlated else DPOptimizer
-        return module, cls(sgd, **kw), LinearLoss("sum")
-    if plan.path == "ghost":
+        inner = DPDDP(model)
+        hooks_cls = DistributedCorrelatedNoiseDPOptimizer if correlated else DistributedDPOptimizer
+        fast_cls = (DistributedCorrelatedNoiseDPOptimizerFastGradientClipping if correlated
+                    else DistributedDPOptimizerFastGradientClipping)
+    else:
+        inner = model
+        hooks_cls = correlated_optimizer_class(DPOptimizer) if correlated else DPOptimizer
+        fast_cls = (CorrelatedNoiseDPOptimizerFastGradientClipping if correlated
+                    else DPOptimizerFastGradientClipping)
+    if clipping == "hooks":
+        module = GradSampleModule(inner, batch_first=True, loss_reduction="sum")
+        return module, hooks_cls(sgd, **kw), LinearLoss("sum")
+    if clipping == "ghost":
         module = GradSampleModuleFastGradientClipping(
-            model, batch_first=True, loss_reduction="sum", max_grad_norm=plan.clip,
+            inner, batch_first=True, loss_reduction="sum", max_grad_norm=plan.clip,
             use_ghost_clipping=True)
-        cls = (CorrelatedNoiseDPOptimizerFastGradientClipping if correlated
-               else DPOptimizerFastGradientClipping)
-        optimizer = cls(sgd, **kw)
+        optimizer = fast_cls(sgd, **kw)
         criterion = DPLossFastGradientClipping(module, optimizer, LinearLoss("sum"),
                                                loss_reduction="sum")
         return module, optimizer, criterion
-    if plan.path == "bookkeeping":
-        hooks = BookKeepingHooks(model, max_grad_norm=plan.clip, loss_reduction="sum")
-        base = (CorrelatedNoiseDPOptimizerFastGradientClipping if correlated
-                else DPOptimizerFastGradientClipping)
-        optimizer = bookkeeping_optimizer_class(base)(sgd, **kw)
+    if clipping == "bookkeeping":
+        hooks = BookKeepingHooks(inner, max_grad_norm=plan.clip, loss_reduction="sum")
+        optimizer = bookkeeping_optimizer_class(fast_cls)(sgd, **kw)
         optimizer.attach_bookkeeper(hooks)
-        return model, optimizer, LinearLoss("sum")
+        return inner, optimizer, LinearLoss("sum")
     raise ValueError(f"path must be one of {AUDIT_PATHS}, got {plan.path!r}")
 
 
@@ -375,12 +400,21 @@ class _Chunk:
                                                       row=functools.partial(
                                                           self.plan.spec.row, self.plan))
         sampler = self.batch_sampler
-        if self.plan.path == "ddp":  # every rank draws the global batch, keeps its shard
+        if _distributed(self.plan.path):  # every rank draws the global batch, keeps its shard
             sampler = DistributedBatchSampler(self.batch_sampler, sync_state=False)
         self.loader = _loader(self.dataset, sampler, self.width)
         self.module, self.optimizer, self.criterion = _optimizer_pieces(
             self.plan, self.model, noise_generator)
         self.plan.spec.attach(self)
+
+    def local_batch(self) -> list[int]:
+        """This process' rows of the step's batch, in the order of its per-sample gradients
+        (the global batch; under DDP this rank's shard of it)."""
+        batch = self.batch_sampler.last_batch
+        if _distributed(self.plan.path):
+            return shard(batch, self.loader.batch_sampler.num_replicas,
+                         self.loader.batch_sampler.rank)
+        return batch
 
     def train(self, until: int) -> None:
         spec = self.plan.spec
@@ -836,7 +870,7 @@ class _GDPFilterAudit(_SchemeAudit):
     summary = "full-batch DP-GD with the individual GDP filter (per-example budget B)"
     defaults = dict(budget=1.5, noise_multiplier=math.sqrt(2) / 1.5, steps=4, delta=0.05,
                     examples=4)
-    paths = ("hooks", "ghost")
+    paths = ("hooks", "ghost", "bookkeeping", "ddp", "ddp-ghost", "ddp-bookkeeping")
 
     def scheme(self, f):
         check_positive("budget", f["budget"])
@@ -859,22 +893,27 @@ class _GDPFilterAudit(_SchemeAudit):
         return float(chunk.accountant.epsilon(chunk.plan.delta))
 
     def attach(self, chunk):
-        if chunk.plan.path == "ghost":
+        if _clipping(chunk.plan.path) == "ghost":
             chunk.accountant.attach_ghost(chunk.module, chunk.optimizer)
 
     def before_backward(self, chunk):
-        if chunk.plan.path == "ghost":
-            chunk.accountant.set_batch_indices(chunk.batch_sampler.last_batch)
+        if _clipping(chunk.plan.path) == "ghost":
+            chunk.accountant.set_batch_indices(chunk.local_batch())
 
     def before_step(self, chunk):
-        if chunk.plan.path != "ghost":
-            from lightning_callbacks.gdp_filter import step_norms  # optional: lightning
+        if _clipping(chunk.plan.path) == "ghost":
+            return  # the filter decided inside the ghost backward
+        from lightning_callbacks.gdp_filter import step_norms  # optional: lightning
 
-            norms, _ = step_norms(chunk.optimizer)
-            chunk.accountant.mask_and_record(
-                [p for p in chunk.module.parameters() if p.requires_grad],
-                torch.as_tensor(chunk.batch_sampler.last_batch), norms,
-                chunk.optimizer.noise_multiplier, chunk.optimizer.max_grad_norm)
+        # hooks: zero the inactive rows of grad_sample; book-keeping: mask the coefficients
+        norms, bookkeeper = step_norms(chunk.optimizer)
+        params = [] if bookkeeper is not None else [
+            p for p in chunk.module.parameters() if p.requires_grad]
+        active = chunk.accountant.mask_and_record(
+            params, torch.as_tensor(chunk.local_batch(), dtype=torch.int64), norms,
+            chunk.optimizer.noise_multiplier, chunk.optimizer.max_grad_norm)
+        if bookkeeper is not None:
+            bookkeeper.set_mask(active.to(norms.dtype))
 
     def patterns(self, plan, sampler):
         mu2 = (1.0 / plan.noise_multiplier) ** 2
@@ -1021,7 +1060,7 @@ def run_audit(scheme: str, *, runs: int, seed: Optional[int] = None, path: str =
     runs = check_int("runs", runs, minimum=2)
     plan = _plan(scheme, path, mutation, canary, scheme_flags)
     plan.seed = seed
-    if path == "ddp":
+    if _distributed(path):
         return _run_ddp(plan, runs, seed)
     if path == "lightning":
         return _run_lightning(plan, runs, seed)

@@ -44,7 +44,7 @@ def _sqrt_coefficients(L: int) -> np.ndarray:
 ])
 @pytest.mark.parametrize("sigma", [1.0, 0.25])
 def test_streamed_sampler_equals_log_space_program(b, n, L, warm, block, sigma):
-    """The streamed sampler's losses are the log-space dynamic program's on the same outputs
+    """The numpy stream's losses are the log-space dynamic program's on the same outputs
     (float64, to 1e-9): linear recursion, renormalisation and the log-space fallback blocks
     (σ = 0.25 makes ℓ large) included."""
     st = BandedStrategy.toeplitz(_sqrt_coefficients(L), n)
@@ -52,7 +52,8 @@ def test_streamed_sampler_equals_log_space_program(b, n, L, warm, block, sigma):
     mech = BandMFMonteCarlo(st, sigma, "bminsep", p, b, warm_start=warm)
     for direction in DIRECTIONS:
         loss, y = streamed_bminsep_losses(mech, 300, direction, np.random.default_rng(3),
-                                          block=block, return_outputs=True)
+                                          block=block, return_outputs=True,
+                                          accelerator="numpy")
         ref = bminsep_log_ratio(y, st, p, b, sigma, warm_start=warm)
         ref = ref if direction == "remove" else -ref
         np.testing.assert_allclose(loss, ref, rtol=1e-9, atol=1e-9)
@@ -98,25 +99,28 @@ def test_streamed_sampler_general_columns_and_p_one():
     for p in (0.2, 1.0):
         mech = BandMFMonteCarlo(st, 0.7, "bminsep", p, 3, warm_start=p < 1)
         loss, y = streamed_bminsep_losses(mech, 200, "remove", np.random.default_rng(1),
-                                          block=16, return_outputs=True)
+                                          block=16, return_outputs=True, accelerator="numpy")
         ref = bminsep_log_ratio(y, st, p, 3, 0.7, warm_start=p < 1)
         np.testing.assert_allclose(loss, ref, rtol=1e-9, atol=1e-9)
 
 
-def test_streamed_sampler_participation_law():
+@pytest.mark.parametrize("accelerator", ["numpy", "fused"])
+def test_streamed_sampler_participation_law(accelerator):
     """The drawn outputs have mean C·E[x]/σ… in law: the mean of y is C times the stationary
     participation rate p0 per iteration (warm start), within Monte Carlo error."""
     n, b, p = 60, 4, 0.1
     st = BandedStrategy.toeplitz([1.0, 0.5, 0.25, 0.125], n)
     mech = BandMFMonteCarlo(st, 1.0, "bminsep", p, b, warm_start=True)
+    if accelerator == "fused":
+        pytest.importorskip("numba")
     _, y = streamed_bminsep_losses(mech, 40000, "remove", np.random.default_rng(2),
-                                   return_outputs=True)
+                                   return_outputs=True, accelerator=accelerator)
     p0 = p / (1 + (b - 1) * p)
     expected = st.apply(np.full((n, 1), p0))[:, 0]
     se = y.std(axis=1) / np.sqrt(y.shape[1])
     assert np.all(np.abs(y.mean(axis=1) - expected) < 5 * se)
     _, y0 = streamed_bminsep_losses(mech, 20000, "add", np.random.default_rng(2),
-                                    return_outputs=True)
+                                    return_outputs=True, accelerator=accelerator)
     assert abs(y0.mean()) < 5 / np.sqrt(y0.size) and abs(y0.std() - 1.0) < 0.01
 
 

@@ -55,6 +55,7 @@ import numpy as np
 from scipy import signal, special
 
 from .._validation import check_int, check_positive, check_probability
+from .bminsep_fused import fused_available, fused_bminsep_losses
 
 __all__ = [
     "SAMPLINGS",
@@ -73,6 +74,9 @@ __all__ = [
     "sample_other_counts",
     "sample_privacy_losses",
     "streamed_bminsep_losses",
+    "sampler_stream",
+    "ACCELERATORS",
+    "STREAMS",
     "SAMPLER_VERSION",
 ]
 
@@ -640,17 +644,17 @@ class BandMFMonteCarlo:
         return balls_in_bins_log_ratio(y, self.strategy, b, s)
 
     def sample_losses(self, num_samples: int, direction: str,
-                      rng: np.random.Generator) -> np.ndarray:
+                      rng: np.random.Generator, *, accelerator: str = "auto") -> np.ndarray:
         """``num_samples`` privacy-loss samples (numpy): ``ln(P/Q)(y), y ~ P`` for
         ``"remove"``, ``ln(Q/P)(y), y ~ Q`` for ``"add"``. Plain b-min-sep runs
-        :func:`streamed_bminsep_losses`."""
+        :func:`streamed_bminsep_losses` (with ``accelerator``; the other variants ignore it)."""
         S = check_int("num_samples", num_samples, minimum=1)
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         n, sigma = self.iterations, self.noise_multiplier
         if (self.sampling == "bminsep" and self.truncated_batch_size is None
                 and self.max_user_examples == 1):
-            return streamed_bminsep_losses(self, S, direction, rng)
+            return streamed_bminsep_losses(self, S, direction, rng, accelerator=accelerator)
         if self.truncated_batch_size is None:
             z = rng.standard_normal((n, S)) * sigma
             if direction == "remove":
@@ -819,6 +823,28 @@ class _WindowDots:
             out += tmp
 
 
+ACCELERATORS = ("auto", "fused", "numpy", "numba")
+#: Random streams of the plain b-min-sep sampler (what a shard directory records).
+STREAMS = ("numpy", "fused")
+
+
+def _resolve_accelerator(accelerator: str) -> str:
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"accelerator must be one of {ACCELERATORS}, got {accelerator!r}")
+    if accelerator == "auto":
+        return "fused" if fused_available() else "numpy"
+    return accelerator
+
+
+def sampler_stream(mechanism: "BandMFMonteCarlo", accelerator: str = "auto") -> str:
+    """The random stream ``mechanism.sample_losses(..., accelerator=accelerator)`` draws:
+    ``"fused"`` (plain b-min-sep on the fused kernel) or ``"numpy"`` (everything else). Two
+    streams give different samples for one seed, so a sharded run records it."""
+    plain = (mechanism.sampling == "bminsep" and mechanism.truncated_batch_size is None
+             and mechanism.max_user_examples == 1)
+    return "fused" if plain and _resolve_accelerator(accelerator) == "fused" else "numpy"
+
+
 def streamed_bminsep_losses(mechanism: "BandMFMonteCarlo", num_samples: int, direction: str,
                             rng: np.random.Generator, *, block: int = STREAM_BLOCK,
                             return_outputs: bool = False, accelerator: str = "auto"):
@@ -839,10 +865,17 @@ def streamed_bminsep_losses(mechanism: "BandMFMonteCarlo", num_samples: int, dir
     ``600`` nats runs the log-space recursion instead (same values up to rounding).
 
     ``return_outputs=True`` also returns the drawn outputs ``y`` (shape ``(n, S)``; for tests).
-    ``accelerator``: ``"auto"`` (numba kernels for the scatter, the elementwise window products
-    and the recursion when numba is installed), ``"numpy"`` or ``"numba"``; the samples are the
-    same bit for bit (numba only fuses loops; the Gaussians, matrix products, ``exp`` and ``log``
-    stay numpy's).
+    ``accelerator``:
+
+    * ``"fused"``: the whole program in one numba kernel per tile of samples, with its own
+      Gaussian generator (:mod:`~opacus_structured.accounting.bminsep_fused`; the fastest,
+      needs numba). Its random stream is ``"fused"``: other samples than the numpy path for the
+      same seed, from the same law.
+    * ``"numpy"``: the numpy program (stream ``"numpy"``); ``"numba"``: the same stream bit for
+      bit, with numba kernels for the scatter, the elementwise window products and the
+      recursion (the Gaussians, matrix products, ``exp`` and ``log`` stay numpy's).
+    * ``"auto"`` (default): ``"fused"`` when numba is installed, else ``"numpy"``
+      (:func:`sampler_stream` names the stream a call will draw).
     """
     S = check_int("num_samples", num_samples, minimum=1)
     if direction not in DIRECTIONS:
@@ -854,8 +887,13 @@ def streamed_bminsep_losses(mechanism: "BandMFMonteCarlo", num_samples: int, dir
     st, sigma, p, b = m_.strategy, m_.noise_multiplier, m_.sampling_prob, m_.min_sep
     n, L = st.n, st.bands
     T = check_int("block", block, minimum=1)
-    if accelerator not in ("auto", "numpy", "numba"):
-        raise ValueError(f"accelerator must be 'auto', 'numpy' or 'numba', got {accelerator!r}")
+    accelerator = _resolve_accelerator(accelerator)
+    if accelerator == "fused":
+        participation = (_participation_positions(n, p, b, S, m_.warm_start, rng)
+                         if direction == "remove" else None)
+        return fused_bminsep_losses(st, sigma, p, b, m_.warm_start, direction, S,
+                                    participation, rng, return_outputs=return_outputs,
+                                    block=T)
     kernels = None if accelerator == "numpy" else _numba_kernels()
     if accelerator == "numba" and kernels is None:
         raise ValueError("accelerator='numba' needs numba (pip install numba)")
@@ -945,9 +983,11 @@ def streamed_bminsep_losses(mechanism: "BandMFMonteCarlo", num_samples: int, dir
 
 def sample_privacy_losses(mechanism: BandMFMonteCarlo, num_samples: int, direction: str, *,
                           seed=None, rng: Optional[np.random.Generator] = None,
-                          chunk_size: int = DEFAULT_CHUNK_SIZE) -> np.ndarray:
+                          chunk_size: int = DEFAULT_CHUNK_SIZE,
+                          accelerator: str = "auto") -> np.ndarray:
     """Privacy-loss samples of ``mechanism`` in ``direction`` (numpy), in chunks of
     ``chunk_size`` (bounded memory), from ``rng`` or else ``np.random.default_rng(seed)``.
+    ``accelerator``: as in :func:`streamed_bminsep_losses` (plain b-min-sep only).
 
     One process and one backend; :func:`opacus_structured.runners.monte_carlo.sample_losses`
     also runs the torch backend, and :func:`~opacus_structured.runners.monte_carlo.
@@ -961,5 +1001,5 @@ def sample_privacy_losses(mechanism: BandMFMonteCarlo, num_samples: int, directi
     out = np.empty(S)
     for start in range(0, S, chunk_size):
         k = min(chunk_size, S - start)
-        out[start:start + k] = mechanism.sample_losses(k, direction, rng)
+        out[start:start + k] = mechanism.sample_losses(k, direction, rng, accelerator=accelerator)
     return out

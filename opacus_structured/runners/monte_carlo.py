@@ -51,6 +51,7 @@ from ..accounting.bminsep_mc import (
     SAMPLER_VERSION,
     BandMFMonteCarlo,
     sample_privacy_losses,
+    sampler_stream,
 )
 from ..accounting.certification import (
     CertifiedCalibration,
@@ -138,18 +139,20 @@ def collect_with_settings(mechanism: BandMFMonteCarlo, settings: MonteCarloSetti
 # ---------------------------------------------------------------------------------------------
 def sample_losses(mechanism: BandMFMonteCarlo, num_samples: int, direction: str, *, seed=None,
                   device: Optional[str] = None,
-                  chunk_size: int = DEFAULT_CHUNK_SIZE) -> np.ndarray:
+                  chunk_size: int = DEFAULT_CHUNK_SIZE,
+                  accelerator: str = "auto") -> np.ndarray:
     """Privacy-loss samples of ``mechanism`` in ``direction`` on one backend.
 
     ``device=None`` uses numpy (:func:`~opacus_structured.accounting.bminsep_mc.
     sample_privacy_losses`); ``"cpu"`` / ``"cuda"`` / ``"cuda:k"`` uses the torch backend
     (:func:`.bminsep_mc_torch.sample_losses_torch`, every variant, float64). The backends draw
     different random streams, so the same seed gives different (identically distributed)
-    samples.
+    samples; so do the numpy backend's two streams (``accelerator``, plain b-min-sep only: see
+    :func:`~opacus_structured.accounting.bminsep_mc.streamed_bminsep_losses`).
     """
     if device is None:
         return sample_privacy_losses(mechanism, num_samples, direction, seed=seed,
-                                     chunk_size=chunk_size)
+                                     chunk_size=chunk_size, accelerator=accelerator)
     return sample_losses_torch(mechanism, num_samples, direction, seed=seed, device=device,
                                chunk_size=chunk_size)
 
@@ -162,20 +165,29 @@ def _shard_seed(seed: int, direction: str, shard: int) -> np.random.SeedSequence
 
 
 def _run_shard(mech_dict: dict, direction: str, seed: int, shard: int, size: int,
-               device: Optional[str]) -> np.ndarray:
-    """One shard's samples: what a process-pool or cluster worker runs."""
+               device: Optional[str], stream: str = "numpy") -> np.ndarray:
+    """One shard's samples: what a process-pool or cluster worker runs. ``stream`` is the
+    driver's, so a worker without numba fails loudly instead of drawing another stream."""
     mech = BandMFMonteCarlo.from_dict(mech_dict)
     return sample_losses(mech, size, direction, seed=_shard_seed(seed, direction, shard),
-                         device=device)
-def _fingerprint(mech_dict: dict, seed: int, shard_size: int, device: Optional[str]) -> str:
-    blob = json.dumps({"mechanism": mech_dict, "seed": int(seed), "shard_size": shard_size,
-                       "backend": "numpy" if device is None else "torch",
-                       "sampler_version": SAMPLER_VERSION}, sort_keys=True)
+                         device=device, accelerator=stream)
+
+
+def _stream(mechanism: BandMFMonteCarlo, device: Optional[str]) -> str:
+    return "torch" if device is not None else sampler_stream(mechanism)
+def _fingerprint(mech_dict: dict, seed: int, shard_size: int, device: Optional[str],
+                 stream: str = "numpy") -> str:
+    record = {"mechanism": mech_dict, "seed": int(seed), "shard_size": shard_size,
+              "backend": "numpy" if device is None else "torch",
+              "sampler_version": SAMPLER_VERSION}
+    if stream == "fused":  # numpy-stream fingerprints stay those of earlier releases
+        record["stream"] = stream
+    blob = json.dumps(record, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _recorded_seed(directory: Optional[str], mech_dict: dict, shard_size: int,
-                   device: Optional[str]) -> Optional[int]:
+                   device: Optional[str], stream: str) -> Optional[int]:
     """The seed in ``directory``'s ``meta.json`` if it records this same run (mechanism, shard
     size, backend), so that ``seed=None`` resumes it; else ``None``."""
     if directory is None:
@@ -188,13 +200,14 @@ def _recorded_seed(directory: Optional[str], mech_dict: dict, shard_size: int,
     seed = meta.get("seed")
     if not isinstance(seed, int) or isinstance(seed, bool):
         return None
-    if meta.get("fingerprint") != _fingerprint(mech_dict, seed, shard_size, device):
+    if meta.get("fingerprint") != _fingerprint(mech_dict, seed, shard_size, device, stream):
         return None  # another run: the fingerprint check below refuses the directory
     return seed
 
 
 def _run_on_executor(executor: concurrent.futures.Executor, todo: list, mech_dict: dict,
-                     seed: int, device: Optional[str], finish: Callable, retries: int) -> None:
+                     seed: int, device: Optional[str], finish: Callable, retries: int,
+                     stream: str = "numpy") -> None:
     """Submit every shard of ``todo`` to ``executor`` and ``finish`` each as it completes.
 
     A shard whose future fails (a crashed or killed worker) is resubmitted — it is
@@ -204,7 +217,7 @@ def _run_on_executor(executor: concurrent.futures.Executor, todo: list, mech_dic
     attempts: dict[tuple[str, int], int] = {}
 
     def submit(d, k, size):
-        return executor.submit(_run_shard, mech_dict, d, seed, k, size, device)
+        return executor.submit(_run_shard, mech_dict, d, seed, k, size, device, stream)
 
     pending = {submit(d, k, size): (d, k, size, path) for d, k, size, path in todo}
     while pending:
@@ -278,18 +291,19 @@ def collect_privacy_losses(mechanism: BandMFMonteCarlo, num_samples: int, *,
                          f"distributed.Client(...).get_executor()), got "
                          f"{type(executor).__name__}")
     mech_dict = mechanism.to_dict()
+    stream = _stream(mechanism, device)
     if seed is None:
-        seed = _recorded_seed(directory, mech_dict, shard_size, device)
+        seed = _recorded_seed(directory, mech_dict, shard_size, device, stream)
     if seed is None:
         seed = fresh_monte_carlo_seed()
     seed = check_int("seed", seed, minimum=0)
-    fp = _fingerprint(mech_dict, seed, shard_size, device)
+    fp = _fingerprint(mech_dict, seed, shard_size, device, stream)
     if directory is not None:
         os.makedirs(directory, exist_ok=True)
         meta_path = os.path.join(directory, "meta.json")
         meta = {"fingerprint": fp, "mechanism": mech_dict, "seed": int(seed),
                 "shard_size": shard_size, "backend": "numpy" if device is None else "torch",
-                "sampler_version": SAMPLER_VERSION}
+                "sampler_version": SAMPLER_VERSION, "stream": stream}
         if os.path.exists(meta_path):
             with open(meta_path) as fh:
                 old = json.load(fh)
@@ -298,6 +312,15 @@ def collect_privacy_losses(mechanism: BandMFMonteCarlo, num_samples: int, *,
                                  f"{old.get('sampler_version', 1)}, not {SAMPLER_VERSION} (the "
                                  f"random stream changed; mixing them would bias the run): use "
                                  f"a new directory")
+            old_stream = old.get("stream", "torch" if old.get("backend") == "torch" else "numpy")
+            if old_stream != stream:
+                hint = (" (install numba: pip install \"opacus-structured[fast]\")"
+                        if old_stream == "fused" else "")
+                raise ValueError(f"directory {directory!r} holds shards of the {old_stream!r} "
+                                 f"random stream, and this run draws the {stream!r} stream"
+                                 f"{hint}; a run draws one stream (so that its seed reproduces it): "
+                                 f"resume it where that stream is available, or use a new "
+                                 f"directory")
             if old.get("fingerprint") != fp:
                 raise ValueError(f"directory {directory!r} holds shards of another run "
                                  f"(fingerprint {old.get('fingerprint')} != {fp}); use a new "
@@ -335,13 +358,14 @@ def collect_privacy_losses(mechanism: BandMFMonteCarlo, num_samples: int, *,
 
     try:
         if executor is not None:
-            _run_on_executor(executor, todo, mech_dict, seed, device, finish, retries)
+            _run_on_executor(executor, todo, mech_dict, seed, device, finish, retries, stream)
         elif workers == 1 or device is not None or len(todo) <= 1:
             for d, k, size, path in todo:
-                finish(d, k, path, _run_shard(mech_dict, d, seed, k, size, device))
+                finish(d, k, path, _run_shard(mech_dict, d, seed, k, size, device, stream))
         else:
             with concurrent.futures.ProcessPoolExecutor(max_workers=workers) as pool:
-                _run_on_executor(pool, todo, mech_dict, seed, None, finish, retries=0)
+                _run_on_executor(pool, todo, mech_dict, seed, None, finish, retries=0,
+                                 stream=stream)
     finally:
         if bar is not None:
             bar.close()

@@ -1,0 +1,281 @@
+"""The numba kernels of :mod:`opacus_structured.accounting.bminsep_fused` (imported lazily:
+numba is the optional ``[fast]`` extra). Read that module's docstring for the algorithms."""
+
+import math
+
+import numba
+import numpy as np
+
+u64 = np.uint64
+LN2_HI = 6.93147180369123816490e-01  # ln 2 split so that k·LN2_HI is exact for |k| < 2¹¹
+LN2_LO = 1.90821492927058770002e-10
+INV_LN2 = 1.44269504088896338700e+00
+MAGIC = 6755399441055744.0  # 1.5·2⁵²: adding and subtracting it rounds to the nearest integer
+TWO_M53 = 1.0 / 9007199254740992.0
+EXP_FLOOR = -708.0  # bminsep_fused._EXP_FLOOR
+
+
+@numba.njit(inline="always")
+def sfc64(a, b, c, w):
+    """One SFC64 step on the state ``(a, b, c, w)`` (scalars, so that LLVM keeps them in
+    registers): returns ``(output, a, b, c, w)``."""
+    tmp = a + b + w
+    return (tmp, b ^ (b >> u64(11)), c + (c << u64(3)),
+            ((c << u64(24)) | (c >> u64(40))) + tmp, w + u64(1))
+
+
+@numba.njit(inline="always")
+def uniform(a, b, c, w):
+    """A float64 uniform on ``[0, 1)`` (53 bits): ``(u, a, b, c, w)``."""
+    o, a, b, c, w = sfc64(a, b, c, w)
+    return numba.float64(o >> u64(11)) * TWO_M53, a, b, c, w
+
+
+@numba.njit(inline="always")
+def normal(a, b, c, w, X, F, R):
+    """A standard normal by the 256-layer ziggurat: ``(z, a, b, c, w)``."""
+    m52 = u64(0xFFFFFFFFFFFFF)
+    while True:
+        bits, a, b, c, w = sfc64(a, b, c, w)
+        idx = numba.int64(bits & u64(255))
+        neg = (bits >> u64(8)) & u64(1)
+        x = numba.float64((bits >> u64(9)) & m52) * X[idx] * 2.220446049250313e-16
+        if x < X[idx + 1]:
+            return (-x if neg else x), a, b, c, w
+        if idx == 0:  # the tail beyond r (Marsaglia's exact exponential method)
+            while True:
+                u1, a, b, c, w = uniform(a, b, c, w)
+                u2, a, b, c, w = uniform(a, b, c, w)
+                xx = -math.log1p(-u1) / R
+                yy = -math.log1p(-u2)
+                if yy + yy > xx * xx:
+                    x = R + xx
+                    return (-x if neg else x), a, b, c, w
+        u1, a, b, c, w = uniform(a, b, c, w)
+        if F[idx] + u1 * (F[idx + 1] - F[idx]) < math.exp(-0.5 * x * x):
+            return (-x if neg else x), a, b, c, w
+
+
+@numba.njit(cache=True, nogil=True)
+def raw(state, out):
+    a, b, c, w = state[0], state[1], state[2], state[3]
+    for i in range(out.size):
+        out[i], a, b, c, w = sfc64(a, b, c, w)
+    state[0], state[1], state[2], state[3] = a, b, c, w
+
+
+@numba.njit(cache=True, nogil=True)
+def normals(state, out, X, F, R):
+    a, b, c, w = state[0], state[1], state[2], state[3]
+    for i in range(out.size):
+        out[i], a, b, c, w = normal(a, b, c, w, X, F, R)
+    state[0], state[1], state[2], state[3] = a, b, c, w
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def exp_rows(g, kb, m, W):
+    """``g[:m, :W] = e^{max(g, −708)}`` (Cody–Waite + degree-13 Taylor; ≤ 1 ulp)."""
+    for r in range(m):
+        row = g[r]
+        for s in range(W):
+            v = min(max(row[s], EXP_FLOOR), 709.0)
+            kf = (v * INV_LN2 + MAGIC) - MAGIC
+            x = (v - kf * LN2_HI) - kf * LN2_LO
+            q = 1.0 / 6227020800.0
+            q = q * x + 1.0 / 479001600.0
+            q = q * x + 1.0 / 39916800.0
+            q = q * x + 1.0 / 3628800.0
+            q = q * x + 1.0 / 362880.0
+            q = q * x + 1.0 / 40320.0
+            q = q * x + 1.0 / 5040.0
+            q = q * x + 1.0 / 720.0
+            q = q * x + 1.0 / 120.0
+            q = q * x + 1.0 / 24.0
+            q = q * x + 1.0 / 6.0
+            q = q * x + 0.5
+            q = q * x + 1.0
+            q = q * x + 1.0
+            row[s] = q
+            kb[s] = (numba.int64(kf) + 1023) << 52
+        scale = kb.view(np.float64)
+        for s in range(W):
+            row[s] *= scale[s]
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def window_dots(U, coef, toeplitz, offset, g, cq, toe, j, m, W, L):
+    """``g[r] = offset[j+r] + Σ_k coef[j+r, k]·U[r+k]`` for ``r < m`` (lanes ``< W``).
+
+    With a Toeplitz band ``toe`` (``R × (R+L−1)``, ``toe[t, t+k] = c_k``; empty when unused):
+    ``R`` rows at a time by one BLAS matrix product over the whole tile (lanes ``≥ W`` hold
+    stale finite values and are ignored), which at ``L ≥ 16`` beats the loops below despite the
+    band's zeros. Otherwise four output rows per pass over ``U``: row ``U[r+κ]`` meets output
+    ``r+t`` with coefficient ``coef[j+r+t, κ−t]`` (zero outside ``0 ≤ κ−t < L``, table ``cq``),
+    so each loaded row feeds four accumulations; the rest row by row.
+    """
+    r = 0
+    R = toe.shape[0]
+    if R > 0:
+        while r + R <= m:
+            out = g[r:r + R]
+            np.dot(toe, U[r:r + R + L - 1], out)
+            for t in range(R):
+                o = offset[j + r + t]
+                row = out[t]
+                for s in range(W):
+                    row[s] += o
+            r += R
+    while r + 4 <= m and L >= 8:
+        for t in range(4):
+            ci = 0 if toeplitz else j + r + t
+            for kk in range(L + 3):
+                k = kk - t
+                cq[t, kk] = coef[ci, k] if 0 <= k < L else 0.0
+        g0, g1, g2, g3 = g[r], g[r + 1], g[r + 2], g[r + 3]
+        o0, o1, o2, o3 = offset[j + r], offset[j + r + 1], offset[j + r + 2], offset[j + r + 3]
+        for s in range(W):
+            g0[s] = o0
+            g1[s] = o1
+            g2[s] = o2
+            g3[s] = o3
+        for kk in range(L + 3):
+            a0, a1, a2, a3 = cq[0, kk], cq[1, kk], cq[2, kk], cq[3, kk]
+            urow = U[r + kk]
+            for s in range(W):
+                u = urow[s]
+                g0[s] += a0 * u
+                g1[s] += a1 * u
+                g2[s] += a2 * u
+                g3[s] += a3 * u
+        r += 4
+    while r < m:
+        ci = 0 if toeplitz else j + r
+        grow = g[r]
+        o = offset[j + r]
+        for s in range(W):
+            grow[s] = o
+        for k in range(L):
+            a = coef[ci, k]
+            urow = U[r + k]
+            for s in range(W):
+                grow[s] += a * urow[s]
+        r += 1
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"contract"})
+def fused(n, L, b, p, warm, block, tile, coef, toeplitz, toe, cols, offset, ptr, ptau,
+          seeds, X, F, R, sigma, Y, want_y, loss):
+    """Losses of ``loss.size`` samples (``remove`` when ``ptr`` has ``S+1`` entries, else
+    ``add``: no mode). Tiles of ``tile`` samples, blocks of ``block`` iterations."""
+    S = loss.size
+    remove = ptr.size == S + 1
+    q = 1.0 - p
+    log_q = math.log1p(-p) if p < 1.0 else -math.inf
+    linear_decay_ok = (block + b) * -log_q <= 600.0
+    nblocks = (n + block - 1) // block
+    U = np.zeros((block + L - 1, tile))
+    g = np.empty((block, tile))
+    buf = np.empty((b, tile))
+    lb = np.empty((b, tile))
+    scale = np.empty(tile)
+    kb = np.empty(tile, np.int64)
+    mx = np.empty(tile)
+    cq = np.zeros((4, L + 3))
+    ntiles = (S + tile - 1) // tile
+    for t in range(ntiles):
+        s0 = t * tile
+        W = min(tile, S - s0)
+        r0, r1, r2, r3 = seeds[t, 0], seeds[t, 1], seeds[t, 2], seeds[t, 3]
+        for _ in range(12):  # numpy's SFC64 seeding: 12 discarded outputs
+            _, r0, r1, r2, r3 = sfc64(r0, r1, r2, r3)
+        U[:, :] = 0.0
+        buf[:, :] = 1.0
+        scale[:] = 0.0
+        for blk in range(nblocks - 1, -1, -1):
+            j = blk * block
+            m = min(block, n - j)
+            if blk != nblocks - 1:  # the next L−1 rows become this block's tail
+                for rr in range(L - 2, -1, -1):
+                    dst, src = U[m + rr], U[rr]
+                    for s in range(W):
+                        dst[s] = src[s]
+            for r in range(m):
+                row = U[r]
+                for s in range(W):
+                    row[s], r0, r1, r2, r3 = normal(r0, r1, r2, r3, X, F, R)
+            if remove:
+                for s in range(W):
+                    for e in range(ptr[s0 + s], ptr[s0 + s + 1]):
+                        tau = ptau[e]
+                        k0 = max(0, j - tau)
+                        k1 = min(L, j + m - tau)
+                        for k in range(k0, k1):
+                            U[tau + k - j, s] += cols[tau, k]
+            if want_y:
+                for r in range(m):
+                    for s in range(W):
+                        Y[j + r, s0 + s] = U[r, s] * sigma
+            # g_r = ⟨c_{j+r}, u⟩/σ + ln p − ‖c_{j+r}‖²/(2σ²), four rows per pass over u
+            window_dots(U, coef, toeplitz, offset, g, cq, toe, j, m, W, L)
+            for s in range(W):  # per-lane maxima (a vectorisable loop), then across lanes
+                mx[s] = g[0, s]
+            for r in range(1, m):
+                grow = g[r]
+                for s in range(W):
+                    mx[s] = max(mx[s], grow[s])
+            top = -math.inf
+            for s in range(W):
+                top = max(top, mx[s])
+            if linear_decay_ok and m * (max(0.0, top) + 0.6931471805599453) <= 600.0:
+                exp_rows(g, kb, m, W)
+                for i in range(j + m - 1, j - 1, -1):
+                    cur = buf[i % b]
+                    nxt = buf[(i + 1) % b]
+                    gi = g[i - j]
+                    for s in range(W):
+                        cur[s] = cur[s] * gi[s] + nxt[s] * q
+                for s in range(W):
+                    mx[s] = buf[0, s]
+                for k in range(1, b):
+                    row = buf[k]
+                    for s in range(W):
+                        mx[s] = max(mx[s], row[s])
+                for k in range(b):
+                    row = buf[k]
+                    for s in range(W):
+                        row[s] /= mx[s]
+                for s in range(W):
+                    scale[s] += math.log(mx[s])
+            else:  # log-space recursion over this block (rare: huge ℓ or p near 1)
+                for k in range(b):
+                    for s in range(W):
+                        lb[k, s] = math.log(buf[k, s]) + scale[s]
+                for i in range(j + m - 1, j - 1, -1):
+                    cur = lb[i % b]
+                    nxt = lb[(i + 1) % b]
+                    gi = g[i - j]
+                    for s in range(W):
+                        x1 = nxt[s] + log_q
+                        x2 = cur[s] + gi[s]
+                        hi_ = max(x1, x2)
+                        if hi_ == -math.inf:
+                            cur[s] = -math.inf
+                        else:
+                            cur[s] = hi_ + math.log1p(math.exp(min(x1, x2) - hi_))
+                for s in range(W):
+                    lm = lb[0, s]
+                    for k in range(1, b):
+                        if lb[k, s] > lm:
+                            lm = lb[k, s]
+                    scale[s] = lm
+                    for k in range(b):
+                        buf[k, s] = math.exp(lb[k, s] - lm)
+        for s in range(W):
+            if warm and b > 1:
+                tot = 0.0
+                for k in range(1, b):
+                    tot += buf[k, s]
+                tot = tot * p + buf[0, s]
+                loss[s0 + s] = math.log(tot) - math.log1p((b - 1) * p) + scale[s]
+            else:
+                loss[s0 + s] = math.log(buf[0, s]) + scale[s]

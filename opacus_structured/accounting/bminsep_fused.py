@@ -1,0 +1,227 @@
+r"""The fused (numba) sampler of the plain b-min-sep privacy loss: one compiled pass per tile.
+
+:func:`~opacus_structured.accounting.bminsep_mc.streamed_bminsep_losses` draws the output
+``u = y/σ`` in time blocks and prices it with numpy: the Gaussians alone (numpy's float64
+ziggurat, ≈ 11 ns per element on the 2-core VM of :doc:`/benchmarks`) cap it near 6× jax_privacy.
+This module runs the whole per-sample program — Gaussians, the mode ``C x/σ``, the window dot
+products ``⟨c_i, u⟩``, ``G_i = p·e^{ℓ_i}`` and the linear-space suffix recursion — in one numba
+kernel over **tiles** of :data:`TILE` samples, so every array of a tile stays in the core's L2
+cache, and draws the Gaussians with its own generator:
+
+* **Generator.** One SFC64 stream per tile (Chris Doty-Humphrey's small fast chaotic generator,
+  the algorithm of :class:`numpy.random.SFC64`, checked against it bit for bit in the tests),
+  its 192-bit state drawn from the caller's :class:`numpy.random.Generator` and mixed by 12
+  discarded outputs, as numpy seeds it.
+* **Gaussians.** The 256-layer ziggurat of Marsaglia & Tsang (2000) with numpy's float64 layout —
+  8 bits pick the layer, 1 bit the sign, 52 bits the abscissa; wedges by exact rejection against
+  ``e^{−x²/2}``; the tail past ``r`` by Marsaglia's exact exponential method. It is an *exact*
+  sampler of :math:`N(0,1)` up to the 52-bit grid of the abscissa (as numpy's); the layer table
+  is solved here in float64 so that every layer has area ``v`` to ``≈ 1e−13`` relative (the
+  top layer closes at ``X_255 (1 − e^{−X_255²/2}) = v``). About 3 ns per normal here.
+* **exp.** ``e^x`` by Cody–Waite reduction (``x = k ln 2 + r``, ``|r| ≤ ln 2/2``), the degree-13
+  Taylor polynomial (truncation ``< 2e−18``) and ``2^k`` built from its exponent bits: at most
+  1 ulp from the correctly rounded value on ``[−708, 709]`` (tested). Arguments below ``−708``
+  are raised to ``−708``: they enter only as ``G_i f_{i+b} ≤ p e^{−708}`` next to the term
+  ``(1−p) f_{i+1}``, which the per-block renormalisation keeps ``≥ (1−p)^{T+b}``, so no float64
+  sum changes.
+
+Everything else is the float64 arithmetic of the streamed numpy sampler (same linear recursion,
+same per-block renormalisation, same log-space fallback when a block could leave the
+float64 range), so the losses are those of :func:`~opacus_structured.accounting.bminsep_mc.
+bminsep_log_ratio` on the drawn outputs to ``1e−9`` (tested with ``return_outputs=True``).
+
+The random stream is this module's (``stream = "fused"``): for a seed it gives other samples than
+the numpy path (``stream = "numpy"``), from the same law. The sharded runner records the stream of
+a run and refuses to merge shards of two streams.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["TILE", "FUSED_BLOCK", "fused_available", "fused_bminsep_losses",
+           "ziggurat_tables", "fused_standard_normal", "sfc64_raw"]
+
+#: Samples per tile (the kernel's SIMD width × cache blocking; part of the stream).
+TILE = 128
+#: Iterations per time block (part of the stream).
+FUSED_BLOCK = 128
+_LOG_HEADROOM = 600.0
+_EXP_FLOOR = -708.0
+_BLAS_MIN_BANDS = 16  # Toeplitz window dots by BLAS from this many bands
+_BLAS_ROWS = 32  # output rows per BLAS product
+
+
+@lru_cache(maxsize=1)
+def ziggurat_tables() -> tuple[np.ndarray, np.ndarray, float]:
+    """``(X, F, r)``: layer edges ``X[0..256]`` (``X[0] = v/f(r)`` the base layer's virtual
+    width, ``X[1] = r``, ``X[256] = 0``), ``F = e^{−X²/2}`` and the tail start ``r``.
+
+    ``r`` is the root of "the top layer has area ``v``" (bisection to the float64 limit; it is
+    numpy's constant 3.6541528853610088), ``v = r f(r) + ∫_r^∞ f``.
+    """
+    from scipy import special
+
+    def f(x):
+        return math.exp(-0.5 * x * x)
+
+    def build(r):
+        v = r * f(r) + math.sqrt(math.pi / 2) * float(special.erfc(r / math.sqrt(2)))
+        X = [v / f(r), r]
+        for i in range(1, 255):
+            y = f(X[i]) + v / X[i]
+            if y >= 1.0:
+                return None, v
+            X.append(math.sqrt(-2.0 * math.log(y)))
+        return X, v
+
+    lo, hi = 3.4, 3.8  # top-layer area minus v: < 0 at lo (too few layers fit), > 0 at hi
+
+    def gap(r):
+        X, v = build(r)
+        return -1.0 if X is None else X[255] * (1.0 - f(X[255])) - v
+
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if mid in (lo, hi):
+            break
+        if gap(mid) > 0:
+            hi = mid
+        else:
+            lo = mid
+    r = lo if abs(gap(lo)) <= abs(gap(hi)) else hi
+    X, _ = build(r)
+    Xa = np.array(X + [0.0])
+    F = np.exp(-0.5 * Xa * Xa)
+    F[-1] = 1.0
+    for a in (Xa, F):
+        a.setflags(write=False)
+    return Xa, F, r
+
+
+_KERNELS: list = []
+
+
+def _kernels():
+    """The jitted kernels module (:mod:`._bminsep_fused_kernels`), or ``None`` without numba
+    (or with ``OPACUS_STRUCTURED_NUMBA=0``)."""
+    if not _KERNELS:
+        import os
+
+        kernels = None
+        if os.environ.get("OPACUS_STRUCTURED_NUMBA", "1") != "0":
+            try:
+                from . import _bminsep_fused_kernels as kernels  # optional: numba
+            except ImportError:
+                kernels = None
+        _KERNELS.append(kernels)
+    return _KERNELS[0]
+
+
+def fused_available() -> bool:
+    """Whether the fused sampler can run (numba installed and not disabled)."""
+    return _kernels() is not None
+
+
+def _require():
+    k = _kernels()
+    if k is None:
+        raise ValueError("the fused sampler needs numba (pip install \"opacus-structured[fast]\"); "
+                         "or use accelerator='numpy'")
+    return k
+
+
+def _seed_state(rng: np.random.Generator, count: int) -> np.ndarray:
+    """``count`` SFC64 states ``(a, b, c, w=1)`` drawn from ``rng`` (numpy's SFC64 layout)."""
+    seeds = np.empty((count, 4), dtype=np.uint64)
+    seeds[:, :3] = rng.integers(0, 2**64, size=(count, 3), dtype=np.uint64, endpoint=False)
+    seeds[:, 3] = 1
+    return seeds
+
+
+def sfc64_raw(state: np.ndarray, size: int) -> np.ndarray:
+    """``size`` raw 64-bit outputs of the kernels' SFC64 from ``state`` (``(a, b, c, w)``,
+    advanced in place). For tests: :class:`numpy.random.SFC64` with the same state gives the
+    same numbers."""
+    out = np.empty(int(size), dtype=np.uint64)
+    _require().raw(state, out)
+    return out
+
+
+def fused_standard_normal(size: int, rng: np.random.Generator) -> np.ndarray:
+    """``size`` standard normals from the kernels' ziggurat on one SFC64 stream seeded from
+    ``rng`` (for tests and diagnostics)."""
+    X, F, R = ziggurat_tables()
+    state = _seed_state(rng, 1)[0]
+    raw = _require().raw
+    raw(state, np.empty(12, dtype=np.uint64))  # numpy's 12 mixing rounds
+    out = np.empty(int(size))
+    _require().normals(state, out, X, F, R)
+    return out
+
+
+def _one_blas_thread(active: bool):
+    """The kernel's small BLAS products on one thread (a pool of worker processes already
+    fills the cores; threads would oversubscribe them). A no-op without threadpoolctl."""
+    import contextlib
+
+    if active:
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:  # pragma: no cover - threadpoolctl comes with scipy's test deps
+            return contextlib.nullcontext()
+        return threadpool_limits(1, user_api="blas")
+    return contextlib.nullcontext()
+
+
+def fused_bminsep_losses(strategy, noise_multiplier: float, sampling_prob: float, min_sep: int,
+                         warm_start: bool, direction: str, num_samples: int,
+                         participation: Optional[tuple[np.ndarray, np.ndarray]],
+                         rng: np.random.Generator, *, return_outputs: bool = False,
+                         tile: int = TILE, block: int = FUSED_BLOCK):
+    """Privacy-loss samples of plain b-min-sep on the fused kernel (see the module docstring).
+
+    :func:`~opacus_structured.accounting.bminsep_mc.streamed_bminsep_losses` with
+    ``accelerator="fused"`` validates the arguments, draws ``participation`` — the example's
+    participation times and sample indices ``(τ, col)`` (``"remove"``; ``None`` for ``"add"``) —
+    and calls this. ``tile`` and ``block`` are part of the random stream.
+    """
+    fused = _require().fused
+    S = int(num_samples)
+    st, sigma, p, b = strategy, noise_multiplier, sampling_prob, min_sep
+    n, L = st.n, st.bands
+    offset = math.log(p) - st.squared_norms / (2.0 * sigma**2)
+    cols = np.ascontiguousarray(st.columns / sigma)
+    toe = np.zeros((0, 0))
+    if st._toeplitz_c is not None:
+        coef, toeplitz = np.ascontiguousarray((st._toeplitz_c / sigma)[None, :]), True
+        if L >= _BLAS_MIN_BANDS:
+            toe = np.zeros((_BLAS_ROWS, _BLAS_ROWS + L - 1))
+            for t in range(_BLAS_ROWS):
+                toe[t, t:t + L] = coef[0]
+    else:
+        coef, toeplitz = cols, False
+    if direction == "remove":
+        tau, col = participation
+        order = np.argsort(col, kind="stable")  # per sample, τ ascending
+        ptau = np.ascontiguousarray(tau[order])
+        ptr = np.zeros(S + 1, dtype=np.int64)
+        np.cumsum(np.bincount(col, minlength=S), out=ptr[1:])
+    else:
+        ptau = np.empty(0, dtype=np.int64)
+        ptr = np.zeros(1, dtype=np.int64)
+    ntiles = -(-S // tile)
+    seeds = _seed_state(rng, ntiles)
+    X, F, R = ziggurat_tables()
+    Y = np.empty((n, S)) if return_outputs else np.empty((1, 1))
+    loss = np.empty(S)
+    with _one_blas_thread(toe.size > 0):
+        fused(n, L, b, p, bool(warm_start), block, tile, coef, toeplitz, toe, cols, offset, ptr,
+              ptau, seeds, X, F, R, float(sigma), Y, bool(return_outputs), loss)
+    if direction != "remove":
+        loss = -loss
+    return (loss, Y) if return_outputs else loss

@@ -1,6 +1,7 @@
 """Issue 18: the fused (numba) b-min-sep sampler — its generator, Gaussians and exp checked
-against independent references, its losses against the log-space dynamic program on the
-outputs it drew, and its law against an identity every privacy-loss distribution satisfies."""
+against independent references, and its law against an identity every privacy-loss
+distribution satisfies. (Its losses against the log-space dynamic program on the outputs it
+drew: ``test_streamed_sampler_equals_log_space_program`` in test_bminsep_mc_scale.py.)"""
 
 from __future__ import annotations
 
@@ -84,36 +85,6 @@ def test_fused_exp_is_within_one_ulp():
     K.exp_rows(low, np.empty(3, np.int64), 1, 3)
     floor = math.exp(-708.0)  # the documented floor, to 1 ulp
     assert np.all(np.abs(low - floor) <= np.spacing(floor))
-
-
-@pytest.mark.parametrize("b,n,L,warm,block,toeplitz", [
-    (4, 300, 4, True, 128, True),      # several blocks, Toeplitz
-    (1, 200, 1, False, 64, True),      # b = 1: the recursion is a product
-    (20, 150, 20, True, 32, True),     # BLAS window products (L >= 16), bands > block/2
-    (64, 150, 64, True, 16, True),     # bands > block: the tail copy overlaps
-    (5, 37, 3, True, 8, False),        # general columns, L < b, partial last block
-    (3, 10, 3, False, 128, True),      # n < block
-])
-@pytest.mark.parametrize("sigma", [1.0, 0.25])
-def test_fused_losses_equal_the_log_space_program(b, n, L, warm, block, toeplitz, sigma):
-    """Losses are the log-space dynamic program's on the drawn outputs (σ = 0.25 drives the
-    log-space fallback blocks); 300 samples = 2 full tiles and a partial one."""
-    if toeplitz:
-        st = BandedStrategy.toeplitz(_sqrt_coefficients(L), n)
-    else:
-        cols = np.random.default_rng(4).uniform(0.1, 1.0, size=(n, L))
-        for k in range(1, L):
-            cols[n - k:, k] = 0.0
-        st = BandedStrategy.from_columns(cols)
-    p = 0.05
-    mech = BandMFMonteCarlo(st, sigma, "bminsep", p, b, warm_start=warm)
-    for direction in DIRECTIONS:
-        loss, y = streamed_bminsep_losses(mech, 300, direction, np.random.default_rng(3),
-                                          block=block, return_outputs=True,
-                                          accelerator="fused")
-        ref = bminsep_log_ratio(y, st, p, b, sigma, warm_start=warm)
-        ref = ref if direction == "remove" else -ref
-        np.testing.assert_allclose(loss, ref, rtol=1e-9, atol=1e-9)
 
 
 def test_fused_p_one_runs_in_log_space():

@@ -35,25 +35,36 @@ def _sqrt_coefficients(L: int) -> np.ndarray:
     return c / np.linalg.norm(c)
 
 
-@pytest.mark.parametrize("b,n,L,warm,block", [
-    (4, 300, 4, True, 128),     # several blocks, Toeplitz, elementwise window products
-    (1, 200, 1, False, 64),     # b = 1: Poisson-like, the recursion is a product
-    (20, 150, 20, True, 32),    # blocked matrix-product window dots, bands > block
-    (5, 37, 3, True, 8),        # L < b, partial last block
-    (3, 10, 3, False, 128),     # n < block
+@pytest.mark.parametrize("b,n,L,warm,block,toeplitz", [
+    (4, 300, 4, True, 128, True),    # several blocks, Toeplitz, elementwise window products
+    (1, 200, 1, False, 64, True),    # b = 1: Poisson-like, the recursion is a product
+    (20, 150, 20, True, 32, True),   # blocked / BLAS matrix-product window dots, bands > block/2
+    (64, 150, 64, True, 16, True),   # bands > block: the tail copy overlaps
+    (5, 37, 3, True, 8, False),      # general columns, L < b, partial last block
+    (3, 10, 3, False, 128, True),    # n < block
 ])
 @pytest.mark.parametrize("sigma", [1.0, 0.25])
-def test_streamed_sampler_equals_log_space_program(b, n, L, warm, block, sigma):
-    """The numpy stream's losses are the log-space dynamic program's on the same outputs
-    (float64, to 1e-9): linear recursion, renormalisation and the log-space fallback blocks
-    (σ = 0.25 makes ℓ large) included."""
-    st = BandedStrategy.toeplitz(_sqrt_coefficients(L), n)
+@pytest.mark.parametrize("accelerator", ["numpy", "fused"])
+def test_streamed_sampler_equals_log_space_program(b, n, L, warm, block, toeplitz, sigma,
+                                                   accelerator):
+    """Both streams' losses are the log-space dynamic program's on the same outputs (float64,
+    to 1e-9): linear recursion, renormalisation and the log-space fallback blocks (σ = 0.25
+    makes ℓ large) included; 300 samples = two full fused tiles and a partial one."""
+    if accelerator == "fused":
+        pytest.importorskip("numba")
+    if toeplitz:
+        st = BandedStrategy.toeplitz(_sqrt_coefficients(L), n)
+    else:
+        cols = np.random.default_rng(4).uniform(0.1, 1.0, size=(n, L))
+        for k in range(1, L):
+            cols[n - k:, k] = 0.0
+        st = BandedStrategy.from_columns(cols)
     p = 0.05
     mech = BandMFMonteCarlo(st, sigma, "bminsep", p, b, warm_start=warm)
     for direction in DIRECTIONS:
         loss, y = streamed_bminsep_losses(mech, 300, direction, np.random.default_rng(3),
                                           block=block, return_outputs=True,
-                                          accelerator="numpy")
+                                          accelerator=accelerator)
         ref = bminsep_log_ratio(y, st, p, b, sigma, warm_start=warm)
         ref = ref if direction == "remove" else -ref
         np.testing.assert_allclose(loss, ref, rtol=1e-9, atol=1e-9)

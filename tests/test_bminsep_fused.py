@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from scipy import special, stats
 
+from opacus_structured.accounting import bminsep_fused as bf
 from opacus_structured.accounting.bminsep_mc import (
     DIRECTIONS,
     BandedStrategy,
@@ -22,8 +23,8 @@ from opacus_structured.accounting.bminsep_mc import (
 )
 from opacus_structured.runners.monte_carlo import collect_privacy_losses
 
-pytest.importorskip("numba")
-from opacus_structured.accounting import bminsep_fused as bf  # noqa: E402
+pytestmark = pytest.mark.skipif(not bf.fused_available(),
+                                reason="the fused sampler needs numba (the [fast] extra)")
 
 
 def _sqrt_coefficients(L: int) -> np.ndarray:
@@ -126,6 +127,22 @@ def test_fused_stream_is_reproducible_and_named():
     assert sampler_stream(trunc, "fused") == "numpy"  # only plain b-min-sep has a fused kernel
     with pytest.raises(ValueError, match="accelerator must be one of"):
         sampler_stream(mech, "gpu")
+
+
+def test_fused_without_numba_is_a_clear_error_and_auto_falls_back(monkeypatch):
+    """Without numba: ``accelerator="fused"`` names the extra; ``"auto"`` draws the numpy
+    stream and says so through :func:`sampler_stream`."""
+    st = BandedStrategy.toeplitz([1.0, 0.5], 20)
+    mech = BandMFMonteCarlo(st, 1.0, "bminsep", 0.1, 2)
+    monkeypatch.setattr(bf, "_KERNELS", [None])
+    with pytest.raises(ValueError, match=r"fused sampler needs numba .*\[fast\]"):
+        streamed_bminsep_losses(mech, 10, "remove", np.random.default_rng(0),
+                                accelerator="fused")
+    assert sampler_stream(mech) == "numpy"
+    a = streamed_bminsep_losses(mech, 50, "remove", np.random.default_rng(0))
+    b = streamed_bminsep_losses(mech, 50, "remove", np.random.default_rng(0),
+                                accelerator="numpy")
+    np.testing.assert_array_equal(a, b)
 
 
 def test_shard_directory_records_the_stream(tmp_path):

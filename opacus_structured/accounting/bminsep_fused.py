@@ -106,18 +106,26 @@ def ziggurat_tables() -> tuple[np.ndarray, np.ndarray, float]:
 _KERNELS: list = []
 
 
-def _kernels():
-    """The jitted kernels module (:mod:`._bminsep_fused_kernels`), or ``None`` without numba
-    (or with ``OPACUS_STRUCTURED_NUMBA=0``)."""
-    if not _KERNELS:
-        import os
+def numba_module():
+    """The ``numba`` module, or ``None`` when it is not installed or ``OPACUS_STRUCTURED_NUMBA=0``
+    (numba is the optional ``[fast]`` accelerator; the numpy program never needs it)."""
+    import os
 
+    if os.environ.get("OPACUS_STRUCTURED_NUMBA", "1") == "0":
+        return None
+    try:
+        import numba  # optional: the [fast] extra
+    except ImportError:
+        return None
+    return numba
+
+
+def _kernels():
+    """The jitted kernels module (:mod:`._bminsep_fused_kernels`), or ``None`` without numba."""
+    if not _KERNELS:
         kernels = None
-        if os.environ.get("OPACUS_STRUCTURED_NUMBA", "1") != "0":
-            try:
-                from . import _bminsep_fused_kernels as kernels  # optional: numba
-            except ImportError:
-                kernels = None
+        if numba_module() is not None:
+            from . import _bminsep_fused_kernels as kernels  # optional: numba
         _KERNELS.append(kernels)
     return _KERNELS[0]
 

@@ -48,14 +48,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Optional
 
 import numpy as np
 from scipy import signal, special
 
 from .._validation import check_int, check_positive, check_probability
-from .bminsep_fused import fused_available, fused_bminsep_losses
+from .bminsep_fused import fused_available, fused_bminsep_losses, numba_module
 
 __all__ = [
     "SAMPLINGS",
@@ -767,14 +766,9 @@ def _numba_kernels():
     (or ``OPACUS_STRUCTURED_NUMBA=0``). numba is an optional accelerator: the numpy path is the
     reference and gives the same samples."""
     if not _NUMBA_KERNELS:
-        kernels = None
-        if os.environ.get("OPACUS_STRUCTURED_NUMBA", "1") != "0":
-            try:
-                import numba
-            except ImportError:
-                numba = None
-            if numba is not None:
-                kernels = tuple(numba.njit(cache=True, nogil=True)(f) for f in _numba_source())
+        numba = numba_module()
+        kernels = None if numba is None else tuple(
+            numba.njit(cache=True, nogil=True)(f) for f in _numba_source())
         _NUMBA_KERNELS.append(kernels)
     return _NUMBA_KERNELS[0]
 

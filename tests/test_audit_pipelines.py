@@ -97,6 +97,18 @@ def test_gdp_filter_releases_the_same_on_every_single_process_clipping_path():
         assert by_path[p].reported_epsilon == by_path["hooks"].reported_epsilon
 
 
+def test_dp_callback_with_a_non_poisson_scheme_releases_what_the_hooks_path_releases():
+    """DPCallback handed one sampler per run (IndependentRunsBatchSampler, seeded as the hooks
+    path seeds its runs) and the hooks path's noise seed: the structured event audit's released
+    sums, scores and reported ε are the hooks path's, through Lightning's loop, the callback's
+    hooks, its DPOptimizer and its accountant."""
+    hooks = run_audit("structured", runs=8, seed=7, path="hooks")
+    fit = run_audit("structured", runs=8, seed=7, path="lightning")
+    np.testing.assert_allclose(fit.scores_with, hooks.scores_with, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(fit.scores_without, hooks.scores_without, rtol=1e-5, atol=1e-5)
+    assert fit.reported_epsilon == pytest.approx(hooks.reported_epsilon, rel=1e-12)
+
+
 def test_likelihood_ratio_of_poisson_is_the_closed_form():
     rng = np.random.default_rng(0)
     y, q, sigma = rng.normal(size=(5, 3)), 0.3, 0.8
@@ -120,6 +132,8 @@ def test_registry_lists_schemes_paths_and_mutations():
     assert "wrong-band" in reg["bandmf-cyclic-poisson"]["mutations"]
     assert "wrong-band" not in reg["poisson"]["mutations"]
     assert "lightning" in reg["poisson"]["paths"]
+    assert "lightning" in reg["bandmf-cyclic-poisson"]["paths"]
+    assert {"ddp-ghost", "ddp-bookkeeping", "bookkeeping"} <= set(reg["gdp-filter"]["paths"])
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -148,7 +162,8 @@ def test_bad_input_raises_one_line_naming_the_argument(kwargs, match):
 TIGHT = [(s, "hooks") for s in AUDIT_SCHEMES if s != "poisson"] + [
     ("poisson", "resume"), ("poisson", "ddp"), ("poisson", "lightning"),
     ("poisson", "ddp-ghost"), ("bandmf-cyclic-poisson", "ddp-bookkeeping"),
-    ("gdp-filter", "bookkeeping"), ("gdp-filter", "ddp-bookkeeping")]
+    ("gdp-filter", "bookkeeping"), ("gdp-filter", "ddp-bookkeeping"),
+    ("balls-in-bins", "lightning"), ("bandmf-cyclic-poisson", "lightning")]
 
 
 @pytest.mark.slow
@@ -268,6 +283,19 @@ def test_ddp_clipping_paths_release_what_one_process_releases(scheme, path):
     np.testing.assert_allclose(two.scores_with, one.scores_with, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(two.scores_without, one.scores_without, rtol=1e-5, atol=1e-5)
     assert two.reported_epsilon == one.reported_epsilon
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["truncated-poisson", "balls-in-bins",
+                                    "bandmf-cyclic-poisson"])
+def test_dp_callback_releases_what_the_hooks_path_releases(scheme):
+    """DPCallback with a non-Poisson scheme (one sampler per run, IndependentRunsBatchSampler;
+    BandMF through optimizer_class=CorrelatedNoiseDPOptimizer): the hooks path's release."""
+    hooks = run_audit(scheme, runs=8, seed=8, path="hooks")
+    fit = run_audit(scheme, runs=8, seed=8, path="lightning")
+    np.testing.assert_allclose(fit.scores_with, hooks.scores_with, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(fit.scores_without, hooks.scores_without, rtol=1e-5, atol=1e-5)
+    assert fit.reported_epsilon == pytest.approx(hooks.reported_epsilon, rel=1e-12)
 
 
 @pytest.mark.slow

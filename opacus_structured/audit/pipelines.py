@@ -59,7 +59,8 @@ noise state included — and accountant are rebuilt from scratch with *other* se
 restored with ``load_state_dict``), ``"ddp"`` / ``"ddp-ghost"`` / ``"ddp-bookkeeping"`` (hooks,
 ghost clipping, book-keeping with :data:`DDP_WORLD_SIZE` gloo processes around Opacus'
 ``DifferentiallyPrivateDistributedDataParallel`` and its distributed optimizers: noise added
-once, on rank 0, then all-reduced), ``"lightning"`` (``DPCallback``, Poisson only);
+once, on rank 0, then all-reduced), ``"lightning"`` (``DPCallback`` on an unmodified
+LightningModule; :func:`_run_lightning`);
 correlated-noise schemes use our correlated-noise variant of each optimizer.
 """
 
@@ -70,6 +71,7 @@ import functools
 import itertools
 import math
 import time
+import types
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -101,7 +103,8 @@ from .estimators import AuditScores
 
 __all__ = ["run_audit", "AUDIT_SCHEMES", "AUDIT_PATHS", "MUTATIONS", "audit_registry",
            "audited_scheme",
-           "ParallelRunsBatchSampler", "likelihood_ratio_scores", "toeplitz_matrix"]
+           "ParallelRunsBatchSampler", "IndependentRunsBatchSampler", "likelihood_ratio_scores",
+           "toeplitz_matrix"]
 
 #: Clipping / execution paths every scheme can be audited on (``ddp``: hooks under DDP;
 #: ``ddp-ghost`` / ``ddp-bookkeeping``: ghost clipping / book-keeping under DDP).
@@ -468,10 +471,7 @@ class _Chunk:
 
     def strategy(self) -> Optional[np.ndarray]:
         """The strategy matrix of the optimizer that ran (white-box: read from it)."""
-        c = getattr(self.optimizer, "noise_coefficients", None)
-        if c is None or len(c) == 1 and float(c[0]) == 1.0:
-            return None
-        return toeplitz_matrix(c, self.plan.steps)
+        return _strategy_of(self.optimizer, self.plan.steps)
 
 
 # ---- per-scheme audit specs -------------------------------------------------------------------
@@ -494,7 +494,7 @@ class _SchemeAudit:
     #: Substitution relation: "without" runs hold ``others`` in the canary's rows.
     substitution = False
     #: Paths this scheme's pipeline supports.
-    paths = tuple(p for p in AUDIT_PATHS if p != "lightning")
+    paths = AUDIT_PATHS
     #: Mutation -> flags (over the defaults) at which that mutation is audited, where the
     #: defaults cannot show it.
     mutation_flags: dict = {}
@@ -765,6 +765,12 @@ class _BMinSepAudit(_BandMFAudit):
     summary = "BandMF with b-min-sep sampling (Monte Carlo accountant: an estimate)"
     defaults = dict(bands=2, batch_size=8 / 3, noise_multiplier=1.3, steps=12, delta=0.05,
                     examples=8, mc_samples=100_000)
+
+    #: Not ``lightning``: ``DPCallback`` asks the scheme whether its ε holds for the
+    #: optimizer's correlated noise (``scheme.check_noise_correlation``), and
+    #: ``BMinSepMonteCarloScheme`` does not override the base check, which refuses any
+    #: correlated noise.
+    paths = tuple(p for p in AUDIT_PATHS if p != "lightning")
 
     def scheme(self, f):
         return BMinSepMonteCarloScheme(bands=f["bands"], dataset_size=f["examples"],
@@ -1146,13 +1152,52 @@ def _run_ddp(plan: _Plan, runs: int, seed: Optional[int]) -> AuditScores:
 LIGHTNING_CHUNK_RUNS = 1024
 
 
+class IndependentRunsBatchSampler(ParallelRunsBatchSampler):
+    r""":class:`ParallelRunsBatchSampler` that names the scheme every one of its runs draws
+    (``scheme``), so that ``DPCallback`` can be handed the audit's ``R`` independent runs.
+
+    **Why the scheme's accountant prices it.** Run ``r``'s examples (rows ``r·n …``) are drawn
+    by run ``r``'s own sampler of ``scheme`` and by nothing else, independently of every other
+    run. Take an example ``x`` of run ``r`` and its neighbouring dataset (``x`` removed from,
+    or changed in, run ``r``): the other runs' batches have the same law under both, and
+    conditioned on them the release is run ``r``'s mechanism under ``scheme`` with some fixed,
+    data-independent extra gradients added to the sum — which the scheme's worst-case analysis
+    already covers. The hockey-stick divergence is jointly convex, so the mixture over the
+    other runs is no leakier: ``scheme``'s ε holds for every example. (It is *not* ``scheme``
+    over the union of the rows, which for a sampler depending on the dataset size, a cycle or
+    a partition would draw differently; only Poisson sampling of ``R`` runs is Poisson
+    sampling of their union.)
+    """
+
+    def __init__(self, scheme, samplers, examples_per_run: int, steps: int, shifts=None,
+                 row=int):
+        super().__init__(samplers, examples_per_run, steps, shifts=shifts, row=row)
+        self.scheme = scheme
+
+
+def _strategy_of(optimizer, steps: int) -> Optional[np.ndarray]:
+    """The strategy matrix of the optimizer that ran (``None``: independent noise)."""
+    c = getattr(optimizer, "noise_coefficients", None)
+    if c is None or len(c) == 1 and float(c[0]) == 1.0:
+        return None
+    return toeplitz_matrix(c, steps)
+
+
 def _run_lightning(plan: _Plan, runs: int, seed: Optional[int]) -> AuditScores:
-    """Poisson runs trained by ``lightning.Trainer`` with
-    :class:`~lightning_callbacks.dp_callback.DPCallback`: it installs ``scheme.sampler`` over the
-    union of the runs' examples (Poisson over ``R·n`` examples = ``R`` independent Poisson runs),
-    hooks the module for per-sample gradients, wraps SGD into Opacus' ``DPOptimizer`` and prices
-    every step with the scheme's accountant; the released sums are read after each step."""
+    """Runs trained by ``lightning.Trainer`` with
+    :class:`~lightning_callbacks.dp_callback.DPCallback`, which hooks the module for per-sample
+    gradients, wraps SGD into Opacus' ``DPOptimizer`` (our correlated-noise optimizer for a
+    matrix mechanism, through ``optimizer_class``) and prices every step with the scheme's
+    accountant; the released sums are read after each step.
+
+    The batches: for Poisson the callback installs ``scheme.sampler`` over the union of the
+    runs' examples itself (Poisson over ``R·n`` examples = ``R`` independent Poisson runs); for
+    every other scheme it is handed an :class:`IndependentRunsBatchSampler` of one sampler per
+    run (``sampler=``), seeded as the hooks path seeds its chunk, so that with the callback's
+    noise seed set to the chunk's, the callback releases exactly what the hooks path
+    releases (one chunk: up to ``CHUNK_RUNS`` runs)."""
     import lightning.pytorch as pl
+    from opacus.optimizers import DPOptimizer
 
     from lightning_callbacks import DPCallback  # optional: lightning
 
@@ -1163,10 +1208,11 @@ def _run_lightning(plan: _Plan, runs: int, seed: Optional[int]) -> AuditScores:
         raise ValueError("canary: the lightning path reads the released gradients (a 'dirac' "
                          "canary); audit the 'input' canary on the hooks path")
     started = time.perf_counter()
+    poisson = isinstance(plan.scheme, PoissonScheme)
     seq = np.random.SeedSequence(seed)
     present = np.concatenate([np.ones(runs, dtype=bool), np.zeros(runs, dtype=bool)])
     present = present[np.random.default_rng(seq.spawn(1)[0]).permutation(present.size)]
-    observed, reported = [], None
+    chunks, reported = [], None
 
     class Canaries(pl.LightningModule):
         def __init__(self, width: int):
@@ -1186,22 +1232,49 @@ def _run_lightning(plan: _Plan, runs: int, seed: Optional[int]) -> AuditScores:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=1.0)
 
-    for start in range(0, present.size, LIGHTNING_CHUNK_RUNS):
-        part = present[start:start + LIGHTNING_CHUNK_RUNS]
-        state = seq.spawn(1)[0].generate_state(2, dtype=np.uint64).astype(np.int64) & ((1 << 62) - 1)
-        dataset = runs_dataset(plan, part, np.random.default_rng(int(state[0])))
+    chunk_runs = LIGHTNING_CHUNK_RUNS
+    for start in range(0, present.size, chunk_runs):
+        part = present[start:start + chunk_runs]
+        child = seq.spawn(1)[0]
+        if poisson:
+            state = child.generate_state(2, dtype=np.uint64).astype(np.int64) & ((1 << 62) - 1)
+            dataset = runs_dataset(plan, part, np.random.default_rng(int(state[0])))
+            samplers, sampler, callback_seed = [None] * part.size, None, int(state[1])
+        else:  # the hooks path's seeds (_Chunk): dataset, noise, one sampler per run
+            seeds = child.generate_state(part.size + 2, dtype=np.uint64).astype(np.int64) \
+                & ((1 << 62) - 1)
+            dataset = runs_dataset(plan, part, np.random.default_rng(int(seeds[0])))
+            removed = [bool(plan.spec.removal and not p) for p in part]
+            samplers = [plan.spec.sampler(plan, torch.Generator().manual_seed(int(s)),
+                                          removed=r)
+                        for s, r in zip(seeds[2:], removed, strict=True)]
+            sampler = IndependentRunsBatchSampler(
+                plan.scheme, samplers, plan.examples, plan.steps,
+                shifts=[int(r) for r in removed], row=functools.partial(plan.spec.row, plan))
+            callback_seed = int(seeds[1]) - 1  # DPCallback seeds its noise with seed + 1
         released: list = []
+        extra: dict = {}
+        if plan.coefficients is not None:
+            extra.update(optimizer_class=correlated_optimizer_class(DPOptimizer),
+                         optimizer_kwargs={"noise_correlation": list(plan.coefficients)})
+        if isinstance(plan.scheme, BMinSepMonteCarloScheme):  # its ε is a labelled estimate
+            extra.update(accountant=plan.spec.new_accountant(types.SimpleNamespace(plan=plan)),
+                         allow_estimate=True)
         callback = DPCallback(delta=plan.delta, noise_multiplier=plan.actual_noise_multiplier,
-                              max_grad_norm=plan.clip, scheme=plan.scheme,
-                              seed=int(state[1]), loss_reduction="sum")
+                              max_grad_norm=plan.clip, scheme=plan.scheme, sampler=sampler,
+                              seed=callback_seed, loss_reduction="sum",
+                              log_every_n_steps=plan.steps, **extra)  # ε once, at the end
         trainer = pl.Trainer(max_steps=plan.steps, accelerator="cpu", logger=False,
                              callbacks=[callback], enable_progress_bar=False,
                              enable_model_summary=False, enable_checkpointing=False,
                              num_sanity_val_steps=0)
         trainer.fit(Canaries(2 * part.size), DataLoader(dataset, batch_size=8))
-        observed.append(np.stack(released, axis=1))
+        if len(released) != plan.steps:
+            raise RuntimeError(f"the Lightning fit took {len(released)} steps, not "
+                               f"{plan.steps}")
+        chunks.append(types.SimpleNamespace(
+            present=part, samplers=samplers, observed=np.stack(released, axis=1),
+            strategy=functools.partial(_strategy_of, callback.optimizer, plan.steps)))
         if reported is None:
             reported = float(callback.epsilon())
-    rows, lps = plan.spec.patterns(plan, None)[1:]
-    scores = likelihood_ratio_scores(np.concatenate(observed), rows, lps, plan.noise_multiplier)
-    return _audit_scores(plan, present, scores, reported, runs, seed, started)
+    return _audit_scores(plan, present, _scores(plan, chunks), reported, runs, seed, started)

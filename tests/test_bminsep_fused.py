@@ -32,14 +32,27 @@ def _sqrt_coefficients(L: int) -> np.ndarray:
     return c / np.linalg.norm(c)
 
 
-def test_sfc64_is_numpys_sfc64_bit_for_bit():
-    state = np.array([0x0123456789ABCDEF, 0xFEDCBA9876543210, 42, 1], dtype=np.uint64)
-    ours = bf.sfc64_raw(state.copy(), 1000)
-    ref = np.random.SFC64(0)
-    st = ref.state
-    st["state"]["state"] = state.copy()
-    ref.state = st
-    np.testing.assert_array_equal(ours, ref.random_raw(1000))
+def _splitmix64_reference(seed: int, count: int) -> list[int]:
+    """Vigna's splitmix64.c in Python integers: ``x += γ; z = x; …; return z ^ (z >> 31)``."""
+    mask, out, x = 2**64 - 1, [], seed
+    for _ in range(count):
+        x = (x + 0x9E3779B97F4A7C15) & mask
+        z = x
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        out.append(z ^ (z >> 31))
+    return out
+
+
+def test_counter_splitmix64_is_the_reference_stream():
+    """Output c of key k is output c of splitmix64.c seeded with k − γ (counter-based)."""
+    seed = 0x0123456789ABCDEF
+    key = (seed + 0x9E3779B97F4A7C15) % 2**64
+    ref = _splitmix64_reference(seed, 1000)
+    np.testing.assert_array_equal(bf.splitmix64_raw(key, 0, 1000),
+                                  np.array(ref, dtype=np.uint64))
+    np.testing.assert_array_equal(bf.splitmix64_raw(key, 500, 10),
+                                  np.array(ref[500:510], dtype=np.uint64))
 
 
 def test_ziggurat_layers_have_equal_area():

@@ -15,61 +15,100 @@ TWO_M53 = 1.0 / 9007199254740992.0
 EXP_FLOOR = -708.0  # bminsep_fused._EXP_FLOOR
 
 
-@numba.njit(inline="always")
-def sfc64(a, b, c, w):
-    """One SFC64 step on the state ``(a, b, c, w)`` (scalars, so that LLVM keeps them in
-    registers): returns ``(output, a, b, c, w)``."""
-    tmp = a + b + w
-    return (tmp, b ^ (b >> u64(11)), c + (c << u64(3)),
-            ((c << u64(24)) | (c >> u64(40))) + tmp, w + u64(1))
+GAMMA = u64(0x9E3779B97F4A7C15)  # SplitMix64's increment (2⁶⁴/φ)
+SLOW_STRIDE = u64(1 << 20)  # extra draws per element available to the slow path
 
 
 @numba.njit(inline="always")
-def uniform(a, b, c, w):
-    """A float64 uniform on ``[0, 1)`` (53 bits): ``(u, a, b, c, w)``."""
-    o, a, b, c, w = sfc64(a, b, c, w)
-    return numba.float64(o >> u64(11)) * TWO_M53, a, b, c, w
+def splitmix64(key, counter):
+    """Output ``counter`` of SplitMix64 seeded so that its state is ``key + counter·γ``
+    (Steele, Lea & Flood 2014; Vigna's ``splitmix64.c`` finaliser): a counter-based generator,
+    so a row of lanes has no loop-carried state and vectorises."""
+    z = key + counter * GAMMA
+    z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
+    return z ^ (z >> u64(31))
 
 
 @numba.njit(inline="always")
-def normal(a, b, c, w, X, F, R):
-    """A standard normal by the 256-layer ziggurat: ``(z, a, b, c, w)``."""
+def uniform(key, counter):
+    """A float64 uniform on ``[0, 1)`` (53 bits)."""
+    return numba.float64(numba.int64(splitmix64(key, counter) >> u64(11))) * TWO_M53
+
+
+@numba.njit(inline="always")
+def finish_normal(bits, slow_key, element, X, F, R):
+    """The ziggurat draw of one element whose fast test failed on ``bits``: the wedge test, the
+    tail beyond ``r`` (Marsaglia's exact exponential method), and on rejection a fresh draw —
+    extra bits from the element's own counters ``element·2²⁰ + k`` of ``slow_key``."""
     m52 = u64(0xFFFFFFFFFFFFF)
+    ctr = element * SLOW_STRIDE
     while True:
-        bits, a, b, c, w = sfc64(a, b, c, w)
         idx = numba.int64(bits & u64(255))
         neg = (bits >> u64(8)) & u64(1)
-        x = numba.float64((bits >> u64(9)) & m52) * X[idx] * 2.220446049250313e-16
+        x = numba.float64(numba.int64((bits >> u64(9)) & m52)) * X[idx] * 2.220446049250313e-16
         if x < X[idx + 1]:
-            return (-x if neg else x), a, b, c, w
-        if idx == 0:  # the tail beyond r (Marsaglia's exact exponential method)
+            return -x if neg else x
+        if idx == 0:
             while True:
-                u1, a, b, c, w = uniform(a, b, c, w)
-                u2, a, b, c, w = uniform(a, b, c, w)
-                xx = -math.log1p(-u1) / R
-                yy = -math.log1p(-u2)
+                xx = -math.log1p(-uniform(slow_key, ctr)) / R
+                yy = -math.log1p(-uniform(slow_key, ctr + u64(1)))
+                ctr += u64(2)
                 if yy + yy > xx * xx:
                     x = R + xx
-                    return (-x if neg else x), a, b, c, w
-        u1, a, b, c, w = uniform(a, b, c, w)
+                    return -x if neg else x
+        u1 = uniform(slow_key, ctr)
+        ctr += u64(1)
         if F[idx] + u1 * (F[idx + 1] - F[idx]) < math.exp(-0.5 * x * x):
-            return (-x if neg else x), a, b, c, w
+            return -x if neg else x
+        bits = splitmix64(slow_key, ctr)
+        ctr += u64(1)
+
+
+@numba.njit(inline="always")
+def normal_row(row, bits, rejected, W, key, slow_key, first, X, F, R):
+    """``row[s]`` = the standard normal of element ``first + s`` (``s < W``).
+
+    Three passes: the counter hash and the 52-bit abscissa for all lanes (a loop LLVM
+    vectorises); per lane the layer scale, the sign and the fast acceptance ``x < X[idx+1]``
+    (≈ 98.8 %), noting the other lanes; then :func:`finish_normal` for those (kept out of the
+    hot loop).
+    """
+    m52 = u64(0xFFFFFFFFFFFFF)
+    for s in range(W):
+        z = splitmix64(key, first + u64(s))
+        bits[s] = z
+        row[s] = numba.float64(numba.int64((z >> u64(9)) & m52))
+    nrej = 0
+    for s in range(W):
+        z = bits[s]
+        idx = numba.int64(z & u64(255))
+        x = row[s] * X[idx] * 2.220446049250313e-16
+        row[s] = -x if (z >> u64(8)) & u64(1) else x
+        if x >= X[idx + 1]:
+            rejected[nrej] = s
+            nrej += 1
+    for t in range(nrej):
+        s = rejected[t]
+        row[s] = finish_normal(bits[s], slow_key, first + u64(s), X, F, R)
 
 
 @numba.njit(cache=True, nogil=True)
-def raw(state, out):
-    a, b, c, w = state[0], state[1], state[2], state[3]
+def raw(key, first, out):
+    """``out[i]`` = SplitMix64 output ``first + i`` of ``key`` (for tests)."""
     for i in range(out.size):
-        out[i], a, b, c, w = sfc64(a, b, c, w)
-    state[0], state[1], state[2], state[3] = a, b, c, w
+        out[i] = splitmix64(key, first + u64(i))
 
 
 @numba.njit(cache=True, nogil=True)
-def normals(state, out, X, F, R):
-    a, b, c, w = state[0], state[1], state[2], state[3]
-    for i in range(out.size):
-        out[i], a, b, c, w = normal(a, b, c, w, X, F, R)
-    state[0], state[1], state[2], state[3] = a, b, c, w
+def normals(key, slow_key, out, X, F, R):
+    """``out[i]`` = the standard normal of element ``i`` (rows of 128 lanes, as the kernel)."""
+    bits = np.empty(128, np.uint64)
+    rejected = np.empty(128, np.int64)
+    n = out.size
+    for r0 in range(0, n, 128):
+        W = min(128, n - r0)
+        normal_row(out[r0:r0 + W], bits, rejected, W, key, slow_key, u64(r0), X, F, R)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -180,14 +219,14 @@ def fused(n, L, b, p, warm, block, tile, coef, toeplitz, toe, cols, offset, ptr,
     scale = np.empty(tile)
     kb = np.empty(tile, np.int64)
     mx = np.empty(tile)
+    bits = np.empty(tile, np.uint64)
+    rejected = np.empty(tile, np.int64)
     cq = np.zeros((4, L + 3))
     ntiles = (S + tile - 1) // tile
     for t in range(ntiles):
         s0 = t * tile
         W = min(tile, S - s0)
-        r0, r1, r2, r3 = seeds[t, 0], seeds[t, 1], seeds[t, 2], seeds[t, 3]
-        for _ in range(12):  # numpy's SFC64 seeding: 12 discarded outputs
-            _, r0, r1, r2, r3 = sfc64(r0, r1, r2, r3)
+        key, slow_key = seeds[t, 0], seeds[t, 1]
         U[:, :] = 0.0
         buf[:, :] = 1.0
         scale[:] = 0.0
@@ -199,10 +238,9 @@ def fused(n, L, b, p, warm, block, tile, coef, toeplitz, toe, cols, offset, ptr,
                     dst, src = U[m + rr], U[rr]
                     for s in range(W):
                         dst[s] = src[s]
-            for r in range(m):
-                row = U[r]
-                for s in range(W):
-                    row[s], r0, r1, r2, r3 = normal(r0, r1, r2, r3, X, F, R)
+            for r in range(m):  # element (i, s) of the tile is counter i·tile + s
+                normal_row(U[r], bits, rejected, W, key, slow_key, u64((j + r) * tile), X, F,
+                           R)
             if remove:
                 for s in range(W):
                     for e in range(ptr[s0 + s], ptr[s0 + s + 1]):

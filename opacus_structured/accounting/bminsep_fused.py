@@ -8,16 +8,20 @@ products ``⟨c_i, u⟩``, ``G_i = p·e^{ℓ_i}`` and the linear-space suffix re
 kernel over **tiles** of :data:`TILE` samples, so every array of a tile stays in the core's L2
 cache, and draws the Gaussians with its own generator:
 
-* **Generator.** One SFC64 stream per tile (Chris Doty-Humphrey's small fast chaotic generator,
-  the algorithm of :class:`numpy.random.SFC64`, checked against it bit for bit in the tests),
-  its 192-bit state drawn from the caller's :class:`numpy.random.Generator` and mixed by 12
-  discarded outputs, as numpy seeds it.
-* **Gaussians.** The 256-layer ziggurat of Marsaglia & Tsang (2000) with numpy's float64 layout —
-  8 bits pick the layer, 1 bit the sign, 52 bits the abscissa; wedges by exact rejection against
-  ``e^{−x²/2}``; the tail past ``r`` by Marsaglia's exact exponential method. It is an *exact*
-  sampler of :math:`N(0,1)` up to the 52-bit grid of the abscissa (as numpy's); the layer table
-  is solved here in float64 so that every layer has area ``v`` to ``≈ 1e−13`` relative (the
-  top layer closes at ``X_255 (1 − e^{−X_255²/2}) = v``). About 3 ns per normal here.
+* **Generator.** SplitMix64 (Steele, Lea & Flood 2014; the finaliser of Vigna's
+  ``splitmix64.c``) used counter-based: element ``(i, s)`` of a tile (iteration ``i``, lane
+  ``s``) takes output ``i·TILE + s`` of the tile's 64-bit key, so a row of lanes has no
+  loop-carried state and its hashing vectorises. Keys are drawn from the caller's
+  :class:`numpy.random.Generator` (two per tile: the main draws and the rare extra draws of
+  rejected elements, which use the element's own counter range ``element·2²⁰ + k``). The
+  tests check the hash against a Python-integer implementation.
+* **Gaussians.** The 256-layer ziggurat of Marsaglia & Tsang (2000) with numpy's float64
+  layout — 8 bits pick the layer, 1 bit the sign, 52 bits the abscissa; wedges by exact
+  rejection against ``e^{−x²/2}``; the tail past ``r`` by Marsaglia's exact exponential method.
+  It is an *exact* sampler of :math:`N(0,1)` up to the 52-bit grid of the abscissa (as numpy's);
+  the layer table is solved here in float64 so that every layer has area ``v`` to ``≈ 1e−13``
+  relative (the top layer closes at ``X_255 (1 − e^{−X_255²/2}) = v``). About 1.5 ns per normal
+  here (numpy's ``standard_normal``: ≈ 11 ns).
 * **exp.** ``e^x`` by Cody–Waite reduction (``x = k ln 2 + r``, ``|r| ≤ ln 2/2``), the degree-13
   Taylor polynomial (truncation ``< 2e−18``) and ``2^k`` built from its exponent bits: at most
   1 ulp from the correctly rounded value on ``[−708, 709]`` (tested). Arguments below ``−708``
@@ -44,7 +48,7 @@ from typing import Optional
 import numpy as np
 
 __all__ = ["TILE", "FUSED_BLOCK", "fused_available", "fused_bminsep_losses",
-           "ziggurat_tables", "fused_standard_normal", "sfc64_raw"]
+           "ziggurat_tables", "fused_standard_normal", "splitmix64_raw", "numba_module"]
 
 #: Samples per tile (the kernel's SIMD width × cache blocking; part of the stream).
 TILE = 128
@@ -143,32 +147,26 @@ def _require():
     return k
 
 
-def _seed_state(rng: np.random.Generator, count: int) -> np.ndarray:
-    """``count`` SFC64 states ``(a, b, c, w=1)`` drawn from ``rng`` (numpy's SFC64 layout)."""
-    seeds = np.empty((count, 4), dtype=np.uint64)
-    seeds[:, :3] = rng.integers(0, 2**64, size=(count, 3), dtype=np.uint64, endpoint=False)
-    seeds[:, 3] = 1
-    return seeds
+def _tile_keys(rng: np.random.Generator, count: int) -> np.ndarray:
+    """``(count, 2)`` 64-bit keys (main and rejection draws of each tile) from ``rng``."""
+    return rng.integers(0, 2**64, size=(count, 2), dtype=np.uint64, endpoint=False)
 
 
-def sfc64_raw(state: np.ndarray, size: int) -> np.ndarray:
-    """``size`` raw 64-bit outputs of the kernels' SFC64 from ``state`` (``(a, b, c, w)``,
-    advanced in place). For tests: :class:`numpy.random.SFC64` with the same state gives the
-    same numbers."""
+def splitmix64_raw(key: int, first: int, size: int) -> np.ndarray:
+    """Outputs ``first .. first+size−1`` of the kernels' counter-based SplitMix64 for ``key``
+    (for tests)."""
     out = np.empty(int(size), dtype=np.uint64)
-    _require().raw(state, out)
+    _require().raw(np.uint64(key), np.uint64(first), out)
     return out
 
 
 def fused_standard_normal(size: int, rng: np.random.Generator) -> np.ndarray:
-    """``size`` standard normals from the kernels' ziggurat on one SFC64 stream seeded from
-    ``rng`` (for tests and diagnostics)."""
+    """``size`` standard normals from the kernels' ziggurat (elements ``0 .. size−1`` of one
+    key pair drawn from ``rng``; for tests and diagnostics)."""
     X, F, R = ziggurat_tables()
-    state = _seed_state(rng, 1)[0]
-    raw = _require().raw
-    raw(state, np.empty(12, dtype=np.uint64))  # numpy's 12 mixing rounds
+    key, slow_key = _tile_keys(rng, 1)[0]
     out = np.empty(int(size))
-    _require().normals(state, out, X, F, R)
+    _require().normals(key, slow_key, out, X, F, R)
     return out
 
 
@@ -223,7 +221,7 @@ def fused_bminsep_losses(strategy, noise_multiplier: float, sampling_prob: float
         ptau = np.empty(0, dtype=np.int64)
         ptr = np.zeros(1, dtype=np.int64)
     ntiles = -(-S // tile)
-    seeds = _seed_state(rng, ntiles)
+    seeds = _tile_keys(rng, ntiles)
     X, F, R = ziggurat_tables()
     Y = np.empty((n, S)) if return_outputs else np.empty((1, 1))
     loss = np.empty(S)

@@ -134,6 +134,9 @@ def test_fused_stream_is_reproducible_and_named():
     a = streamed_bminsep_losses(mech, 300, "remove", np.random.default_rng(5), accelerator="fused")
     c = streamed_bminsep_losses(mech, 300, "remove", np.random.default_rng(5), accelerator="fused")
     np.testing.assert_array_equal(a, c)
+    other_block = streamed_bminsep_losses(mech, 300, "remove", np.random.default_rng(5),
+                                          accelerator="fused", block=16)
+    np.testing.assert_allclose(other_block, a, rtol=1e-12, atol=1e-12)  # block: not the stream
     assert sampler_stream(mech, "fused") == "fused"
     assert sampler_stream(mech, "numba") == "numpy"
     trunc = BandMFMonteCarlo(st, 1.0, "bminsep", 0.1, 4, truncated_batch_size=3, dataset_size=9)

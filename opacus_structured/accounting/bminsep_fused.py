@@ -50,10 +50,12 @@ import numpy as np
 __all__ = ["TILE", "FUSED_BLOCK", "fused_available", "fused_bminsep_losses",
            "ziggurat_tables", "fused_standard_normal", "splitmix64_raw", "numba_module"]
 
-#: Samples per tile (the kernel's SIMD width × cache blocking; part of the stream).
+#: Samples per tile (the kernel's SIMD width × cache blocking; part of the random stream).
 TILE = 128
-#: Iterations per time block (part of the stream).
-FUSED_BLOCK = 128
+#: Iterations per time block. Not part of the random stream (a Gaussian's counter is its
+#: iteration and lane): another block size gives the same samples up to rounding. 256 halves
+#: the per-block work of 128 (tail copy, renormalisation); a tile fits L2 up to ≈ 128 bands.
+FUSED_BLOCK = 256
 _LOG_HEADROOM = 600.0
 _EXP_FLOOR = -708.0
 _BLAS_MIN_BANDS = 16  # Toeplitz window dots by BLAS from this many bands
@@ -194,7 +196,8 @@ def fused_bminsep_losses(strategy, noise_multiplier: float, sampling_prob: float
     :func:`~opacus_structured.accounting.bminsep_mc.streamed_bminsep_losses` with
     ``accelerator="fused"`` validates the arguments, draws ``participation`` — the example's
     participation times and sample indices ``(τ, col)`` (``"remove"``; ``None`` for ``"add"``) —
-    and calls this. ``tile`` and ``block`` are part of the random stream.
+    and calls this. ``tile`` is part of the random stream; ``block`` is not (same samples up
+    to rounding).
     """
     fused = _require().fused
     S = int(num_samples)

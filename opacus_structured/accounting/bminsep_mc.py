@@ -54,7 +54,7 @@ import numpy as np
 from scipy import signal, special
 
 from .._validation import check_int, check_positive, check_probability
-from .bminsep_fused import fused_available, fused_bminsep_losses, numba_module
+from .bminsep_fused import FUSED_BLOCK, fused_available, fused_bminsep_losses, numba_module
 
 __all__ = [
     "SAMPLINGS",
@@ -840,13 +840,15 @@ def sampler_stream(mechanism: "BandMFMonteCarlo", accelerator: str = "auto") -> 
 
 
 def streamed_bminsep_losses(mechanism: "BandMFMonteCarlo", num_samples: int, direction: str,
-                            rng: np.random.Generator, *, block: int = STREAM_BLOCK,
+                            rng: np.random.Generator, *, block: Optional[int] = None,
                             return_outputs: bool = False, accelerator: str = "auto"):
     r"""Privacy-loss samples of plain b-min-sep (``k_u = 1``, no truncation), streamed in time.
 
     The same law as :meth:`BandMFMonteCarlo.sample_losses` via :func:`bminsep_log_ratio`, made
-    fast (:doc:`/benchmarks`): the output ``u = y/σ`` is drawn in blocks of ``block`` rows from
-    the **last** iteration backwards, so that each block's window dot products, its
+    fast (:doc:`/benchmarks`): the output ``u = y/σ`` is drawn in blocks of ``block`` rows
+    (default :data:`STREAM_BLOCK`, part of the numpy stream, or
+    :data:`~.bminsep_fused.FUSED_BLOCK` on the fused kernel) from the **last** iteration
+    backwards, so that each block's window dot products, its
     ``G_i = p·e^{ℓ_i}`` and its part of the suffix recursion run while the block is in cache;
     the recursion runs in linear space, ``f_i = (1−p) f_{i+1} + G_i f_{i+b}``, with the buffer
     divided by its per-sample maximum after every block (the scale is kept in log space).
@@ -880,8 +882,10 @@ def streamed_bminsep_losses(mechanism: "BandMFMonteCarlo", num_samples: int, dir
                          "max_user_examples=1)")
     st, sigma, p, b = m_.strategy, m_.noise_multiplier, m_.sampling_prob, m_.min_sep
     n, L = st.n, st.bands
-    T = check_int("block", block, minimum=1)
     accelerator = _resolve_accelerator(accelerator)
+    if block is None:
+        block = FUSED_BLOCK if accelerator == "fused" else STREAM_BLOCK
+    T = check_int("block", block, minimum=1)
     if accelerator == "fused":
         participation = (_participation_positions(n, p, b, S, m_.warm_start, rng)
                          if direction == "remove" else None)

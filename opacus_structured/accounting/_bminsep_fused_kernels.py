@@ -201,13 +201,42 @@ def window_dots(U, coef, toeplitz, offset, g, cq, toe, j, m, W, L):
         r += 1
 
 
+@numba.njit(inline="always")
+def lane_participations(part_key, lane, n, p, b, warm, log_q, out, fill):
+    """Participation times of lane ``lane``'s example under b-min-sep (Algorithm 1 or, warm,
+    Algorithm 2): first available iteration ``a`` (warm: ``0`` w.p. ``1/(1+(b−1)p)``, else
+    uniform on ``1..b−1``), ``τ₁ = a + G₁ − 1``, ``τ_{k+1} = τ_k + b − 1 + G_{k+1}``,
+    ``G ~ Geometric(p)`` by inversion (``⌊ln U/ln(1−p)⌋ + 1``, ``U ∈ (0, 1]``). Its draws are the
+    lane's counters ``lane·2³² + k`` of ``part_key``. Returns the count; writes the times to
+    ``out`` when ``fill``."""
+    ctr = u64(lane) << u64(32)
+    a = 0
+    if warm and b > 1:
+        if uniform(part_key, ctr) * (1.0 + (b - 1) * p) < (b - 1) * p:
+            a = 1 + min(b - 2, numba.int64(uniform(part_key, ctr + u64(1)) * (b - 1)))
+        ctr += u64(2)
+    count = 0
+    pos = a - 1
+    gap = 0
+    while True:
+        u = 1.0 - uniform(part_key, ctr)  # (0, 1]
+        ctr += u64(1)
+        pos += gap + 1 + numba.int64(math.floor(math.log(u) / log_q)) if log_q < 0.0 else gap + 1
+        if pos >= n:
+            return count
+        if fill:
+            out[count] = pos
+        count += 1
+        gap = b - 1
+
+
 @numba.njit(cache=True, nogil=True, fastmath={"contract"})
-def fused(n, L, b, p, warm, block, tile, coef, toeplitz, toe, cols, offset, ptr, ptau,
+def fused(n, L, b, p, warm, block, tile, coef, toeplitz, toe, cols, offset, remove,
           seeds, X, F, R, sigma, Y, want_y, loss):
-    """Losses of ``loss.size`` samples (``remove`` when ``ptr`` has ``S+1`` entries, else
-    ``add``: no mode). Tiles of ``tile`` samples, blocks of ``block`` iterations."""
+    """Losses of ``loss.size`` samples (``remove``: with the example's mode; else ``add``).
+    Tiles of ``tile`` samples, blocks of ``block`` iterations; ``seeds[t]`` holds tile ``t``'s
+    keys (Gaussians, rejected Gaussians, participation)."""
     S = loss.size
-    remove = ptr.size == S + 1
     q = 1.0 - p
     log_q = math.log1p(-p) if p < 1.0 else -math.inf
     linear_decay_ok = (block + b) * -log_q <= 600.0
@@ -221,12 +250,22 @@ def fused(n, L, b, p, warm, block, tile, coef, toeplitz, toe, cols, offset, ptr,
     mx = np.empty(tile)
     bits = np.empty(tile, np.uint64)
     rejected = np.empty(tile, np.int64)
+    ptr = np.zeros(tile + 1, np.int64)
+    ptau = np.empty(16 * tile, np.int64)
     cq = np.zeros((4, L + 3))
     ntiles = (S + tile - 1) // tile
     for t in range(ntiles):
         s0 = t * tile
         W = min(tile, S - s0)
-        key, slow_key = seeds[t, 0], seeds[t, 1]
+        key, slow_key, part_key = seeds[t, 0], seeds[t, 1], seeds[t, 2]
+        if remove:  # the tile's participation times, per lane (count, then fill: same draws)
+            for s in range(W):
+                ptr[s + 1] = ptr[s] + lane_participations(part_key, s, n, p, b, warm, log_q,
+                                                           ptau, False)
+            if ptau.size < ptr[W]:
+                ptau = np.empty(2 * ptr[W], np.int64)
+            for s in range(W):
+                lane_participations(part_key, s, n, p, b, warm, log_q, ptau[ptr[s]:], True)
         U[:, :] = 0.0
         buf[:, :] = 1.0
         scale[:] = 0.0
@@ -243,7 +282,7 @@ def fused(n, L, b, p, warm, block, tile, coef, toeplitz, toe, cols, offset, ptr,
                            R)
             if remove:
                 for s in range(W):
-                    for e in range(ptr[s0 + s], ptr[s0 + s + 1]):
+                    for e in range(ptr[s], ptr[s + 1]):
                         tau = ptau[e]
                         k0 = max(0, j - tau)
                         k1 = min(L, j + m - tau)

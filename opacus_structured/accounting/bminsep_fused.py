@@ -29,6 +29,12 @@ cache, and draws the Gaussians with its own generator:
   ``(1−p) f_{i+1}``, which the per-block renormalisation keeps ``≥ (1−p)^{T+b}``, so no float64
   sum changes.
 
+* **Participation.** The example's participation times are drawn in the kernel per lane, from
+  the lane's own counters of a third key: the first available iteration (Algorithm 2's warm
+  start or 0), then geometric gaps by inversion — the law of
+  :func:`~opacus_structured.accounting.bminsep_mc.sample_bminsep_participation` (the tests
+  check the mean output ``C·p0`` per iteration and ``E_P[e^{−ln(P/Q)}] = 1``).
+
 Everything else is the float64 arithmetic of the streamed numpy sampler (same linear recursion,
 same per-block renormalisation, same log-space fallback when a block could leave the
 float64 range), so the losses are those of :func:`~opacus_structured.accounting.bminsep_mc.
@@ -150,8 +156,9 @@ def _require():
 
 
 def _tile_keys(rng: np.random.Generator, count: int) -> np.ndarray:
-    """``(count, 2)`` 64-bit keys (main and rejection draws of each tile) from ``rng``."""
-    return rng.integers(0, 2**64, size=(count, 2), dtype=np.uint64, endpoint=False)
+    """``(count, 3)`` 64-bit keys of each tile (Gaussians, rejected Gaussians' extra draws,
+    participation) from ``rng``."""
+    return rng.integers(0, 2**64, size=(count, 3), dtype=np.uint64, endpoint=False)
 
 
 def splitmix64_raw(key: int, first: int, size: int) -> np.ndarray:
@@ -166,7 +173,7 @@ def fused_standard_normal(size: int, rng: np.random.Generator) -> np.ndarray:
     """``size`` standard normals from the kernels' ziggurat (elements ``0 .. size−1`` of one
     key pair drawn from ``rng``; for tests and diagnostics)."""
     X, F, R = ziggurat_tables()
-    key, slow_key = _tile_keys(rng, 1)[0]
+    key, slow_key, _ = _tile_keys(rng, 1)[0]
     out = np.empty(int(size))
     _require().normals(key, slow_key, out, X, F, R)
     return out
@@ -188,16 +195,15 @@ def _one_blas_thread(active: bool):
 
 def fused_bminsep_losses(strategy, noise_multiplier: float, sampling_prob: float, min_sep: int,
                          warm_start: bool, direction: str, num_samples: int,
-                         participation: Optional[tuple[np.ndarray, np.ndarray]],
                          rng: np.random.Generator, *, return_outputs: bool = False,
                          tile: int = TILE, block: int = FUSED_BLOCK):
     """Privacy-loss samples of plain b-min-sep on the fused kernel (see the module docstring).
 
     :func:`~opacus_structured.accounting.bminsep_mc.streamed_bminsep_losses` with
-    ``accelerator="fused"`` validates the arguments, draws ``participation`` — the example's
-    participation times and sample indices ``(τ, col)`` (``"remove"``; ``None`` for ``"add"``) —
-    and calls this. ``tile`` is part of the random stream; ``block`` is not (same samples up
-    to rounding).
+    ``accelerator="fused"`` validates the arguments and calls this. ``rng`` gives three 64-bit
+    keys per tile (Gaussians, the rejected Gaussians' extra draws, the example's participation,
+    drawn in the kernel per lane from its own counters). ``tile`` is part of the random stream;
+    ``block`` is not (same samples up to rounding).
     """
     fused = _require().fused
     S = int(num_samples)
@@ -214,23 +220,14 @@ def fused_bminsep_losses(strategy, noise_multiplier: float, sampling_prob: float
                 toe[t, t:t + L] = coef[0]
     else:
         coef, toeplitz = cols, False
-    if direction == "remove":
-        tau, col = participation
-        order = np.argsort(col, kind="stable")  # per sample, τ ascending
-        ptau = np.ascontiguousarray(tau[order])
-        ptr = np.zeros(S + 1, dtype=np.int64)
-        np.cumsum(np.bincount(col, minlength=S), out=ptr[1:])
-    else:
-        ptau = np.empty(0, dtype=np.int64)
-        ptr = np.zeros(1, dtype=np.int64)
     ntiles = -(-S // tile)
     seeds = _tile_keys(rng, ntiles)
     X, F, R = ziggurat_tables()
     Y = np.empty((n, S)) if return_outputs else np.empty((1, 1))
     loss = np.empty(S)
     with _one_blas_thread(toe.size > 0):
-        fused(n, L, b, p, bool(warm_start), block, tile, coef, toeplitz, toe, cols, offset, ptr,
-              ptau, seeds, X, F, R, float(sigma), Y, bool(return_outputs), loss)
+        fused(n, L, b, p, bool(warm_start), block, tile, coef, toeplitz, toe, cols, offset,
+              direction == "remove", seeds, X, F, R, float(sigma), Y, bool(return_outputs), loss)
     if direction != "remove":
         loss = -loss
     return (loss, Y) if return_outputs else loss

@@ -887,11 +887,8 @@ def streamed_bminsep_losses(mechanism: "BandMFMonteCarlo", num_samples: int, dir
         block = FUSED_BLOCK if accelerator == "fused" else STREAM_BLOCK
     T = check_int("block", block, minimum=1)
     if accelerator == "fused":
-        participation = (_participation_positions(n, p, b, S, m_.warm_start, rng)
-                         if direction == "remove" else None)
-        return fused_bminsep_losses(st, sigma, p, b, m_.warm_start, direction, S,
-                                    participation, rng, return_outputs=return_outputs,
-                                    block=T)
+        return fused_bminsep_losses(st, sigma, p, b, m_.warm_start, direction, S, rng,
+                                    return_outputs=return_outputs, block=T)
     kernels = None if accelerator == "numpy" else _numba_kernels()
     if accelerator == "numba" and kernels is None:
         raise ValueError("accelerator='numba' needs numba (pip install numba)")

@@ -23,6 +23,7 @@ see).
 
     python benchmarks/bminsep_mc.py --reference jax_privacy [--reference-path DIR] [--quick]
         [--bands 1 4 16 64] [--n 1000 10000] [--reps 3] [--workers W] [--json PATH]
+        [--paper-settings]
 
 ``--workers W`` (W > 1) adds the steady-state throughput of our sharded runner
 (:func:`~opacus_structured.runners.monte_carlo.collect_privacy_losses`) on a warm pool of ``W``
@@ -49,6 +50,7 @@ from opacus_structured.accounting.bminsep_mc import (
     _numba_kernels,
     streamed_bminsep_losses,
 )
+from opacus_structured.accounting.monte_carlo import delta_upper_confidence, minimum_samples
 from opacus_structured.runners.monte_carlo import collect_privacy_losses, sample_losses
 
 P0 = 1 / 128
@@ -155,6 +157,56 @@ def bench_row(b: int, n: int, sigma: float, reps: int, ref_elements: int, our_el
     return row
 
 
+#: The paper's b-min-sep settings (Dong & Ganesh §7.1 and the §7.4 production run):
+#: (name, n, b, p0, σ).
+PAPER_SETTINGS = (("§7.1", 1024, 4, 1 / 128, 1.0),
+                  ("§7.4 production", 7200, 256, 1793 / 14_745_600, 0.47))
+
+
+def kl_certificate_samples(target_delta: float, failure_probability: float) -> int:
+    """Samples per direction for the KL bound to certify ``δ(ε) ≤ δ_t`` when the true δ is
+    ``δ_t/2`` (both directions at ``β/2``): the smallest ``s`` with
+    ``UCB(δ_t/2, s, β/2) ≤ δ_t``."""
+    ok = lambda s: delta_upper_confidence(target_delta / 2, s, failure_probability / 2) \
+        <= target_delta  # noqa: E731
+    lo, hi = 1, 2
+    while not ok(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi
+
+
+def paper_settings_rows(reps: int, seconds: float, target_delta: float = 1e-6,
+                        failure_probability: float = 1e-3) -> list[dict]:
+    """One-core samples/s of ours at the paper's settings (warm start, BandMF square-root
+    coefficients with b bands) and the time to a certificate at ``δ_t``, β."""
+    alg5 = minimum_samples(target_delta / 2, target_delta)
+    kl = kl_certificate_samples(target_delta, failure_probability)
+    rows = []
+    for name, n, b, p0, sigma in PAPER_SETTINGS:
+        p = p0 / (1 - (b - 1) * p0)
+        mech = BandMFMonteCarlo(BandedStrategy.toeplitz(coefficients(b), n), sigma, "bminsep",
+                                p, b, warm_start=True)
+        sample_losses(mech, 128, "remove", seed=0)  # kernels loaded
+        t = time.perf_counter()
+        sample_losses(mech, 256, "remove", seed=1)
+        size = max(256, int(256 * seconds / max(time.perf_counter() - t, 1e-9)))
+        rates = []
+        for rep in range(reps):
+            t = time.perf_counter()
+            sample_losses(mech, size, "remove", seed=10 + rep)
+            rates.append(size / (time.perf_counter() - t))
+        rate = float(np.median(rates))
+        rows.append({"setting": name, "n": n, "b": b, "p0": p0, "sigma": sigma,
+                     "ours_samples_per_s": rate,
+                     "algorithm5_samples_per_direction": alg5,
+                     "algorithm5_hours_per_candidate": 2 * alg5 / rate / 3600,
+                     "kl_samples_per_direction": kl, "kl_hours": 2 * kl / rate / 3600})
+    return rows
+
+
 def format_table(rows: list[dict]) -> str:
     workers_key = next((k for k in rows[0] if k.endswith("_workers_samples_per_s")), None)
     numpy_only = "ours_numpy_only_samples_per_s" in rows[0]
@@ -201,6 +253,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true",
                     help="b in {4, 64}, n = 1000, 2 repetitions, fewer samples")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--paper-settings", action="store_true",
+                    help="also time ours (one core) at the paper's §7.1 and §7.4 settings and "
+                         "print the hours to a certificate at δ = 1e-6, β = 1e-3")
     args = ap.parse_args(argv)
     if args.quick:
         args.bands, args.n, args.reps = [4, 64], [1000], 2
@@ -215,10 +270,22 @@ def main(argv=None):
             print(f"b={b} n={n}: jax_privacy {rows[-1]['jax_privacy_samples_per_s']:,.0f}/s, "
                   f"ours {rows[-1]['ours_samples_per_s']:,.0f}/s", file=sys.stderr, flush=True)
     print(format_table(rows))
+    paper = []
+    if args.paper_settings:
+        paper = paper_settings_rows(args.reps, seconds=4.0)
+        print("\n| setting | n | b | ours samples/s (one core) | Algorithm 5: samples per "
+              "direction, hours per σ candidate | KL bound: samples per direction, hours |")
+        print("|---|---|---|---|---|---|")
+        for r in paper:
+            print(f"| {r['setting']} | {r['n']} | {r['b']} | {r['ours_samples_per_s']:,.0f} | "
+                  f"{r['algorithm5_samples_per_direction']:.3e}, "
+                  f"{r['algorithm5_hours_per_candidate']:.2f} h | "
+                  f"{r['kl_samples_per_direction']:.3e}, {r['kl_hours']:.2f} h |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"reference": "jax_privacy " + getattr(sg, "__name__", ""),
-                       "sigma": args.sigma, "p0": P0, "rows": rows}, fh, indent=1)
+                       "sigma": args.sigma, "p0": P0, "rows": rows, "paper_settings": paper},
+                      fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ def _sqrt_coefficients(L: int) -> np.ndarray:
     (20, 150, 20, True, 32, True),   # blocked / BLAS matrix-product window dots, bands > block/2
     (64, 150, 64, True, 16, True),   # bands > block: the tail copy overlaps
     (5, 37, 3, True, 8, False),      # general columns, L < b, partial last block
+    (20, 90, 20, True, 32, False),   # general columns, four-row window products (L >= 8)
     (3, 10, 3, False, 128, True),    # n < block
 ])
 @pytest.mark.parametrize("sigma", [1.0, 0.25])

@@ -197,7 +197,7 @@ def test_mutation_is_caught(scheme, mutation):
 
 
 #: Truncated Poisson where a doubled rate changes the release (the registry's mutation_flags:
-#: design "add", B = 8 of n = 10, p = 0.4; the doubled sampler truncates 44 % of its batches).
+#: design "add", B = 8 of n = 10, p = 0.4; the doubled sampler truncates 38 % of its batches).
 #: At the default (displacement) settings a kept canary has probability ~B/n whatever the rate.
 TRUNCATED_DOUBLED = audit_registry()["truncated-poisson"]["mutation_flags"]["rate-doubled"]
 

@@ -626,7 +626,7 @@ class _TruncatedPoissonAudit(_SchemeAudit):
     defaults = dict(sample_rate=0.9, max_batch_size=3, noise_multiplier=1.4, steps=2,
                     delta=0.05, examples=6, design="displace")
     #: Settings where a doubled rate changes the release (``design="add"``, truncation rare
-    #: unbroken, 44 % of the doubled sampler's batches truncated): the rate-doubled mutation's.
+    #: unbroken, 38 % of the doubled sampler's batches truncated): the rate-doubled mutation's.
     RATE_DOUBLED = dict(design="add", sample_rate=0.4, max_batch_size=8, examples=10,
                         noise_multiplier=0.8, steps=3)
     DESIGNS = ("displace", "add")

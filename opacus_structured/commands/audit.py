@@ -84,8 +84,9 @@ def _add_scheme_parsers(parser: argparse.ArgumentParser) -> None:
                             "entropy, reported in the output)")
         p.add_argument("--path", choices=info["paths"], default=info["paths"][0],
                        help="training path: Opacus hooks, ghost clipping, book-keeping, a "
-                            "checkpoint/resume mid-run, DDP with 2 gloo ranks or the Lightning "
-                            "callback, as the scheme offers (default %(default)s)")
+                            "checkpoint/resume mid-run, DDP with 2 gloo ranks (ddp: hooks, "
+                            "ddp-ghost, ddp-bookkeeping) or the Lightning callback, as the "
+                            "scheme offers (default %(default)s)")
         p.add_argument("--mutation", choices=info["mutations"], default=None,
                        help="deliberately break the pipeline (the accountant is told the "
                             "unbroken setting) to see the audit catch it (default: none)")

@@ -75,6 +75,33 @@ def test_audit_flags_a_pipeline_leaking_more_than_reported(capsys, monkeypatch):
     assert code == 0 and json.loads(out)["violation"] is False
 
 
+def test_audit_passes_the_truncated_design_and_the_new_paths(capsys, monkeypatch):
+    """``--design add`` (truncated Poisson) and the paths ddp-ghost / ddp-bookkeeping /
+    lightning reach ``run_audit`` as given; a bad design is a one-line error."""
+    from opacus_structured.audit import pipelines
+
+    seen = []
+    fake = simulated_gaussian_audit(30.0)
+
+    def recording(scheme, **kw):
+        seen.append((scheme, kw["path"], kw.get("design")))
+        return fake(scheme, **kw)
+
+    monkeypatch.setattr(pipelines, "run_audit", recording)
+    for scheme, argv in [("truncated-poisson", ["--design", "add", "--path", "lightning"]),
+                         ("gdp-filter", ["--path", "ddp-bookkeeping"]),
+                         ("balls-in-bins", ["--path", "ddp-ghost"])]:
+        code, out, err = run_cli(capsys, scheme, "--runs", "20", "--seed", "0", "--json",
+                                 "--no-progress", *argv)
+        assert code == 0, err
+    assert seen == [("truncated-poisson", "lightning", "add"),
+                    ("gdp-filter", "ddp-bookkeeping", None), ("balls-in-bins", "ddp-ghost", None)]
+    monkeypatch.undo()
+    code, out, err = run_cli(capsys, "truncated-poisson", "--design", "remove", "--runs", "4",
+                             "--no-progress")
+    assert code == 2 and "design must be one of" in err and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--runs", "1"], "--runs must be >= 2, got 1"),
     (["--confidence", "1.5"], "confidence must be in [0.5, 1), got 1.5"),

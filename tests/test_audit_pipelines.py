@@ -133,7 +133,9 @@ def test_registry_lists_schemes_paths_and_mutations():
     assert "wrong-band" not in reg["poisson"]["mutations"]
     assert "lightning" in reg["poisson"]["paths"]
     assert "lightning" in reg["bandmf-cyclic-poisson"]["paths"]
-    assert {"ddp-ghost", "ddp-bookkeeping", "bookkeeping"} <= set(reg["gdp-filter"]["paths"])
+    assert {"ddp-ghost", "ddp-bookkeeping", "bookkeeping", "lightning"} <= set(
+        reg["gdp-filter"]["paths"])
+    assert "lightning" not in reg["bminsep-mc"]["paths"]
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -163,7 +165,8 @@ TIGHT = [(s, "hooks") for s in AUDIT_SCHEMES if s != "poisson"] + [
     ("poisson", "resume"), ("poisson", "ddp"), ("poisson", "lightning"),
     ("poisson", "ddp-ghost"), ("bandmf-cyclic-poisson", "ddp-bookkeeping"),
     ("gdp-filter", "bookkeeping"), ("gdp-filter", "ddp-bookkeeping"),
-    ("balls-in-bins", "lightning"), ("bandmf-cyclic-poisson", "lightning")]
+    ("balls-in-bins", "lightning"), ("bandmf-cyclic-poisson", "lightning"),
+    ("gdp-filter", "lightning")]
 
 
 @pytest.mark.slow
@@ -287,10 +290,11 @@ def test_ddp_clipping_paths_release_what_one_process_releases(scheme, path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["truncated-poisson", "balls-in-bins",
-                                    "bandmf-cyclic-poisson"])
+                                    "bandmf-cyclic-poisson", "gdp-filter"])
 def test_dp_callback_releases_what_the_hooks_path_releases(scheme):
     """DPCallback with a non-Poisson scheme (one sampler per run, IndependentRunsBatchSampler;
-    BandMF through optimizer_class=CorrelatedNoiseDPOptimizer): the hooks path's release."""
+    BandMF through optimizer_class=CorrelatedNoiseDPOptimizer; full-batch DP-GD with the
+    IndividualGDPFilter callback, whose ε is reported): the hooks path's release."""
     hooks = run_audit(scheme, runs=8, seed=8, path="hooks")
     fit = run_audit(scheme, runs=8, seed=8, path="lightning")
     np.testing.assert_allclose(fit.scores_with, hooks.scores_with, rtol=1e-5, atol=1e-5)

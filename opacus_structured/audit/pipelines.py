@@ -869,14 +869,18 @@ class _GDPFilterAudit(_SchemeAudit):
     equal to the budget ``B`` the filter certifies when :math:`B^2\sigma^2` is an integer
     (the defaults: σ = √2/1.5, B = 1.5, k = 2 of 4 steps). The reported ε is the filter's
     (:meth:`~lightning_callbacks.gdp_filter.IndividualGDPFilter.epsilon`). Paths: hooks
-    (inactive ``grad_sample`` rows zeroed before the optimizer clips) and ghost (the mask
-    enters the clipping coefficients)."""
+    (inactive ``grad_sample`` rows zeroed before the optimizer clips), ghost (the mask
+    enters the clipping coefficients inside Opacus' backward), book-keeping (the mask enters
+    the book-keeping coefficients), each under DDP too (the filter decides on the
+    all-gathered global batch, every rank masks its shard), and lightning (the filter as a
+    callback beside ``DPCallback``)."""
 
     name = "gdp-filter"
     summary = "full-batch DP-GD with the individual GDP filter (per-example budget B)"
     defaults = dict(budget=1.5, noise_multiplier=math.sqrt(2) / 1.5, steps=4, delta=0.05,
                     examples=4)
-    paths = ("hooks", "ghost", "bookkeeping", "ddp", "ddp-ghost", "ddp-bookkeeping")
+    paths = ("hooks", "ghost", "bookkeeping", "ddp", "ddp-ghost", "ddp-bookkeeping",
+             "lightning")
 
     def scheme(self, f):
         check_positive("budget", f["budget"])
@@ -1209,6 +1213,7 @@ def _run_lightning(plan: _Plan, runs: int, seed: Optional[int]) -> AuditScores:
                          "canary); audit the 'input' canary on the hooks path")
     started = time.perf_counter()
     poisson = isinstance(plan.scheme, PoissonScheme)
+    gdp = isinstance(plan.spec, _GDPFilterAudit)
     seq = np.random.SeedSequence(seed)
     present = np.concatenate([np.ones(runs, dtype=bool), np.zeros(runs, dtype=bool)])
     present = present[np.random.default_rng(seq.spawn(1)[0]).permutation(present.size)]
@@ -1251,6 +1256,8 @@ def _run_lightning(plan: _Plan, runs: int, seed: Optional[int]) -> AuditScores:
             sampler = IndependentRunsBatchSampler(
                 plan.scheme, samplers, plan.examples, plan.steps,
                 shifts=[int(r) for r in removed], row=functools.partial(plan.spec.row, plan))
+            if gdp:  # full batches of R runs = the full batch of their union: let it build one
+                sampler = None
             callback_seed = int(seeds[1]) - 1  # DPCallback seeds its noise with seed + 1
         released: list = []
         extra: dict = {}
@@ -1264,8 +1271,14 @@ def _run_lightning(plan: _Plan, runs: int, seed: Optional[int]) -> AuditScores:
                               max_grad_norm=plan.clip, scheme=plan.scheme, sampler=sampler,
                               seed=callback_seed, loss_reduction="sum",
                               log_every_n_steps=plan.steps, **extra)  # ε once, at the end
+        callbacks = [callback]
+        if gdp:  # the individual GDP filter, after DPCallback (it reads the recorded indices)
+            from lightning_callbacks import IndividualGDPFilter  # optional: lightning
+
+            callbacks.append(IndividualGDPFilter(part.size * plan.examples,
+                                                 plan.flags["budget"]))
         trainer = pl.Trainer(max_steps=plan.steps, accelerator="cpu", logger=False,
-                             callbacks=[callback], enable_progress_bar=False,
+                             callbacks=callbacks, enable_progress_bar=False,
                              enable_model_summary=False, enable_checkpointing=False,
                              num_sanity_val_steps=0)
         trainer.fit(Canaries(2 * part.size), DataLoader(dataset, batch_size=8))
@@ -1275,6 +1288,6 @@ def _run_lightning(plan: _Plan, runs: int, seed: Optional[int]) -> AuditScores:
         chunks.append(types.SimpleNamespace(
             present=part, samplers=samplers, observed=np.stack(released, axis=1),
             strategy=functools.partial(_strategy_of, callback.optimizer, plan.steps)))
-        if reported is None:
-            reported = float(callback.epsilon())
+        if reported is None:  # the filter certifies B-GDP per example (its own ε)
+            reported = float(callbacks[-1].epsilon(plan.delta) if gdp else callback.epsilon())
     return _audit_scores(plan, present, _scores(plan, chunks), reported, runs, seed, started)

@@ -71,23 +71,14 @@ def test_resumed_correlated_noise_run_releases_exactly_the_uninterrupted_run():
     assert plain.reported_epsilon == resumed.reported_epsilon
 
 
-def test_clipping_paths_release_the_same_noisy_sums():
+@pytest.mark.parametrize("scheme,runs", [("poisson", 16), ("gdp-filter", 8)])
+def test_clipping_paths_release_the_same_noisy_sums(scheme, runs):
     """hooks, ghost and book-keeping clip the same per-example gradients and draw the same
-    noise from the same generator: identical scores."""
-    by_path = {p: run_audit("poisson", runs=16, seed=2, path=p)
-               for p in ("hooks", "ghost", "bookkeeping")}
-    for p in ("ghost", "bookkeeping"):
-        np.testing.assert_allclose(by_path[p].scores_with, by_path["hooks"].scores_with,
-                                   rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(by_path[p].scores_without, by_path["hooks"].scores_without,
-                                   rtol=1e-5, atol=1e-5)
-
-
-def test_gdp_filter_releases_the_same_on_every_single_process_clipping_path():
-    """The individual GDP filter zeroes inactive grad_sample rows (hooks), masks the ghost
-    coefficients inside Opacus' backward (ghost) or the book-keeping coefficients (book-keeping):
-    the same examples are dropped at the same steps, the same sums released, the same ε."""
-    by_path = {p: run_audit("gdp-filter", runs=8, seed=2, path=p)
+    noise from the same generator: identical scores. The individual GDP filter zeroes inactive
+    grad_sample rows (hooks), masks the ghost coefficients inside Opacus' backward (ghost) or
+    the book-keeping coefficients (book-keeping): the same examples are dropped at the same
+    steps, the same sums released, the same ε."""
+    by_path = {p: run_audit(scheme, runs=runs, seed=2, path=p)
                for p in ("hooks", "ghost", "bookkeeping")}
     for p in ("ghost", "bookkeeping"):
         np.testing.assert_allclose(by_path[p].scores_with, by_path["hooks"].scores_with,

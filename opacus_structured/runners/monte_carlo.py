@@ -174,7 +174,11 @@ def _run_shard(mech_dict: dict, direction: str, seed: int, shard: int, size: int
 
 
 def _stream(mechanism: BandMFMonteCarlo, device: Optional[str]) -> str:
+    """The random stream a run of ``mechanism`` draws here: ``"torch"`` on a device, else the
+    numpy backend's (``"fused"`` with numba for plain b-min-sep, ``"numpy"`` otherwise)."""
     return "torch" if device is not None else sampler_stream(mechanism)
+
+
 def _fingerprint(mech_dict: dict, seed: int, shard_size: int, device: Optional[str],
                  stream: str = "numpy") -> str:
     record = {"mechanism": mech_dict, "seed": int(seed), "shard_size": shard_size,

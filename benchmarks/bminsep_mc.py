@@ -50,6 +50,7 @@ from opacus_structured.accounting.bminsep_mc import (
     _numba_kernels,
     streamed_bminsep_losses,
 )
+from opacus_structured.accounting.calibration import smallest_passing_int
 from opacus_structured.accounting.monte_carlo import delta_upper_confidence, minimum_samples
 from opacus_structured.runners.monte_carlo import collect_privacy_losses, sample_losses
 
@@ -169,13 +170,10 @@ def kl_certificate_samples(target_delta: float, failure_probability: float) -> i
     ``UCB(δ_t/2, s, β/2) ≤ δ_t``."""
     ok = lambda s: delta_upper_confidence(target_delta / 2, s, failure_probability / 2) \
         <= target_delta  # noqa: E731
-    lo, hi = 1, 2
+    hi = 2
     while not ok(hi):
-        lo, hi = hi, 2 * hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
-    return hi
+        hi *= 2
+    return smallest_passing_int(ok, hi // 2, hi)
 
 
 def paper_settings_rows(reps: int, seconds: float, target_delta: float = 1e-6,

@@ -6,13 +6,16 @@ import math
 import numba
 import numpy as np
 
+from .bminsep_mc import _LOG_HEADROOM
+
 u64 = np.uint64
 LN2_HI = 6.93147180369123816490e-01  # ln 2 split so that k·LN2_HI is exact for |k| < 2¹¹
 LN2_LO = 1.90821492927058770002e-10
 INV_LN2 = 1.44269504088896338700e+00
 MAGIC = 6755399441055744.0  # 1.5·2⁵²: adding and subtracting it rounds to the nearest integer
 TWO_M53 = 1.0 / 9007199254740992.0
-EXP_FLOOR = -708.0  # bminsep_fused._EXP_FLOOR
+EXP_FLOOR = -708.0  # exp arguments below it are raised to it (bminsep_fused docstring)
+LN2 = 0.6931471805599453
 
 
 GAMMA = u64(0x9E3779B97F4A7C15)  # SplitMix64's increment (2⁶⁴/φ)
@@ -239,7 +242,7 @@ def fused(n, L, b, p, warm, block, tile, coef, toeplitz, toe, cols, offset, remo
     S = loss.size
     q = 1.0 - p
     log_q = math.log1p(-p) if p < 1.0 else -math.inf
-    linear_decay_ok = (block + b) * -log_q <= 600.0
+    linear_decay_ok = (block + b) * -log_q <= _LOG_HEADROOM
     nblocks = (n + block - 1) // block
     U = np.zeros((block + L - 1, tile))
     g = np.empty((block, tile))
@@ -303,7 +306,7 @@ def fused(n, L, b, p, warm, block, tile, coef, toeplitz, toe, cols, offset, remo
             top = -math.inf
             for s in range(W):
                 top = max(top, mx[s])
-            if linear_decay_ok and m * (max(0.0, top) + 0.6931471805599453) <= 600.0:
+            if linear_decay_ok and m * (max(0.0, top) + LN2) <= _LOG_HEADROOM:
                 exp_rows(g, kb, m, W)
                 for i in range(j + m - 1, j - 1, -1):
                     cur = buf[i % b]

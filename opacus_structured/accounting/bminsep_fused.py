@@ -61,8 +61,6 @@ TILE = 128
 #: iteration and lane): another block size gives the same samples up to rounding. 256 halves
 #: the per-block work of 128 (tail copy, renormalisation); a tile fits L2 up to ≈ 128 bands.
 FUSED_BLOCK = 256
-_LOG_HEADROOM = 600.0
-_EXP_FLOOR = -708.0
 _BLAS_MIN_BANDS = 16  # Toeplitz window dots by BLAS from this many bands
 _BLAS_ROWS = 32  # output rows per BLAS product
 
@@ -178,18 +176,25 @@ def fused_standard_normal(size: int, rng: np.random.Generator) -> np.ndarray:
     return out
 
 
+@lru_cache(maxsize=1)
+def _blas_controller():
+    """threadpoolctl's controller of the loaded BLAS libraries (inspected once), or ``None``."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # pragma: no cover - threadpoolctl comes with scipy's test deps
+        return None
+    return ThreadpoolController()
+
+
 def _one_blas_thread(active: bool):
     """The kernel's small BLAS products on one thread (a pool of worker processes already
     fills the cores; threads would oversubscribe them). A no-op without threadpoolctl."""
     import contextlib
 
-    if active:
-        try:
-            from threadpoolctl import threadpool_limits
-        except ImportError:  # pragma: no cover - threadpoolctl comes with scipy's test deps
-            return contextlib.nullcontext()
-        return threadpool_limits(1, user_api="blas")
-    return contextlib.nullcontext()
+    controller = _blas_controller() if active else None
+    if controller is None:
+        return contextlib.nullcontext()
+    return controller.limit(limits=1, user_api="blas")
 
 
 def fused_bminsep_losses(strategy, noise_multiplier: float, sampling_prob: float, min_sep: int,

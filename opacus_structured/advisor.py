@@ -515,7 +515,8 @@ def _jobs(s: AdvisorSetting) -> list[_Job]:
                          else "independent", b, N * q, None, 0.0, bound="monte-carlo",
                          note=("Monte Carlo estimate only: not calibrated, not ranked; "
                                "certify sigma with `opacus-structured bminsep-mc certify`"),
-                         parameters=(("bands", b), ("batch_size", N * q))))
+                         parameters=(("bands", b), ("batch_size", N * q))
+                         + ((("horizon", T),) if b > 1 else ())))
 
     jobs.append(_Job("gdp", "gdp (full batch)", "independent", 1, float(N),
                      lambda sg: gdp.epsilon(sg, T, delta, discretization=d), indep,

@@ -61,7 +61,8 @@ accountant / scheme          needs
 ``gdp-full-batch``           nothing (one full batch per epoch)
 ``structured``               a ``WindowDataset`` (lengths, context and forecast lengths);
                              ``batch_size`` (default the loader's), ``top_level``, …
-``bminsep-mc``               a configured ``scheme=`` and a DataLoader you built
+``bminsep-mc``               a configured ``scheme=`` (with ``horizon`` for
+                             ``optimal-banded``, ``bands > 1``) and a DataLoader you built
                              (no registered sampler); never calibrated here
 ==========================  ================================================================
 
@@ -379,6 +380,8 @@ class _Plan:
         scheme = self.scheme
         if hasattr(scheme, "batches_per_epoch"):  # random allocation: C is the scheme's
             return scheme.noise_correlation()
+        if hasattr(scheme, "horizon"):  # b-min-sep: C is the scheme's (its horizon)
+            return scheme.noise_correlation(None if epochs is None else epochs * len(self.loader))
         if epochs is None:
             raise ValueError(f"scheme {scheme.name!r} optimises its strategy for the length of "
                              f"the run: pass epochs= (or noise_correlation= explicitly)")

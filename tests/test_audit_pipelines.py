@@ -126,7 +126,7 @@ def test_registry_lists_schemes_paths_and_mutations():
     assert "lightning" in reg["bandmf-cyclic-poisson"]["paths"]
     assert {"ddp-ghost", "ddp-bookkeeping", "bookkeeping", "lightning"} <= set(
         reg["gdp-filter"]["paths"])
-    assert "lightning" not in reg["bminsep-mc"]["paths"]
+    assert "lightning" in reg["bminsep-mc"]["paths"]
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -157,7 +157,7 @@ TIGHT = [(s, "hooks") for s in AUDIT_SCHEMES if s != "poisson"] + [
     ("poisson", "ddp-ghost"), ("bandmf-cyclic-poisson", "ddp-bookkeeping"),
     ("gdp-filter", "bookkeeping"), ("gdp-filter", "ddp-bookkeeping"),
     ("balls-in-bins", "lightning"), ("bandmf-cyclic-poisson", "lightning"),
-    ("gdp-filter", "lightning")]
+    ("gdp-filter", "lightning"), ("bminsep-mc", "lightning")]
 
 
 @pytest.mark.slow
@@ -281,7 +281,7 @@ def test_ddp_clipping_paths_release_what_one_process_releases(scheme, path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["truncated-poisson", "balls-in-bins",
-                                    "bandmf-cyclic-poisson", "gdp-filter"])
+                                    "bandmf-cyclic-poisson", "gdp-filter", "bminsep-mc"])
 def test_dp_callback_releases_what_the_hooks_path_releases(scheme):
     """DPCallback with a non-Poisson scheme (one sampler per run, IndependentRunsBatchSampler;
     BandMF through optimizer_class=CorrelatedNoiseDPOptimizer; full-batch DP-GD with the

@@ -719,7 +719,7 @@ def test_scheme_describes_the_mechanism_and_settings_the_run():
     scheme = _small_scheme()
     fields = set(scheme.to_dict()) - {"scheme"}
     assert fields == {"bands", "dataset_size", "batch_size", "min_sep", "warm_start", "truncate",
-                      "max_user_examples", "sampling_probability", "strategy"}
+                      "max_user_examples", "sampling_probability", "strategy", "horizon"}
     with pytest.raises(TypeError, match="samples"):
         _small_scheme(samples=100)
     # without a seed, every run draws a fresh one and records it
@@ -969,3 +969,55 @@ def test_too_few_samples_is_infinite_and_says_so():
     est = samples.estimate(1e-3, failure_probability=1e-3)
     assert math.isinf(est.epsilon) and est.point_epsilon == 0.0
     assert "cannot support" in est.statement
+
+
+# ---- the C a training run streams (horizon) ---------------------------------------------------
+def test_optimal_banded_training_needs_a_horizon_and_prices_the_streamed_c():
+    from opacus_structured.accounting.strategies import strategy_coefficients
+
+    free = _small_scheme(strategy="optimal-banded", warm_start=False)
+    with pytest.raises(ValueError, match="horizon=<the run's planned optimizer steps>"):
+        free.noise_correlation()
+    with pytest.raises(ValueError, match="horizon"):
+        free.check_noise_correlation([1.0])
+    with pytest.raises(ValueError, match="horizon"):
+        _small_scheme(horizon=1)  # fewer steps than bands
+    planned = dataclasses.replace(free, horizon=12)
+    c = planned.noise_correlation()
+    np.testing.assert_allclose(c, strategy_coefficients("optimal-banded", 12, 2), rtol=1e-12)
+    assert planned.noise_correlation(30) == c  # the run's length does not change the scheme's C
+    planned.check_noise_correlation(c)
+    # any other noise is a different mechanism: independent noise, C optimised for another
+    # length, more bands, a dense BLT strategy
+    for other in ([1.0], list(strategy_coefficients("optimal-banded", 20, 2)),
+                  list(strategy_coefficients("optimal-banded", 12, 3))):
+        with pytest.raises(ValueError, match=r"scheme.noise_correlation\(\)"):
+            planned.check_noise_correlation(other)
+    with pytest.raises(ValueError, match="BLT"):
+        planned.check_noise_correlation(type("BLT", (), {"buf_decay": [0.5]})())
+    # mid-run and past the horizon, the accountant prices the first t rows of the streamed C
+    for t in (1, 5, 12, 20):
+        np.testing.assert_array_equal(planned.mechanism(1.0, t).strategy.columns,
+                                      BandedStrategy.toeplitz(c, t).columns)
+    # at t = horizon it is the run of exactly `horizon` steps that a horizon-free scheme prices
+    run = MonteCarloSettings(samples=2000, workers=1, seed=5)
+    assert planned.epsilon(1.0, 12, 0.05, settings=run) == free.epsilon(1.0, 12, 0.05,
+                                                                          settings=run)
+    # strategies that do not depend on the run length need no horizon; one band is DP-SGD
+    sqrt = _small_scheme(strategy="banded-sqrt")
+    sqrt.check_noise_correlation(strategy_coefficients("banded-sqrt", 4, 2))
+    one = _small_scheme(bands=1, min_sep=2, strategy="optimal-banded")
+    assert one.noise_correlation() == [1.0]
+    one.check_noise_correlation([1.0])
+
+
+def test_horizon_flag_reaches_the_scheme():
+    import argparse
+
+    from opacus_structured.schemes.bminsep_mc import BMinSepMonteCarloScheme
+
+    parser = argparse.ArgumentParser()
+    BMinSepMonteCarloScheme.add_cli_arguments(parser)
+    args = parser.parse_args(["--bands", "2", "--dataset-size", "100", "--batch-size", "10",
+                              "--horizon", "40"])
+    assert BMinSepMonteCarloScheme.from_cli_args(args).horizon == 40

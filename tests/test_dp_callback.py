@@ -318,6 +318,34 @@ def test_bandmf_scheme_sampler_optimizer_and_epsilon():
         trainer(callback(scheme=wrong), max_steps=1).fit(Tiny(), data())
 
 
+def test_bminsep_scheme_trains_only_with_the_c_it_prices():
+    """b-min-sep BandMF under DPCallback: the scheme prices one banded C (optimised for its
+    ``horizon``); the callback's default optimizer (independent noise) is refused, the
+    correlated-noise optimizer streaming ``scheme.noise_correlation()`` trains, and the labelled
+    estimate is the scheme's own at the steps taken (mid-run steps < bands included)."""
+    from opacus_structured.accounting.monte_carlo import MonteCarloEpsilon, MonteCarloSettings
+    from opacus_structured.optim.correlated_noise import CorrelatedNoiseDPOptimizer
+    from opacus_structured.samplers.bminsep import BMinSepBatchSampler
+    from opacus_structured.schemes.bminsep_mc import BMinSepMonteCarloScheme
+
+    scheme = BMinSepMonteCarloScheme(bands=2, dataset_size=64, batch_size=8, horizon=6)
+    with pytest.raises(ValueError, match=r"scheme.noise_correlation\(\)"):
+        trainer(callback(scheme=scheme, allow_estimate=True), max_steps=1).fit(Tiny(), data())
+    settings = MonteCarloSettings(samples=4000, workers=1, seed=3)
+    cb = callback(scheme=scheme, allow_estimate=True, delta=MC_DELTA,
+                  accountant=SchemeAccountant(scheme, settings=settings),
+                  optimizer_class=CorrelatedNoiseDPOptimizer,
+                  optimizer_kwargs={"noise_correlation": scheme.noise_correlation()})
+    torch.manual_seed(0)
+    t = trainer(cb, max_steps=6)
+    t.fit(Tiny(), data())
+    assert isinstance(t.train_dataloader.batch_sampler.inner, BMinSepBatchSampler)
+    assert cb.optimizer.noise_coefficients == pytest.approx(scheme.noise_correlation())
+    eps = cb.epsilon()
+    assert isinstance(eps, MonteCarloEpsilon) and cb.steps == 6
+    assert float(eps) == float(scheme.epsilon(SIGMA, 6, MC_DELTA, settings=settings))
+
+
 def test_balls_in_bins_scheme_in_callback():
     from opacus_structured.accountants.bandmf import BallsInBinsAccountant
     from opacus_structured.schemes.balls_in_bins import BallsInBinsScheme

@@ -11,6 +11,7 @@ certified scheme. Plus the unbound accountants Opacus' registry builds, and the 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -263,7 +264,7 @@ def test_history_is_never_dropped():
 
 
 def test_monte_carlo_scheme_is_never_calibrated():
-    scheme = BMinSepMonteCarloScheme(bands=2, dataset_size=N, batch_size=BATCH)
+    scheme = BMinSepMonteCarloScheme(bands=2, dataset_size=N, batch_size=BATCH, horizon=4)
     model = nn.Linear(3, 2)
     with pytest.raises(ValueError, match="Monte Carlo|monte-carlo"):
         opacus_structured.make_private_with_epsilon(
@@ -272,6 +273,23 @@ def test_monte_carlo_scheme_is_never_calibrated():
             data_loader=DataLoader(_dataset(), batch_size=BATCH), target_epsilon=2.0,
             target_delta=DELTA, epochs=1, max_grad_norm=1.0, scheme=scheme,
             poisson_sampling=False)
+
+
+def test_bminsep_scheme_streams_the_c_it_prices():
+    """make_private with a b-min-sep BandMF scheme hands the optimizer the scheme's own C
+    (optimised for its horizon), needs the correlated-noise engine for it, and names the
+    horizon when the strategy depends on the run length."""
+    scheme = BMinSepMonteCarloScheme(bands=2, dataset_size=N, batch_size=BATCH / 2, horizon=8)
+    loader = DataLoader(_dataset(), batch_sampler=scheme.sampler(N))
+    with pytest.raises(ValueError, match="CorrelatedNoisePrivacyEngine"):
+        _call(PrivacyEngine(), scheme=scheme, data_loader=loader, poisson_sampling=False)
+    _, optimizer, _ = _call(CorrelatedNoisePrivacyEngine(), scheme=scheme, data_loader=loader,
+                            poisson_sampling=False, epochs=3)
+    assert optimizer.noise_coefficients == pytest.approx(scheme.noise_correlation(), rel=1e-12)
+    free = dataclasses.replace(scheme, horizon=None)
+    with pytest.raises(ValueError, match="horizon"):
+        _call(CorrelatedNoisePrivacyEngine(), scheme=free, data_loader=loader,
+              poisson_sampling=False)
 
 
 def test_lower_bound_scheme_is_refused():

@@ -525,9 +525,11 @@ class _SchemeAudit:
 
     def reported(self, chunk: "_Chunk") -> float:
         """The ε the pipeline's accountant reports at the plan's δ (memoised on the scheme, the
-        accountant's recorded history and δ: the same record prices the same)."""
+        accountant's recorded history, its Monte Carlo settings (seed included) and δ: the same
+        record prices the same)."""
         acc = chunk.accountant
-        key = (type(acc), acc.scheme, tuple(acc.history), acc.discretization, chunk.plan.delta)
+        key = (type(acc), acc.scheme, tuple(acc.history), acc.discretization,
+               getattr(acc, "settings", None), chunk.plan.delta)
         if key not in _REPORTED:
             _REPORTED[key] = float(acc.get_epsilon(chunk.plan.delta))
         return _REPORTED[key]
@@ -766,15 +768,15 @@ class _BMinSepAudit(_BandMFAudit):
     defaults = dict(bands=2, batch_size=8 / 3, noise_multiplier=1.3, steps=12, delta=0.05,
                     examples=8, mc_samples=100_000)
 
-    #: Not ``lightning``: ``DPCallback`` asks the scheme whether its ε holds for the
-    #: optimizer's correlated noise (``scheme.check_noise_correlation``), and
-    #: ``BMinSepMonteCarloScheme`` does not override the base check, which refuses any
-    #: correlated noise.
-    paths = tuple(p for p in AUDIT_PATHS if p != "lightning")
-
     def scheme(self, f):
+        # horizon: the strategy the optimizer streams is optimised for the audited run
         return BMinSepMonteCarloScheme(bands=f["bands"], dataset_size=f["examples"],
-                                       batch_size=f["batch_size"], min_sep=f["bands"])
+                                       batch_size=f["batch_size"], min_sep=f["bands"],
+                                       horizon=f["steps"])
+
+    def coefficients(self, scheme, f):
+        """The scheme's own ``C`` (``scheme.noise_correlation()``)."""
+        return scheme.noise_correlation()
 
     def new_accountant(self, chunk):
         seed = None if chunk.plan.seed is None else int(chunk.plan.seed)

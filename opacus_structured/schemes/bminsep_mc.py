@@ -8,6 +8,18 @@ in two batches less than ``b`` steps apart; batch sizes vary (or are truncated/p
 batch size is ``B̄`` at every step. Noise: BandMF with a ``bands``-banded Toeplitz ``C``
 (``bands ≤ b``), clip norm 1, zero-out adjacency.
 
+**The noise a training run streams.** The ``"optimal-banded"`` strategy is optimised for a run
+length ``n``: its coefficients differ for every ``n``. Priced without a ``horizon``, ``steps``
+steps are a run of exactly ``steps`` steps with ``C`` optimised for ``steps`` (what
+``opacus-structured bminsep-mc epsilon --steps N`` computes). A training run streams one ``C``
+from its first step, so its scheme fixes it: ``horizon`` = the run's planned steps, and the
+accountant then prices, after ``t`` steps, the first ``t`` rows of exactly that ``C`` (after
+``t > horizon`` steps, the same banded Toeplitz ``C`` continued). The optimizer must stream
+:meth:`~BMinSepMonteCarloScheme.noise_correlation`; :meth:`~BMinSepMonteCarloScheme.
+check_noise_correlation` refuses any other ``c`` (independent noise included, unless the scheme
+has one band), so ``DPCallback`` and the engine never print an ε for noise the scheme does not
+price.
+
 Multi-attribution (``max_user_examples = k_u > 1``, Algorithm 3, §6): users own up to ``k_u``
 examples (contribution bounding is the caller's preprocessing); each iteration takes an interim
 Poisson sample at rate ``p`` and excludes the user-sharing neighbourhoods of the interim samples
@@ -49,6 +61,8 @@ import dataclasses
 import functools
 import math
 from typing import Any, Optional
+
+import numpy as np
 
 from .._validation import check_int, check_open_unit, check_positive, check_probability
 from ..accounting import pld as pld_lib
@@ -111,6 +125,10 @@ class BMinSepMonteCarloScheme(Scheme):
             agree with it (to 1e-9 relative; it is then used as given, e.g. by a sampler built
             from ``p``, :meth:`from_sampling_probability`).
         strategy: see :data:`STRATEGY_CHOICES`; ``C`` is pure Toeplitz with ``‖c‖ = 1``.
+        horizon: the number of steps ``C`` is optimised for (the training run's planned
+            optimizer steps, ``≥ bands``), or ``None``: each pricing call optimises ``C`` for
+            its own ``steps``. Needed to train with ``"optimal-banded"`` and ``bands > 1``
+            (see :meth:`noise_correlation`); the other strategies do not depend on it.
 
     How ε is estimated (samples, seed, confidence, workers, device) is not part of the scheme:
     pass a :class:`~opacus_structured.accounting.monte_carlo.MonteCarloSettings` to the pricing
@@ -129,6 +147,10 @@ class BMinSepMonteCarloScheme(Scheme):
     max_user_examples: int = 1
     sampling_probability: Optional[float] = None
     strategy: str = "optimal-banded"
+    horizon: Optional[int] = None
+
+    #: Prices the banded Toeplitz correlated noise of :meth:`noise_correlation` (and only it).
+    prices_correlated_noise = True
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -170,18 +192,21 @@ class BMinSepMonteCarloScheme(Scheme):
                 raise ValueError("truncate is not supported with max_user_examples > 1")
         if self.strategy not in STRATEGY_CHOICES:
             raise ValueError(f"strategy must be one of {STRATEGY_CHOICES}, got {self.strategy!r}")
+        if self.horizon is not None:
+            set_("horizon", check_int("horizon", self.horizon, minimum=self.bands))
 
     @classmethod
     def from_sampling_probability(cls, dataset_size: int, sampling_probability: float,
                                   min_sep: int, *, warm_start: bool = False,
                                   truncate: Optional[int] = None, max_user_examples: int = 1,
-                                  bands: int = 1,
-                                  strategy: str = "optimal-banded") -> "BMinSepMonteCarloScheme":
+                                  bands: int = 1, strategy: str = "optimal-banded",
+                                  horizon: Optional[int] = None) -> "BMinSepMonteCarloScheme":
         """The scheme of a sampler given by its conditional rate ``p`` (what the samplers of
         :mod:`opacus_structured.samplers.bminsep` take). ``batch_size`` becomes the stationary
         expected batch size ``|D|·p/(1 + (b−1)p)`` (``|D|·p``, the interim sample, with
-        multi-attribution, where it is informational); ``p`` is kept exactly. ``bands`` and
-        ``strategy`` describe the noise and default to independent noise (one band)."""
+        multi-attribution, where it is informational); ``p`` is kept exactly. ``bands``,
+        ``strategy`` and ``horizon`` describe the noise and default to independent noise (one
+        band)."""
         n = check_int("dataset_size", dataset_size, minimum=1)
         p = check_probability("sampling_probability", sampling_probability)
         b = check_int("min_sep", min_sep, minimum=1)
@@ -189,7 +214,7 @@ class BMinSepMonteCarloScheme(Scheme):
         rate = bminsep_stationary_rate(p, b) if k_u == 1 else p
         return cls(bands=bands, dataset_size=n, batch_size=n * rate, min_sep=b,
                    warm_start=warm_start, truncate=truncate, max_user_examples=k_u,
-                   sampling_probability=p, strategy=strategy)
+                   sampling_probability=p, strategy=strategy, horizon=horizon)
 
     # ---- the mechanism ---------------------------------------------------------------------
     @property
@@ -205,9 +230,57 @@ class BMinSepMonteCarloScheme(Scheme):
     def bound(self) -> BoundKind:
         return BoundKind.MONTE_CARLO
 
+    def _coefficients(self, steps: int):
+        """First column of ``C`` for a run of ``steps`` steps: optimised for ``horizon`` when
+        set, else for ``steps``."""
+        if self.bands == 1:
+            return np.ones(1)
+        n = self.horizon if self.horizon is not None else steps
+        if self.strategy != "optimal-banded":  # the coefficients do not depend on n
+            n = max(n, self.bands)
+        return strategies.strategy_coefficients(self.strategy, n, self.bands)
+
+    def noise_correlation(self, steps: Optional[int] = None) -> list:
+        """The first-column coefficients ``c`` an optimizer must stream
+        (:class:`~opacus_structured.optim.CorrelatedNoiseDPOptimizer`'s ``noise_correlation``)
+        for this scheme's ε to hold.
+
+        ``"optimal-banded"`` with ``bands > 1`` needs ``horizon`` (a ``ValueError`` names it
+        otherwise): its ``c`` depends on the run length, and the accountant must price from the
+        first step the ``C`` the optimizer streams. ``steps`` (a run's planned length, what
+        :func:`opacus_structured.make_private` passes) is only checked: ``C`` is the scheme's,
+        and a run longer than ``horizon`` continues the same banded Toeplitz ``C``, which is
+        what the accountant prices.
+        """
+        if steps is not None:
+            check_int("steps", steps, minimum=1)
+        if self.horizon is None and self.strategy == "optimal-banded" and self.bands > 1:
+            raise ValueError(
+                f"bminsep-mc with strategy='optimal-banded' and bands={self.bands} optimises C "
+                f"for the run length: build the scheme with horizon=<the run's planned "
+                f"optimizer steps> (--horizon) so the accountant prices, from the first step, "
+                f"the C the optimizer streams")
+        return [float(v) for v in self._coefficients(1 if steps is None else steps)]
+
+    def check_noise_correlation(self, coefficients) -> None:
+        """Raise ``ValueError`` unless ``coefficients`` are exactly :meth:`noise_correlation`
+        (to 1e-9): the Monte Carlo prices one ``C``, and any other (independent noise when
+        ``bands > 1`` included) is a different mechanism."""
+        if hasattr(coefficients, "buf_decay"):
+            raise ValueError("a BLT strategy has a dense C; bminsep-mc prices a banded "
+                             "Toeplitz C (price BLT with random-allocation-mf)")
+        c = strategies.validate_coefficients(coefficients, name="noise_correlation")
+        want = np.asarray(self.noise_correlation())
+        if c.size != want.size or not np.allclose(c, want, rtol=1e-9, atol=1e-12):
+            raise ValueError(
+                f"the optimizer's noise_correlation {np.round(c, 6).tolist()[:4]} (bands "
+                f"{c.size}) is not the C this scheme prices ({self.strategy!r}, bands="
+                f"{self.bands}, horizon={self.horizon}: {np.round(want, 6).tolist()[:4]}); "
+                f"pass scheme.noise_correlation() to the optimizer")
+
     def mechanism(self, noise_multiplier: float, steps: int) -> BandMFMonteCarlo:
         steps = check_int("steps", steps, minimum=1)
-        c = strategies.strategy_coefficients(self.strategy, steps, self.bands)
+        c = self._coefficients(steps)
         return BandMFMonteCarlo(
             BandedStrategy.toeplitz(c, steps), check_positive("noise_multiplier", noise_multiplier),
             "bminsep", self.sampling_prob, self.min_sep, warm_start=self.warm_start,
@@ -328,6 +401,9 @@ class BMinSepMonteCarloScheme(Scheme):
                                  "--max-user-examples > 1)")
         parser.add_argument("--strategy", choices=STRATEGY_CHOICES, default="optimal-banded",
                             help="banded Toeplitz noise strategy C (default %(default)s)")
+        parser.add_argument("--horizon", type=int, default=None, metavar="N",
+                            help="steps C is optimised for (a training run's planned steps; "
+                                 "default: each --steps)")
         MonteCarloSettings.add_cli_arguments(parser)
 
     @classmethod
@@ -336,7 +412,8 @@ class BMinSepMonteCarloScheme(Scheme):
         return cls(bands=args.bands, dataset_size=args.dataset_size, batch_size=args.batch_size,
                    min_sep=args.min_sep, warm_start=args.warm_start, truncate=args.truncate,
                    max_user_examples=args.max_user_examples,
-                   sampling_probability=args.sampling_prob, strategy=args.strategy)
+                   sampling_probability=args.sampling_prob, strategy=args.strategy,
+                   horizon=getattr(args, "horizon", None))
 
     @classmethod
     def pricing_options_from_cli_args(cls, args) -> dict[str, Any]:

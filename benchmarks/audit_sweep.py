@@ -28,6 +28,8 @@ EXTRA = [
     ("bandmf-cyclic-poisson", "hooks", "wrong-band", {}),
     ("bandmf-cyclic-poisson", "hooks", "noise-halved", {}),
     ("bminsep-mc", "hooks", "wrong-band", {}),
+    ("structured", "forecaster", "noise-halved",
+     audit_registry()["structured"]["path_flags"]["forecaster"]),
     ("truncated-poisson", "hooks", None,
      audit_registry()["truncated-poisson"]["mutation_flags"]["rate-doubled"]),
     ("truncated-poisson", "hooks", "rate-doubled",
@@ -39,7 +41,7 @@ def sweep():
     """Every (scheme, path) of the registry unbroken, then :data:`EXTRA`."""
     for scheme, info in audit_registry().items():
         for path in info["paths"]:
-            yield scheme, path, None, {}
+            yield scheme, path, None, dict(info["path_flags"].get(path, {}))
     yield from EXTRA
 
 

@@ -23,11 +23,12 @@ def rows(runs: int, seed: int, path: str, schemes=None, mutations: bool = True):
     for scheme, info in audit_registry().items():
         if (schemes and scheme not in schemes) or path not in info["paths"]:
             continue
-        audits = [(m, {}) for m in ([None, *info["mutations"]] if mutations else [None])]
+        base = dict(info["path_flags"].get(path, {}))  # what the path needs
+        audits = [(m, dict(base)) for m in ([None, *info["mutations"]] if mutations else [None])]
         if mutations:  # a mutation the defaults cannot show: unbroken and broken at its flags
             for m, flags in info.get("mutation_flags", {}).items():
                 i = max(i for i, (mm, _) in enumerate(audits) if mm in (None, m))
-                audits[i + 1:i + 1] = [(None, flags), (m, flags)]
+                audits[i + 1:i + 1] = [(None, {**base, **flags}), (m, {**base, **flags})]
         for mutation, flags in audits:
             start = time.perf_counter()
             try:

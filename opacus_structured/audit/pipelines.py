@@ -60,7 +60,9 @@ restored with ``load_state_dict``), ``"ddp"`` / ``"ddp-ghost"`` / ``"ddp-bookkee
 ghost clipping, book-keeping with :data:`DDP_WORLD_SIZE` gloo processes around Opacus'
 ``DifferentiallyPrivateDistributedDataParallel`` and its distributed optimizers: noise added
 once, on rank 0, then all-reduced), ``"lightning"`` (``DPCallback`` on an unmodified
-LightningModule; :func:`_run_lightning`);
+LightningModule; :func:`_run_lightning`), ``"forecaster"`` / ``"forecaster-ghost"``
+(``structured`` only: :func:`~opacus_structured.forecasting.training.train_forecaster` end to
+end, hooks or book-keeping, deterministic top level; :mod:`~opacus_structured.audit.forecaster`);
 correlated-noise schemes use our correlated-noise variant of each optimizer.
 """
 
@@ -109,7 +111,12 @@ __all__ = ["run_audit", "AUDIT_SCHEMES", "AUDIT_PATHS", "MUTATIONS", "audit_regi
 #: Clipping / execution paths every scheme can be audited on (``ddp``: hooks under DDP;
 #: ``ddp-ghost`` / ``ddp-bookkeeping``: ghost clipping / book-keeping under DDP).
 AUDIT_PATHS = ("hooks", "ghost", "bookkeeping", "resume", "ddp", "ddp-ghost",
-               "ddp-bookkeeping", "lightning")
+               "ddp-bookkeeping", "lightning", "forecaster", "forecaster-ghost")
+#: The paths through the forecasting trainer (``structured`` only;
+#: :mod:`~opacus_structured.audit.forecaster`).
+FORECASTER_PATHS = ("forecaster", "forecaster-ghost")
+#: The paths every scheme's pipeline supports (the forecaster paths are ``structured``'s).
+SCHEME_PATHS = tuple(p for p in AUDIT_PATHS if p not in FORECASTER_PATHS)
 #: Processes of the ``ddp`` path (gloo, CPU).
 DDP_WORLD_SIZE = 2
 #: Deliberate breakages of the pipeline (each must be caught: audited ε > reported ε).
@@ -494,10 +501,12 @@ class _SchemeAudit:
     #: Substitution relation: "without" runs hold ``others`` in the canary's rows.
     substitution = False
     #: Paths this scheme's pipeline supports.
-    paths = AUDIT_PATHS
+    paths = SCHEME_PATHS
     #: Mutation -> flags (over the defaults) at which that mutation is audited, where the
     #: defaults cannot show it.
     mutation_flags: dict = {}
+    #: Path -> flags (over the defaults) that path needs (the tools' sweeps use them).
+    path_flags: dict = {}
 
     def others_value(self, plan: _Plan) -> Optional[float]:
         """:attr:`others` of this audit (a design flag may change it)."""
@@ -582,7 +591,7 @@ class _PoissonAudit(_SchemeAudit):
     installs the scheme's sampler over the union itself."""
 
     name = "poisson"
-    paths = AUDIT_PATHS
+    paths = SCHEME_PATHS
     summary = "Poisson sampling, DP-SGD (add/remove; a zero canary = removed)"
     defaults = dict(sample_rate=0.5, noise_multiplier=0.7, steps=3, delta=0.05, examples=4)
 
@@ -808,6 +817,13 @@ class _StructuredAudit(_SchemeAudit):
                     forecast_length=1, noise_multiplier=1.4, steps=3, delta=0.05)
     others = -1.0
     substitution = True
+    #: Every path, and the forecasting trainer end to end (deterministic top level).
+    paths = SCHEME_PATHS + FORECASTER_PATHS
+    #: The trainer's paths audit the deterministic top level (2 series per run, one window per
+    #: step: the canary series is drawn at the first step of every 2-step epoch; r = 2 of 4
+    #: windows cover the event; 3 epochs).
+    path_flags = {p: dict(top_level="deterministic", series_length=4, context_length=1, steps=6)
+                  for p in FORECASTER_PATHS}
 
     def scheme(self, f):
         return StructuredScheme(num_series=f["num_series"], series_length=f["series_length"],
@@ -941,17 +957,19 @@ _SPECS: dict[str, _SchemeAudit] = {s.name: s for s in (
 
 
 def audit_registry() -> dict[str, dict]:
-    """Scheme name -> ``{"summary", "paths", "mutations", "defaults", "mutation_flags"}`` of
-    every auditable scheme (what ``opacus-structured audit <scheme>`` accepts;
-    ``mutation_flags[m]``: the flags, over the defaults, at which mutation ``m`` changes the
-    release, where the defaults cannot show it)."""
+    """Scheme name -> ``{"summary", "paths", "mutations", "defaults", "mutation_flags",
+    "path_flags"}`` of every auditable scheme (what ``opacus-structured audit <scheme>``
+    accepts; ``mutation_flags[m]``: the flags, over the defaults, at which mutation ``m``
+    changes the release, where the defaults cannot show it; ``path_flags[p]``: the flags, over
+    the defaults, that path ``p`` needs)."""
     out = {}
     for name, spec in _SPECS.items():
         mutations = [m for m in MUTATIONS
                      if m != "wrong-band" or type(spec).wrong_band is not _SchemeAudit.wrong_band]
         out[name] = {"summary": spec.summary, "paths": list(spec.paths),
                      "mutations": mutations, "defaults": dict(spec.defaults),
-                     "mutation_flags": {m: dict(v) for m, v in spec.mutation_flags.items()}}
+                     "mutation_flags": {m: dict(v) for m, v in spec.mutation_flags.items()},
+                     "path_flags": {p: dict(v) for p, v in spec.path_flags.items()}}
     return out
 
 
@@ -1076,6 +1094,10 @@ def run_audit(scheme: str, *, runs: int, seed: Optional[int] = None, path: str =
         return _run_ddp(plan, runs, seed)
     if path == "lightning":
         return _run_lightning(plan, runs, seed)
+    if path in FORECASTER_PATHS:
+        from .forecaster import run_forecaster_audit  # optional: gluonts (the [forecast] extra)
+
+        return run_forecaster_audit(plan, runs, seed, progress)
     return _run(plan, runs, seed, progress)
 
 

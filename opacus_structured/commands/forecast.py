@@ -145,6 +145,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-window clipping: hooks (Opacus per-sample gradients, default) or "
                         "ghost (book-keeping: norms by the Gram trick, clipped sum from the same "
                         "backward; same update)")
+    p.add_argument("--top-level", choices=("wor", "deterministic", "shuffle"), default="wor",
+                   help="how the series of a step are drawn: wor (fresh distinct series every "
+                        "step, default), deterministic (fixed blocks, per-epoch accounting) or "
+                        "shuffle (one permutation per epoch); the accountant prices the one "
+                        "chosen")
     p.add_argument("--num-workers", type=int, default=0,
                    help="DataLoader workers cutting the windows (same batches; > 0 overlaps "
                         "data and GPU steps; default 0)")
@@ -452,6 +457,7 @@ def run_forecast(args, *, print_fn=print) -> dict:
                   lstm_impl=getattr(args, "lstm_impl", "fast"),
                   grad_sample_mode=getattr(args, "grad_sample_mode", "hooks"),
                   num_workers=getattr(args, "num_workers", 0),
+                  top_level=getattr(args, "top_level", "wor"),
                   discretization=args.discretization)
     if seeded_any:  # said up front, on stderr even with --json (stdout then holds the JSON)
         print(NOT_PRIVATE_SEEDED, file=sys.stderr)

@@ -75,7 +75,8 @@ DEFAULT_MAX_GRAD_NORM = 1e-4
 
 # ---- scheme / window consistency -------------------------------------------------------------
 def make_scheme(train: Panel, prepared: PreparedModel, batch_size: int, **kwargs):
-    """The structured-subsampling scheme of a training run (λ = 1, WOR top, WR bottom, 1-event).
+    """The structured-subsampling scheme of a training run (λ = 1, WOR top unless ``kwargs``
+    say otherwise (``top_level``), WR bottom, 1-event).
 
     ``L`` is the shortest training series, ``L_C`` the model's ``past_length`` (lags
     included), ``L_F`` its prediction length.
@@ -379,7 +380,8 @@ def train_forecaster(model: Optional[str], train: Panel, *,
                      callbacks: Sequence = (), sampler_wrapper: Optional[Callable] = None,
                      log: Optional[Callable[[str], None]] = None,
                      lstm_impl: str = "fast", grad_sample_mode: str = "hooks",
-                     num_workers: int = 0, estimator=None) -> TrainResult:
+                     num_workers: int = 0, estimator=None,
+                     top_level: str = "wor") -> TrainResult:
     """Train a gluonts model on ``train`` with structured-subsampling DP-SGD (or without DP).
 
     Privacy modes:
@@ -436,6 +438,11 @@ def train_forecaster(model: Optional[str], train: Panel, *,
             ``trainer_kwargs`` (e.g. gluonts' ``gradient_clip_val``), train sampler, batches
             per epoch and callbacks are not used: DP training takes its steps, sampler and
             clipping from the arguments here.
+        top_level: how the series of a step are drawn: ``"wor"`` (default: a fresh uniform
+            set of Λ distinct series every step, Theorem 4.4, per-step accounting),
+            ``"deterministic"`` (step ``b`` of every epoch takes series ``bΛ … (b+1)Λ − 1``,
+            Theorem 4.2, per-epoch accounting) or ``"shuffle"`` (one permutation per epoch);
+            the scheme's accountant prices the one chosen.
     """
     import torch
 
@@ -531,7 +538,7 @@ def train_forecaster(model: Optional[str], train: Panel, *,
     if not 0.0 <= tail_average <= 1.0:
         raise ValueError(f"tail_average must be in [0, 1] (fraction of the last steps whose "
                          f"iterates are averaged), got {tail_average}")
-    scheme = make_scheme(train, prepared, batch_size)
+    scheme = make_scheme(train, prepared, batch_size, top_level=top_level)
     check_window_matches_scheme(scheme, prepared, train)
     per_epoch = scheme.steps_per_epoch()
     if max_steps is not None:

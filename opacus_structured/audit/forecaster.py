@@ -62,11 +62,12 @@ from ..forecasting.training import train_forecaster
 from .pipelines import _audit_scores, _Plan, _scores
 
 __all__ = ["CanaryHeadNetwork", "canary_head_estimator", "canary_panel",
-           "ReleasedHeadGradient", "run_forecaster_audit",
-           "FORECASTER_PATHS", "MAGNITUDE", "FORECASTER_CHUNK_RUNS"]
+           "ReleasedHeadGradient", "run_forecaster_audit", "MAGNITUDE",
+           "FORECASTER_CHUNK_RUNS"]
 
-#: The paths of this module: the trainer's two clipping modes.
-FORECASTER_PATHS = {"forecaster": "hooks", "forecaster-ghost": "ghost"}
+#: The trainer's ``grad_sample_mode`` of each path of
+#: :data:`~opacus_structured.audit.pipelines.FORECASTER_PATHS`.
+_GRAD_SAMPLE_MODE = {"forecaster": "hooks", "forecaster-ghost": "ghost"}
 #: Magnitude ``M`` of the canary head's per-window gradient (≫ the network's own gradient).
 MAGNITUDE = 1e6
 #: Runs per trainer run (the head has one coordinate per run; ``Λ`` = runs per step).
@@ -179,7 +180,8 @@ class ReleasedHeadGradient(pl.Callback):
 
 def run_forecaster_audit(plan: _Plan, runs: int, seed: Optional[int],
                          progress: Optional[Callable[[int, int], None]] = None):
-    """The audit of ``plan`` (``structured`` scheme, a path of :data:`FORECASTER_PATHS`)
+    """The audit of ``plan`` (``structured`` scheme, a path of
+    :data:`~opacus_structured.audit.pipelines.FORECASTER_PATHS`)
     through :func:`~opacus_structured.forecasting.training.train_forecaster` (module
     docstring); ``runs`` runs with and ``runs`` without the event, in trainer runs of up to
     :data:`FORECASTER_CHUNK_RUNS` runs."""
@@ -218,7 +220,7 @@ def run_forecaster_audit(plan: _Plan, runs: int, seed: Optional[int],
             None, panel, estimator=estimator, batch_size=part.size,
             noise_multiplier=plan.actual_noise_multiplier, delta=plan.delta,
             max_grad_norm=AUDIT_CLIP, max_steps=plan.steps, top_level="deterministic",
-            seed=child, init_seed=child, grad_sample_mode=FORECASTER_PATHS[plan.path],
+            seed=child, init_seed=child, grad_sample_mode=_GRAD_SAMPLE_MODE[plan.path],
             callbacks=[released])
         if result.steps != plan.steps or len(released.rows) != plan.steps:
             raise RuntimeError(f"the trainer took {result.steps} steps ({len(released.rows)} "

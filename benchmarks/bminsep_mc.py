@@ -23,7 +23,12 @@ see).
 
     python benchmarks/bminsep_mc.py --reference jax_privacy [--reference-path DIR] [--quick]
         [--bands 1 4 16 64] [--n 1000 10000] [--reps 3] [--workers W] [--json PATH]
-        [--paper-settings]
+        [--paper-settings] [--device cuda]
+
+``--device cuda`` adds, per row, our torch backend on the GPU
+(:func:`~opacus_structured.runners.bminsep_mc_torch.sample_losses_torch`, float64, chunks of
+65,536 samples) and jax_privacy's same two functions on the GPU where jax has one (its users'
+GPU run); the CPU columns always run jax_privacy on jax's CPU device.
 
 ``--workers W`` (W > 1) adds the steady-state throughput of our sharded runner
 (:func:`~opacus_structured.runners.monte_carlo.collect_privacy_losses`) on a warm pool of ``W``
@@ -76,6 +81,30 @@ def load_jax_privacy(path: typing.Optional[str] = None):
     return batch_selection, sample_generation
 
 
+def jax_device(kind: str):
+    """jax's first device of ``kind`` ("cpu" / "gpu"), or ``None`` when jax has none."""
+    import jax
+
+    try:
+        return jax.devices(kind)[0]
+    except RuntimeError:
+        return None
+
+
+def time_reference(sg, strategy, sigma: float, c, samples: int, seed: int, device):
+    """``(losses, samples/s, CPU seconds per wall second)`` of jax_privacy's
+    ``generate_sample`` + ``compute_privacy_loss`` on jax ``device``."""
+    import jax
+
+    with jax.default_device(device):
+        t, cpu = time.perf_counter(), time.process_time()
+        y = sg.generate_sample(strategy, sigma, c, seed=seed, positive_sample=True,
+                               num_samples=samples)
+        loss = np.asarray(sg.compute_privacy_loss(strategy, y, sigma, c))
+        wall = time.perf_counter() - t
+    return loss, samples / wall, (time.process_time() - cpu) / wall
+
+
 def coefficients(b: int) -> np.ndarray:
     """BandMF's banded square-root Toeplitz coefficients, ``b`` bands, unit norm."""
     c = np.cumprod([1.0] + [(2 * j - 1) / (2 * j) for j in range(1, b)])
@@ -95,7 +124,7 @@ def single_thread() -> None:
 
 
 def bench_row(b: int, n: int, sigma: float, reps: int, ref_elements: int, our_elements: int,
-              workers: int, bs, sg) -> dict:
+              workers: int, bs, sg, cuda_elements: int = 0) -> dict:
     c = coefficients(b)
     p = P0 / (1 - (b - 1) * P0)
     strategy = bs.BMinSepSampling(sampling_prob=p, iterations=n, min_sep=b, warm_start=True)
@@ -108,15 +137,12 @@ def bench_row(b: int, n: int, sigma: float, reps: int, ref_elements: int, our_el
     ref_cpu = []
     if numba:  # compile (or load) the kernels outside the timings
         sample_losses(mech, 256, "remove", seed=0)
+    cpu_device = jax_device("cpu")
     for rep in range(reps):
-        t, cpu = time.perf_counter(), time.process_time()
-        y = sg.generate_sample(strategy, sigma, c, seed=1000 + rep, positive_sample=True,
-                               num_samples=s_ref)
-        loss = sg.compute_privacy_loss(strategy, y, sigma, c)
-        wall = time.perf_counter() - t
-        ref_rates.append(s_ref / wall)
-        ref_cpu.append((time.process_time() - cpu) / wall)
-        ref_losses.append(np.asarray(loss))
+        loss, rate, cpu = time_reference(sg, strategy, sigma, c, s_ref, 1000 + rep, cpu_device)
+        ref_rates.append(rate)
+        ref_cpu.append(cpu)
+        ref_losses.append(loss)
         t = time.perf_counter()
         ours = sample_losses(mech, s_our, "remove", seed=2000 + rep)
         our_rates.append(s_our / (time.perf_counter() - t))
@@ -143,6 +169,8 @@ def bench_row(b: int, n: int, sigma: float, reps: int, ref_elements: int, our_el
            "jax_privacy_cpu_per_wall": float(np.median(ref_cpu))}
     if numba:
         row["ours_numpy_only_samples_per_s"] = float(np.median(np_rates))
+    if cuda_elements:
+        row.update(cuda_row(mech, strategy, sigma, c, n, reps, cuda_elements, sg))
     if workers > 1:
         # Steady-state throughput of a long run: a warm pool (processes started and the
         # kernels loaded by a first small run), then shards of ≈ 2 s each.
@@ -156,6 +184,33 @@ def bench_row(b: int, n: int, sigma: float, reps: int, ref_elements: int, our_el
         row[f"ours_{workers}_workers_samples_per_s"] = rate
         row["workers_ratio"] = rate / row["jax_privacy_samples_per_s"]
     return row
+
+
+def cuda_row(mech, strategy, sigma, c, n: int, reps: int, elements: int, sg) -> dict:
+    """Our torch backend on CUDA and, where jax has a GPU, jax_privacy on it: median
+    samples/s over ``reps`` timings of ``elements // n`` samples (after one warm-up each)."""
+    import torch
+
+    from opacus_structured.runners.bminsep_mc_torch import sample_losses_torch
+
+    S = max(1024, elements // n)
+    sample_losses_torch(mech, 1024, "remove", seed=0, device="cuda")  # warm-up
+    rates = []
+    for rep in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        sample_losses_torch(mech, S, "remove", seed=3000 + rep, device="cuda")
+        rates.append(S / (time.perf_counter() - t))  # .numpy() at the end synchronises
+    out = {"cuda_samples_per_s": float(np.median(rates)), "cuda_samples": S,
+           "cuda_device": torch.cuda.get_device_name(0)}
+    gpu = jax_device("gpu")
+    if gpu is not None:
+        time_reference(sg, strategy, sigma, c, 256, 7, gpu)  # compile outside the timings
+        ref = [time_reference(sg, strategy, sigma, c, S, 4000 + rep, gpu)[1]
+               for rep in range(reps)]
+        out["jax_privacy_gpu_samples_per_s"] = float(np.median(ref))
+        out["cuda_ratio"] = out["cuda_samples_per_s"] / out["jax_privacy_gpu_samples_per_s"]
+    return out
 
 
 #: The paper's b-min-sep settings (Dong & Ganesh §7.1 and the §7.4 production run):
@@ -214,6 +269,9 @@ def format_table(rows: list[dict]) -> str:
     if workers_key:
         head.append(workers_key.replace("ours_", "ours ").replace("_samples_per_s", " /s")
                     .replace("_workers", " workers"))
+    cuda = "cuda_samples_per_s" in rows[0]
+    if cuda:
+        head += ["ours CUDA /s", "jax_privacy GPU /s", "CUDA ratio"]
     head += ["mean loss jax_privacy", "mean loss ours", "KS p", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -224,6 +282,11 @@ def format_table(rows: list[dict]) -> str:
             cells += [f"{v:,.0f}", f"{v / r['jax_privacy_samples_per_s']:.1f}×"]
         if workers_key:
             cells.append(f"{r[workers_key]:,.0f} ({r['workers_ratio']:.1f}×)")
+        if cuda:
+            gpu = r.get("jax_privacy_gpu_samples_per_s")
+            cells += [f"{r['cuda_samples_per_s']:,.0f}",
+                      "-" if gpu is None else f"{gpu:,.0f}",
+                      "-" if gpu is None else f"{r['cuda_ratio']:.1f}×"]
         cells += [f"{r['mean_loss_jax_privacy']:.4f}",
                   f"{r['mean_loss_ours']:.4f} (±{r['mean_loss_se']:.4f})",
                   f"{r['ks_pvalue']:.2f}", r["note"]]
@@ -254,7 +317,17 @@ def main(argv=None):
     ap.add_argument("--paper-settings", action="store_true",
                     help="also time ours (one core) at the paper's §7.1 and §7.4 settings and "
                          "print the hours to a certificate at δ = 1e-6, β = 1e-3")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: also time our torch backend on the GPU (and jax_privacy on "
+                         "jax's GPU, where it has one)")
+    ap.add_argument("--cuda-elements", type=int, default=256_000_000,
+                    help="samples × n per CUDA timing (with --device cuda)")
     args = ap.parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: torch sees no CUDA device")
     if args.quick:
         args.bands, args.n, args.reps = [4, 64], [1000], 2
         args.ref_elements, args.our_elements = 2_000_000, 4_000_000
@@ -264,7 +337,8 @@ def main(argv=None):
     for n in args.n:
         for b in args.bands:
             rows.append(bench_row(b, n, args.sigma, args.reps, args.ref_elements,
-                                  args.our_elements, args.workers, bs, sg))
+                                  args.our_elements, args.workers, bs, sg,
+                                  args.cuda_elements if args.device == "cuda" else 0))
             print(f"b={b} n={n}: jax_privacy {rows[-1]['jax_privacy_samples_per_s']:,.0f}/s, "
                   f"ours {rows[-1]['ours_samples_per_s']:,.0f}/s", file=sys.stderr, flush=True)
     print(format_table(rows))
@@ -282,8 +356,8 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"reference": "jax_privacy " + getattr(sg, "__name__", ""),
-                       "sigma": args.sigma, "p0": P0, "rows": rows, "paper_settings": paper},
-                      fh, indent=1)
+                       "sigma": args.sigma, "p0": P0, "device": args.device, "rows": rows,
+                       "paper_settings": paper}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,11 @@ issue     check                   target
 5         ``correlated_noise``    ``benchmarks/correlated_noise.py`` (~10M-param MLP,
                                   b ∈ {1, 8, 64}): full-step time of BandMF b = 64 ≤ 1.10 ×
                                   stock ``DPOptimizer``. ``add_noise()`` alone is reported.
-6         ``bminsep_mc``          ``benchmarks/bminsep_mc.py``: CUDA samples/s is reported
-                                  (no numeric target); the CPU target, ours (numpy) ≥ 10 ×
-                                  the numpy port of the reference loop, is judged too.
+6, 18     ``bminsep_mc``          ``benchmarks/bminsep_mc.py --device cuda``: our CUDA
+                                  samples/s beside jax_privacy's on the same GPU (reported,
+                                  no numeric target); issue 18's CPU target, ours ≥ 10 ×
+                                  jax_privacy on one core, judged at b = 4 (needs the
+                                  ``jax-privacy`` wheel, the ``[peers]`` extra).
 8         ``per_sample_tracking`` ``benchmarks/per_sample_tracking.py`` (10⁶ tracked
                                   examples): step-time overhead of the per-sample ε tracker
                                   and of the individual GDP filter each ≤ 3 % of a plain
@@ -92,8 +94,9 @@ FORECAST_EPSILON = 1.0      # issue 4: ε = 1 ...
 FORECAST_DELTA = 1e-7       # ... at δ = 1e-7
 BANDMF_RATIO = 1.10         # issue 5: b = 64 step ≤ 1.10 × stock
 BANDMF_BANDS = 64
-MC_CPU_SPEEDUP = 10.0       # issue 6 (CPU): ours ≥ 10 × the numpy reference
-MC_ISSUE_N = 1024           # issue 6 benchmark setting (n = 1024, b = 4)
+MC_CPU_SPEEDUP = 10.0       # issue 18 (CPU): ours ≥ 10 × jax_privacy on one core
+MC_JUDGED_BANDS = 4         # issue 18: judged at b = 4 (b = 64 is FMA-bound on one core)
+MC_ISSUE_N = 1000           # issue 18 benchmark setting (n ≥ 1000)
 TRACKING_OVERHEAD_PCT = 3.0  # issue 8: ≤ 3 % of a DP-SGD step
 TRACKING_EXAMPLES = 10**6
 LSTM_RATIO = 5.0            # issue 10: FastDPLSTM DP-SGD ≤ 5 × cuDNN non-private
@@ -246,31 +249,38 @@ def eval_correlated_noise(data: dict) -> list[Result]:
 
 
 def eval_bminsep_mc(data: dict) -> list[Result]:
-    """Issue 6 from ``bminsep_mc.py --json PATH`` (one record)."""
+    """Issues 6 and 18 from ``bminsep_mc.py --json PATH`` (``rows``, one per (b, n)): our
+    CUDA samples/s beside jax_privacy's on the same GPU (reported), and our one-core CPU
+    samples/s against jax_privacy's on one core, judged at ``b = 4``, ``n ≥ 1000`` (issue 18's
+    ≥ 10×; ``b = 64`` is bounded by the core's FMA peak, docs/benchmarks.md: reported)."""
     iss, chk = "6", "bminsep_mc"
+    rows = data.get("rows")
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+        return [_err(iss, chk, "b-min-sep Monte Carlo", "-", "no rows")]
     out = []
-    rate = _num(data.get("cuda_samples_per_s"))
-    if rate is None:
+    cuda_rows = [r for r in rows if _num(r.get("cuda_samples_per_s")) is not None]
+    if data.get("device") != "cuda" or not cuda_rows:
         out.append(Result(iss, chk, "CUDA samples/s", "-", "report (no numeric target)", CPU,
                           "no CUDA device: the CUDA figure was not measured"))
-    else:
-        out.append(Result(iss, chk, "CUDA samples/s", f"{rate:,.0f}/s",
-                          "report (no numeric target)", REPORT,
-                          f"{data.get('cuda_device', '')}, n = {data.get('n')}, "
-                          f"b = {data.get('bands')}"))
-    speed = _num(data.get("speedup"))
-    target = f"ours ≥ {MC_CPU_SPEEDUP:g} × numpy reference (CPU)"
-    if speed is None:
-        out.append(_err(iss, chk, "CPU speedup", target, "no speedup (variant must be plain)"))
-    else:
-        # a CPU target: valid on any machine, but only at the benchmark's setting
-        issue_setting = data.get("n", 0) >= MC_ISSUE_N
-        status = (PASS if speed >= MC_CPU_SPEEDUP else FAIL) if issue_setting else REPORT
-        out.append(Result(iss, chk, "CPU speedup (numpy)",
-                          f"{speed:.1f}× ({_fmt(data.get('numpy_samples_per_s'), ',.0f')}/s vs "
-                          f"{_fmt(data.get('reference_samples_per_s'), ',.0f')}/s)", target,
-                          status, "" if issue_setting else
-                          f"n = {data.get('n')} < {MC_ISSUE_N}: not the issue setting"))
+    for r in cuda_rows:
+        gpu = _num(r.get("jax_privacy_gpu_samples_per_s"))
+        vs = (f" ({r['cuda_samples_per_s'] / gpu:.1f}× jax_privacy GPU {gpu:,.0f}/s)"
+              if gpu else " (jax_privacy: no GPU backend)")
+        out.append(Result(iss, chk, f"CUDA samples/s, b = {r.get('b')}, n = {r.get('n')}",
+                          f"{r['cuda_samples_per_s']:,.0f}/s{vs}", "report (no numeric target)",
+                          REPORT, str(r.get("cuda_device", ""))))
+    target = f"ours ≥ {MC_CPU_SPEEDUP:g} × jax_privacy, one core, b = 4"
+    for r in rows:
+        ours, ref = _num(r.get("ours_samples_per_s")), _num(r.get("jax_privacy_samples_per_s"))
+        what = f"CPU one core, b = {r.get('b')}, n = {r.get('n')}"
+        if ours is None or not ref:
+            out.append(_err("18", chk, what, target, "no CPU rates"))
+            continue
+        judged = r.get("b") == MC_JUDGED_BANDS and (r.get("n") or 0) >= MC_ISSUE_N
+        status = (PASS if ours / ref >= MC_CPU_SPEEDUP else FAIL) if judged else REPORT
+        out.append(Result("18", chk, what, f"{ours / ref:.1f}× ({ours:,.0f}/s vs {ref:,.0f}/s)",
+                          target if judged else "report", status,
+                          f"ours: {r.get('ours_accelerator', '?')}"))
     return out
 
 
@@ -481,10 +491,10 @@ def build_steps(name: str, mode: str, out: str) -> list[Step]:
                  }[mode]
         return [Step("rows", _bench("correlated_noise.py") + ["--json", js] + extra, js)]
     if name == "bminsep_mc":
-        extra = {"full": [],
-                 "quick": ["--reference-samples", "100", "--torch-cpu-samples", "5000"],
-                 "cpu": ["--n", "128", "--samples", "500", "--reference-samples", "20",
-                         "--torch-cpu-samples", "200"]}[mode]
+        extra = {"full": ["--device", "cuda"],
+                 "quick": ["--quick", "--device", "cuda"],
+                 "cpu": ["--bands", "4", "--n", "128", "--reps", "1", "--ref-elements",
+                         "20000", "--our-elements", "40000", "--device", "cpu"]}[mode]
         return [Step("record", _bench("bminsep_mc.py") + ["--json", js] + extra, js)]
     if name == "per_sample_tracking":
         extra = {"full": [], "quick": ["--iters", "20"],

@@ -377,15 +377,11 @@ class _Plan:
         self.epochs = epochs
 
     def _noise_correlation(self, epochs):
+        """The scheme's ``noise_correlation(steps)`` for the run's planned steps (``None``
+        without ``epochs``: schemes whose ``C`` depends on the run length then say so)."""
         scheme = self.scheme
-        if hasattr(scheme, "batches_per_epoch"):  # random allocation: C is the scheme's
-            return scheme.noise_correlation()
-        if hasattr(scheme, "horizon"):  # b-min-sep: C is the scheme's (its horizon)
-            return scheme.noise_correlation(None if epochs is None else epochs * len(self.loader))
-        if epochs is None:
-            raise ValueError(f"scheme {scheme.name!r} optimises its strategy for the length of "
-                             f"the run: pass epochs= (or noise_correlation= explicitly)")
-        return scheme.noise_correlation(max(scheme.bands, epochs * len(self.loader)))
+        steps = None if epochs is None else max(scheme.bands, epochs * len(self.loader))
+        return scheme.noise_correlation(steps)
 
     def accountant(self):
         return self.accountant_class(self.scheme, discretization=self.discretization)

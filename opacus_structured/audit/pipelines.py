@@ -723,8 +723,7 @@ class _BandMFAudit(_SchemeAudit):
 
     def coefficients(self, scheme, f):
         """The scheme's strategy over the run (``scheme.noise_correlation(steps)``)."""
-        return [float(v) for v in strategy_coefficients(scheme.strategy, f["steps"],
-                                                         scheme.bands)]
+        return [float(v) for v in scheme.noise_correlation(f["steps"])]
 
     def wrong_band(self, scheme, f):
         # banded over the whole run: the canary's participations (bands steps apart) overlap
@@ -782,10 +781,6 @@ class _BMinSepAudit(_BandMFAudit):
         return BMinSepMonteCarloScheme(bands=f["bands"], dataset_size=f["examples"],
                                        batch_size=f["batch_size"], min_sep=f["bands"],
                                        horizon=f["steps"])
-
-    def coefficients(self, scheme, f):
-        """The scheme's own ``C`` (``scheme.noise_correlation()``)."""
-        return scheme.noise_correlation()
 
     def new_accountant(self, chunk):
         seed = None if chunk.plan.seed is None else int(chunk.plan.seed)

@@ -128,8 +128,13 @@ class BandMFCyclicPoissonScheme(Scheme):
             noise_multiplier, self.sample_rate, column_norm=self.column_norm,
             discretization=discretization)
 
-    def noise_correlation(self, steps: int):
-        """Coefficients ``c`` for :class:`CorrelatedNoiseDPOptimizer` over ``steps`` steps."""
+    def noise_correlation(self, steps: Optional[int] = None):
+        """Coefficients ``c`` for :class:`CorrelatedNoiseDPOptimizer` over ``steps`` steps (the
+        strategy is optimised for the run length: ``steps`` is required)."""
+        if steps is None:
+            raise ValueError(f"scheme {self.name!r} optimises its strategy for the length of "
+                             f"the run: pass the run's steps (make_private: epochs=, or "
+                             f"noise_correlation= explicitly)")
         return strategy_coefficients(self.strategy, check_int("steps", steps, minimum=self.bands),
                                      self.bands)
 

@@ -272,11 +272,13 @@ class RandomAllocationMFScheme(Scheme):
         return cls(strategy=strategy, bands=bands, epochs=epochs, batches_per_epoch=k,
                    method=method, renyi_bands=renyi_bands, max_dp_cost=max_dp_cost)
 
-    def noise_correlation(self):
+    def noise_correlation(self, steps: Optional[int] = None):
         """What ``CorrelatedNoiseDPOptimizer(noise_correlation=...)`` needs to stream exactly
         :meth:`strategy_matrix`: the banded first column (``identity``, ``bandmf``, ``bsr``) or
         the :class:`~opacus_structured.accounting.strategies.BufferedToeplitz` (``blt``).
-        ``bandinvmf`` / ``bisr`` have a dense ``C`` the optimizer cannot stream: raises."""
+        ``bandinvmf`` / ``bisr`` have a dense ``C`` the optimizer cannot stream: raises.
+        ``steps`` (a run's planned length) is not used: ``C`` is fixed by the scheme's epochs
+        and bins."""
         if self.strategy == "identity":
             return np.array([1.0])
         if self.strategy in ("bandmf", "bsr"):

@@ -181,14 +181,21 @@ class PrivacyBudget:
         if sigma is None or rate is None:
             raise ValueError("prospective_epsilon needs the noise multiplier and sample rate "
                              "of the next step: pass noise_multiplier= or call it during fit")
-        saved = copy.deepcopy(self.accountant.state_dict())
+        # A scheme accountant's pricing depends on its history alone: roll that back (loading
+        # a whole state would also rewind its ledger and sampler, and refuse an older state).
+        scheme_history = isinstance(self.accountant, SchemeAccountant)
+        saved = (list(self.accountant.history) if scheme_history
+                 else copy.deepcopy(self.accountant.state_dict()))
         memo = dict(self._memo)
         self.accountant.step(noise_multiplier=sigma, sample_rate=rate)
         try:
             eps = self.epsilon()
             memo[self._key()] = eps
         finally:
-            self.accountant.load_state_dict(saved)
+            if scheme_history:
+                self.accountant.history = saved
+            else:
+                self.accountant.load_state_dict(saved)
             self._memo = memo
         return eps
 

@@ -29,7 +29,12 @@ from opacus.data_loader import wrap_collate_with_empty
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from opacus_structured.samplers.distributed import DistributedBatchSampler
-from opacus_structured.samplers.verification import describe_loader, scheme_of_batch_sampler
+from opacus_structured.samplers.verification import (
+    DrawLedger,
+    describe_loader,
+    innermost_sampler,
+    scheme_of_batch_sampler,
+)
 from opacus_structured.schemes.base import Scheme
 
 from .batch_indices import BatchIndexRecorder, loader_settings, train_loader_source
@@ -122,6 +127,17 @@ class TrackedBatchSampler(BatchIndexRecorder, Sampler):
         self.consumed = 0         # batches of the current epoch trained on (set by DPCallback)
         self._offset = 0          # batches already consumed when iteration resumes mid-epoch
         self._snapshots: dict[int, Any] = {}
+        self._draws: dict[int, Optional[int]] = {}  # batch k of the epoch -> its draw index
+        source = innermost_sampler(inner)
+        if isinstance(source, DrawLedger):
+            # Lightning fetches a batch ahead: the batch trained on is batch `consumed`
+            source.cursor = self.current_draw
+
+    def current_draw(self) -> Optional[int]:
+        """Global draw index of the batch being trained on (batch ``consumed`` of the epoch),
+        the privacy ledger's cursor (:class:`~opacus_structured.samplers.verification.
+        DrawLedger`)."""
+        return self._draws.get(self.consumed)
 
     def __len__(self):
         return len(self.inner)
@@ -130,14 +146,17 @@ class TrackedBatchSampler(BatchIndexRecorder, Sampler):
         k, self._offset = self._offset, 0
         self.consumed = k
         self._snapshots = {}
+        self._draws = {}
         self._start_recording()
         it = iter(self.inner)
+        source = innermost_sampler(self.inner)
         while True:
             self._snapshots[k] = self.inner.state_dict()
             try:
                 batch = next(it)
             except StopIteration:
                 return
+            self._draws[k] = getattr(source, "last_draw_index", None)
             k += 1
             self._record(batch)
             yield batch
@@ -147,6 +166,8 @@ class TrackedBatchSampler(BatchIndexRecorder, Sampler):
         self.consumed += 1
         for k in [k for k in self._snapshots if k < self.consumed]:
             del self._snapshots[k]
+        for k in [k for k in self._draws if k < self.consumed - 1]:
+            del self._draws[k]
 
     def state_for_consumed(self):
         """The inner sampler's state from which the untrained rest of the epoch is drawn."""

@@ -105,6 +105,7 @@ from .accountants.base import SchemeAccountant, accountant_class_for
 from .accounting import pld as pld_lib
 from .accounting.calibration import calibrate_within_tolerance
 from .optim.privacy_engine import CorrelatedNoisePrivacyEngine
+from .samplers.ledger_loader import LedgerDataLoader
 from .samplers.truncated_poisson import PaddedDataset
 from .schemes.base import Scheme, noise_bands
 from .schemes.poisson import PoissonScheme
@@ -273,7 +274,7 @@ def _loader_with(loader: DataLoader, batch_sampler, dataset, *, batch_first: boo
         collate = wrap_collate_with_empty(collate_fn=collate, batch_first=batch_first,
                                           rand_on_empty=rand_on_empty,
                                           sample_empty_shapes=shapes, dtypes=dtypes)
-    return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate, **kwargs)
+    return LedgerDataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate, **kwargs)
 
 
 # ---- the plan shared by make_private and make_private_with_epsilon --------------------------

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -289,7 +290,9 @@ def test_scheme_of_opacus_dp_data_loader_is_poisson_at_its_rate():
 
     dl = DPDataLoader.from_data_loader(DataLoader(_dataset(), batch_size=12))
     assert scheme_of_batch_sampler(dl.batch_sampler) == PoissonScheme(sample_rate=0.1)
-    assert check_data_loader(PoissonScheme(), dl) is None  # Opacus' sampler: not counted
+    counted = check_data_loader(PoissonScheme(), dl)  # Opacus' sampler, now counting draws
+    assert counted is dl.batch_sampler and isinstance(counted, UniformWithReplacementSampler)
+    assert scheme_of_batch_sampler(counted) == PoissonScheme(sample_rate=0.1)
     with pytest.raises(ValueError, match="poisson_sampling=False"):
         check_data_loader(BIB, dl)
 

@@ -56,10 +56,11 @@ from ..accounting.resource_guard import ResourceBudgetError
 from ..samplers import verification
 from ..schemes import registry
 from ..schemes.base import Scheme
+from .ledger import LedgerError, ReleaseLedger
 
 __all__ = ["SchemeAccountant", "WholeRunAccountant", "register_scheme_accountant",
            "accountant_class_for", "AccountantNotAttachedError", "UnboundAccountantError",
-           "data_loader_of_make_private"]
+           "LedgerError", "data_loader_of_make_private"]
 
 
 class AccountantNotAttachedError(RuntimeError):
@@ -151,6 +152,8 @@ class SchemeAccountant(IAccountant):
         self._hooked_steps = 0      # steps recorded through the hook since attached
         self._attach_tick = 0       # draw clock when attached (discovery without a loader)
         self._discover = False      # find the drawing sampler at the first step
+        self._ledger = ReleaseLedger()  # which draw each released step trained on
+        self._exact_cursor = True   # the ledger sees the batch each step trains on
 
     # ---- unbound accountants (built by name by Opacus' registry) --------------------------
     @property
@@ -193,14 +196,26 @@ class SchemeAccountant(IAccountant):
         """
         self._require_bound("be attached to an optimizer")
         source = None
+        exact = True
         if data_loader is not None:
             source = verification.check_data_loader(self.scheme, data_loader)
+            exact = verification.sees_trained_batch(data_loader, source)
+            if not exact and self.scheme.release_policy != "independent":
+                raise ValueError(
+                    f"the DataLoader has num_workers={data_loader.num_workers}: it draws batches "
+                    f"ahead of training, so the accountant cannot see which draw each noisy step "
+                    f"trains on, and scheme {self.scheme.name!r} "
+                    f"(release policy {self.scheme.release_policy!r}) is priced by the draws "
+                    f"released. Train on the DataLoader opacus_structured.make_private returns "
+                    f"(a LedgerDataLoader, exact with any num_workers) or use num_workers=0")
         self._attached = True
         self._hooked_steps = 0
         self._attach_tick = verification.draw_clock()
         self._discover = data_loader is None
         self._draw_source = None if source is None else weakref.ref(source)
         self._draws_at_attach = 0 if source is None else source.batches_drawn
+        self._exact_cursor = exact
+        self._ledger.bind(source)
 
     def get_optimizer_hook_fn(self, sample_rate: float, *, data_loader=None):
         """Opacus' step hook, plus the DataLoader checks of :meth:`attach`.
@@ -214,12 +229,33 @@ class SchemeAccountant(IAccountant):
         self.attach(data_loader)
 
         def hook_fn(optim):
-            self.check_draws()
-            self.step(noise_multiplier=optim.noise_multiplier,
-                      sample_rate=sample_rate * optim.accumulated_iterations)
-            self._hooked_steps += 1
+            self.release(optim, sample_rate=sample_rate * optim.accumulated_iterations,
+                         batches=optim.accumulated_iterations)
 
         return hook_fn
+
+    def release(self, optimizer, *, sample_rate: float, batches: int = 1) -> None:
+        """Price one noisy step the optimizer is about to apply (the step hook's body).
+
+        The step is matched to the sampler draw it trained on by the privacy ledger
+        (:mod:`~opacus_structured.accountants.ledger`), which raises :class:`LedgerError` when
+        the released sequence is not one the scheme prices and, for schemes priced by the draws
+        (``release_policy == "span"``), prices skipped draws as released.
+        """
+        padding = 0
+        if self._discover or not (self._exact_cursor and self._ledger.source is not None):
+            self.check_draws()  # finds the sampler (discovery), or counts draws
+        if self._exact_cursor and self._ledger.source is not None:
+            padding = self._ledger.take(self.scheme, batches=batches, priced_steps=len(self),
+                                        optimizer=optimizer)
+        else:  # Opacus' own sampler, or a prefetching loader: the draw count is checked
+            self._ledger.count_release(optimizer)
+        sigma = optimizer.noise_multiplier
+        if padding:
+            self.step(noise_multiplier=sigma, sample_rate=sample_rate, num_steps=padding)
+        self.step(noise_multiplier=sigma, sample_rate=sample_rate)
+        self._ledger.note_priced()
+        self._hooked_steps += 1
 
     def check_draws(self) -> None:
         """Before pricing a hooked step: the scheme's sampler must have drawn a batch for it.
@@ -242,6 +278,7 @@ class SchemeAccountant(IAccountant):
             self._discover = False
             self._draw_source = weakref.ref(drawn[0])
             self._draws_at_attach = 0  # it had not drawn for this run before attach
+            self._ledger.bind(drawn[0])
         source = self._draw_source() if self._draw_source is not None else None
         if source is None:
             return
@@ -291,6 +328,7 @@ class SchemeAccountant(IAccountant):
         """Refuse to report for an unbound accountant, and for one that no step hook feeds and
         that saw no step."""
         self._require_bound("report a privacy guarantee")
+        self._ledger.check_optimizer()
         if not self._attached and not self.history:
             raise AccountantNotAttachedError(
                 f"{type(self).__name__} has recorded no step and is not attached to an "
@@ -386,12 +424,20 @@ class SchemeAccountant(IAccountant):
         if self.scheme is not None:  # an unbound accountant has only Opacus' state
             destination["scheme"] = self.scheme.to_dict()
         destination["discretization"] = self.discretization
+        destination["ledger"] = self._ledger.state_dict()
         return destination
 
     def load_state_dict(self, state_dict):
         """Restore a :meth:`state_dict`; raises if it was taken under another scheme. An unbound
         accountant is bound to the checkpoint's scheme (if it is of this class's scheme type)."""
         saved = Scheme.from_dict(state_dict["scheme"]) if "scheme" in state_dict else None
+        saved_steps = sum(int(n) for _, _, n in state_dict.get("history", []))
+        if self._hooked_steps and saved_steps < len(self):
+            raise ValueError(
+                f"the state holds {saved_steps} priced step(s) but this accountant has already "
+                f"priced {len(self)} step(s) of a live run: loading it would drop "
+                f"{len(self) - saved_steps} released step(s) from the epsilon. Load a state only "
+                f"into a fresh accountant (a resumed run), or one taken at this step or later")
         if self.scheme is None:
             if saved is None:
                 raise UnboundAccountantError(
@@ -410,6 +456,8 @@ class SchemeAccountant(IAccountant):
         self.discretization = float(state_dict.get("discretization", self.discretization))
         self.history = [tuple(h) for h in self.history]
         self._cache.clear()
+        if state_dict.get("ledger") is not None:
+            self._ledger.load_state_dict(state_dict["ledger"])
 
     def __repr__(self):
         return (f"{type(self).__name__}(scheme={self.scheme!r}, steps={len(self)}, "

@@ -39,6 +39,7 @@ class MFBatchSampler(DrawLedger, Sampler[list[int]]):
         self.steps = check_int("steps", steps, minimum=1)
         self.generator = resolve_generator(generator, seed, type(self).__name__)
         self.step = 0  # global iteration index of the next batch (0-indexed)
+        self._stamp_fingerprint(self.num_samples, self.steps)
 
     def __len__(self) -> int:
         return self.steps
@@ -47,10 +48,11 @@ class MFBatchSampler(DrawLedger, Sampler[list[int]]):
         raise NotImplementedError
 
     def __iter__(self) -> Iterator[list[int]]:
+        self._begin_draws()
         while True:
             batch = self._draw()
             self.step += 1
-            self._count_draw()
+            self._count_draw(self.step - 1)
             yield batch
             if self.step % self.steps == 0:
                 return
@@ -58,7 +60,7 @@ class MFBatchSampler(DrawLedger, Sampler[list[int]]):
     def state_dict(self) -> dict[str, Any]:
         """Generator state, global step and the participation state (between draws)."""
         state = {"generator_state": self.generator.get_state().clone(), "step": self.step,
-                 "class": type(self).__name__}
+                 "class": type(self).__name__, **self._ledger_state()}
         for name in self._params:
             state[name] = getattr(self, name)
         for name in self._state_tensors:
@@ -75,6 +77,7 @@ class MFBatchSampler(DrawLedger, Sampler[list[int]]):
         self.generator.set_state(torch.as_tensor(state_dict["generator_state"],
                                                  dtype=torch.uint8).clone())
         self.step = check_int("step", state_dict["step"], minimum=0)
+        self._load_ledger_state(state_dict)
         for name in self._state_tensors:
             value = state_dict[name]
             setattr(self, name, None if value is None else torch.as_tensor(value).clone())

@@ -42,6 +42,9 @@ class EpochResumableSampler(DrawLedger):
 
     def _resume(self) -> None:
         """Start an epoch: from the staged state if any, else at position 0."""
+        self._begin_draws()
+        if self.fingerprint is None and self._pending is None:
+            self._stamp_fingerprint(*(getattr(self, k) for k in self._KEYS))
         if self._pending is not None:
             state, self._pending = self._pending, None
             self.generator.set_state(state["generator_state"])
@@ -49,16 +52,23 @@ class EpochResumableSampler(DrawLedger):
             self.epoch = int(state["epoch"])
             self._restore_extra(state)
         else:
+            if 0 < getattr(self, "_position", 0) < self.steps:
+                # the last epoch was abandoned (a break): it ends here, so the next draw gets a
+                # new global index and the stream never reuses one
+                self.epoch += 1
+                self._end_epoch()
             self._position = 0
             self._restore_extra(None)
 
     def _advance(self) -> None:
-        """Count one draw; at the end of the epoch bump ``epoch``."""
-        self._count_draw()
+        """Count one draw (global index ``epoch · steps + position``); at the end of the epoch
+        bump ``epoch``. The draw is recorded once the state is the state after it."""
+        index = self.epoch * self.steps + self._position
         self._position += 1
         if self._position == self.steps:
             self.epoch += 1
             self._end_epoch()
+        self._count_draw(index)
 
     def _restore_extra(self, state: Optional[dict[str, Any]]) -> None:
         """Restore per-epoch state from a staged ``state`` (``None``: a fresh epoch)."""
@@ -72,7 +82,7 @@ class EpochResumableSampler(DrawLedger):
             return dict(self._pending)
         position = self._position if self._position < self.steps else 0
         state = {"generator_state": self.generator.get_state().clone(), "position": position,
-                 "epoch": self.epoch}
+                 "epoch": self.epoch, **self._ledger_state()}
         state.update({k: getattr(self, k) for k in self._KEYS})
         return state
 
@@ -80,6 +90,7 @@ class EpochResumableSampler(DrawLedger):
         """Validate ``state_dict`` and stage it for the next ``iter()``."""
         check_matching_params(state_dict, self, self._KEYS)
         state = dict(state_dict)
+        self._load_ledger_state(state_dict)
         state["position"] = check_int("position", state_dict["position"], minimum=0,
                                       maximum=self.steps - 1)
         state["epoch"] = check_int("epoch", state_dict["epoch"], minimum=0)

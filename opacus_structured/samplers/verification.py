@@ -21,6 +21,7 @@ our samplers (their ``scheme`` attribute), wrappers (``inner``) and Opacus' Pois
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import weakref
 from typing import Any, Optional
@@ -49,21 +50,90 @@ def draw_clock() -> int:
 
 
 class DrawLedger:
-    """Mixin counting the batches a sampler yields.
+    """Mixin giving a sampler a ledger of the batches it yields (the *draw records*).
 
-    ``batches_drawn`` is the number of batches this object has yielded in this process (a
-    runtime counter, deliberately not part of ``state_dict``: it measures *this* run's draws,
-    which the accountant compares with the steps it priced since it was attached).
+    Every batch a sampler yields has a **global draw index**: its position in the sampler's
+    whole stream of batches (0 for the first batch of a fresh sampler, counted across epochs
+    and restored by ``load_state_dict``: the ``i``-th batch of an uninterrupted run and of a run
+    resumed from a saved state have the same index). The accountant's step hook reads the draw
+    index of the batch each noisy step trained on (:meth:`current_draw`) and prices the
+    sequence of released draws (:mod:`opacus_structured.accountants.ledger`).
+
+    * ``batches_drawn``: batches yielded by this object in this process (a runtime counter).
+    * ``last_draw_index``: the index of the most recent batch drawn (``None`` before any).
+    * ``cursor``: who knows which batch is being trained on. ``None`` means the most recent
+      draw (a synchronous loop: ``num_workers=0`` and no look-ahead); a loader that prefetches
+      (:class:`~opacus_structured.samplers.ledger_loader.LedgerDataLoader` with workers,
+      ``DPCallback`` under Lightning's one-batch look-ahead) installs a callable returning the
+      index of the batch it handed to training.
+    * ``fingerprint``: identifies the sampler's stream (class, public parameters and the
+      generator state it started from); kept in ``state_dict`` so a restored sampler keeps the
+      fingerprint of the run it continues.
     """
 
     batches_drawn: int = 0
     last_draw_tick: int = 0
+    last_draw_index: Optional[int] = None
+    cursor = None
+    fingerprint: Optional[str] = None
 
-    def _count_draw(self) -> None:
+    def _count_draw(self, index: Optional[int] = None) -> None:
+        """Record one yielded batch whose global draw index is ``index`` (default: the number
+        of batches this object yielded before it)."""
         global _LAST_TICK
+        index = self.batches_drawn if index is None else int(index)
         self.batches_drawn = self.batches_drawn + 1
+        self.last_draw_index = index
         self.last_draw_tick = _LAST_TICK = next(_CLOCK)
+        pending = self.__dict__.get("_undelivered")
+        if pending is not None:
+            pending.append(index)
+        states = self.__dict__.get("_states_after")
+        if states is not None:  # a prefetching LedgerDataLoader: keep the state after it
+            states[index] = self.state_dict()
         _DRAWN.add(self)
+
+    def _begin_draws(self) -> None:
+        """A new iteration over the sampler starts: draws of an abandoned iterator that were
+        never delivered (prefetched) are dropped from the delivery queue."""
+        pending = self.__dict__.get("_undelivered")
+        if pending is not None:
+            pending.clear()
+
+    def state_after(self, index: int) -> Optional[dict]:
+        """The sampler state right after draw ``index`` (from which the rest of the stream is
+        drawn) when it is known: the current state if ``index`` is the last draw, else a state
+        kept for a prefetched draw; ``None`` otherwise."""
+        if index is None:
+            return None
+        if self.last_draw_index == index:
+            return self.state_dict()
+        states = self.__dict__.get("_states_after")
+        return None if states is None else states.get(index)
+
+    def current_draw(self) -> Optional[int]:
+        """Global draw index of the batch being trained on now (see ``cursor``)."""
+        cursor = self.cursor
+        return cursor() if cursor is not None else self.last_draw_index
+
+    def _stamp_fingerprint(self, *parts) -> None:
+        """Set :attr:`fingerprint` from the class, ``parts`` (public parameters) and the
+        generator state the stream starts from (called once, at construction)."""
+        h = hashlib.sha256(type(self).__name__.encode())
+        for part in parts:
+            h.update(repr(part).encode())
+        generator = getattr(self, "generator", None)
+        if generator is not None:
+            h.update(bytes(generator.get_state().numpy().tobytes()))
+        self.fingerprint = h.hexdigest()[:16]
+
+    def _ledger_state(self) -> dict:
+        """The part of ``state_dict`` that the ledger needs (the fingerprint)."""
+        return {} if self.fingerprint is None else {"fingerprint": self.fingerprint}
+
+    def _load_ledger_state(self, state: dict) -> None:
+        if isinstance(state, dict) and state.get("fingerprint") is not None:
+            self.fingerprint = str(state["fingerprint"])
 
 
 def adopt_scheme(given: Optional[Scheme], own: Scheme, owner: str) -> Scheme:
@@ -119,7 +189,8 @@ def scheme_of_batch_sampler(batch_sampler) -> Optional[Any]:
     scheme = getattr(inner, "scheme", None)
     if scheme is not None:
         return scheme
-    if type(inner) in (UniformWithReplacementSampler, DistributedUniformWithReplacementSampler):
+    if isinstance(inner, (UniformWithReplacementSampler,
+                          DistributedUniformWithReplacementSampler)):
         return PoissonScheme(sample_rate=inner.sample_rate)
     return None
 
@@ -143,6 +214,47 @@ def describe_loader(loader) -> str:
 def scheme_accepts(scheme: Scheme, found) -> bool:
     """Whether batches drawn under ``found`` (a sampler's scheme) are priced by ``scheme``."""
     return bool(scheme.implemented_by(found))
+
+
+class _CountingPoissonSampler(DrawLedger):
+    """Opacus' own Poisson batch sampler (``UniformWithReplacementSampler`` or its distributed
+    variant, what ``DPDataLoader`` uses) with its yielded batches counted: installed in a
+    ``DPDataLoader`` when our accountant is attached to it, so the stock path checks at every
+    step that the loader trained on is the one ``make_private`` returned. It is an instance of
+    the Opacus class (``isinstance`` checks in Opacus, e.g. ``BatchMemoryManager``, still hold)
+    and draws exactly what that class draws."""
+
+    _opacus_class: type = UniformWithReplacementSampler
+
+    def __iter__(self):
+        for batch in self._opacus_class.__iter__(self):
+            self._count_draw()
+            yield batch
+
+
+def _counting(sampler) -> DrawLedger:
+    """A copy of ``sampler`` (an Opacus Poisson sampler, same attributes and generator) that
+    counts its draws."""
+    if isinstance(sampler, DrawLedger):
+        return sampler
+    base = type(sampler)
+    counting = type(f"Counting{base.__name__}", (_CountingPoissonSampler, base),
+                    {"_opacus_class": base})
+    copy = counting.__new__(counting)
+    copy.__dict__.update(sampler.__dict__)
+    return copy
+
+
+def sees_trained_batch(loader, source: Optional[DrawLedger]) -> bool:
+    """Whether the draw the sampler reports as current is the batch a step trains on: a
+    synchronous loader (``num_workers=0``), a
+    :class:`~opacus_structured.samplers.ledger_loader.LedgerDataLoader`, or a sampler whose
+    ``cursor`` someone who knows (``DPCallback``) installed."""
+    if source is None or getattr(source, "cursor", None) is not None:
+        return True
+    if getattr(type(loader), "reports_deliveries", False):
+        return True
+    return int(getattr(loader, "num_workers", 0) or 0) == 0
 
 
 def check_data_loader(scheme: Scheme, loader) -> Optional[DrawLedger]:
@@ -176,6 +288,12 @@ def check_data_loader(scheme: Scheme, loader) -> Optional[DrawLedger]:
                          f"accountant prices {scheme!r}: build the sampler and the accountant "
                          f"from the same scheme")
     inner = innermost_sampler(batch_sampler)
+    if inner is batch_sampler and type(inner) in (UniformWithReplacementSampler,
+                                                  DistributedUniformWithReplacementSampler):
+        # the stock DPDataLoader path: count Opacus' own draws (the loader refuses a plain
+        # attribute assignment of batch_sampler after construction)
+        inner = _counting(inner)
+        object.__setattr__(loader, "batch_sampler", inner)
     size = getattr(inner, "num_samples", None)
     dataset = getattr(loader, "dataset", None)
     if size is not None and dataset is not None and hasattr(dataset, "__len__") \

@@ -55,6 +55,34 @@ class Scheme(abc.ABC):
     #: noise; callbacks refuse a correlated-noise optimizer under any other scheme.
     prices_correlated_noise: ClassVar[bool] = False
 
+    # ---- what a training loop may release (the privacy ledger) ----------------------------
+    @property
+    def correlated_noise(self) -> bool:
+        """Whether the noise this scheme prices is correlated across steps (a strategy other
+        than ``"identity"``): then a step's noise depends on its position in the run."""
+        strategy = getattr(self, "strategy", None)
+        return self.prices_correlated_noise and strategy not in (None, "identity")
+
+    @property
+    def release_policy(self) -> str:
+        """How the accountant prices a run whose noisy steps are not exactly the sampler's
+        draws in order (:mod:`opacus_structured.accountants.ledger`):
+
+        * ``"independent"`` — every step is its own subsampled mechanism (per-step unit,
+          independent noise): a draw that was never released costs nothing; the released steps
+          are priced, one each;
+        * ``"span"`` — independent noise, units of several steps (an epoch, a cycle, a planned
+          run): releasing a subset of the draws is post-processing of releasing them all, so
+          every draw up to the last released one is priced;
+        * ``"exact"`` — correlated noise: a step's noise is tied to its position, so the released
+          steps must be the sampler's draws in order, with none skipped; anything else raises.
+
+        In every policy a draw is released at most once, in increasing order.
+        """
+        if self.correlated_noise:
+            return "exact"
+        return "independent" if self.unit == "step" else "span"
+
     def check_noise_correlation(self, coefficients) -> None:
         """Raise ``ValueError`` unless this scheme's ε is valid for an optimizer adding
         correlated noise with first-column coefficients ``coefficients`` (``[1]`` = DP-SGD).

@@ -288,6 +288,12 @@ class BMinSepMonteCarloScheme(Scheme):
             dataset_size=self.dataset_size if self.truncate is not None else None,
             max_user_examples=self.max_user_examples)
 
+    @property
+    def release_policy(self) -> str:
+        """``"exact"`` for correlated noise, else ``"span"``: the Monte Carlo prices the whole
+        run of b-min-sep draws, whose steps are not independent (see :class:`Scheme`)."""
+        return "exact" if self.correlated_noise else "span"
+
     def batch_distribution(self) -> tuple:
         """b-min-sep with rate ``p``, separation ``b``, start, truncation and ``k_u`` over
         ``dataset_size`` examples (``bands`` and ``strategy`` only change the pricing)."""

@@ -1,0 +1,92 @@
+"""A DataLoader that tells its sampler which batch it handed to training.
+
+A DataLoader with ``num_workers > 0`` asks its batch sampler for indices ahead of training
+(``prefetch_factor · num_workers`` batches), so the sampler's most recent draw is not the batch
+the current step trains on. :class:`LedgerDataLoader` is a plain ``torch.utils.data.DataLoader``
+whose iterator, for every batch it yields, pops the oldest undelivered draw record of the
+sampler (:class:`~opacus_structured.samplers.verification.DrawLedger`) and installs it as the
+sampler's ``cursor``. The torch iterator yields batches in the order their indices were drawn
+(``in_order=True``, the default), so the delivered record is exact with any number of workers.
+
+``opacus_structured.make_private`` returns one; nothing else about the loader changes (same
+dataset, batch sampler, collate, workers, pin memory).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Optional
+
+from torch.utils.data import DataLoader
+
+from .verification import DrawLedger, innermost_sampler
+
+__all__ = ["LedgerDataLoader", "ledger_source"]
+
+
+def ledger_source(loader) -> Optional[DrawLedger]:
+    """The sampler of ``loader`` that keeps draw records (innermost wrapped sampler), or
+    ``None``."""
+    inner = innermost_sampler(getattr(loader, "batch_sampler", None))
+    return inner if isinstance(inner, DrawLedger) else None
+
+
+class _Delivery:
+    """The cursor of a sampler served by a :class:`LedgerDataLoader` iterator."""
+
+    def __init__(self):
+        self.index: Optional[int] = None
+
+    def __call__(self) -> Optional[int]:
+        return self.index
+
+
+class _LedgerIterator:
+    """Wraps a DataLoader iterator: each yielded batch moves the sampler's cursor to its draw."""
+
+    def __init__(self, iterator, source: DrawLedger, delivery: _Delivery):
+        self._it = iterator
+        self._source = source
+        self._delivery = delivery
+
+    def __iter__(self):
+        return self
+
+    def __len__(self):
+        return len(self._it)
+
+    def __next__(self):
+        batch = next(self._it)
+        queue = self._source.__dict__.get("_undelivered")
+        if queue:
+            self._delivery.index = queue.popleft()
+            states = self._source.__dict__.get("_states_after")
+            if states:  # keep only the delivered draw's state and the prefetched ones
+                for index in [i for i in states if i < self._delivery.index]:
+                    del states[index]
+        else:  # drawn synchronously and already taken (cannot happen in order): latest draw
+            self._delivery.index = self._source.last_draw_index
+        return batch
+
+    def __getattr__(self, name):
+        return getattr(self._it, name)
+
+
+class LedgerDataLoader(DataLoader):
+    """``DataLoader`` whose iterator reports the draw index of each batch it yields to its
+    batch sampler's ledger (module docstring). Use it exactly as a DataLoader."""
+
+    #: Its iterator reports each delivered batch's draw (``verification.sees_trained_batch``).
+    reports_deliveries = True
+
+    def __iter__(self):
+        source = ledger_source(self)
+        if source is None:
+            return super().__iter__()
+        if not isinstance(source.cursor, _Delivery):
+            source.cursor = _Delivery()
+        if source.__dict__.get("_undelivered") is None:
+            source._undelivered = deque()  # before the iterator prefetches
+        if self.num_workers > 0 and source.__dict__.get("_states_after") is None:
+            source._states_after = {}      # states after prefetched draws, for checkpoints
+        return _LedgerIterator(super().__iter__(), source, source.cursor)

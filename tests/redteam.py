@@ -1,0 +1,436 @@
+"""Red-team loops for the privacy ledger (tests/test_privacy_ledger_redteam.py).
+
+A *case* is (scheme, path, loop shape, num_workers). :func:`run_case` trains a tiny model with
+the loop as a user would write it, over a dataset whose every item carries its own index, and
+records the index set of every batch an optimizer step actually trained on. :func:`oracle`
+then prices that participation pattern **independently of the accountant's bookkeeping**:
+
+* the released batches are matched, in order, against the scheme's own sampler stream
+  regenerated from the same seed (``scheme.sampler(n, generator=...)``): a released batch
+  that is not the next unused draw of that stream (a batch released twice, a stream that went
+  back) makes the pattern one the scheme does not describe;
+* a matched pattern is priced by the scheme's own pricing of what ran — the number of releases
+  for per-step schemes (and, for Poisson, dp_accounting's PLD), every draw up to the last
+  release for schemes whose unit spans several steps (a subset of a unit's releases is
+  post-processing of the unit), the releases only when they are the stream's first draws in
+  order for correlated noise — at the **largest** noise multiplier used (a lower bound of the
+  true ε when σ changed during the run).
+
+The test then requires: a clear error (:class:`LedgerError`, ``ValueError``, ``RuntimeError``
+raised by this package, with a message), or a printed ε at least the oracle's.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import math
+import tempfile
+import warnings
+from typing import Callable, Optional
+
+import torch
+from dp_accounting import dp_event
+from dp_accounting.pld import pld_privacy_accountant
+from opacus import PrivacyEngine
+from opacus.utils.batch_memory_manager import BatchMemoryManager
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from opacus_structured.engine import make_private
+from opacus_structured.optim.privacy_engine import CorrelatedNoisePrivacyEngine
+from opacus_structured.schemes.balls_in_bins import BallsInBinsScheme
+from opacus_structured.schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme
+from opacus_structured.schemes.gdp import GDPScheme
+from opacus_structured.schemes.poisson import PoissonScheme
+from opacus_structured.schemes.random_allocation_mf import RandomAllocationMFScheme
+from opacus_structured.schemes.truncated_poisson import TruncatedPoissonScheme
+
+N = 60           # examples
+B = 10           # batch size: 6 steps per epoch
+EPOCHS = 3
+SIGMA = 1.0
+DELTA = 1e-5
+D = 1e-3         # coarse pessimistic discretization (unit tests)
+SEED = 7
+
+torch.set_num_threads(1)  # tiny models: threads only add contention
+
+#: One small instance per registered scheme (and per release policy of schemes that have
+#: several). Each planned run is EPOCHS epochs of N/B steps.
+SCHEMES = {
+    "poisson": PoissonScheme(sample_rate=B / N),
+    "truncated-poisson": TruncatedPoissonScheme(N, B / N, 2 * B),
+    "gdp": GDPScheme(),
+    "balls-in-bins": BallsInBinsScheme(num_bins=N // B, epochs=EPOCHS),
+    "bandmf-identity": BandMFCyclicPoissonScheme(dataset_size=N, batch_size=float(B), bands=2,
+                                                 strategy="identity"),
+    "bandmf-banded": BandMFCyclicPoissonScheme(dataset_size=N, batch_size=float(B), bands=2),
+    "random-allocation-identity": RandomAllocationMFScheme(
+        strategy="identity", epochs=EPOCHS, batches_per_epoch=N // B, method="renyi"),
+    "random-allocation-bandmf": RandomAllocationMFScheme(
+        strategy="bandmf", bands=2, epochs=EPOCHS, batches_per_epoch=N // B, method="renyi"),
+}
+
+#: Loop shapes whose every run is one the ledger must refuse or price above the oracle; shapes
+#: in MAY_RAISE are ones where refusing is always an acceptable answer.
+SHAPES = ("plain", "skip2", "skip3", "break", "eval_draw", "early_stop", "noise_schedule",
+          "batch_memory_manager", "double_step", "accumulate", "rewrap", "stale_reload",
+          "resume_checkpoint", "resume_history_only", "other_loader", "detached_step")
+MAY_RAISE = {"double_step", "accumulate", "rewrap", "stale_reload", "resume_history_only",
+             "other_loader", "detached_step"}
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What a loop printed (``epsilon``) or the error it raised, and what it trained on."""
+
+    released: list
+    sigmas: list
+    epsilon: Optional[float] = None
+    error: Optional[BaseException] = None
+    extra_epsilons: list = dataclasses.field(default_factory=list)
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(N, 4, generator=g), torch.randint(0, 2, (N,), generator=g),
+                         torch.arange(N))
+
+
+def _engine(scheme):
+    return CorrelatedNoisePrivacyEngine() if scheme.correlated_noise else PrivacyEngine()
+
+
+def _private(scheme, model, optimizer, *, workers: int, engine=None):
+    engine = engine if engine is not None else _engine(scheme)
+    extra = {"pad": False} if isinstance(scheme, TruncatedPoissonScheme) else {}
+    loader = DataLoader(_data(), batch_size=B, num_workers=workers)
+    model, optimizer, loader = make_private(
+        engine, module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=SIGMA,
+        max_grad_norm=1.0, scheme=scheme, epochs=EPOCHS,
+        sampler_generator=torch.Generator().manual_seed(SEED), **extra)
+    return engine, model, optimizer, loader
+
+
+def _fresh_model():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+class _Loop:
+    """Training helpers that record what each optimizer step trained on."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.released: list = []
+        self.sigmas: list = []
+        self._accumulated: list = []
+
+    def backward(self, batch) -> None:
+        x, y, idx = batch
+        if len(x):
+            nn.functional.cross_entropy(self.model(x), y).backward()
+        self._accumulated.extend(idx.tolist())
+
+    def step(self, batch=None) -> None:
+        if batch is not None:
+            self.optimizer.zero_grad()
+            self.backward(batch)
+        peek = getattr(self.optimizer, "_check_skip_next_step", None)
+        if peek is not None and peek(pop_next=False):
+            self.optimizer.step()  # BatchMemoryManager: a physical batch, not a noisy step
+            return
+        # recorded before the step: a step the accountant refuses was still attempted
+        self.released.append(tuple(sorted(self._accumulated)))
+        self.sigmas.append(self.optimizer.noise_multiplier)
+        self._accumulated = []
+        self.optimizer.step()
+
+
+def run_case(scheme_name: str, shape: str, workers: int = 0) -> Outcome:
+    """Run one loop shape on the ``make_private`` path (module docstring)."""
+    scheme = SCHEMES[scheme_name]
+    model, optimizer = _fresh_model()
+    engine, model, optimizer, loader = _private(scheme, model, optimizer, workers=workers)
+    loop = _Loop(model, optimizer)
+    out = Outcome(loop.released, loop.sigmas)
+    epochs = EPOCHS if not isinstance(scheme, GDPScheme) else 4
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _SHAPES[shape](loop, engine, loader, scheme, epochs, workers)
+            out.epsilon = float(engine.accountant.get_epsilon(DELTA, discretization=D))
+    except (RuntimeError, ValueError) as err:
+        out.error = err
+    # the loop object may have been swapped by a re-wrap / resume
+    out.released, out.sigmas = loop.released, loop.sigmas
+    return out
+
+
+# ---- loop shapes ---------------------------------------------------------------------------
+def _plain(loop, engine, loader, scheme, epochs, workers):
+    for _ in range(epochs):
+        for batch in loader:
+            loop.step(batch)
+
+
+def _skip(every: int, offset: int) -> Callable:
+    def shape(loop, engine, loader, scheme, epochs, workers):
+        for _ in range(epochs):
+            for i, batch in enumerate(loader):
+                if i % every == offset:
+                    loop.optimizer.zero_grad()
+                    continue
+                loop.step(batch)
+    return shape
+
+
+def _break(loop, engine, loader, scheme, epochs, workers):
+    for epoch in range(epochs):
+        for i, batch in enumerate(loader):
+            if epoch == 0 and i == 3:
+                break  # the batch drawn here is never trained on
+            loop.step(batch)
+
+
+def _eval_draw(loop, engine, loader, scheme, epochs, workers):
+    for _ in range(epochs - 1):
+        for batch in loader:
+            loop.step(batch)
+        with torch.no_grad():  # "a quick look at the training loss" on a private batch
+            x, y, _ = next(iter(loader))
+            loop.model(x)
+
+
+def _early_stop(loop, engine, loader, scheme, epochs, workers):
+    for _ in range(epochs):
+        for batch in loader:
+            loop.step(batch)
+            if len(loop.released) == 7:
+                return
+
+
+def _noise_schedule(loop, engine, loader, scheme, epochs, workers):
+    for epoch in range(epochs):
+        if epoch == 1:
+            loop.optimizer.noise_multiplier = 2.0 * SIGMA
+        for batch in loader:
+            loop.step(batch)
+
+
+def _batch_memory_manager(loop, engine, loader, scheme, epochs, workers):
+    for _ in range(epochs):
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4,
+                                optimizer=loop.optimizer) as physical:
+            for batch in physical:
+                loop.backward(batch)
+                loop.step()
+                loop.optimizer.zero_grad()
+
+
+def _double_step(loop, engine, loader, scheme, epochs, workers):
+    for epoch in range(epochs):
+        for i, batch in enumerate(loader):
+            loop.step(batch)
+            if epoch == 1 and i == 0:
+                loop.step(batch)  # a second noisy step on the same batch
+
+
+def _accumulate(loop, engine, loader, scheme, epochs, workers):
+    for _ in range(epochs):
+        pending = 0
+        loop.optimizer.zero_grad()
+        for batch in loader:
+            loop.backward(batch)
+            pending += 1
+            if pending == 2:
+                loop.step()
+                loop.optimizer.zero_grad()
+                pending = 0
+
+
+def _rewrap(loop, engine, loader, scheme, epochs, workers):
+    for batch in loader:
+        loop.step(batch)
+    engine2, model2, optimizer2, loader2 = _private(scheme, loop.model, loop.optimizer,
+                                                   workers=workers)
+    loop.model, loop.optimizer = model2, optimizer2
+    for batch in loader2:
+        loop.step(batch)
+    # both engines must refuse to print an epsilon of half the training
+    engine2.accountant.get_epsilon(DELTA, discretization=D)
+
+
+def _stale_reload(loop, engine, loader, scheme, epochs, workers):
+    saved = None
+    for _ in range(epochs):
+        for batch in loader:
+            loop.step(batch)
+            if len(loop.released) == 3:
+                saved = copy.deepcopy(engine.accountant.state_dict())
+    engine.accountant.load_state_dict(saved)
+
+
+def _resume(with_ledger: bool) -> Callable:
+    def shape(loop, engine, loader, scheme, epochs, workers):
+        steps_per_epoch = len(loader)
+        done = 0
+        while done < 4:
+            for batch in loader:
+                loop.step(batch)
+                done += 1
+                if done == 4:
+                    break
+        with tempfile.TemporaryDirectory() as tmp:
+            path = f"{tmp}/ckpt.pt"
+            engine.save_checkpoint(path=path, module=loop.model, optimizer=loop.optimizer)
+            model, optimizer = _fresh_model()
+            engine2, model, optimizer, loader2 = _private(scheme, model, optimizer,
+                                                          workers=workers)
+            if with_ledger:
+                engine2.load_checkpoint(path=path, module=model, optimizer=optimizer)
+            else:  # an old-format state: Opacus' history only, no ledger / sampler
+                state = torch.load(path, weights_only=False)
+                model.load_state_dict(state["module_state_dict"])
+                acc_state = dict(state["privacy_accountant_state_dict"])
+                acc_state.pop("ledger", None)
+                engine2.accountant.load_state_dict(acc_state)
+        loop.model, loop.optimizer = model, optimizer
+        remaining = epochs * steps_per_epoch - 4
+        while remaining > 0:
+            for batch in loader2:
+                loop.step(batch)
+                remaining -= 1
+                if remaining == 0:
+                    break
+        engine.accountant = engine2.accountant  # what the resumed run prints
+    return shape
+
+
+def _other_loader(loop, engine, loader, scheme, epochs, workers):
+    plain = DataLoader(_data(), batch_size=B, shuffle=True)
+    for _ in range(epochs):
+        for batch in plain:  # the original loader, not the one make_private returned
+            loop.step(batch)
+
+
+def _detached_step(loop, engine, loader, scheme, epochs, workers):
+    for batch in loader:
+        loop.step(batch)
+    for batch in loader:  # "fine-tune the head without DP" on private data
+        loop.optimizer.zero_grad()
+        x, y, _ = batch
+        if len(x):
+            nn.functional.cross_entropy(loop.model(x), y).backward()
+        for p in loop.model.parameters():
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+        loop.optimizer.original_optimizer.step()
+
+
+_SHAPES = {
+    "plain": _plain, "skip2": _skip(2, 1), "skip3": _skip(3, 1), "break": _break,
+    "eval_draw": _eval_draw, "early_stop": _early_stop, "noise_schedule": _noise_schedule,
+    "batch_memory_manager": _batch_memory_manager, "double_step": _double_step,
+    "accumulate": _accumulate, "rewrap": _rewrap, "stale_reload": _stale_reload,
+    "resume_checkpoint": _resume(True), "resume_history_only": _resume(False),
+    "other_loader": _other_loader, "detached_step": _detached_step,
+}
+
+
+# ---- the oracle ----------------------------------------------------------------------------
+def reference_stream(scheme, draws: int) -> list:
+    """The first ``draws`` batches of the scheme's sampler at the test's seed, as sorted index
+    tuples (regenerated independently of the run)."""
+    extra = {"pad": False} if isinstance(scheme, TruncatedPoissonScheme) else {}
+    sampler = scheme.sampler(N, generator=torch.Generator().manual_seed(SEED), **extra)
+    out: list = []
+    while len(out) < draws:
+        before = len(out)
+        try:
+            for batch in sampler:
+                out.append(tuple(sorted(batch)))
+                if len(out) == draws:
+                    break
+        except RuntimeError:  # a planned run's sampler is exhausted
+            break
+        if len(out) == before:  # pragma: no cover - an empty sampler
+            break
+    return out
+
+
+def match_positions(released: list, stream: list) -> Optional[list]:
+    """Positions of the released batches in ``stream``, matched in order, each draw at most
+    once; ``None`` if some released batch is not a later draw of the stream."""
+    positions, at = [], 0
+    for batch in released:
+        while at < len(stream) and stream[at] != batch:
+            at += 1
+        if at == len(stream):
+            return None
+        positions.append(at)
+        at += 1
+    return positions
+
+
+@functools.lru_cache(maxsize=None)
+def _scheme_epsilon(scheme_name: str, sigma: float, steps: int) -> float:
+    return SCHEMES[scheme_name].epsilon(sigma, steps, DELTA, discretization=D)
+
+
+@functools.lru_cache(maxsize=None)
+def _poisson_dp_accounting(q: float, sigma: float, steps: int) -> float:
+    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=D)
+    acc.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), steps)
+    return acc.get_epsilon(DELTA)
+
+
+def oracle(scheme_name: str, out: Outcome) -> Optional[float]:
+    """The independent ε of the pattern that ran (module docstring), or ``None`` if the
+    pattern is not one the scheme describes (then only an error is acceptable)."""
+    scheme = SCHEMES[scheme_name]
+    released = out.released
+    if not released:
+        return 0.0
+    sigma = max(out.sigmas)  # a lower bound of the true ε when σ varied
+    policy = scheme.release_policy
+    if isinstance(scheme, GDPScheme):
+        return _scheme_epsilon(scheme_name, sigma, len(released))
+    stream = reference_stream(scheme, 4 * EPOCHS * (N // B) + 8)
+    positions = match_positions(released, stream)
+    if positions is None:
+        return None
+    if policy == "independent":
+        value = _scheme_epsilon(scheme_name, sigma, len(released))
+        if isinstance(scheme, PoissonScheme):
+            value = max(value, _poisson_dp_accounting(scheme.sample_rate, sigma, len(released)))
+        return value
+    if policy == "exact" and positions != list(range(len(released))):
+        return None
+    span = positions[-1] + 1 if policy == "span" else len(released)
+    try:
+        scheme.compositions(span)
+    except ValueError:
+        return None  # beyond the planned run
+    return _scheme_epsilon(scheme_name, sigma, span)
+
+
+def judge(scheme_name: str, shape: str, out: Outcome) -> None:
+    """Assert the case's verdict: a clear error where the pattern is not priceable (or the
+    shape may raise), else an ε at least the oracle's."""
+    truth = oracle(scheme_name, out)
+    if out.error is not None:
+        assert str(out.error), "an error must say what went wrong"
+        if truth is None or shape in MAY_RAISE:
+            return
+        raise AssertionError(f"{scheme_name}/{shape}: refused a priceable run "
+                             f"(oracle ε={truth:.4f}): {out.error}")
+    assert truth is not None, (f"{scheme_name}/{shape}: printed ε={out.epsilon} for a run its "
+                               f"scheme does not describe (released {len(out.released)} "
+                               f"steps); it must raise")
+    assert out.epsilon >= truth - 1e-9 * max(1.0, truth), (
+        f"{scheme_name}/{shape}: printed ε={out.epsilon:.4f} below the independent pricing "
+        f"{truth:.4f} of what ran ({len(out.released)} steps)")
+    assert math.isfinite(out.epsilon)

@@ -85,6 +85,30 @@ def optimizer_class_for(optimizer_class: type, *, ghost: bool, distributed: bool
     return bookkeeping_optimizer_class(cls)
 
 
+def _skip_when_training_step_returns_none(optimizer: DPOptimizer) -> None:
+    """Lightning skips a batch whose ``training_step`` returns ``None`` (no backward), but
+    still calls ``optimizer.step(closure)``; a plain optimizer then does nothing, while a
+    DPOptimizer would clip gradients that were never computed. Make the DP optimizer do
+    nothing too: no noisy step is released, so nothing is priced (the privacy ledger sees the
+    skipped draw and prices it by the scheme's release policy)."""
+    if getattr(optimizer, "_skips_none_closure", False):
+        return
+    dp_step = type(optimizer).step
+
+    def step(closure=None):
+        if closure is None:
+            return dp_step(optimizer)
+        with torch.enable_grad():
+            loss = closure()
+        if loss is None:
+            optimizer.zero_grad(set_to_none=True)
+            return None
+        return dp_step(optimizer)
+
+    optimizer.step = step
+    optimizer._skips_none_closure = True
+
+
 class OptimizerWrapper:
     """Verifies or wraps the module's optimizer and hooks its step (module docstring).
 
@@ -150,6 +174,7 @@ class OptimizerWrapper:
                 _previous(optimizer)
 
         opt.attach_step_hook(hook)
+        _skip_when_training_step_returns_none(opt)
         return opt
 
     def _check_given(self, opt: DPOptimizer, world_size: int) -> None:

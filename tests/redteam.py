@@ -434,3 +434,64 @@ def judge(scheme_name: str, shape: str, out: Outcome) -> None:
         f"{scheme_name}/{shape}: printed ε={out.epsilon:.4f} below the independent pricing "
         f"{truth:.4f} of what ran ({len(out.released)} steps)")
     assert math.isfinite(out.epsilon)
+
+
+# ---- the Lightning path (DPCallback) -------------------------------------------------------
+LIGHTNING_SHAPES = ("plain", "skip2", "limit_train_batches", "max_steps")
+
+
+def run_lightning_case(scheme_name: str, shape: str, workers: int = 0) -> Outcome:
+    """The loop shapes a Lightning user writes, through ``DPCallback``: ``training_step``
+    returning ``None`` (Lightning then skips the step), ``limit_train_batches`` (every epoch
+    stops early), ``max_steps`` (training stops mid-epoch)."""
+    import lightning.pytorch as pl
+
+    from lightning_callbacks import DPCallback
+
+    scheme = SCHEMES[scheme_name]
+    released: list = []
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            x, y, idx = batch
+            if shape == "skip2" and batch_idx % 2:
+                return None
+            released.append(tuple(sorted(idx.tolist())))
+            return nn.functional.cross_entropy(self.layer(x), y) if len(x) else \
+                self.layer.weight.sum() * 0.0
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    extra = {"pad": False} if isinstance(scheme, TruncatedPoissonScheme) else {}
+    sampler = scheme.sampler(N, generator=torch.Generator().manual_seed(SEED), **extra)
+    optimizer_class = None
+    if scheme.correlated_noise:
+        from opacus_structured.optim.correlated_noise import CorrelatedNoiseDPOptimizer
+        optimizer_class = CorrelatedNoiseDPOptimizer
+    kwargs = {} if optimizer_class is None else {
+        "optimizer_class": optimizer_class,
+        "optimizer_kwargs": {"noise_correlation": scheme.noise_correlation(EPOCHS * (N // B))}}
+    cb = DPCallback(delta=DELTA, noise_multiplier=SIGMA, max_grad_norm=1.0, scheme=scheme,
+                    sampler=sampler, discretization=D, seed=SEED, **kwargs)
+    limits = {"plain": {}, "skip2": {}, "limit_train_batches": {"limit_train_batches": 4},
+              "max_steps": {"max_steps": 7}}[shape]
+    trainer = pl.Trainer(max_epochs=EPOCHS if not isinstance(scheme, GDPScheme) else 4,
+                         callbacks=[cb], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         accelerator="cpu", **limits)
+    out = Outcome(released, [SIGMA] * 0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(Module(), DataLoader(_data(), batch_size=B, num_workers=workers))
+            out.epsilon = float(cb.accountant.get_epsilon(DELTA, discretization=D))
+    except (RuntimeError, ValueError) as err:
+        out.error = err
+    out.sigmas = [SIGMA] * len(released)
+    return out

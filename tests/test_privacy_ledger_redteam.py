@@ -9,7 +9,15 @@ import itertools
 
 import pytest
 
-from redteam import MAY_RAISE, SCHEMES, SHAPES, judge, run_case
+from redteam import (
+    LIGHTNING_SHAPES,
+    MAY_RAISE,
+    SCHEMES,
+    SHAPES,
+    judge,
+    run_case,
+    run_lightning_case,
+)
 
 FAST_SHAPES = ("plain", "skip2", "break", "double_step", "rewrap", "stale_reload",
                "resume_checkpoint")
@@ -35,3 +43,16 @@ def test_loop_never_under_reports(scheme, shape, workers):
 def test_grid_size():
     assert len(CASES) >= 200
     assert MUST_RAISE <= set(SHAPES) and MAY_RAISE <= set(SHAPES)
+
+
+LIGHTNING_CASES = list(itertools.product(SCHEMES, LIGHTNING_SHAPES, (0,)))
+LIGHTNING_FAST = {("poisson", "skip2"), ("bandmf-banded", "limit_train_batches"),
+                  ("balls-in-bins", "max_steps")}
+
+
+@pytest.mark.parametrize("scheme,shape,workers", [
+    pytest.param(s, sh, w, marks=() if (s, sh) in LIGHTNING_FAST else (pytest.mark.slow,),
+                 id=f"lightning-{s}-{sh}-w{w}") for s, sh, w in LIGHTNING_CASES])
+def test_lightning_loop_never_under_reports(scheme, shape, workers):
+    out = run_lightning_case(scheme, shape, workers)
+    judge(scheme, shape, out)

@@ -37,6 +37,7 @@ from opacus.optimizers.ddpoptimizer_fast_gradient_clipping import (
     DistributedDPOptimizerFastGradientClipping,
 )
 
+from opacus_structured.accountants.release_guard import guard_optimizer, is_adaptive, refuse_adaptive
 from opacus_structured.optim.bookkeeping import bookkeeping_optimizer_class
 from opacus_structured.optim.correlated_noise import CorrelatedNoiseDPOptimizer
 from opacus_structured.optim.distributed import (
@@ -98,6 +99,8 @@ class OptimizerWrapper:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, DPOptimizer)):
             raise ValueError(f"optimizer_class must be a subclass of opacus DPOptimizer, got "
                              f"{optimizer_class!r}")
+        if is_adaptive(optimizer_class):
+            refuse_adaptive(clipping="adaptive")
         self.optimizer_class = optimizer_class
         self.optimizer_kwargs = optimizer_kwargs
         self.noise_multiplier = noise_multiplier
@@ -140,6 +143,9 @@ class OptimizerWrapper:
                       loss_reduction=self.loss_reduction, generator=generator,
                       **self.optimizer_kwargs)
             trainer.strategy.optimizers = [opt]
+        # one clip norm for clipping and noise, GradScaler refused, non-finite per-sample
+        # gradients zeroed (opacus_structured.accountants.release_guard); refuses AdaClip
+        guard_optimizer(opt)
         coefficients = getattr(opt, "noise_coefficients", None)
         scheme.check_noise_correlation([1.0] if coefficients is None else coefficients)
         previous = opt.step_hook

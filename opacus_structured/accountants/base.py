@@ -56,6 +56,7 @@ from ..accounting.resource_guard import ResourceBudgetError
 from ..samplers import verification
 from ..schemes import registry
 from ..schemes.base import Scheme
+from .release_guard import ClipNormLedger, guard_optimizer
 
 __all__ = ["SchemeAccountant", "WholeRunAccountant", "register_scheme_accountant",
            "accountant_class_for", "AccountantNotAttachedError", "UnboundAccountantError",
@@ -93,6 +94,26 @@ def data_loader_of_make_private(max_depth: int = 4):
             loader = frame.f_locals.get("data_loader")
             return loader if isinstance(loader, DataLoader) else None
     return None
+
+
+def _optimizer_and_module_of_make_private(max_depth: int = 4):
+    """``(optimizer, module)`` of the enclosing Opacus ``make_private`` (its locals right
+    before ``attach_step_hook``: the DP optimizer and the wrapped module), else ``(None, None)``.
+    Used to install :func:`~opacus_structured.accountants.release_guard.guard_optimizer`."""
+    from opacus.optimizers import DPOptimizer
+
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        frame = frame.f_back
+        if frame is None:
+            break
+        if frame.f_code.co_name == "make_private":
+            optimizer = frame.f_locals.get("optimizer")
+            if isinstance(optimizer, DPOptimizer):
+                return optimizer, frame.f_locals.get("module")
+            break
+    return None, None
+
 
 def accountant_class_for(scheme: Scheme) -> type:
     """The :class:`SchemeAccountant` subclass registered for ``type(scheme)`` (or a base class
@@ -151,6 +172,7 @@ class SchemeAccountant(IAccountant):
         self._hooked_steps = 0      # steps recorded through the hook since attached
         self._attach_tick = 0       # draw clock when attached (discovery without a loader)
         self._discover = False      # find the drawing sampler at the first step
+        self._clip_norms = ClipNormLedger()  # one clip norm for clipping and noise (issue 29.9)
 
     # ---- unbound accountants (built by name by Opacus' registry) --------------------------
     @property
@@ -212,9 +234,13 @@ class SchemeAccountant(IAccountant):
         if data_loader is None:
             data_loader = data_loader_of_make_private()
         self.attach(data_loader)
+        optimizer, module = _optimizer_and_module_of_make_private()
+        if optimizer is not None:  # Opacus' make_private: guard before the first step
+            guard_optimizer(optimizer, module)
 
         def hook_fn(optim):
             self.check_draws()
+            self._clip_norms.check(optim, step=len(self) + 1)
             self.step(noise_multiplier=optim.noise_multiplier,
                       sample_rate=sample_rate * optim.accumulated_iterations)
             self._hooked_steps += 1
@@ -386,6 +412,7 @@ class SchemeAccountant(IAccountant):
         if self.scheme is not None:  # an unbound accountant has only Opacus' state
             destination["scheme"] = self.scheme.to_dict()
         destination["discretization"] = self.discretization
+        destination["clip_norm"] = self._clip_norms.state_dict()
         return destination
 
     def load_state_dict(self, state_dict):
@@ -408,6 +435,7 @@ class SchemeAccountant(IAccountant):
                     f"checkpoint was taken with scheme {saved!r} but this accountant prices "
                     f"{self.scheme!r}; build the accountant from the same scheme")
         self.discretization = float(state_dict.get("discretization", self.discretization))
+        self._clip_norms.load_state_dict(state_dict.get("clip_norm"))
         self.history = [tuple(h) for h in self.history]
         self._cache.clear()
 

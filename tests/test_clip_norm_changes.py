@@ -137,8 +137,13 @@ def test_every_registered_scheme_has_a_case():
     assert set(REGISTERED) == set(CASES) | {"structured"}
 
 
+#: balls-in-bins prices its whole planned run twice here (> 5 s): slow
+_NAMES = [pytest.param(n, marks=pytest.mark.slow) if n == "balls-in-bins" else n
+          for n in sorted(CASES)]
+
+
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", _NAMES)
 def test_make_private_clip_change_is_priced_or_refused(name, mode):
     correlated = CASES[name][2]
     steps = 2 if name == "gdp-full-batch" else 4

@@ -372,3 +372,72 @@ def test_ledger_round_trips_through_the_accountant_state():
     fresh.load_state_dict(legacy)
     assert fresh._clip_norms.norm is None
     assert ClipNormLedger().state_dict() == {"norm": None, "changes": 0}
+
+
+# ---- DPCallback: hooks and book-keeping (ghost) -----------------------------------------
+def _fit_callback(mode, scheme, *, change_at=None, steps=4, **kw):
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning_callbacks.dp_callback import DPCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Linear(3, 2)
+            self.batches = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch[0], batch[1]
+            self.batches.append((x.clone(), y.clone(), _plain_copy(self.net)))
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    cb = DPCallback(scheme=scheme, noise_multiplier=SIGMA, max_grad_norm=OLD, delta=DELTA,
+                    discretization=D, seed=3, grad_sample_mode=mode, **kw)
+    sums, norms = [], []
+
+    class Change(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if not sums:  # first batch: capture every released clipped sum from now on
+                previous = cb.optimizer.step_hook
+                cb.optimizer.attach_step_hook(lambda o: (
+                    sums.append([p.summed_grad.detach().clone() for p in o.params]),
+                    norms.append(float(o.max_grad_norm)), previous(o)))
+                sums.append(None)
+            if change_at is not None and trainer.global_step + 1 == change_at:
+                cb.optimizer.max_grad_norm = NEW
+
+    module = Module()
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False,
+                         callbacks=[cb, Change()], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False,
+                         num_sanity_val_steps=0)
+    trainer.fit(module, DataLoader(_dataset(), batch_size=BATCH))
+    return cb, module, sums[1:], norms
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_dpcallback_clip_change_clips_at_the_new_norm_and_keeps_epsilon(mode):
+    scheme = PoissonScheme(sample_rate=1 / K)
+    cb, module, sums, norms = _fit_callback(mode, scheme, change_at=3)
+    assert norms == [OLD, OLD, NEW, NEW] and cb.steps == 4
+    for (x, y, plain), got, clip in zip(module.batches, sums, norms, strict=True):
+        for g, want in zip(got, _clipped_sum(plain, x, y, clip), strict=True):
+            torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6)
+    if mode == "ghost":  # book-keeping clipped at the optimizer's norm, not its attach value
+        assert cb.optimizer.bookkeeper.max_grad_norm == NEW
+    reference, *_ = _fit_callback(mode, scheme)
+    assert cb.epsilon() == reference.epsilon()
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_dpcallback_clip_change_under_correlated_noise_is_refused(mode):
+    from opacus_structured.optim.correlated_noise import CorrelatedNoiseDPOptimizer
+    from opacus_structured.schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme
+
+    scheme = BandMFCyclicPoissonScheme(dataset_size=N, batch_size=BATCH, bands=2)
+    with pytest.raises(ClipNormChangedError, match=CORRELATED_CLIP_MESSAGE):
+        _fit_callback(mode, scheme, change_at=3, optimizer_class=CorrelatedNoiseDPOptimizer,
+                      optimizer_kwargs={"noise_correlation": scheme.noise_correlation(10)})

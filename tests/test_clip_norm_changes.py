@@ -155,7 +155,7 @@ def test_make_private_clip_change_is_priced_or_refused(name, mode):
             _run(model, opt, crit, dl, steps, change_at=change_at)
         assert len(engine.accountant) == change_at - 1   # the refused step is not priced ...
         assert opt.noise_step == change_at - 1            # ... nor noised ...
-        assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
         return
     compared = _run(model, opt, crit, dl, steps, change_at=change_at, check_clip=True)
     assert compared >= steps - 1

@@ -111,7 +111,7 @@ def test_hooks_mode_releases_every_step_with_the_planted_example_zeroed(kind):
         opt.zero_grad()
         assert len(engine.accountant) == step                       # priced
         assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
-        assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # released
+        assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))  # released
         for got, want in zip(seen[-1], _clipped_sum_of_finite(before, x, y), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
         planted_steps += int(bool(torch.isinf(x).any()))
@@ -142,7 +142,7 @@ def test_opacus_ghost_clipping_refuses_to_release_a_non_finite_sum():
         crit(model(x), y).backward()
         with pytest.raises(NonFiniteReleaseError, match="grad_sample_mode='hooks'"):
             opt.step()
-        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
         return
     pytest.fail("the planted example was never sampled")
 
@@ -162,7 +162,7 @@ def test_grad_scaler_is_refused_at_the_first_step_whatever_the_data(mode, plante
     with pytest.raises(GradScalerRefusedError, match="GradScaler is refused"):
         scaler.step(opt)
     assert len(engine.accountant) == 0
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
 
 
 def test_disabled_grad_scaler_passes_through():
@@ -188,7 +188,7 @@ def test_why_grad_scaler_is_refused_it_skips_on_the_planted_example():
         before = [p.detach().clone() for p in model.parameters()]
         scaler.scale(nn.functional.cross_entropy(model(x[batch]), y[batch])).backward()
         scaler.step(opt)
-        unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
         assert unchanged == skipped
 
 

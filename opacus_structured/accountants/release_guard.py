@@ -257,7 +257,12 @@ def refuse_grad_scaler(optimizer) -> None:
 
 def zero_nonfinite_grad_samples(optimizer) -> int:
     """Zero, in every parameter's ``grad_sample``, the rows of each example whose per-sample
-    gradient has a non-finite entry (clip factor 0). Returns how many examples were zeroed."""
+    gradient is non-finite (clip factor 0). Returns how many examples were zeroed.
+
+    An example is flagged when the sum of its entries is non-finite, in any parameter: that is
+    every example with an inf/NaN entry, plus finite rows so large that their sum overflows,
+    whose norm overflows too (Opacus would give them the clip factor ``C/inf = 0`` anyway).
+    One pass and one host synchronisation per step."""
     params = [p for p in optimizer.params if getattr(p, "grad_sample", None) is not None]
     if not params:
         return 0
@@ -266,37 +271,41 @@ def zero_nonfinite_grad_samples(optimizer) -> int:
         return p.grad_sample if isinstance(p.grad_sample, list) else [p.grad_sample]
 
     layout = [len(c) for c in chunks(params[0])]
+    if any([len(c) for c in chunks(p)] != layout for p in params):
+        return 0  # Opacus' own clipping refuses the inconsistent batch sizes
     device = chunks(params[0])[0].device
     bad = None
     for p in params:
-        if [len(c) for c in chunks(p)] != layout:
-            return 0  # Opacus' own clipping refuses the inconsistent shapes
-        rows = torch.cat([~torch.isfinite(c.reshape(len(c), -1)).all(1).to(device)
+        rows = torch.cat([~torch.isfinite(c.reshape(len(c), -1).sum(1)).to(device)
                           for c in chunks(p)])
         bad = rows if bad is None else bad | rows
-    if bad is None or not bool(bad.any()):
+    if not bool(bad.any()):
         return 0
     for p in params:
-        start = 0
+        zeroed, start = [], 0
         for c in chunks(p):
-            m = bad[start:start + len(c)].to(c.device)
-            c.masked_fill_(m.view(-1, *([1] * (c.dim() - 1))), 0)
+            m = bad[start:start + len(c)].to(c.device).view(-1, *([1] * (c.dim() - 1)))
+            fresh = c.masked_fill(m, 0)
+            if hasattr(c, "_processed"):  # keep Opacus' "zero_grad() was not called" check
+                fresh._processed = c._processed
+            zeroed.append(fresh)
             start += len(c)
+        p.grad_sample = zeroed if isinstance(p.grad_sample, list) else zeroed[0]
     return int(bad.sum())
 
 
 def check_finite_clipped_sum(optimizer) -> None:
     """Opacus' ghost clipping: raise if the clipped sum in ``p.grad`` is non-finite (an example
     whose gradient is non-finite cannot be taken out of autograd's batched second backward)."""
-    for p in optimizer.params:
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-            raise NonFiniteReleaseError(
-                "the ghost-clipped gradient sum is non-finite: an example of this batch has a "
-                "non-finite gradient, and Opacus' ghost clipping sums the batch inside autograd "
-                "(0 * inf = NaN), so it cannot be clipped to 0 there. The step is not released. "
-                "This stop depends on the data: use grad_sample_mode='hooks' (or DPCallback's "
-                "book-keeping ghost mode), which zero such an example before the sum, or "
-                "sanitise the inputs")
+    flags = [torch.isfinite(p.grad).all() for p in optimizer.params if p.grad is not None]
+    if flags and not bool(torch.stack([f.to(flags[0].device) for f in flags]).all()):
+        raise NonFiniteReleaseError(
+            "the ghost-clipped gradient sum is non-finite: an example of this batch has a "
+            "non-finite gradient, and Opacus' ghost clipping sums the batch inside autograd "
+            "(0 * inf = NaN), so it cannot be clipped to 0 there. The step is not released. "
+            "This stop depends on the data: use grad_sample_mode='hooks' (or DPCallback's "
+            "book-keeping ghost mode), which zero such an example before the sum, or "
+            "sanitise the inputs")
 
 
 # ---- the accountant's record ------------------------------------------------------------

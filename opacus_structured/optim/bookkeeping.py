@@ -28,6 +28,11 @@ checks it against materialised per-sample gradients in float64. The optimizer th
 noise: :func:`bookkeeping_optimizer_class` wraps Opacus' ``DPOptimizerFastGradientClipping``
 (or its correlated-noise variant) so that ``step()`` first writes the clipped sum.
 
+The clipping norm is the optimizer's current ``max_grad_norm``, read at every step (so a
+change of it moves clipping and noise together), and an example whose per-sample norm is
+non-finite gets coefficient 0 with its recorded rows zeroed first (``0·inf`` would be NaN):
+:mod:`opacus_structured.accountants.release_guard` (issue 29, cases 9-10).
+
 Limits (each refused with a clear error, never silently wrong): every hooked module runs once
 per optimizer step (no parameter tying, no recurrent re-use: use
 :class:`~opacus_structured.forecasting.fast_rnn.FastDPLSTM`, whose layers run once); one

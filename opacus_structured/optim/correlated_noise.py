@@ -21,6 +21,11 @@ with ``d`` decaying buffers instead (Algorithm 3 of McMahan et al. 2024):
 for any number of steps. Pass ``blt.normalized(n)`` and price it with a scheme that knows the
 same ``C`` (``random-allocation-mf --strategy blt``).
 
+One clip norm: the fresh ``z_i`` have std ``σ·max_grad_norm`` and ``w_i`` carries the earlier
+``z_j``, so ``max_grad_norm`` must not change during the stream (a change would scale the
+carry-over by ``C_j/C_i`` relative to step ``i``'s sensitivity): ``add_noise`` raises at the step
+where it changed, and the norm is part of :meth:`CorrelatedNoiseMixin.noise_state_dict`.
+
 Security notes:
 
 * The ring buffer holds past noise. Anyone who reads it can subtract noise from past released

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from opacus_structured.accountants.base import SchemeAccountant
+from opacus_structured.accountants.release_guard import ClipNormLedger
 from opacus_structured.schemes.base import BoundKind, Scheme
 
 __all__ = ["PrivacyBudget", "float32_up"]
@@ -125,8 +126,10 @@ class PrivacyBudget:
         attach = getattr(accountant, "attach", None)
         if callable(attach):
             attach(data_loader)
+        clip_norms = ClipNormLedger()  # one clip norm, as a SchemeAccountant's hook checks
 
         def record(optimizer) -> None:
+            clip_norms.check(optimizer, step=len(accountant) + 1)
             accountant.step(noise_multiplier=optimizer.noise_multiplier,
                             sample_rate=sample_rate * optimizer.accumulated_iterations)
 

@@ -19,7 +19,11 @@
 * **checks** that the scheme prices the optimizer's noise correlation
   (``scheme.check_noise_correlation``) and **hooks** the step: the given callback runs in the
   optimizer's step hook, after clipping and noising and before the parameter update (Opacus'
-  order: clip, noise, scale, hook, step), then any hook the optimizer already had.
+  order: clip, noise, scale, hook, step), then any hook the optimizer already had;
+* **guards** the release (:func:`~opacus_structured.accountants.release_guard.guard_optimizer`):
+  clipping and noise use the optimizer's current ``max_grad_norm`` at every step (a change is
+  priced, or refused under correlated noise), an enabled ``torch.amp.GradScaler`` is refused,
+  non-finite per-sample gradients are zeroed before the sum, adaptive clipping is refused.
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ from opacus.optimizers.ddpoptimizer_fast_gradient_clipping import (
     DistributedDPOptimizerFastGradientClipping,
 )
 
+from opacus_structured.accountants.release_guard import (
+    guard_optimizer,
+    is_adaptive,
+    refuse_adaptive,
+)
 from opacus_structured.optim.bookkeeping import bookkeeping_optimizer_class
 from opacus_structured.optim.correlated_noise import CorrelatedNoiseDPOptimizer
 from opacus_structured.optim.distributed import (
@@ -122,6 +131,8 @@ class OptimizerWrapper:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, DPOptimizer)):
             raise ValueError(f"optimizer_class must be a subclass of opacus DPOptimizer, got "
                              f"{optimizer_class!r}")
+        if is_adaptive(optimizer_class):
+            refuse_adaptive(clipping="adaptive")
         self.optimizer_class = optimizer_class
         self.optimizer_kwargs = optimizer_kwargs
         self.noise_multiplier = noise_multiplier
@@ -164,6 +175,9 @@ class OptimizerWrapper:
                       loss_reduction=self.loss_reduction, generator=generator,
                       **self.optimizer_kwargs)
             trainer.strategy.optimizers = [opt]
+        # one clip norm for clipping and noise, GradScaler refused, non-finite per-sample
+        # gradients zeroed (opacus_structured.accountants.release_guard); refuses AdaClip
+        guard_optimizer(opt)
         coefficients = getattr(opt, "noise_coefficients", None)
         scheme.check_noise_correlation([1.0] if coefficients is None else coefficients)
         previous = opt.step_hook

@@ -102,6 +102,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from ._validation import check_int, check_open_unit, check_positive
 from .accountants import ACCOUNTANTS
 from .accountants.base import SchemeAccountant, accountant_class_for
+from .accountants.release_guard import refuse_adaptive
 from .accounting import pld as pld_lib
 from .accounting.calibration import calibrate_within_tolerance
 from .optim.privacy_engine import CorrelatedNoisePrivacyEngine
@@ -392,6 +393,14 @@ class _Plan:
             engine.accountant = self.accountant()
 
 
+def _refuse_adaptive_clipping(engine, clipping) -> None:
+    """Adaptive clipping releases a data-dependent clip norm that no scheme accountant prices
+    (:mod:`opacus_structured.accountants.release_guard`): refused by argument and by engine."""
+    refuse_adaptive(clipping=clipping)
+    if type(engine).__name__ == "PrivacyEngineAdaptiveClipping":
+        refuse_adaptive(clipping="adaptive")
+
+
 def _is_distributed(module) -> bool:
     return isinstance(module, (DPDDP, DDP))
 
@@ -431,6 +440,7 @@ def make_private(engine: PrivacyEngine, *, module: nn.Module, optimizer: torch.o
         criterion in ghost mode), ``data_loader`` drawing with the scheme's sampler. The engine's
         accountant is the scheme's (``engine.get_epsilon(delta)``).
     """
+    _refuse_adaptive_clipping(engine, clipping)
     plan = _Plan(engine, module=module, data_loader=data_loader, scheme=scheme, epochs=epochs,
                  batch_first=batch_first, rand_on_empty=rand_on_empty,
                  poisson_sampling=poisson_sampling, sampler_generator=sampler_generator,
@@ -480,6 +490,7 @@ def make_private_with_epsilon(engine: PrivacyEngine, *, module: nn.Module,
     target_epsilon = check_positive("target_epsilon", target_epsilon)
     target_delta = check_open_unit("target_delta", target_delta)
     epochs = check_int("epochs", epochs, minimum=1)
+    _refuse_adaptive_clipping(engine, clipping)
     plan = _Plan(engine, module=module, data_loader=data_loader, scheme=scheme, epochs=epochs,
                  batch_first=batch_first, rand_on_empty=False,
                  poisson_sampling=poisson_sampling, sampler_generator=sampler_generator,

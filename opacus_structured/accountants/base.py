@@ -57,6 +57,7 @@ from ..samplers import verification
 from ..schemes import registry
 from ..schemes.base import Scheme
 from .ledger import LedgerError, ReleaseLedger
+from .release_guard import ClipNormLedger, guard_optimizer
 
 __all__ = ["SchemeAccountant", "WholeRunAccountant", "register_scheme_accountant",
            "accountant_class_for", "AccountantNotAttachedError", "UnboundAccountantError",
@@ -94,6 +95,26 @@ def data_loader_of_make_private(max_depth: int = 4):
             loader = frame.f_locals.get("data_loader")
             return loader if isinstance(loader, DataLoader) else None
     return None
+
+
+def _optimizer_and_module_of_make_private(max_depth: int = 4):
+    """``(optimizer, module)`` of the enclosing Opacus ``make_private`` (its locals right
+    before ``attach_step_hook``: the DP optimizer and the wrapped module), else ``(None, None)``.
+    Used to install :func:`~opacus_structured.accountants.release_guard.guard_optimizer`."""
+    from opacus.optimizers import DPOptimizer
+
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        frame = frame.f_back
+        if frame is None:
+            break
+        if frame.f_code.co_name == "make_private":
+            optimizer = frame.f_locals.get("optimizer")
+            if isinstance(optimizer, DPOptimizer):
+                return optimizer, frame.f_locals.get("module")
+            break
+    return None, None
+
 
 def accountant_class_for(scheme: Scheme) -> type:
     """The :class:`SchemeAccountant` subclass registered for ``type(scheme)`` (or a base class
@@ -154,6 +175,7 @@ class SchemeAccountant(IAccountant):
         self._discover = False      # find the drawing sampler at the first step
         self._ledger = ReleaseLedger()  # which draw each released step trained on
         self._exact_cursor = True   # the ledger sees the batch each step trains on
+        self._clip_norms = ClipNormLedger()  # one clip norm for clipping and noise (issue 29.9)
 
     # ---- unbound accountants (built by name by Opacus' registry) --------------------------
     @property
@@ -227,6 +249,9 @@ class SchemeAccountant(IAccountant):
         if data_loader is None:
             data_loader = data_loader_of_make_private()
         self.attach(data_loader)
+        optimizer, module = _optimizer_and_module_of_make_private()
+        if optimizer is not None:  # Opacus' make_private: guard before the first step
+            guard_optimizer(optimizer, module)
 
         def hook_fn(optim):
             self.release(optim, sample_rate=sample_rate * optim.accumulated_iterations,
@@ -243,6 +268,7 @@ class SchemeAccountant(IAccountant):
         (``release_policy == "span"``), prices skipped draws as released.
         """
         padding = 0
+        self._clip_norms.check(optimizer, step=len(self) + 1)
         if self._discover or not (self._exact_cursor and self._ledger.source is not None):
             self.check_draws()  # finds the sampler (discovery), or counts draws
         if self._exact_cursor and self._ledger.source is not None:
@@ -425,6 +451,7 @@ class SchemeAccountant(IAccountant):
             destination["scheme"] = self.scheme.to_dict()
         destination["discretization"] = self.discretization
         destination["ledger"] = self._ledger.state_dict()
+        destination["clip_norm"] = self._clip_norms.state_dict()
         return destination
 
     def load_state_dict(self, state_dict):
@@ -454,6 +481,7 @@ class SchemeAccountant(IAccountant):
                     f"checkpoint was taken with scheme {saved!r} but this accountant prices "
                     f"{self.scheme!r}; build the accountant from the same scheme")
         self.discretization = float(state_dict.get("discretization", self.discretization))
+        self._clip_norms.load_state_dict(state_dict.get("clip_norm"))
         self.history = [tuple(h) for h in self.history]
         self._cache.clear()
         if state_dict.get("ledger") is not None:

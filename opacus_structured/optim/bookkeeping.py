@@ -28,6 +28,11 @@ checks it against materialised per-sample gradients in float64. The optimizer th
 noise: :func:`bookkeeping_optimizer_class` wraps Opacus' ``DPOptimizerFastGradientClipping``
 (or its correlated-noise variant) so that ``step()`` first writes the clipped sum.
 
+The clipping norm is the optimizer's current ``max_grad_norm``, read at every step (so a
+change of it moves clipping and noise together), and an example whose per-sample norm is
+non-finite gets coefficient 0 with its recorded rows zeroed first (``0·inf`` would be NaN):
+:mod:`opacus_structured.accountants.release_guard` (issue 29, cases 9-10).
+
 Limits (each refused with a clear error, never silently wrong): every hooked module runs once
 per optimizer step (no parameter tying, no recurrent re-use: use
 :class:`~opacus_structured.forecasting.fast_rnn.FastDPLSTM`, whose layers run once); one
@@ -46,6 +51,8 @@ from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
 from opacus.optimizers import DPOptimizerFastGradientClipping
 from opacus.utils.module_utils import trainable_parameters
 from torch import nn
+
+from ..accountants.release_guard import clipping_norm, guard_of
 
 __all__ = ["BookKeepingHooks", "bookkeeping_optimizer_class", "BookKeepingDPOptimizer"]
 
@@ -207,12 +214,16 @@ class BookKeepingHooks(GradSampleHooks):
                 raise ValueError("mask values must lie in [0, 1] (the clipped norm must stay "
                                  "<= max_grad_norm)")
             coef = coef * mask
-        return coef
+        # a non-finite per-sample gradient is clipped to 0 (issue 29, case 10): never NaN
+        return torch.where(torch.isfinite(norms), coef, torch.zeros_like(coef))
 
     def write_clipped_sum(self, params) -> None:
         """Set ``p.grad = Σ_b c_b ∇p[b]`` for every parameter in ``params``, then forget the
         step. Raises if a parameter with a gradient was not seen by the hooks."""
         coef = self.clipping_coefficients()
+        bad = ~torch.isfinite(self.per_sample_norms())
+        if bool(bad.any()):  # zero the rows themselves: 0 * inf would be NaN in the sums
+            self._zero_examples(bad)
         written = set()
         for module, a, g in self._linear:
             gc = g * coef.to(g.dtype).view(-1, 1, 1)
@@ -242,6 +253,16 @@ class BookKeepingHooks(GradSampleHooks):
                 p.grad = torch.zeros_like(p)  # unused this step: contributes nothing
         self._reset()
 
+    def _zero_examples(self, bad: torch.Tensor) -> None:
+        """Zero every recorded row of the examples flagged in ``bad`` (B,)."""
+        def zero(t):
+            m = bad.to(t.device).view(-1, *([1] * (t.dim() - 1)))
+            return t.masked_fill(m, 0)
+
+        self._linear = [(m, zero(a), zero(g)) for m, a, g in self._linear]
+        self._embedding = [(m, idx, zero(g)) for m, idx, g in self._embedding]
+        self._samples = {p: zero(gs) for p, gs in self._samples.items()}
+
     def remove_hooks(self) -> None:
         self._reset()
         super().remove_hooks()
@@ -262,7 +283,13 @@ class _BookKeepingMixin:
     def pre_step(self, closure: Optional[Callable[[], float]] = None):
         if self.bookkeeper is None:
             raise ValueError("no BookKeepingHooks attached: call attach_bookkeeper(hooks)")
+        # clip at the optimizer's current max_grad_norm, the one the noise uses (issue 29.9)
+        norm = clipping_norm(self)
+        self.bookkeeper.max_grad_norm = norm
         self.bookkeeper.write_clipped_sum(self.params)
+        guard = guard_of(self)
+        if guard is not None:
+            guard.record(norm)
         return super().pre_step(closure)
 
 

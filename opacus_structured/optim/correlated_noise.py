@@ -21,6 +21,11 @@ with ``d`` decaying buffers instead (Algorithm 3 of McMahan et al. 2024):
 for any number of steps. Pass ``blt.normalized(n)`` and price it with a scheme that knows the
 same ``C`` (``random-allocation-mf --strategy blt``).
 
+One clip norm: the fresh ``z_i`` have std ``σ·max_grad_norm`` and ``w_i`` carries the earlier
+``z_j``, so ``max_grad_norm`` must not change during the stream (a change would scale the
+carry-over by ``C_j/C_i`` relative to step ``i``'s sensitivity): ``add_noise`` raises at the step
+where it changed, and the norm is part of :meth:`CorrelatedNoiseMixin.noise_state_dict`.
+
 Security notes:
 
 * The ring buffer holds past noise. Anyone who reads it can subtract noise from past released
@@ -50,6 +55,11 @@ from opacus.optimizers.optimizer import (
     _mark_as_processed,
 )
 
+from ..accountants.release_guard import (
+    CORRELATED_CLIP_MESSAGE,
+    ClipNormChangedError,
+    adds_correlated_noise,
+)
 from ..samplers._generator import fresh_seed
 from .strategies import BufferedToeplitz, validate_coefficients
 
@@ -97,6 +107,7 @@ class CorrelatedNoiseMixin:
             self._coef_list = [float(v) for v in c]
             self.bands = int(c.size)
         self.noise_step = 0  # number of noise vectors drawn so far (index i of the next w_i)
+        self.noise_clip_norm: Optional[float] = None  # the one max_grad_norm of the stream
         self._noise_buffers: list[Optional[torch.Tensor]] = [None] * len(self.params)
 
     def _noise_generator(self, reference: torch.Tensor):
@@ -171,8 +182,28 @@ class CorrelatedNoiseMixin:
         buf[self.noise_step % (self.bands - 1)].copy_(w)
         return w
 
+    def _check_clip_norm(self) -> None:
+        """Correlated noise is priced for one clip norm: ``w_i`` carries the earlier ``z_j``,
+        drawn at *their* ``max_grad_norm``, so a change of ``max_grad_norm`` mid-stream (a
+        schedule, adaptive clipping, a resume with another value) would scale the carry-over
+        by ``C_j / C_i`` relative to step ``i``'s sensitivity, which the strategy's accounting
+        does not cover. Raises :class:`ClipNormChangedError` before any noise is drawn."""
+        norm = float(self.max_grad_norm)
+        if not adds_correlated_noise(self):
+            return  # c = [1]: DP-SGD, independent noise
+        if self.noise_clip_norm is None:
+            self.noise_clip_norm = norm
+        elif norm != self.noise_clip_norm:
+            raise ClipNormChangedError(
+                f"{CORRELATED_CLIP_MESSAGE}: max_grad_norm is {norm:g} at noise step "
+                f"{self.noise_step + 1}, but the correlated noise stream was started at "
+                f"{self.noise_clip_norm:g} (earlier steps' noise, carried into this one, is "
+                f"scaled to it)")
+
     def add_noise(self):
-        """Set ``p.grad = p.summed_grad + w_i`` with the correlated noise ``w_i`` (see module)."""
+        """Set ``p.grad = p.summed_grad + w_i`` with the correlated noise ``w_i`` (see module);
+        raises if ``max_grad_norm`` changed since the stream started (:meth:`_check_clip_norm`)."""
+        self._check_clip_norm()
         sigma = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier)
         for idx, p in enumerate(self.params):
             _check_processed_flag(p.summed_grad)
@@ -194,6 +225,7 @@ class CorrelatedNoiseMixin:
             "coefficients": self._coef_list if isinstance(self._coef_list, dict)
             else list(self._coef_list),
             "noise_step": self.noise_step,
+            "clip_norm": self.noise_clip_norm,
             "buffers": [None if b is None else b.detach().clone() for b in self._noise_buffers],
             "generator_state": gen_state,
         }
@@ -208,6 +240,8 @@ class CorrelatedNoiseMixin:
             raise ValueError(f"checkpoint has noise buffers for {len(buffers)} parameters, "
                              f"this optimizer has {len(self.params)}")
         self.noise_step = int(state["noise_step"])
+        clip = state.get("clip_norm")
+        self.noise_clip_norm = None if clip is None else float(clip)
         self._noise_buffers = [
             None if b is None else b.detach().clone().to(p.device)
             for b, p in zip(buffers, self.params, strict=True)]

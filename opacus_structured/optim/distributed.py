@@ -49,6 +49,7 @@ class _RankZeroCorrelatedNoiseMixin(CorrelatedNoiseMixin):
         if self.rank == 0:
             CorrelatedNoiseMixin.add_noise(self)  # advances noise_step
             return
+        self._check_clip_norm()  # every rank refuses a clip-norm change, not only rank 0
         for p in self.params:
             p.grad = p.summed_grad.view_as(p)
         self.noise_step += 1

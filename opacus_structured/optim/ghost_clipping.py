@@ -87,8 +87,8 @@ def set_clipping_mask(module, mask) -> None:
         if bool(((mask < 0) | (mask > 1)).any()):
             raise ValueError("mask values must be in [0, 1]")
     module._clipping_mask = mask
-    if "get_clipping_coef" in vars(module):
-        return  # already wrapped
+    if getattr(module.get_clipping_coef, "_clipping_mask_wrapper", False):
+        return  # already wrapped (another wrapper, e.g. the release guard's, may sit below)
     plain = module.get_clipping_coef
 
     def get_clipping_coef() -> torch.Tensor:
@@ -105,4 +105,5 @@ def set_clipping_mask(module, mask) -> None:
                              f"{coef.shape[0]} examples")
         return coef * m.to(device=coef.device, dtype=coef.dtype)
 
+    get_clipping_coef._clipping_mask_wrapper = True
     module.get_clipping_coef = get_clipping_coef

@@ -71,7 +71,11 @@ SCHEMES = {
         strategy="identity", epochs=EPOCHS, batches_per_epoch=N // B, method="renyi"),
     "random-allocation-bandmf": RandomAllocationMFScheme(
         strategy="bandmf", bands=2, epochs=EPOCHS, batches_per_epoch=N // B, method="renyi"),
+    # time-series windows: built by make_private from a WindowDataset (see _structured_data)
+    "structured-wor": "wor",
+    "structured-deterministic": "deterministic",
 }
+NUM_SERIES, SERIES_LENGTH, WINDOWS_PER_STEP = 12, 20, 2
 
 #: Loop shapes whose every run is one the ledger must refuse or price above the oracle; shapes
 #: in MAY_RAISE are ones where refusing is always an acceptable answer.
@@ -88,6 +92,7 @@ class Outcome:
 
     released: list
     sigmas: list
+    scheme: object = None
     epsilon: Optional[float] = None
     error: Optional[BaseException] = None
     extra_epsilons: list = dataclasses.field(default_factory=list)
@@ -100,23 +105,41 @@ def _data():
 
 
 def _engine(scheme):
-    return CorrelatedNoisePrivacyEngine() if scheme.correlated_noise else PrivacyEngine()
+    correlated = not isinstance(scheme, str) and scheme.correlated_noise
+    return CorrelatedNoisePrivacyEngine() if correlated else PrivacyEngine()
+
+
+def _structured_data():
+    from opacus_structured.forecasting.windowing import WindowDataset
+
+    g = torch.Generator().manual_seed(0)
+    series = [torch.randn(SERIES_LENGTH, generator=g) for _ in range(NUM_SERIES)]
+    return WindowDataset(series, context_length=2, forecast_length=1)
 
 
 def _private(scheme, model, optimizer, *, workers: int, engine=None):
     engine = engine if engine is not None else _engine(scheme)
+    generator = torch.Generator().manual_seed(SEED)
+    if isinstance(scheme, str):  # structured: the scheme is read from the WindowDataset
+        data = _structured_data()
+        loader = DataLoader(data, batch_size=WINDOWS_PER_STEP, num_workers=workers,
+                            collate_fn=data.collate)
+        model, optimizer, loader = make_private(
+            engine, module=model, optimizer=optimizer, data_loader=loader,
+            noise_multiplier=SIGMA, max_grad_norm=1.0, scheme="structured", top_level=scheme,
+            epochs=EPOCHS, sampler_generator=generator)
+        return engine, model, optimizer, loader
     extra = {"pad": False} if isinstance(scheme, TruncatedPoissonScheme) else {}
     loader = DataLoader(_data(), batch_size=B, num_workers=workers)
     model, optimizer, loader = make_private(
         engine, module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=SIGMA,
-        max_grad_norm=1.0, scheme=scheme, epochs=EPOCHS,
-        sampler_generator=torch.Generator().manual_seed(SEED), **extra)
+        max_grad_norm=1.0, scheme=scheme, epochs=EPOCHS, sampler_generator=generator, **extra)
     return engine, model, optimizer, loader
 
 
-def _fresh_model():
+def _fresh_model(scheme=None):
     torch.manual_seed(0)
-    model = nn.Linear(4, 2)
+    model = nn.Linear(2, 1) if isinstance(scheme, str) else nn.Linear(4, 2)
     return model, torch.optim.SGD(model.parameters(), lr=0.05)
 
 
@@ -130,6 +153,13 @@ class _Loop:
         self._accumulated: list = []
 
     def backward(self, batch) -> None:
+        if isinstance(batch, dict):  # windows: keys (series, start)
+            x, y = batch["context"], batch["target"]
+            keys = list(zip(batch["window_series"].tolist(), batch["window_start"].tolist()))
+            if len(x):
+                nn.functional.mse_loss(self.model(x), y).backward()
+            self._accumulated.extend(keys)
+            return
         x, y, idx = batch
         if len(x):
             nn.functional.cross_entropy(self.model(x), y).backward()
@@ -153,10 +183,10 @@ class _Loop:
 def run_case(scheme_name: str, shape: str, workers: int = 0) -> Outcome:
     """Run one loop shape on the ``make_private`` path (module docstring)."""
     scheme = SCHEMES[scheme_name]
-    model, optimizer = _fresh_model()
+    model, optimizer = _fresh_model(scheme)
     engine, model, optimizer, loader = _private(scheme, model, optimizer, workers=workers)
     loop = _Loop(model, optimizer)
-    out = Outcome(loop.released, loop.sigmas)
+    out = Outcome(loop.released, loop.sigmas, scheme=engine.accountant.scheme)
     epochs = EPOCHS if not isinstance(scheme, GDPScheme) else 4
     try:
         with warnings.catch_warnings():
@@ -201,8 +231,7 @@ def _eval_draw(loop, engine, loader, scheme, epochs, workers):
         for batch in loader:
             loop.step(batch)
         with torch.no_grad():  # "a quick look at the training loss" on a private batch
-            x, y, _ = next(iter(loader))
-            loop.model(x)
+            next(iter(loader))
 
 
 def _early_stop(loop, engine, loader, scheme, epochs, workers):
@@ -287,7 +316,7 @@ def _resume(with_ledger: bool) -> Callable:
         with tempfile.TemporaryDirectory() as tmp:
             path = f"{tmp}/ckpt.pt"
             engine.save_checkpoint(path=path, module=loop.model, optimizer=loop.optimizer)
-            model, optimizer = _fresh_model()
+            model, optimizer = _fresh_model(scheme)
             engine2, model, optimizer, loader2 = _private(scheme, model, optimizer,
                                                           workers=workers)
             if with_ledger:
@@ -311,7 +340,12 @@ def _resume(with_ledger: bool) -> Callable:
 
 
 def _other_loader(loop, engine, loader, scheme, epochs, workers):
-    plain = DataLoader(_data(), batch_size=B, shuffle=True)
+    if isinstance(scheme, str):
+        data = _structured_data()
+        plain = DataLoader(data, batch_size=WINDOWS_PER_STEP, shuffle=True,
+                           collate_fn=data.collate)
+    else:
+        plain = DataLoader(_data(), batch_size=B, shuffle=True)
     for _ in range(epochs):
         for batch in plain:  # the original loader, not the one make_private returned
             loop.step(batch)
@@ -322,9 +356,8 @@ def _detached_step(loop, engine, loader, scheme, epochs, workers):
         loop.step(batch)
     for batch in loader:  # "fine-tune the head without DP" on private data
         loop.optimizer.zero_grad()
-        x, y, _ = batch
-        if len(x):
-            nn.functional.cross_entropy(loop.model(x), y).backward()
+        loop.backward(batch)
+        loop._accumulated = []
         for p in loop.model.parameters():
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad
         loop.optimizer.original_optimizer.step()
@@ -345,7 +378,8 @@ def reference_stream(scheme, draws: int) -> list:
     """The first ``draws`` batches of the scheme's sampler at the test's seed, as sorted index
     tuples (regenerated independently of the run)."""
     extra = {"pad": False} if isinstance(scheme, TruncatedPoissonScheme) else {}
-    sampler = scheme.sampler(N, generator=torch.Generator().manual_seed(SEED), **extra)
+    data = list(_structured_data().lengths) if scheme.name == "structured" else N
+    sampler = scheme.sampler(data, generator=torch.Generator().manual_seed(SEED), **extra)
     out: list = []
     while len(out) < draws:
         before = len(out)
@@ -375,12 +409,37 @@ def match_positions(released: list, stream: list) -> Optional[list]:
     return positions
 
 
-@functools.lru_cache(maxsize=None)
-def _scheme_epsilon(scheme_name: str, sigma: float, steps: int) -> float:
-    return SCHEMES[scheme_name].epsilon(sigma, steps, DELTA, discretization=D)
+_PRICED: dict = {}
+
+
+def _scheme_epsilon(scheme, sigma: float, steps: int) -> float:
+    key = (repr(scheme), sigma, steps)
+    if key not in _PRICED:
+        _PRICED[key] = scheme.epsilon(sigma, steps, DELTA, discretization=D)
+    return _PRICED[key]
 
 
 @functools.lru_cache(maxsize=None)
+def _deterministic_positions(scheme, released: list) -> Optional[list]:
+    """Stream positions of windows batches under a deterministic top level, read off the
+    batches themselves: step ``p`` of an epoch takes series ``p·s .. p·s + s − 1``, so a batch
+    whose step does not follow the previous one's starts a new epoch (a ``break`` abandons an
+    epoch and the sampler starts the next at step 0)."""
+    per_epoch = scheme.steps_per_epoch()
+    per_step = NUM_SERIES // per_epoch
+    positions, epoch, last = [], 0, -1
+    for batch in released:
+        series = {s for s, _ in batch}
+        if not series:
+            return None
+        p = min(series) // per_step
+        if p <= last:
+            epoch += 1
+        positions.append(epoch * per_epoch + p)
+        last = p
+    return positions
+
+
 def _poisson_dp_accounting(q: float, sigma: float, steps: int) -> float:
     acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=D)
     acc.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), steps)
@@ -390,20 +449,22 @@ def _poisson_dp_accounting(q: float, sigma: float, steps: int) -> float:
 def oracle(scheme_name: str, out: Outcome) -> Optional[float]:
     """The independent ε of the pattern that ran (module docstring), or ``None`` if the
     pattern is not one the scheme describes (then only an error is acceptable)."""
-    scheme = SCHEMES[scheme_name]
+    scheme = out.scheme
     released = out.released
     if not released:
         return 0.0
     sigma = max(out.sigmas)  # a lower bound of the true ε when σ varied
     policy = scheme.release_policy
     if isinstance(scheme, GDPScheme):
-        return _scheme_epsilon(scheme_name, sigma, len(released))
+        return _scheme_epsilon(scheme, sigma, len(released))
     stream = reference_stream(scheme, 4 * EPOCHS * (N // B) + 8)
     positions = match_positions(released, stream)
+    if positions is None and getattr(scheme, "top_level", None) == "deterministic":
+        positions = _deterministic_positions(scheme, released)
     if positions is None:
         return None
     if policy == "independent":
-        value = _scheme_epsilon(scheme_name, sigma, len(released))
+        value = _scheme_epsilon(scheme, sigma, len(released))
         if isinstance(scheme, PoissonScheme):
             value = max(value, _poisson_dp_accounting(scheme.sample_rate, sigma, len(released)))
         return value
@@ -414,7 +475,7 @@ def oracle(scheme_name: str, out: Outcome) -> Optional[float]:
         scheme.compositions(span)
     except ValueError:
         return None  # beyond the planned run
-    return _scheme_epsilon(scheme_name, sigma, span)
+    return _scheme_epsilon(scheme, sigma, span)
 
 
 def judge(scheme_name: str, shape: str, out: Outcome) -> None:
@@ -485,7 +546,7 @@ def run_lightning_case(scheme_name: str, shape: str, workers: int = 0) -> Outcom
                          callbacks=[cb], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
                          accelerator="cpu", **limits)
-    out = Outcome(released, [SIGMA] * 0)
+    out = Outcome(released, [], scheme=scheme)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -23,6 +23,15 @@ bound :math:`v` on each change when augmentation noise is used (Eq. 1; the schem
 
 The accounting **unit** is a step for ``"wor"`` and an epoch for ``"deterministic"`` /
 ``"shuffle"``; an epoch has :math:`\lfloor N\lambda/\Lambda \rfloor` steps.
+
+**Padding and short series.** The :math:`L_C` prepended zeros are public constants (the same
+under both neighbours), so they never weaken the guarantee: a protected value lies in at most
+:math:`k = \min(L_C + L_F + w - 1, T)` windows (w-user: :math:`\min(w(L_C + L_F), T)`) and
+:math:`k` is priced. A context plus forecast as long as the series is accepted: when
+:math:`k` reaches :math:`T` every window of a drawn series can contain the protected value,
+ε is priced with :math:`r = 1` (``"wr"``: no amplification from window sampling, only from
+sampling series) and :meth:`StructuredScheme.padding` / :meth:`StructuredScheme.describe` /
+the CLI say so (:func:`~opacus_structured.accounting.structured.padding_summary`).
 """
 
 from __future__ import annotations
@@ -256,6 +265,19 @@ class StructuredScheme(st.StructuredSetting, Scheme):
         s = self.setting()
         out.update(theorem=self.theorem, unit=self.unit, rho=s.rho(),
                    windows_per_element=s.windows(), hit_probability=s.r(),
-                   steps_per_epoch=self.steps_per_epoch())
+                   steps_per_epoch=self.steps_per_epoch(), padding=self.padding())
         return out
+
+    def padding(self) -> dict[str, Any]:
+        """What the :math:`L_C` prepended zeros do to the windows and to the guarantee
+        (:func:`~opacus_structured.accounting.structured.padding_summary`): padding is public
+        and never weakens the bound; when the window covers every start of the shortest series
+        (``every_start_covers_element``) ε is priced with ``k = T`` and, for the ``"wr"``
+        bottom level, ``r = 1`` (no amplification from window sampling)."""
+        return st.padding_summary(self.setting())
+
+    def notes(self) -> list[str]:
+        """Sentences the CLI prints beside an ε (the short-series regime of :meth:`padding`)."""
+        note = self.padding()["note"]
+        return [] if note is None else [note]
 

@@ -167,6 +167,25 @@ class StructuredScheme(st.StructuredSetting, Scheme):
                                 forecast_length=forecast_length, batch_size=batch_size,
                                 **options)
 
+    def implemented_by(self, sampler_scheme) -> bool:
+        """This scheme, or — ``top_level="wor"`` only — this scheme over **at least as many**
+        series (a declared public ``num_series`` N below the panel's N' >= N).
+
+        A sampler that draws :math:`\lfloor\Lambda/\lambda\rfloor` of :math:`N' \ge N`
+        series without replacement includes each with probability
+        :math:`\rho' = \lfloor\Lambda/\lambda\rfloor/N' \le \rho`, and every WOR bound
+        (Theorems 4.4, F.1, F.2, G.1) is non-decreasing in ρ: the mixture
+        :math:`(1-\rho')Q + \rho' P` is :math:`(1 - t)Q + t[(1-\rho)Q + \rho P]` with
+        :math:`t = \rho'/\rho`, and the hockey-stick divergence is jointly convex. So pricing
+        with the public N never under-reports. Per-epoch top levels
+        (``"deterministic"``/``"shuffle"``) need N itself: the epoch is N'/Λ steps long."""
+        if sampler_scheme == self:
+            return True
+        if not isinstance(sampler_scheme, StructuredScheme) or self.top_level != "wor":
+            return False
+        return (sampler_scheme.num_series >= self.num_series
+                and dataclasses.replace(sampler_scheme, num_series=self.num_series) == self)
+
     def setting(self) -> st.StructuredSetting:
         return st.StructuredSetting(**{f.name: getattr(self, f.name)
                                        for f in dataclasses.fields(st.StructuredSetting)})

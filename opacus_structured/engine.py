@@ -66,6 +66,19 @@ accountant / scheme          needs
                              (no registered sampler); never calibrated here
 ==========================  ================================================================
 
+**Public sampling constants** (both functions). Under add/remove adjacency the dataset size is
+private, and Opacus derives the rate ``q = 1/len(data_loader) = 1/ceil(n/B)`` and the
+mean-reduction normaliser ``expected_batch_size = int(n·q)`` from it (Opacus issue #819; its
+stock ``make_private`` still does). ``dataset_size=N`` (a declared public size) replaces ``n``
+in both: ``q = 1/ceil(N/B)`` (B the DataLoader's ``batch_size``; floor with ``drop_last``) and
+the normaliser ``N·q`` (a float); ``sample_rate=1/k`` declares the rate (normaliser: the
+DataLoader's ``batch_size``) and ``expected_batch_size=E`` the normaliser. The scheme is built
+from the public values, its sampler draws every actual example at the public rate, and the
+``DPOptimizer``'s ``expected_batch_size`` (which Opacus' ``make_private`` computes and passes
+itself) is set to the public normaliser before any step. Nothing declared: as before, recorded
+in ``engine.accountant.sampling_constants`` (``dataset_size_source="data"``) with a one-time
+:class:`~opacus_structured.samplers.public_sizes.DatasetSizeFromDataWarning`.
+
 Also accepted by both: ``sampler_generator`` (a ``torch.Generator`` for the batch sampler; by
 default OS entropy; a seeded generator makes the batches reproducible by whoever knows the
 seed — tests only) and ``discretization`` (of the

@@ -75,6 +75,7 @@ are re-exported here.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Optional, Union
 
 import torch
@@ -295,7 +296,7 @@ class DPCallback(pl.Callback):
             scheme=self.scheme, on_step=record_step)
         if self.optimizer.generator is not None:  # a module's DPOptimizer keeps its own
             self.noise_generator = self.optimizer.generator
-        self._record_sampling_constants(loader)
+        self._record_sampling_constants(loader, normaliser)
         self._module_part.attach(pl_module)
         if self.grad_sample_mode == "ghost":
             self.optimizer.attach_bookkeeper(self._module_part.hooks)
@@ -323,15 +324,23 @@ class DPCallback(pl.Callback):
         self._normaliser_source = "sampler (from the data): int(len(dataset) * sample_rate)"
         return max(1, int(len(loader.dataset) * self.sample_rate if batch is None else batch))
 
-    def _record_sampling_constants(self, loader) -> None:
+    def _record_sampling_constants(self, loader, normaliser: float) -> None:
         """:attr:`sampling_constants` (and the accountant's); the one-time warning when the
-        rate or the normaliser was read from the data."""
+        rate or the normaliser was read from the data. A module's own DPOptimizer
+        (``wrap_optimizer=False``) must divide by the declared normaliser."""
         rate_public = self.scheme.expected_sample_rate() is not None
         declared = self.dataset_size is not None or self.expected_batch_size is not None
         if not self.wrap_optimizer:
-            self._normaliser_source = "the module's own DPOptimizer"
-        source = (public_sizes.DECLARED if rate_public and declared and self.wrap_optimizer
-                  else public_sizes.DATA)
+            own = getattr(self.optimizer, "expected_batch_size", None)
+            if declared and (own is None or not math.isclose(own, normaliser, rel_tol=1e-12)):
+                raise ValueError(
+                    f"configure_optimizers returned a DPOptimizer with expected_batch_size="
+                    f"{own} but DPCallback declares the public normaliser {normaliser} "
+                    f"(dataset_size / expected_batch_size): build the DPOptimizer with "
+                    f"expected_batch_size={normaliser}")
+            self._normaliser_source = ("the module's own DPOptimizer" if not declared else
+                                       self._normaliser_source)
+        source = (public_sizes.DECLARED if rate_public and declared else public_sizes.DATA)
         size = self.dataset_size if self.dataset_size is not None else len(loader.dataset)
         self.sampling_constants = public_sizes.sampling_constants(
             sample_rate=self.sample_rate,

@@ -225,6 +225,35 @@ def test_dp_callback_declared_constants_are_equal_for_neighbours(kw):
     assert a.accountant.history == b.accountant.history == [(1.0, 0.1, 1)]
 
 
+class TinyOwnDP(Tiny):
+    def __init__(self, normaliser):
+        super().__init__()
+        self.normaliser = normaliser
+
+    def configure_optimizers(self):
+        from opacus.optimizers import DPOptimizer
+
+        return DPOptimizer(torch.optim.SGD(self.parameters(), lr=0.1), noise_multiplier=1.0,
+                           max_grad_norm=1.0, expected_batch_size=self.normaliser)
+
+
+@pytest.mark.parametrize("normaliser", [60.0, 61])
+def test_dp_callback_checks_a_module_dp_optimizer_against_the_declared_normaliser(normaliser):
+    cb = DPCallback(scheme=PoissonScheme(sample_rate=0.1), noise_multiplier=1.0,
+                    max_grad_norm=1.0, delta=1e-5, discretization=1e-3, seed=0,
+                    wrap_optimizer=False, dataset_size=600)
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, callbacks=[cb],
+                         enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, num_sanity_val_steps=0)
+    if normaliser == 61:
+        with pytest.raises(ValueError, match=r"expected_batch_size=61 .*normaliser 60\.0"):
+            trainer.fit(TinyOwnDP(normaliser), loader_of(610))
+        return
+    trainer.fit(TinyOwnDP(normaliser), loader_of(610))
+    assert cb.sampling_constants["dataset_size_source"] == "declared"
+    assert cb.optimizer.expected_batch_size == 60.0
+
+
 # ---- the forecasting trainer (unit: series) ----------------------------------------------------
 def _panels():
     pytest.importorskip("gluonts")

@@ -95,7 +95,7 @@ def test_declared_dataset_size_gives_neighbours_one_rate_and_one_normaliser(acco
         warnings.simplefilter("error", DatasetSizeFromDataWarning)  # nothing read from data
         for n in (600, 601):
             runs[n] = private(n, accountant, dataset_size=600, **kw)
-    (e0, m0, o0, l0), (e1, m1, o1, l1) = runs[600], runs[601]
+    (e0, _, o0, l0), (e1, m1, o1, l1) = runs[600], runs[601]
     assert len(l0) == len(l1)
     assert e0.accountant.scheme == e1.accountant.scheme
     full = accountant == "gdp-full-batch"

@@ -469,8 +469,8 @@ def padding_summary(s: StructuredSetting) -> dict:
                 f"(series_length - forecast_length + 1), no more than the "
                 f"{k0} windows that can contain one protected {unit} "
                 f"(context_length={L_C} + forecast_length={L_F}"
-                + (f" + w - 1" if s.relation == "event" and w > 1 else "")
-                + (f", times w" if s.relation == "user" and w > 1 else "")
+                + (" + w - 1" if s.relation == "event" and w > 1 else "")
+                + (", times w" if s.relation == "user" and w > 1 else "")
                 + f"): every window of a drawn series can contain it. {min(L_C, T)} of the {T} "
                 f"starts read zero padding before the series (public constants, the "
                 f"same for both neighbours: no effect on the guarantee), and ε is priced "

@@ -202,7 +202,6 @@ def _plot(path, panel_test, forecasts_by_method: dict, series_idx, prediction_le
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     import pandas as pd
 
     n = len(series_idx)
@@ -518,6 +517,10 @@ def run_forecast(args, *, print_fn=print) -> dict:
             f"training series ({train.min_length} steps): every step reads every time step of "
             "a sampled series (no amplification from window subsampling) and most windows are "
             "padded; lower --context-length or --prediction-length")
+        print("warning: " + warnings_out[-1], file=sys.stderr)
+    elif result.scheme is not None and result.scheme.padding()["note"] is not None:
+        # shorter than the series, but still as long as the T window starts: r = 1
+        warnings_out.append(result.scheme.padding()["note"])
         print("warning: " + warnings_out[-1], file=sys.stderr)
     main_row = evaluate(row_label(result, args.epsilon), result.create_predictor(), {
         "epsilon": result.epsilon, "noise_multiplier": result.noise_multiplier,

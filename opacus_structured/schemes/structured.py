@@ -168,7 +168,7 @@ class StructuredScheme(st.StructuredSetting, Scheme):
                                 **options)
 
     def implemented_by(self, sampler_scheme) -> bool:
-        """This scheme, or — ``top_level="wor"`` only — this scheme over **at least as many**
+        r"""This scheme, or — ``top_level="wor"`` only — this scheme over **at least as many**
         series (a declared public ``num_series`` N below the panel's N' >= N).
 
         A sampler that draws :math:`\lfloor\Lambda/\lambda\rfloor` of :math:`N' \ge N`
@@ -178,7 +178,8 @@ class StructuredScheme(st.StructuredSetting, Scheme):
         :math:`(1-\rho')Q + \rho' P` is :math:`(1 - t)Q + t[(1-\rho)Q + \rho P]` with
         :math:`t = \rho'/\rho`, and the hockey-stick divergence is jointly convex. So pricing
         with the public N never under-reports. Per-epoch top levels
-        (``"deterministic"``/``"shuffle"``) need N itself: the epoch is N'/Λ steps long."""
+        (``"deterministic"``/``"shuffle"``) need N itself: the epoch is N'/Λ steps long.
+        """
         if sampler_scheme == self:
             return True
         if not isinstance(sampler_scheme, StructuredScheme) or self.top_level != "wor":

@@ -103,10 +103,10 @@ def test_short_series_epsilon_is_the_series_level_mechanism():
     sigma, steps, delta = 2.0, 5, 1e-5
     full = StructuredScheme(**dict(SHORT, num_series=60))
     assert full.series_sampling_rate() == 1.0 and full.hit_probability() == 1.0
-    eps = full.epsilon(sigma, steps, delta, discretization=1e-4)
+    eps = full.epsilon(sigma, steps, delta, discretization=1e-3)
     mu = 2 * np.sqrt(steps) / sigma
     assert gdp_delta(eps, mu) <= delta * (1 + 1e-6)
-    assert gdp_delta(eps - 0.02, mu) > delta  # and not much above the exact value
+    assert gdp_delta(eps - 0.05, mu) > delta  # and not much above the exact value
 
     s = StructuredScheme(**SHORT)
     one_value = StructuredScheme(num_series=600, series_length=1, context_length=0,
@@ -115,7 +115,7 @@ def test_short_series_epsilon_is_the_series_level_mechanism():
     ours = s.epsilon(1.0, steps, delta, discretization=1e-3)
     assert ours == one_value.epsilon(1.0, steps, delta, discretization=1e-3)
     ref = pld.from_gaussian_mechanism(standard_deviation=1.0, sensitivity=2.0,
-                                      sampling_prob=0.1, value_discretization_interval=1e-4)
+                                      sampling_prob=0.1, value_discretization_interval=1e-3)
     assert ours >= ref.self_compose(steps).get_epsilon_for_delta(delta) - 1e-3
     assert ours == pytest.approx(12.48, abs=0.05)
 

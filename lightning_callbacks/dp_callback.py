@@ -75,6 +75,7 @@ are re-exported here.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Optional, Union
 
 import torch
@@ -90,6 +91,7 @@ from opacus.optimizers import DPOptimizer
 from opacus_structured._validation import check_int, check_open_unit, check_positive
 from opacus_structured.accountants.base import AccountantNotAttachedError, SchemeAccountant
 from opacus_structured.accounting import pld as pld_lib
+from opacus_structured.samplers import public_sizes
 from opacus_structured.samplers._generator import fresh_seed
 from opacus_structured.samplers.verification import innermost_sampler, scheme_of_batch_sampler
 from opacus_structured.schemes.base import Scheme
@@ -159,6 +161,18 @@ class DPCallback(pl.Callback):
             optimizer steps and at the last step of the fit (default 1: every step). Every step
             is priced either way, and the budget guard of ``target_epsilon`` still runs before
             every step; a larger value only saves the composition of a long history per step.
+        dataset_size: a declared **public** dataset size n (under add/remove adjacency the
+            real size is private): the mean-reduction normaliser is ``n × sample_rate`` (a
+            float, the same for every neighbouring dataset) instead of the sampler's
+            ``len(dataset) × sample_rate``; for a rate-less ``PoissonScheme`` the rate is
+            ``1/len(sampler)`` of the scheme's sampler, from the data, so give the scheme its
+            rate.
+        expected_batch_size: a declared public normaliser (takes precedence). Without either,
+            the normaliser is Opacus' ``int(len(dataset) × sample_rate)`` (the sampler's, e.g.
+            Λ for structured subsampling), a
+            :class:`~opacus_structured.samplers.public_sizes.DatasetSizeFromDataWarning` says
+            so once, and :attr:`sampling_constants` (also ``accountant.sampling_constants``)
+            records ``dataset_size_source="data"``.
     """
 
     #: Its batch sampler records each batch's dataset indices (``batch_indices``).
@@ -175,8 +189,15 @@ class DPCallback(pl.Callback):
                  discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
                  loss_reduction: str = "mean", log_prefix: str = "dp/",
                  grad_sample_mode: str = "hooks", allow_estimate: bool = False,
-                 stop_on_estimate: bool = False, log_every_n_steps: int = 1):
+                 stop_on_estimate: bool = False, log_every_n_steps: int = 1,
+                 dataset_size: Optional[int] = None,
+                 expected_batch_size: Optional[float] = None):
         super().__init__()
+        self.dataset_size, _, self.expected_batch_size = public_sizes.check_declared(
+            dataset_size=dataset_size, expected_batch_size=expected_batch_size)
+        #: Where the rate and the normaliser came from (set at fit start; module
+        #: :mod:`opacus_structured.samplers.public_sizes`).
+        self.sampling_constants: Optional[dict] = None
         self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, minimum=1)
         if grad_sample_mode not in ("hooks", "ghost"):
             raise ValueError(f"grad_sample_mode must be 'hooks' or 'ghost', got "
@@ -260,9 +281,10 @@ class DPCallback(pl.Callback):
         self.sample_rate = self._loader_part.sample_rate(self.sampler)
         record_step = self._budget.attach(loader, self.sample_rate)
 
+        normaliser = self._public_normaliser(loader)
+
         def expected_batch_size() -> float:
-            batch = getattr(innermost_sampler(self.sampler), "expected_batch_size", None)
-            return len(loader.dataset) * self.sample_rate if batch is None else batch
+            return normaliser
 
         device = pl_module.device
         if self.noise_generator.device.type != device.type:
@@ -274,6 +296,7 @@ class DPCallback(pl.Callback):
             scheme=self.scheme, on_step=record_step)
         if self.optimizer.generator is not None:  # a module's DPOptimizer keeps its own
             self.noise_generator = self.optimizer.generator
+        self._record_sampling_constants(loader, normaliser)
         self._module_part.attach(pl_module)
         if self.grad_sample_mode == "ghost":
             self.optimizer.attach_bookkeeper(self._module_part.hooks)
@@ -281,6 +304,59 @@ class DPCallback(pl.Callback):
         if self._checkpoint.pending is not None:
             self._checkpoint.apply_pending(**self._live_parts())
             self._budget.forget()
+
+    def _public_normaliser(self, loader) -> float:
+        """The normaliser the wrapped optimizer divides by: the declared
+        ``expected_batch_size``, else ``dataset_size × sample_rate`` (public, a float), else the
+        structured scheme's Λ (public), else (undeclared) the sampler's
+        ``expected_batch_size`` or ``len(dataset) × sample_rate``, truncated to an integer as
+        before (read from the data)."""
+        if self.expected_batch_size is not None:
+            self._normaliser_source = "declared expected_batch_size"
+            return self.expected_batch_size
+        if self.dataset_size is not None:
+            self._normaliser_source = "dataset_size * sample_rate (public)"
+            return self.dataset_size * self.sample_rate
+        batch = getattr(innermost_sampler(self.sampler), "expected_batch_size", None)
+        if getattr(self.scheme, "name", None) == "structured":
+            self._normaliser_source = "scheme batch_size (windows/step)"
+            return float(self.scheme.batch_size)
+        self._normaliser_source = "sampler (from the data): int(len(dataset) * sample_rate)"
+        return max(1, int(len(loader.dataset) * self.sample_rate if batch is None else batch))
+
+    def _record_sampling_constants(self, loader, normaliser: float) -> None:
+        """:attr:`sampling_constants` (and the accountant's); the one-time warning when the
+        rate or the normaliser was read from the data. A module's own DPOptimizer
+        (``wrap_optimizer=False``) must divide by the declared normaliser."""
+        rate_public = self.scheme.expected_sample_rate() is not None
+        declared = self.dataset_size is not None or self.expected_batch_size is not None
+        if not self.wrap_optimizer:
+            own = getattr(self.optimizer, "expected_batch_size", None)
+            if declared and (own is None or not math.isclose(own, normaliser, rel_tol=1e-12)):
+                raise ValueError(
+                    f"configure_optimizers returned a DPOptimizer with expected_batch_size="
+                    f"{own} but DPCallback declares the public normaliser {normaliser} "
+                    f"(dataset_size / expected_batch_size): build the DPOptimizer with "
+                    f"expected_batch_size={normaliser}")
+            self._normaliser_source = ("the module's own DPOptimizer" if not declared else
+                                       self._normaliser_source)
+        source = (public_sizes.DECLARED if rate_public and declared else public_sizes.DATA)
+        size = self.dataset_size if self.dataset_size is not None else len(loader.dataset)
+        self.sampling_constants = public_sizes.sampling_constants(
+            sample_rate=self.sample_rate,
+            expected_batch_size=getattr(self.optimizer, "expected_batch_size", None),
+            dataset_size=size, dataset_size_source=source,
+            normaliser_source=self._normaliser_source)
+        try:
+            self.accountant.sampling_constants = dict(self.sampling_constants)
+        except AttributeError:  # pragma: no cover - an accountant refusing new attributes
+            pass
+        if source == public_sizes.DATA:
+            public_sizes.warn_dataset_size_from_data(
+                "DPCallback", len(loader.dataset),
+                how="DPCallback(..., dataset_size=N) with a public N (normaliser N * "
+                    "sample_rate) or expected_batch_size=E, with a scheme that carries its "
+                    "sample_rate")
 
     # ---- accounting ---------------------------------------------------------------------
     @property

@@ -230,7 +230,7 @@ class SamplerInstaller:
         """The (global) batch sampler that will draw: the loader's own if it implements the
         scheme, else the given or built one."""
         current = scheme_of_batch_sampler(loader.batch_sampler)
-        if current is not None and current != self.scheme:
+        if current is not None and not self.scheme.implemented_by(current):
             raise ValueError(
                 f"the train DataLoader's batch sampler implements {current!r} but the accountant "
                 f"prices {self.scheme!r}: build both from the same scheme")

@@ -166,7 +166,7 @@ class OptimizerWrapper:
                 f"(wrap_optimizer=True, the default)")
         else:
             world = max(1, trainer.world_size)
-            batch = max(1, int(expected_batch_size()))
+            batch = expected_batch_size()  # public constant, or int(n·q) from the data
             cls = optimizer_class_for(self.optimizer_class, ghost=self.ghost,
                                       distributed=world > 1)
             opt = cls(opt, noise_multiplier=self.noise_multiplier,

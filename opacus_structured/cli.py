@@ -130,6 +130,16 @@ def _route(eps) -> tuple[dict, str]:
     return record, f"  [{route.upper()} route: {record['route_note']}]"
 
 
+def _notes(scheme: Scheme, record: dict) -> None:
+    """The scheme's notes on what it prices (e.g. structured's short-series regime): one
+    ``note:`` line each on stderr (also with --json) and ``record["notes"]``."""
+    notes = list(getattr(scheme, "notes", lambda: [])())
+    if notes:
+        record["notes"] = notes
+    for note in notes:
+        print(f"opacus-structured: note: {note}", file=sys.stderr)
+
+
 def _emit(args, record: dict, text: str) -> None:
     if args.json:
         print(json.dumps(record, sort_keys=True))
@@ -164,6 +174,7 @@ def _run_epsilon(args) -> int:
               "discretization": args.discretization, "parameters": parameters}
     route_fields, route_label = _route(eps)
     record.update(route_fields)
+    _notes(scheme, record)
     label = route_label + {"lower": "  (LOWER BOUND, not a guarantee)",
              "monte-carlo": "  (MONTE CARLO estimate, holds only with high probability"
                             + ("" if seed is None else f"; seed {seed}") + ")"}.get(
@@ -245,6 +256,7 @@ def _run_calibrate(args) -> int:
               "target_epsilon": args.target_epsilon, "delta": args.delta, "steps": steps,
               "bound": scheme.bound, "discretization": args.discretization,
               "parameters": scheme.describe(), **route_fields}
+    _notes(scheme, record)
     _emit(args, record, f"noise multiplier = {sigma:.6g} gives epsilon = {eps:.6g} <= "
                         f"{args.target_epsilon:g} at delta = {args.delta:g} after {steps} steps "
                         f"(scheme {scheme.name}){route_label}")

@@ -66,6 +66,19 @@ accountant / scheme          needs
                              (no registered sampler); never calibrated here
 ==========================  ================================================================
 
+**Public sampling constants** (both functions). Under add/remove adjacency the dataset size is
+private, and Opacus derives the rate ``q = 1/len(data_loader) = 1/ceil(n/B)`` and the
+mean-reduction normaliser ``expected_batch_size = int(n·q)`` from it (Opacus issue #819; its
+stock ``make_private`` still does). ``dataset_size=N`` (a declared public size) replaces ``n``
+in both: ``q = 1/ceil(N/B)`` (B the DataLoader's ``batch_size``; floor with ``drop_last``) and
+the normaliser ``N·q`` (a float); ``sample_rate=1/k`` declares the rate (normaliser: the
+DataLoader's ``batch_size``) and ``expected_batch_size=E`` the normaliser. The scheme is built
+from the public values, its sampler draws every actual example at the public rate, and the
+``DPOptimizer``'s ``expected_batch_size`` (which Opacus' ``make_private`` computes and passes
+itself) is set to the public normaliser before any step. Nothing declared: as before, recorded
+in ``engine.accountant.sampling_constants`` (``dataset_size_source="data"``) with a one-time
+:class:`~opacus_structured.samplers.public_sizes.DatasetSizeFromDataWarning`.
+
 Also accepted by both: ``sampler_generator`` (a ``torch.Generator`` for the batch sampler; by
 default OS entropy; a seeded generator makes the batches reproducible by whoever knows the
 seed — tests only) and ``discretization`` (of the
@@ -107,6 +120,7 @@ from .accounting import pld as pld_lib
 from .accounting.calibration import calibrate_within_tolerance
 from .optim.privacy_engine import CorrelatedNoisePrivacyEngine
 from .samplers.ledger_loader import LedgerDataLoader
+from .samplers import public_sizes
 from .samplers.truncated_poisson import PaddedDataset
 from .schemes.base import Scheme, noise_bands
 from .schemes.poisson import PoissonScheme
@@ -187,14 +201,16 @@ def _scheme_accountant_names() -> list[str]:
 
 def scheme_for_training(scheme_class: type, *, dataset, steps_per_epoch: int,
                         epochs: Optional[int] = None, batch_size: Optional[int] = None,
-                        **options) -> Scheme:
+                        dataset_size: Optional[int] = None, **options) -> Scheme:
     """The scheme of ``scheme_class`` for training on ``dataset`` with ``steps_per_epoch``
     batches per epoch (``len(data_loader)``) and ``epochs`` — what :func:`make_private` builds.
 
     ``options`` are the scheme's own (see the module table); an option the scheme does not take
     raises ``ValueError`` naming it and the options it does take. For ``structured`` the window
     geometry is read from the dataset (a ``WindowDataset``) and ``batch_size`` is the number of
-    windows per step.
+    windows per step. ``dataset_size`` is a declared public size used instead of
+    ``len(dataset)`` (schemes that price the size itself — ``structured``,
+    ``truncated-poisson`` — need the two to agree).
     """
     if not (isinstance(scheme_class, type) and issubclass(scheme_class, Scheme)):
         raise ValueError(f"scheme_class must be a Scheme subclass, got {scheme_class!r}")
@@ -206,6 +222,16 @@ def scheme_for_training(scheme_class: type, *, dataset, steps_per_epoch: int,
     options = {k: v for k, v in options.items() if k in allowed
                and k not in _SAMPLER_OPTIONS.get(scheme_class, ())}
     size = _dataset_size(dataset)
+    if dataset_size is not None and dataset_size != size:
+        sized = "dataset_size" in {f.name for f in dataclasses.fields(scheme_class)}
+        if issubclass(scheme_class, StructuredScheme) or sized:
+            what = ("number of series N (its relation changes values inside one series, so N "
+                    "is fixed and public)" if issubclass(scheme_class, StructuredScheme) else
+                    "dataset size n (a parameter of its analysis, fixed and public)")
+            raise ValueError(
+                f"scheme {scheme_class.name!r} prices the {what}: dataset_size={dataset_size} "
+                f"must equal len(dataset) = {size}")
+        size = dataset_size
     if issubclass(scheme_class, StructuredScheme):
         missing = [a for a in ("lengths", "forecast_length", "effective_context_length")
                    if not hasattr(dataset, a)]
@@ -283,7 +309,8 @@ class _Plan:
     """Scheme, loader, accountant class and optimizer extras for one make_private call."""
 
     def __init__(self, engine, *, module, data_loader, scheme, epochs, batch_first,
-                 rand_on_empty, poisson_sampling, sampler_generator, discretization, kwargs):
+                 rand_on_empty, poisson_sampling, sampler_generator, discretization, kwargs,
+                 dataset_size=None, sample_rate=None, expected_batch_size=None):
         if not isinstance(engine, PrivacyEngine):
             raise ValueError(f"engine must be an opacus.PrivacyEngine (or "
                              f"CorrelatedNoisePrivacyEngine), got {type(engine).__name__}")
@@ -310,6 +337,11 @@ class _Plan:
         pad = bool(options.get("pad", False))
         dataset = data_loader.dataset
         size = _dataset_size(dataset)
+        public_n, public_q, public_e = public_sizes.check_declared(
+            dataset_size=dataset_size, sample_rate=sample_rate,
+            expected_batch_size=expected_batch_size)
+        self.declared = any(v is not None for v in (public_n, public_q, public_e))
+        steps_per_epoch = self._public_steps_per_epoch(data_loader, public_n, public_q)
         if configured is not None:
             stray = [k for k in options if k != "pad"]
             if stray:
@@ -327,8 +359,8 @@ class _Plan:
                 raise ValueError(f"scheme {cls.name!r} takes no option 'batch_size' (its "
                                  f"expected batch is len(dataset)/len(data_loader))")
             self.scheme = scheme_for_training(
-                cls, dataset=dataset, steps_per_epoch=len(data_loader), epochs=epochs,
-                **options)
+                cls, dataset=dataset, steps_per_epoch=steps_per_epoch, epochs=epochs,
+                dataset_size=public_n, **options)
         if getattr(self.scheme.bound, "value", self.scheme.bound) == "lower":
             raise ValueError(f"scheme {self.scheme!r} reports an optimistic lower bound, not a "
                              f"guarantee: use bound='tight' or 'upper' for training")
@@ -348,6 +380,7 @@ class _Plan:
                                  "sampler_generator / pad would be ignored")
             self.loader = data_loader
         self.size = size
+        self._public_normaliser(data_loader, public_n, public_q, public_e, steps_per_epoch)
         # the accountant
         old = engine.accountant
         self.accountant_class = accountant_class_for(self.scheme)
@@ -378,6 +411,63 @@ class _Plan:
                 f"{self.scheme.name!r}) instead of PrivacyEngine(...)")
         self.epochs = epochs
 
+    @staticmethod
+    def _public_steps_per_epoch(data_loader, public_n, public_q) -> int:
+        """Batches per epoch from public values: ``1/sample_rate``, else
+        ``ceil(dataset_size / batch_size)`` (floor with ``drop_last``), else (nothing declared)
+        ``len(data_loader)``, which reads the private size (Opacus' rule)."""
+        if public_q is not None:
+            return public_sizes.steps_per_epoch_from_rate(public_q)
+        if public_n is not None:
+            B = data_loader.batch_size
+            if B is None:
+                raise ValueError(
+                    "dataset_size needs the DataLoader's batch_size (the public B of "
+                    "q = 1/ceil(dataset_size/B)); this DataLoader has a batch_sampler: declare "
+                    "sample_rate=1/k (k batches per epoch) and expected_batch_size instead")
+            k = public_n // B if data_loader.drop_last else -(-public_n // B)
+            if k < 1:
+                raise ValueError(f"dataset_size={public_n} is smaller than the batch size {B} "
+                                 f"with drop_last=True: no batch per epoch")
+            return k
+        return len(data_loader)
+
+    def _public_normaliser(self, data_loader, public_n, public_q, public_e,
+                           steps_per_epoch) -> None:
+        """``self.normaliser`` (``None``: Opacus' own ``int(len(dataset)/len(loader))``) and
+        ``self.sampling_constants`` (the record kept by the accountant)."""
+        # the sampler's epoch length comes from the scheme (built from the public values):
+        # Opacus' hook prices sample_rate = 1/len(data_loader)
+        if public_q is not None and len(self.loader) != steps_per_epoch:
+            raise ValueError(
+                f"the scheme's sampler draws {len(self.loader)} batches per epoch but "
+                f"sample_rate=1/{steps_per_epoch} was declared (Opacus' hook prices "
+                f"sample_rate = 1/len(data_loader)); declare sample_rate=1/{len(self.loader)}")
+        q = 1.0 / len(self.loader)
+        n_source = public_sizes.DECLARED if (public_n is not None or public_q is not None) \
+            else public_sizes.DATA
+        if public_e is not None:
+            normaliser, how = public_e, "declared expected_batch_size"
+        elif isinstance(self.scheme, StructuredScheme):
+            normaliser, how = float(self.scheme.batch_size), "scheme batch_size (windows/step)"
+        elif public_n is not None:
+            normaliser, how = public_n * q, "dataset_size * sample_rate (public)"
+        elif public_q is not None:
+            if data_loader.batch_size is None:
+                raise ValueError("sample_rate= alone leaves the mean-reduction normaliser "
+                                 "undetermined for a DataLoader without batch_size: declare "
+                                 "expected_batch_size= (or dataset_size=) too")
+            normaliser, how = float(data_loader.batch_size), "DataLoader batch_size (public)"
+        else:
+            normaliser, how = None, "Opacus: int(len(dataset) / len(data_loader)) (from the data)"
+        self.normaliser = normaliser
+        self.sampling_constants = public_sizes.sampling_constants(
+            sample_rate=q,
+            expected_batch_size=(int(self.size * q) if normaliser is None else normaliser),
+            dataset_size=public_n if public_n is not None else (
+                None if n_source == public_sizes.DECLARED else self.size),
+            dataset_size_source=n_source, normaliser_source=how)
+
     def _noise_correlation(self, epochs):
         """The scheme's ``noise_correlation(steps)`` for the run's planned steps (``None``
         without ``epochs``: schemes whose ``C`` depends on the run length then say so)."""
@@ -391,6 +481,13 @@ class _Plan:
     def install(self, engine) -> None:
         if not self.keep_accountant:
             engine.accountant = self.accountant()
+        engine.accountant.sampling_constants = dict(self.sampling_constants)
+        if self.sampling_constants["dataset_size_source"] == public_sizes.DATA:
+            public_sizes.warn_dataset_size_from_data(
+                "opacus_structured.make_private", self.size,
+                how="make_private(..., dataset_size=N) with a public N (the rate is then "
+                    "1/ceil(N/batch_size), the normaliser N*rate), or sample_rate=1/k and "
+                    "expected_batch_size=E")
 
 
 def _refuse_adaptive_clipping(engine, clipping) -> None:
@@ -413,7 +510,9 @@ def make_private(engine: PrivacyEngine, *, module: nn.Module, optimizer: torch.o
                  grad_sample_mode: str = "hooks", wrap_model: bool = True,
                  rand_on_empty: bool = False, scheme=None, epochs: Optional[int] = None,
                  sampler_generator: Optional[torch.Generator] = None,
-                 discretization: Optional[float] = None, **kwargs):
+                 discretization: Optional[float] = None, dataset_size: Optional[int] = None,
+                 sample_rate: Optional[float] = None,
+                 expected_batch_size: Optional[float] = None, **kwargs):
     """``engine.make_private(...)`` for the scheme of ``engine``'s accountant (module docstring).
 
     ``module``, ``optimizer``, ``data_loader``, ``noise_multiplier``, ``max_grad_norm``,
@@ -432,6 +531,20 @@ def make_private(engine: PrivacyEngine, *, module: nn.Module, optimizer: torch.o
             strategy for it (see the module table).
         sampler_generator: ``torch.Generator`` for the batch sampler (default OS entropy).
         discretization: the accountant's pessimistic discretisation interval.
+        dataset_size: a declared **public** dataset size N (under add/remove adjacency the
+            real size is private): the sampling rate is ``1/ceil(N/batch_size)`` (floor with
+            ``drop_last``) and the mean-reduction normaliser ``N × rate``, for every
+            neighbouring dataset alike (the sampler draws each actual example at that rate).
+        sample_rate: a declared public rate ``1/k`` (k batches per epoch), instead of or with
+            ``dataset_size``.
+        expected_batch_size: a declared public normaliser (the optimizer divides the noisy
+            clipped sum by it with ``loss_reduction="mean"``); default ``N × rate``, or the
+            DataLoader's ``batch_size`` with ``sample_rate`` alone. Without any of the three,
+            the rate is ``1/len(data_loader)`` and the normaliser Opacus'
+            ``int(len(dataset)/len(data_loader))`` — both read the private size: a
+            :class:`~opacus_structured.samplers.public_sizes.DatasetSizeFromDataWarning` says
+            so once and ``engine.accountant.sampling_constants`` records
+            ``dataset_size_source="data"``.
         **kwargs: the scheme's options (module table), the rest go to Opacus (e.g.
             ``noise_correlation`` to override the strategy's).
 
@@ -444,7 +557,9 @@ def make_private(engine: PrivacyEngine, *, module: nn.Module, optimizer: torch.o
     plan = _Plan(engine, module=module, data_loader=data_loader, scheme=scheme, epochs=epochs,
                  batch_first=batch_first, rand_on_empty=rand_on_empty,
                  poisson_sampling=poisson_sampling, sampler_generator=sampler_generator,
-                 discretization=discretization, kwargs=dict(kwargs))
+                 discretization=discretization, kwargs=dict(kwargs),
+                 dataset_size=dataset_size, sample_rate=sample_rate,
+                 expected_batch_size=expected_batch_size)
     return _finish(engine, plan, module=module, optimizer=optimizer,
                    noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                    criterion=criterion, batch_first=batch_first, loss_reduction=loss_reduction,
@@ -457,9 +572,15 @@ def _finish(engine, plan: _Plan, *, criterion, **make_private_kwargs):
     plan.install(engine)
     if criterion is None:
         criterion = nn.CrossEntropyLoss()  # Opacus' default
-    return engine.make_private(data_loader=plan.loader, poisson_sampling=False,
-                               criterion=criterion, **make_private_kwargs,
-                               **plan.opacus_kwargs)
+    out = engine.make_private(data_loader=plan.loader, poisson_sampling=False,
+                              criterion=criterion, **make_private_kwargs, **plan.opacus_kwargs)
+    if plan.normaliser is not None:
+        # Opacus' make_private passes expected_batch_size=int(len(dataset) * sample_rate) to
+        # the DPOptimizer itself (a second expected_batch_size= would be a duplicate keyword);
+        # the DPOptimizer stores that argument as .expected_batch_size, which scale_grad divides
+        # by: set it to the public constant before any step
+        out[1].expected_batch_size = plan.normaliser
+    return out
 
 
 def make_private_with_epsilon(engine: PrivacyEngine, *, module: nn.Module,
@@ -471,7 +592,10 @@ def make_private_with_epsilon(engine: PrivacyEngine, *, module: nn.Module,
                               grad_sample_mode: str = "hooks", wrap_model: bool = True,
                               scheme=None, sampler_generator: Optional[torch.Generator] = None,
                               discretization: Optional[float] = None,
-                              epsilon_tolerance: float = 0.01, **kwargs):
+                              epsilon_tolerance: float = 0.01,
+                              dataset_size: Optional[int] = None,
+                              sample_rate: Optional[float] = None,
+                              expected_batch_size: Optional[float] = None, **kwargs):
     """``engine.make_private_with_epsilon(...)`` priced by the scheme's own accountant.
 
     Builds the scheme and its DataLoader as :func:`make_private` does, then finds the noise
@@ -494,7 +618,9 @@ def make_private_with_epsilon(engine: PrivacyEngine, *, module: nn.Module,
     plan = _Plan(engine, module=module, data_loader=data_loader, scheme=scheme, epochs=epochs,
                  batch_first=batch_first, rand_on_empty=False,
                  poisson_sampling=poisson_sampling, sampler_generator=sampler_generator,
-                 discretization=discretization, kwargs=dict(kwargs))
+                 discretization=discretization, kwargs=dict(kwargs),
+                 dataset_size=dataset_size, sample_rate=sample_rate,
+                 expected_batch_size=expected_batch_size)
     bound = plan.scheme.bound
     if not getattr(bound, "is_guarantee", False):
         kind = getattr(bound, "value", bound)

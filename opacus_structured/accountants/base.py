@@ -142,6 +142,10 @@ class SchemeAccountant(IAccountant):
     mechanism_name: ClassVar[str] = ""
     #: The Scheme subclass this accountant prices; ``SchemeAccountant(scheme)`` dispatches to it.
     scheme_class: ClassVar[Optional[type]] = None
+    #: Where the sampling rate and the normaliser came from (declared public constants or
+    #: the data; :func:`opacus_structured.samplers.public_sizes.sampling_constants`), set by
+    #: ``make_private``, ``DPCallback`` and the forecasting trainer; kept in the state.
+    sampling_constants: Optional[dict] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -452,6 +456,8 @@ class SchemeAccountant(IAccountant):
         destination["discretization"] = self.discretization
         destination["ledger"] = self._ledger.state_dict()
         destination["clip_norm"] = self._clip_norms.state_dict()
+        if self.sampling_constants is not None:
+            destination["sampling_constants"] = dict(self.sampling_constants)
         return destination
 
     def load_state_dict(self, state_dict):
@@ -482,6 +488,8 @@ class SchemeAccountant(IAccountant):
                     f"{self.scheme!r}; build the accountant from the same scheme")
         self.discretization = float(state_dict.get("discretization", self.discretization))
         self._clip_norms.load_state_dict(state_dict.get("clip_norm"))
+        if state_dict.get("sampling_constants") is not None:
+            self.sampling_constants = dict(state_dict["sampling_constants"])
         self.history = [tuple(h) for h in self.history]
         self._cache.clear()
         if state_dict.get("ledger") is not None:

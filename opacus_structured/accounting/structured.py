@@ -69,7 +69,7 @@ __all__ = [
     "tvd_gaussian", "augmented_hit_probability",
     "thm_4_2", "thm_4_4", "thm_e_8", "thm_e_1", "thm_f_1", "thm_f_2",
     "thm_4_3", "thm_f_7", "thm_f_8", "thm_g_1", "thm_4_5",
-    "StructuredSetting", "select_theorem", "structured_profile",
+    "StructuredSetting", "select_theorem", "structured_profile", "padding_summary",
 ]
 
 TOP_LEVELS = ("wor", "deterministic", "shuffle")
@@ -428,6 +428,61 @@ class StructuredSetting:
 
     def phi(self) -> float:
         return self.forecast_length / (self.context_length + self.forecast_length)
+
+
+def padding_summary(s: StructuredSetting) -> dict:
+    r"""What left padding does to the windows of the shortest series, and to the guarantee.
+
+    Algorithm 4 prepends :math:`L_C` zeros, so a window of start :math:`s`
+    (:math:`0 \le s \le T-1`, :math:`T = L - L_F + 1`) reads original indices
+    :math:`s - L_C, \dots, s + L_F - 1`; the negative ones are zeros. The zeros are public
+    constants, identical under both neighbouring datasets: they carry no data and create no
+    window. A protected value at index :math:`j` lies in the windows of starts
+    :math:`\max(0, j - L_F + 1) \dots \min(T - 1, j + L_C)` — at most
+    :math:`k = \min(k_0, T)` of the :math:`T` starts with :math:`k_0 = L_C + L_F + w - 1`
+    (w-event) or :math:`w(L_C + L_F)` (w-user) — and :math:`k` is what every theorem prices.
+    Padding therefore never weakens the guarantee. What a long window changes is the
+    amplification: when :math:`k_0 \ge T` (1-event: :math:`L \le L_C + 2L_F - 2`) every start
+    can contain the protected value (:math:`k = T`); with the ``"wr"`` bottom level
+    :math:`r = 1` and window sampling amplifies nothing: ε is that of sampling series alone
+    (Theorem 4.4 with :math:`r = 1` is the Poisson-subsampled Gaussian of noise multiplier
+    :math:`\sigma/2` at rate :math:`\rho`; Theorem 4.2 is the Gaussian mechanism of
+    sensitivity :math:`2C` per epoch).
+
+    Returns a JSON-ready dict: ``prepended_zeros`` (:math:`L_C`), ``start_positions``
+    (:math:`T`), ``padded_starts`` (:math:`\min(L_C, T)` starts read at least one zero),
+    ``window_length`` (:math:`L_C + L_F`), ``window_exceeds_series``
+    (:math:`L_C + L_F > L`), ``windows_per_element_unclamped`` (:math:`k_0`),
+    ``every_start_covers_element`` (:math:`k_0 \ge T`), ``window_sampling_amplifies``
+    (``False`` when the bottom level cannot amplify: ``"wr"`` with :math:`k = T`) and
+    ``note`` (one sentence for people, ``None`` unless :math:`k_0 \ge T`).
+    """
+    T = start_positions(s.series_length, s.forecast_length)
+    L_C, L_F, w = s.context_length, s.forecast_length, s.w
+    k0 = L_C + L_F + w - 1 if s.relation == "event" else w * (L_C + L_F)
+    covers_all = k0 >= T
+    amplifies = not (covers_all and s.bottom_level == "wr")
+    note = None
+    if covers_all:
+        unit = "value" if (s.relation == "event" and w == 1) else f"{w}-{s.relation} unit"
+        note = (f"series_length={s.series_length} leaves T = {T} window starts "
+                f"(series_length - forecast_length + 1), no more than the "
+                f"{k0} windows that can contain one protected {unit} "
+                f"(context_length={L_C} + forecast_length={L_F}"
+                + (" + w - 1" if s.relation == "event" and w > 1 else "")
+                + (", times w" if s.relation == "user" and w > 1 else "")
+                + f"): every window of a drawn series can contain it. {min(L_C, T)} of the {T} "
+                f"starts read zero padding before the series (public constants, the "
+                f"same for both neighbours: no effect on the guarantee), and ε is priced "
+                f"with k = T = {T} windows per element"
+                + (", r = 1: window sampling gives no amplification and ε is that of "
+                   "sampling series alone" if not amplifies else "")
+                + ". To gain amplification from window sampling use series longer than "
+                f"{k0 + L_F - 1} or a shorter context/forecast")
+    return {"prepended_zeros": L_C, "start_positions": T, "padded_starts": min(L_C, T),
+            "window_length": L_C + L_F, "window_exceeds_series": L_C + L_F > s.series_length,
+            "windows_per_element_unclamped": k0, "every_start_covers_element": covers_all,
+            "window_sampling_amplifies": amplifies, "note": note}
 
 
 _ALTERNATIVE = {"tight": "upper", "lower": "upper"}

@@ -150,6 +150,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "step, default), deterministic (fixed blocks, per-epoch accounting) or "
                         "shuffle (one permutation per epoch); the accountant prices the one "
                         "chosen")
+    p.add_argument("--dataset-size", type=int, default=None, metavar="N",
+                   help="declared public number of training series N (<= the panel's; "
+                        "--top-level wor when smaller): the sampling rate, the epoch length "
+                        "and the normaliser then come from N and --batch-size only, the same "
+                        "for every neighbouring panel (default: the panel's own count, read "
+                        "from the data, recorded as dataset_size_source=data)")
     p.add_argument("--num-workers", type=int, default=0,
                    help="DataLoader workers cutting the windows (same batches; > 0 overlaps "
                         "data and GPU steps; default 0)")
@@ -196,7 +202,6 @@ def _plot(path, panel_test, forecasts_by_method: dict, series_idx, prediction_le
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     import pandas as pd
 
     n = len(series_idx)
@@ -458,6 +463,7 @@ def run_forecast(args, *, print_fn=print) -> dict:
                   grad_sample_mode=getattr(args, "grad_sample_mode", "hooks"),
                   num_workers=getattr(args, "num_workers", 0),
                   top_level=getattr(args, "top_level", "wor"),
+                  dataset_size=getattr(args, "dataset_size", None),
                   discretization=args.discretization)
     if seeded_any:  # said up front, on stderr even with --json (stdout then holds the JSON)
         print(NOT_PRIVATE_SEEDED, file=sys.stderr)
@@ -511,6 +517,10 @@ def run_forecast(args, *, print_fn=print) -> dict:
             f"training series ({train.min_length} steps): every step reads every time step of "
             "a sampled series (no amplification from window subsampling) and most windows are "
             "padded; lower --context-length or --prediction-length")
+        print("warning: " + warnings_out[-1], file=sys.stderr)
+    elif result.scheme is not None and result.scheme.padding()["note"] is not None:
+        # shorter than the series, but still as long as the T window starts: r = 1
+        warnings_out.append(result.scheme.padding()["note"])
         print("warning: " + warnings_out[-1], file=sys.stderr)
     main_row = evaluate(row_label(result, args.epsilon), result.create_predictor(), {
         "epsilon": result.epsilon, "noise_multiplier": result.noise_multiplier,
@@ -571,6 +581,7 @@ def run_forecast(args, *, print_fn=print) -> dict:
         "context_length_with_lags": result.prepared.past_length,
         "prediction_length": args.prediction_length,
         "scheme": None if result.scheme is None else result.scheme.describe(),
+        "sampling_constants": result.sampling_constants,
         "dataset": {**data_report.to_dict(), "name": data_name,
                     "min_length_rule": "max(--min-length, 2 × --prediction-length)",
                     "num_series_loaded": data_report.num_series, "num_series": len(train),

@@ -56,6 +56,7 @@ from .._validation import check_int, check_open_unit, check_positive
 from ..accountants.structured import StructuredSubsamplingAccountant
 from ..accounting import pld as pld_lib
 from ..accounting.calibration import calibrate_noise_multiplier
+from ..samplers import public_sizes
 from ..samplers._generator import fresh_seed
 from ..schemes.structured import StructuredScheme
 from .data import Panel
@@ -74,22 +75,25 @@ DEFAULT_MAX_GRAD_NORM = 1e-4
 
 
 # ---- scheme / window consistency -------------------------------------------------------------
-def make_scheme(train: Panel, prepared: PreparedModel, batch_size: int, **kwargs):
+def make_scheme(train: Panel, prepared: PreparedModel, batch_size: int, *,
+                num_series: Optional[int] = None, **kwargs):
     """The structured-subsampling scheme of a training run (λ = 1, WOR top unless ``kwargs``
     say otherwise (``top_level``), WR bottom, 1-event).
 
     ``L`` is the shortest training series, ``L_C`` the model's ``past_length`` (lags
-    included), ``L_F`` its prediction length.
+    included), ``L_F`` its prediction length; ``N`` is ``num_series`` (a declared public
+    number of series, at most the panel's) or the panel's own.
     """
     batch_size = check_int("batch_size", batch_size, minimum=1)
-    if batch_size > len(train):
+    n = len(train) if num_series is None else check_int("dataset_size", num_series, minimum=1)
+    if batch_size > n:
         raise ValueError(f"batch_size={batch_size} exceeds the number of training series "
-                         f"({len(train)}): each step draws batch_size distinct series")
+                         f"({n}): each step draws batch_size distinct series")
     if train.min_length < prepared.prediction_length:
         raise ValueError(f"the shortest training series ({train.min_length}) is shorter than "
                          f"the prediction length ({prepared.prediction_length})")
     return StructuredScheme(
-        num_series=len(train), series_length=train.min_length,
+        num_series=n, series_length=train.min_length,
         context_length=prepared.past_length, forecast_length=prepared.prediction_length,
         batch_size=batch_size, **kwargs)
 
@@ -312,6 +316,9 @@ class TrainResult:
     calibration_seconds: float
     seed: Optional[int] = None
     init_seed: Optional[int] = None
+    #: where the sampling rate and the normaliser came from
+    #: (:func:`~opacus_structured.samplers.public_sizes.sampling_constants`; DP runs only)
+    sampling_constants: Optional[dict] = None
 
     @property
     def reproducible_noise(self) -> bool:
@@ -358,6 +365,8 @@ class TrainResult:
             out["seed"] = self.seed
         if self.init_seed is not None:
             out["init_seed"] = self.init_seed
+        if self.sampling_constants is not None:
+            out["sampling_constants"] = dict(self.sampling_constants)
         return out
 
 
@@ -381,7 +390,8 @@ def train_forecaster(model: Optional[str], train: Panel, *,
                      log: Optional[Callable[[str], None]] = None,
                      lstm_impl: str = "fast", grad_sample_mode: str = "hooks",
                      num_workers: int = 0, estimator=None,
-                     top_level: str = "wor") -> TrainResult:
+                     top_level: str = "wor",
+                     dataset_size: Optional[int] = None) -> TrainResult:
     """Train a gluonts model on ``train`` with structured-subsampling DP-SGD (or without DP).
 
     Privacy modes:
@@ -443,6 +453,16 @@ def train_forecaster(model: Optional[str], train: Panel, *,
             ``"deterministic"`` (step ``b`` of every epoch takes series ``bΛ … (b+1)Λ − 1``,
             Theorem 4.2, per-epoch accounting) or ``"shuffle"`` (one permutation per epoch);
             the scheme's accountant prices the one chosen.
+        dataset_size: a declared **public** number of series N (the unit of the panel). The
+            scheme, its per-step rate (ρ = Λ/N, the hook's ``1/floor(N/Λ)``), the epoch length
+            for ``epochs`` and the normaliser (Λ) then come from N and ``batch_size`` only, the
+            same for a panel of N or more series; the sampler draws Λ of the panel's N' >= N
+            series (inclusion probability Λ/N' <= Λ/N: pricing with N is sound, see
+            :meth:`StructuredScheme.implemented_by`). N' < N raises, and so does N' != N with
+            a per-epoch ``top_level``. Default: N is the panel's (read from the data); a
+            :class:`~opacus_structured.samplers.public_sizes.DatasetSizeFromDataWarning` says
+            so once and ``result.sampling_constants`` records ``dataset_size_source="data"``.
+            The accounted length ``L`` is the shortest series of the panel either way.
     """
     import torch
 
@@ -538,8 +558,25 @@ def train_forecaster(model: Optional[str], train: Panel, *,
     if not 0.0 <= tail_average <= 1.0:
         raise ValueError(f"tail_average must be in [0, 1] (fraction of the last steps whose "
                          f"iterates are averaged), got {tail_average}")
-    scheme = make_scheme(train, prepared, batch_size, top_level=top_level)
-    check_window_matches_scheme(scheme, prepared, train)
+    # the panel's own scheme (what the sampler draws) and the priced one (declared N)
+    sampler_scheme = make_scheme(train, prepared, batch_size, top_level=top_level)
+    check_window_matches_scheme(sampler_scheme, prepared, train)
+    if dataset_size is not None:
+        dataset_size = check_int("dataset_size", dataset_size, minimum=1)
+        if dataset_size > len(train):
+            raise ValueError(
+                f"dataset_size={dataset_size} declares more series than the panel holds "
+                f"({len(train)}): each step would draw a series with probability "
+                f"batch_size/{len(train)}, above the priced batch_size/{dataset_size}; declare "
+                f"dataset_size <= {len(train)}")
+        if dataset_size != len(train) and top_level != "wor":
+            raise ValueError(
+                f"dataset_size={dataset_size} differs from the panel's {len(train)} series: "
+                f"only top_level='wor' (per-step accounting) can be priced with a public "
+                f"number of series; top_level={top_level!r} prices epochs of the panel's own "
+                f"length")
+    scheme = make_scheme(train, prepared, batch_size, top_level=top_level,
+                         num_series=dataset_size)
     per_epoch = scheme.steps_per_epoch()
     if max_steps is not None:
         steps = check_int("max_steps", max_steps, minimum=1)
@@ -573,17 +610,30 @@ def train_forecaster(model: Optional[str], train: Panel, *,
     # ---- data: transformed entries, structured sampler, loader ----
     entries = list(prepared.transformation.apply(train.to_gluonts(), is_train=True))
     dataset = GluonTSWindowDataset(entries, prepared.splitter, prepared.input_names)
-    dataset.check_scheme(scheme)
+    dataset.check_scheme(sampler_scheme)
+    if not scheme.implemented_by(sampler_scheme):  # pragma: no cover - guarded above
+        raise AssertionError(f"{sampler_scheme!r} does not implement {scheme!r}")
     # privacy coins: OS entropy unless the caller seeded them (then labelled not private)
     generator = torch.Generator().manual_seed(fresh_seed() if seed is None else seed)
-    sampler = scheme.sampler(train.lengths, generator=generator)
+    sampler = sampler_scheme.sampler(train.lengths, generator=generator)
     batch_sampler = sampler_wrapper(sampler) if sampler_wrapper is not None else sampler
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler,
                                          collate_fn=dataset.collate, num_workers=num_workers,
                                          persistent_workers=num_workers > 0)
-    if len(loader) != per_epoch:
+    if len(loader) != sampler_scheme.steps_per_epoch():
         raise ValueError(f"the sampler yields {len(loader)} steps per epoch but the scheme "
-                         f"says {per_epoch}")
+                         f"says {sampler_scheme.steps_per_epoch()}")
+    sampling = public_sizes.sampling_constants(
+        sample_rate=scheme.expected_sample_rate(), expected_batch_size=float(scheme.batch_size),
+        dataset_size=scheme.num_series,
+        dataset_size_source=(public_sizes.DATA if dataset_size is None
+                             else public_sizes.DECLARED),
+        normaliser_source="batch_size (windows per step, public)")
+    if dp_sgd and dataset_size is None:
+        public_sizes.warn_dataset_size_from_data(
+            "train_forecaster", len(train),
+            how="train_forecaster(..., dataset_size=N) / `opacus-structured forecast "
+                "--dataset-size N` with a public number of series N")
 
     module = _window_module(prepared, lr=lr, weight_decay=weight_decay)
     dp_callback = None
@@ -596,7 +646,8 @@ def train_forecaster(model: Optional[str], train: Panel, *,
             delta=delta, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
             scheme=scheme, accountant=accountant, install_sampler=False, seed=seed,
             discretization=discretization, loss_reduction="mean",
-            grad_sample_mode=grad_sample_mode, log_every_n_steps=max(1, steps))
+            grad_sample_mode=grad_sample_mode, log_every_n_steps=max(1, steps),
+            expected_batch_size=float(scheme.batch_size))
     label = (f"{model} DP (sigma={noise_multiplier:.3g})" if dp_sgd else f"{model} non-DP")
     with _quiet_lightning():
         trainer = pl.Trainer(
@@ -611,6 +662,9 @@ def train_forecaster(model: Optional[str], train: Panel, *,
     t1 = time.perf_counter()
     with _quiet_lightning():
         trainer.fit(module, train_dataloaders=loader)
+    if dp_callback is not None:  # the trainer's record: the callback saw a declared Λ only
+        dp_callback.sampling_constants = dict(sampling)
+        accountant.sampling_constants = dict(sampling)
     train_seconds = time.perf_counter() - t1
     taken = int(trainer.global_step)
     prepared.module.model = module.model
@@ -633,5 +687,6 @@ def train_forecaster(model: Optional[str], train: Panel, *,
                        max_grad_norm=max_grad_norm if dp_sgd else None, steps=taken,
                        epsilon=spent, delta=delta, target_epsilon=epsilon, bound=bound,
                        train_seconds=train_seconds, calibration_seconds=calibration_seconds,
-                       seed=seed, init_seed=init_seed)
+                       seed=seed, init_seed=init_seed,
+                       sampling_constants=dict(sampling) if dp_sgd else None)
 

@@ -23,6 +23,15 @@ bound :math:`v` on each change when augmentation noise is used (Eq. 1; the schem
 
 The accounting **unit** is a step for ``"wor"`` and an epoch for ``"deterministic"`` /
 ``"shuffle"``; an epoch has :math:`\lfloor N\lambda/\Lambda \rfloor` steps.
+
+**Padding and short series.** The :math:`L_C` prepended zeros are public constants (the same
+under both neighbours), so they never weaken the guarantee: a protected value lies in at most
+:math:`k = \min(L_C + L_F + w - 1, T)` windows (w-user: :math:`\min(w(L_C + L_F), T)`) and
+:math:`k` is priced. A context plus forecast as long as the series is accepted: when
+:math:`k` reaches :math:`T` every window of a drawn series can contain the protected value,
+ε is priced with :math:`r = 1` (``"wr"``: no amplification from window sampling, only from
+sampling series) and :meth:`StructuredScheme.padding` / :meth:`StructuredScheme.describe` /
+the CLI say so (:func:`~opacus_structured.accounting.structured.padding_summary`).
 """
 
 from __future__ import annotations
@@ -158,6 +167,26 @@ class StructuredScheme(st.StructuredSetting, Scheme):
                                 forecast_length=forecast_length, batch_size=batch_size,
                                 **options)
 
+    def implemented_by(self, sampler_scheme) -> bool:
+        r"""This scheme, or — ``top_level="wor"`` only — this scheme over **at least as many**
+        series (a declared public ``num_series`` N below the panel's N' >= N).
+
+        A sampler that draws :math:`\lfloor\Lambda/\lambda\rfloor` of :math:`N' \ge N`
+        series without replacement includes each with probability
+        :math:`\rho' = \lfloor\Lambda/\lambda\rfloor/N' \le \rho`, and every WOR bound
+        (Theorems 4.4, F.1, F.2, G.1) is non-decreasing in ρ: the mixture
+        :math:`(1-\rho')Q + \rho' P` is :math:`(1 - t)Q + t[(1-\rho)Q + \rho P]` with
+        :math:`t = \rho'/\rho`, and the hockey-stick divergence is jointly convex. So pricing
+        with the public N never under-reports. Per-epoch top levels
+        (``"deterministic"``/``"shuffle"``) need N itself: the epoch is N'/Λ steps long.
+        """
+        if sampler_scheme == self:
+            return True
+        if not isinstance(sampler_scheme, StructuredScheme) or self.top_level != "wor":
+            return False
+        return (sampler_scheme.num_series >= self.num_series
+                and dataclasses.replace(sampler_scheme, num_series=self.num_series) == self)
+
     def setting(self) -> st.StructuredSetting:
         return st.StructuredSetting(**{f.name: getattr(self, f.name)
                                        for f in dataclasses.fields(st.StructuredSetting)})
@@ -256,6 +285,19 @@ class StructuredScheme(st.StructuredSetting, Scheme):
         s = self.setting()
         out.update(theorem=self.theorem, unit=self.unit, rho=s.rho(),
                    windows_per_element=s.windows(), hit_probability=s.r(),
-                   steps_per_epoch=self.steps_per_epoch())
+                   steps_per_epoch=self.steps_per_epoch(), padding=self.padding())
         return out
+
+    def padding(self) -> dict[str, Any]:
+        """What the :math:`L_C` prepended zeros do to the windows and to the guarantee
+        (:func:`~opacus_structured.accounting.structured.padding_summary`): padding is public
+        and never weakens the bound; when the window covers every start of the shortest series
+        (``every_start_covers_element``) ε is priced with ``k = T`` and, for the ``"wr"``
+        bottom level, ``r = 1`` (no amplification from window sampling)."""
+        return st.padding_summary(self.setting())
+
+    def notes(self) -> list[str]:
+        """Sentences the CLI prints beside an ε (the short-series regime of :meth:`padding`)."""
+        note = self.padding()["note"]
+        return [] if note is None else [note]
 

@@ -160,10 +160,16 @@ def test_record_from_other_data_is_reported_not_composed(first, tiny, other):
     assert third.prior_runs[0]["composed"] and third.epsilon > third.run_epsilon
 
 
-def test_fingerprint_is_keyed_and_unordered(tiny, tmp_path, monkeypatch):
+def test_fingerprint_is_keyed_unordered_and_reads_no_value(tiny, tmp_path, monkeypatch):
     fp = prov.panel_fingerprint(tiny)
     assert fp == prov.panel_fingerprint(tiny.subset(range(len(tiny) - 1, -1, -1)))
-    assert len(fp["series"]) == len(tiny) and all(len(t) == 16 for t in fp["ids"])
+    assert len(fp["ids"]) == len(tiny) and all(len(t) == 16 for t in fp["ids"])
+    # the record is published: it must not depend on the private values
+    changed = Panel(tuple(t + 1.0 for t in tiny.targets), tiny.starts, tiny.item_ids,
+                    tiny.freq)
+    assert prov.panel_fingerprint(changed) == fp
+    # a subset of the series is the same data
+    assert prov._overlap(fp, prov.panel_fingerprint(tiny.subset([2]))) is True
     # another key (another machine): not comparable, so the earlier run is composed
     monkeypatch.setenv("OPACUS_STRUCTURED_CACHE", str(tmp_path))
     other_key = prov.panel_fingerprint(tiny)

@@ -19,7 +19,7 @@ JSON-ready dict::
 
 and a run from initial weights (``init_state``) follows one rule (:func:`resolve_init`):
 
-(a) the record has runs on **this** data (a series in common, see below) → they are composed
+(a) the record has runs on **this** data (a series id in common, see below) → they are composed
     with the new run: ε is the ε at δ of the composition of every one of their PLDs
     (each priced by its own accountant from the stored history, at the new run's grid) with
     the new run's PLD — one heterogeneous PLD composition, exactly what one accountant
@@ -29,7 +29,7 @@ and a run from initial weights (``init_state``) follows one rule (:func:`resolve
     spend at most the target (refused when the earlier runs alone reach it). An earlier
     non-DP run on this data leaves no guarantee: a DP run from it is refused; an earlier
     seeded (reproducible-noise) run makes the new model not private.
-(b) runs on **other** data (no series in common) are not composed, only reported
+(b) runs on **other** data (no series id in common) are not composed, only reported
     (``TrainResult.prior_runs``, each labelled ``"composed": False``).
 (c) **no record** → the weights are accepted only if they are public by construction (the
     package's shipped pretrained weights, weights returned by
@@ -40,18 +40,23 @@ and a run from initial weights (``init_state``) follows one rule (:func:`resolve
     flag. A record that does not belong to the weights (its ``"weights"`` hash differs) is
     refused too.
 
-Data fingerprints. A plain hash of the training data, published with the weights, is a
-deterministic function of the private data (whoever holds all but one candidate dataset tells
-them apart), so the fingerprint is **keyed**: every series contributes two 64-bit tags,
-``HMAC-SHA256(key, item_id)`` and ``HMAC-SHA256(key, freq | start | values)``, sorted
-(no order), and ``key_id`` = the first 16 hex digits of ``SHA256(key)``. The key is 32 random
-bytes kept in ``<cache>/data-fingerprint.key`` (``$OPACUS_STRUCTURED_CACHE``, else
-``$XDG_CACHE_HOME/opacus-structured``, else ``~/.cache/opacus-structured``; mode 0600), made
-on first use. Two panels *overlap* when they share an id tag or a content tag; an earlier run
-whose key differs (another machine or cache) cannot be compared and is treated as a run on
-this data (composed: never under-reports; declare the weights public with ``init_public``
-if it was trained on other data). Limits: a series renamed **and** changed is not recognised
-as the same; declare nothing public that saw this data.
+Data fingerprints. The record is published with the weights, so it must not depend on the
+private values: a hash of the values is a deterministic function of them (whoever holds all
+but one candidate dataset tells them apart: ε = ∞). The fingerprint therefore reads only the
+series' **identities**, the ``item_id`` of each series — public metadata of a
+:class:`~opacus_structured.forecasting.data.Panel`, unchanged between neighbouring datasets
+under the scheme's relation (one time step, or ``w`` steps, of one series) — and is
+**keyed** anyway (ids may be names): one 64-bit tag ``HMAC-SHA256(key, item_id)`` per
+series, sorted (no order), and ``key_id`` = the first 16 hex digits of ``SHA256(key)``. The
+key is 32 random bytes kept in ``<cache>/data-fingerprint.key`` (``$OPACUS_STRUCTURED_CACHE``,
+else ``$XDG_CACHE_HOME/opacus-structured``, else ``~/.cache/opacus-structured``; mode 0600),
+made on first use. Two panels are the *same data* when they share a series id (a subset, a
+superset, updated values: all composed); an earlier run whose key differs (another machine or
+cache) cannot be compared and is treated as a run on this data (composed: never
+under-reports; declare the weights public with ``init_public`` if it was trained on other
+data). Two unrelated panels that reuse ids (e.g. ``"0"``, ``"1"``, ...) are composed too: an
+over-report, never an under-report. Limit: a series given a new id is not recognised as the
+same — declare nothing public that saw this data.
 """
 
 from __future__ import annotations
@@ -133,27 +138,21 @@ def _fingerprint_key() -> bytes:
 
 
 def panel_fingerprint(panel) -> dict[str, Any]:
-    """Keyed fingerprint of a :class:`~opacus_structured.forecasting.data.Panel`:
-    ``{"key_id", "ids", "series"}`` (sorted 64-bit HMAC tags; module docstring)."""
-    import numpy as np
-
+    """Keyed fingerprint of the series ids of a
+    :class:`~opacus_structured.forecasting.data.Panel`: ``{"key_id", "ids"}`` (sorted 64-bit
+    HMAC tags of the ``item_ids``; no value is read; module docstring)."""
     key = _fingerprint_key()
-    ids, series = [], []
-    for target, start, item in zip(panel.targets, panel.starts, panel.item_ids, strict=True):
-        ids.append(hmac.new(key, f"id|{item}".encode(), "sha256").hexdigest()[:_TAG_HEX])
-        body = np.ascontiguousarray(np.asarray(target, dtype=np.float64)).tobytes()
-        series.append(hmac.new(key, f"series|{panel.freq}|{start}|".encode() + body,
-                               "sha256").hexdigest()[:_TAG_HEX])
-    return {"key_id": hashlib.sha256(key).hexdigest()[:_TAG_HEX], "ids": sorted(set(ids)),
-            "series": sorted(set(series))}
+    ids = {hmac.new(key, f"id|{item}".encode(), "sha256").hexdigest()[:_TAG_HEX]
+           for item in panel.item_ids}
+    return {"key_id": hashlib.sha256(key).hexdigest()[:_TAG_HEX], "ids": sorted(ids)}
 
 
 def _overlap(earlier: Optional[dict], current: dict) -> Optional[bool]:
-    """True/False: the fingerprints share / do not share a series; None: not comparable."""
+    """True/False: the fingerprints share / do not share a series id; None: not comparable
+    (no fingerprint, or another key)."""
     if not isinstance(earlier, dict) or earlier.get("key_id") != current["key_id"]:
         return None
-    return bool(set(earlier.get("ids", ())) & set(current["ids"])
-                or set(earlier.get("series", ())) & set(current["series"]))
+    return bool(set(earlier.get("ids", ())) & set(current["ids"]))
 
 
 # ---- public weights --------------------------------------------------------------------------

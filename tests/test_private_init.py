@@ -309,7 +309,8 @@ def test_forecast_init_from_private_weights_composes(tmp_path, capsys):
     assert rc == 2 and "--init-public" in capsys.readouterr().err
 
 
-def test_dp_estimator_train_from_composes(tiny):
+def test_dp_estimator_train_from_composes(tiny, tmp_path):
+    from gluonts.model.predictor import Predictor
     from gluonts.torch.model.d_linear import DLinearEstimator
 
     from opacus_structured.forecasting.dp_estimator import DPEstimator
@@ -321,6 +322,8 @@ def test_dp_estimator_train_from_composes(tiny):
     dp = DPEstimator(est(), noise_multiplier=1.5, delta=DELTA, max_steps=2, discretization=D)
     predictor = dp.train(tiny)
     first_eps = predictor.privacy_report["epsilon"]
+    predictor.serialize(tmp_path / "model")  # the record comes back with the model
+    predictor = Predictor.deserialize(tmp_path / "model")
     again = DPEstimator(est(), noise_multiplier=2.0, delta=DELTA, max_steps=3,
                         discretization=D)
     p2 = again.train_from(predictor, tiny)

@@ -217,8 +217,12 @@ def test_nonprivate_or_seeded_earlier_run_on_this_data(tiny):
 
 
 def test_public_pretrained_weights_need_no_flag(panel):
-    from opacus_structured.forecasting.pretraining import pretrained_weights, shipped_weights_path
-    from opacus_structured.forecasting.pretraining import load_weights, weights_key
+    from opacus_structured.forecasting.pretraining import (
+        load_weights,
+        pretrained_weights,
+        shipped_weights_path,
+        weights_key,
+    )
 
     train = train_test_split(panel.subset(range(0, 148, 18)), 12)[0]
     key = weights_key("dlinear", freq="M", prediction_length=12)

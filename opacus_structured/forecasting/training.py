@@ -58,9 +58,9 @@ from ..accounting import pld as pld_lib
 from ..accounting.calibration import calibrate_noise_multiplier
 from ..samplers._generator import fresh_seed
 from ..schemes.structured import StructuredScheme
+from . import provenance as prov
 from .data import Panel
 from .estimators import PreparedModel, estimator_model, prepare_estimator
-from . import provenance as prov
 from .user_data import _period_freq as period_freq
 from .warning_filters import known_harmless_warnings_filtered
 from .windowing import GluonTSWindowDataset

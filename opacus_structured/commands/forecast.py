@@ -205,6 +205,7 @@ def _plot(path, panel_test, forecasts_by_method: dict, series_idx, prediction_le
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     import pandas as pd
 
     n = len(series_idx)

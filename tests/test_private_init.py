@@ -252,6 +252,16 @@ def test_public_record_has_no_runs(tiny):
 
 
 # ---- files and the command line ----------------------------------------------------------------
+def test_record_is_refused_for_weights_changed_after_release(tiny):
+    import torch
+
+    res = train_forecaster("dlinear", tiny, noise_multiplier=2.0, max_steps=1, **COMMON)
+    with torch.no_grad():
+        next(res.prepared.module.model.parameters()).add_(1.0)  # e.g. more training outside
+    with pytest.raises(ValueError, match="changed after"):
+        res.privacy_record
+
+
 def test_saved_weights_round_trip_the_record(first, tiny, tmp_path):
     from opacus_structured.forecasting.pretraining import load_weights
 

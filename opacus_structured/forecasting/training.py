@@ -319,6 +319,8 @@ class TrainResult:
     #: what :func:`~.provenance.resolve_init` found out about ``init_state`` (``None``: none)
     init_provenance: Optional[prov.InitProvenance] = None
     train_panel: Any = dataclasses.field(default=None, repr=False, compare=False)
+    #: SHA-256 of the released weights, taken when training ended (:mod:`.provenance`)
+    weights_hash: Optional[str] = None
     _record: Optional[dict] = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
@@ -364,8 +366,11 @@ class TrainResult:
         ``init_record`` (with ``init_state=result.state_dict()``) to train again from them:
         runs on the same data are then composed."""
         if self._record is None:
-            if self.train_panel is None:
+            if self.train_panel is None or self.weights_hash is None:
                 raise ValueError("this TrainResult has no training panel: no privacy record")
+            if prov.weights_fingerprint(self.state_dict()) != self.weights_hash:
+                raise ValueError("the weights changed after train_forecaster released them: "
+                                 "their privacy record would not cover the change")
             earlier = [] if self.init_provenance is None else self.init_provenance.runs()
             this = prov.run_entry(panel=self.train_panel, dp_sgd=self.dp_sgd,
                                   private=self.dp_sgd and self.seed is None,
@@ -374,7 +379,7 @@ class TrainResult:
                                   delta=self.delta, epsilon=self.run_epsilon
                                   if self.dp_sgd else math.inf, bound=self.run_bound)
             self._record = {"format": prov.RECORD_FORMAT,
-                            "weights": prov.weights_fingerprint(self.state_dict()),
+                            "weights": self.weights_hash,
                             "runs": [*earlier, this]}
         return self._record
 
@@ -425,7 +430,7 @@ class TrainResult:
             out.update(run_epsilon=self.run_epsilon, init=self.init_provenance.source,
                        init_note=self.init_provenance.note, prior_runs=self.prior_runs,
                        epsilon_composes_prior_runs=bool(self.init_provenance.composed))
-        if self.train_panel is not None:
+        if self.train_panel is not None and self.weights_hash is not None:
             out["privacy_record"] = self.privacy_record
         if self.seed is not None:  # only a caller's seed; OS-entropy coins are never recorded
             out["seed"] = self.seed
@@ -750,5 +755,7 @@ def train_forecaster(model: Optional[str], train: Panel, *,
                        epsilon=spent, delta=delta, target_epsilon=epsilon, bound=bound,
                        train_seconds=train_seconds, calibration_seconds=calibration_seconds,
                        seed=seed, init_seed=init_seed, run_epsilon=run_epsilon,
-                       init_provenance=provenance, train_panel=train)
+                       init_provenance=provenance, train_panel=train,
+                       weights_hash=prov.weights_fingerprint(
+                           module.model.state_dict()))
 

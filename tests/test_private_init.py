@@ -259,7 +259,7 @@ def test_record_is_refused_for_weights_changed_after_release(tiny):
     with torch.no_grad():
         next(res.prepared.module.model.parameters()).add_(1.0)  # e.g. more training outside
     with pytest.raises(ValueError, match="changed after"):
-        res.privacy_record
+        _ = res.privacy_record
 
 
 def test_saved_weights_round_trip_the_record(first, tiny, tmp_path):

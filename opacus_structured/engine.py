@@ -119,8 +119,8 @@ from .accountants.release_guard import refuse_adaptive
 from .accounting import pld as pld_lib
 from .accounting.calibration import calibrate_within_tolerance
 from .optim.privacy_engine import CorrelatedNoisePrivacyEngine
-from .samplers.ledger_loader import LedgerDataLoader
 from .samplers import public_sizes
+from .samplers.ledger_loader import LedgerDataLoader
 from .samplers.truncated_poisson import PaddedDataset
 from .schemes.base import Scheme, noise_bands
 from .schemes.poisson import PoissonScheme

@@ -404,6 +404,16 @@ class SchemeAccountant(IAccountant):
             (self.scheme.pld(s, sample_rate=q, discretization=discretization), n)
             for (s, q), n in parts.items())
 
+    def composed_pld(self, discretization: Optional[float] = None):
+        """The pessimistic PLD of every step recorded so far, composed (``None``: no step);
+        what :meth:`get_epsilon` prices. Composing it with another run's
+        (:func:`~opacus_structured.accounting.pld.compose`) prices both runs as one release
+        (e.g. DP fine-tuning from the weights of an earlier DP run on the same data)."""
+        self._require_observed()
+        d = self.discretization if discretization is None else check_positive(
+            "discretization", discretization)
+        return self._composed(d)
+
     def get_epsilon(self, delta: float, *, discretization: Optional[float] = None,
                     **kwargs) -> float:
         """ε(δ) for all steps recorded so far (``kwargs`` from Opacus are ignored).

@@ -87,7 +87,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start DP fine-tuning from public pretrained weights (default "
                         "'public': shipped with the package, cached, or pretrained now on the "
                         "synthetic public corpus; see `opacus-structured pretrain`), from a "
-                        "weights file, or from a random initialisation ('none')")
+                        "weights file, or from a random initialisation ('none'). A file "
+                        "written by --save-weights carries its run's privacy record: a run on "
+                        "the same data is composed with it (the reported epsilon covers both); "
+                        "a file without a record needs --init-public")
+    p.add_argument("--init-public", action="store_true",
+                   help="declare the --init-from PATH weights public (never trained on this "
+                        "data); refused when their privacy record shows a run on this data")
+    p.add_argument("--save-weights", default=None, metavar="PATH",
+                   help="write the released model's weights with their privacy record (the "
+                        "runs they went through) to PATH, for a later --init-from PATH")
     p.add_argument("--tail-average", type=float, default=DEFAULTS["tail_average"],
                    help="release the mean of the last fraction of the iterates (post-processing:"
                         " no privacy cost; default %(default)g, 0 = the last iterate)")
@@ -267,6 +276,15 @@ def _initial_weights(init_from, args, freq, progress, log):
     else:
         state, meta = load_weights(init_from)
         meta = {**meta, "source": "file", "path": init_from}
+        if "privacy_record" not in meta and not getattr(args, "init_public", False):
+            from ..forecasting.provenance import is_known_public  # optional: gluonts
+
+            if not is_known_public(state):  # before any private data is read
+                raise ValueError(
+                    f"--init-from {init_from}: the file carries no privacy record (not written "
+                    f"by --save-weights or `opacus-structured pretrain`), so the weights may "
+                    f"have been trained on this data and a second run would under-report "
+                    f"epsilon; pass --init-public if they never saw this data")
     want = {"model": args.model, "prediction_length": args.prediction_length,
             "context_length": (default_context_length(args.model, args.prediction_length)
                                if args.context_length is None else args.context_length)}
@@ -274,7 +292,10 @@ def _initial_weights(init_from, args, freq, progress, log):
         if key in meta and meta[key] != value:
             raise ValueError(f"--init-from {init_from}: the weights were trained for "
                              f"{key}={meta[key]!r} but this run uses {key}={value!r}")
-    log(f"initial weights: {meta.get('source')} ({meta.get('path')}); public data only")
+    runs = (meta.get("privacy_record") or {}).get("runs") or []
+    log(f"initial weights: {meta.get('source')} ({meta.get('path')}); "
+        + (f"{len(runs)} earlier run(s) on non-public data in their privacy record"
+           if runs else "public data only"))
     return state, {k: v for k, v in meta.items() if k != "train_seconds"}
 
 
@@ -381,6 +402,9 @@ def run_forecast(args, *, print_fn=print) -> dict:
         raise ValueError(f"--tail-average must be in [0, 1] (fraction of the last steps whose "
                          f"iterates are averaged), got {tail_average}")
     init_from = getattr(args, "init_from", "none") or "none"
+    if getattr(args, "init_public", False) and init_from in ("none", "public"):
+        raise ValueError("--init-public declares the weights of --init-from PATH public; it "
+                         f"does not apply to --init-from {init_from}")
     inference_epsilon = getattr(args, "inference_epsilon", None)
     if inference_epsilon is not None:
         if not (inference_epsilon > 0 and math.isfinite(inference_epsilon)):
@@ -452,11 +476,14 @@ def run_forecast(args, *, print_fn=print) -> dict:
     log = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
     # public pretrained weights (read before any private data is used; see pretraining.py)
     init_state, init_meta = _initial_weights(init_from, args, train.freq, progress, log)
+    init_record = None if init_meta is None else init_meta.pop("privacy_record", None)
     lr = args.lr if args.lr is not None else (
         DEFAULTS["lr"] if init_state is not None else DEFAULTS["lr_from_scratch"])
     common = dict(prediction_length=args.prediction_length, context_length=args.context_length,
                   batch_size=args.batch_size, max_grad_norm=args.max_grad_norm, lr=lr,
                   init_state=init_state, tail_average=tail_average,
+                  init_record=init_record,
+                  init_public=bool(getattr(args, "init_public", False)) and init_state is not None,
                   max_steps=args.max_steps, epochs=args.epochs, device=args.device,
                   seed=seed, init_seed=init_seed, progress=progress,
                   lstm_impl=getattr(args, "lstm_impl", "fast"),
@@ -607,6 +634,15 @@ def run_forecast(args, *, print_fn=print) -> dict:
         report["inference_privacy"] = inference
     if seed is not None or given_init is not None:
         report["init_seed"] = init_seed
+    if result.init_provenance is not None:
+        report.update(run_epsilon=result.run_epsilon, init=result.init_provenance.source,
+                      prior_runs=result.prior_runs,
+                      epsilon_composes_prior_runs=bool(result.init_provenance.composed))
+    report["privacy_record"] = result.privacy_record
+    save_path = getattr(args, "save_weights", None)
+    if save_path:
+        result.save_weights(save_path)
+        report["weights"] = save_path
     if args.output:
         os.makedirs(args.output, exist_ok=True)
         with open(os.path.join(args.output, "report.json"), "w") as fh:
@@ -657,6 +693,11 @@ def run(args) -> int:
                   f"({report['bound']} bound, structured subsampling, Thm 4.4 of Schuchardt "
                   f"et al. ICML 2025), sigma = {report['noise_multiplier']:.4g}, "
                   f"{report['steps']} steps")
+            if report.get("epsilon_composes_prior_runs"):
+                n = sum(1 for r in report["prior_runs"] if r["composed"])
+                print(f"  composed with {n} earlier run(s) on this data that the initial "
+                      f"weights went through; this run alone: epsilon = "
+                      f"{report['run_epsilon']:.4g}")
         if "inference_privacy" in report:
             inf = report["inference_privacy"]
             print(f"inference privacy ({'private' if inf['private'] else 'NOT private: seeded'}"

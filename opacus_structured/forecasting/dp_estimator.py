@@ -224,8 +224,14 @@ class DPEstimator:
         seed: seeds the sampler and the noise: reproducible, hence **not private** (the report
             says so). ``None`` (default): fresh OS entropy, recorded nowhere.
         init_seed: seeds only the public randomness (initialisation, forecast sampling).
-        init_state: public pretrained weights (a ``state_dict`` of the estimator's network) to
-            fine-tune from.
+        init_state: initial weights (a ``state_dict`` of the estimator's network) to
+            fine-tune from: the package's public pretrained weights, weights declared public
+            (``init_public``), or an earlier run's weights with its ``init_record`` (runs on
+            the same data are composed; see :meth:`train_from` and
+            :mod:`~opacus_structured.forecasting.provenance`).
+        init_record: the privacy record of ``init_state`` (``predictor.privacy_report
+            ["privacy_record"]`` of the run that trained it).
+        init_public: declare ``init_state`` public (never trained on the training data).
         tail_average: fraction in [0, 1] of the last steps whose iterates are averaged (free
             post-processing).
         discretization: PLD grid (> 0) for calibration and reporting (pessimistic: a coarser
@@ -249,6 +255,7 @@ class DPEstimator:
                  max_grad_norm: float = DEFAULT_MAX_GRAD_NORM,
                  noise_multiplier: Optional[float] = None, seed: Optional[int] = None,
                  init_seed: Optional[int] = None, init_state: Optional[dict] = None,
+                 init_record: Optional[dict] = None, init_public: bool = False,
                  tail_average: float = 0.0,
                  discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
                  progress: bool = False, device: str = "cpu", lstm_impl: str = "fast",
@@ -286,6 +293,11 @@ class DPEstimator:
             raise ValueError(f"init_state must be a state_dict (mapping of parameter names to "
                              f"tensors), got {type(init_state).__name__}")
         self.init_state = init_state
+        if (init_record is not None or init_public) and init_state is None:
+            raise ValueError("init_record / init_public describe init_state: pass init_state "
+                             "too (or use train_from(predictor, ...))")
+        self.init_record = init_record
+        self.init_public = bool(init_public)
         self.tail_average = _check_tail_average(tail_average)
         self.discretization = check_positive("discretization", discretization)
         self.progress = bool(progress)
@@ -333,6 +345,36 @@ class DPEstimator:
             ``privacy_report`` is :meth:`TrainResult.summary` plus ``"format"``,
             ``"estimator"``, ``"batch_size"`` and ``"data"`` (the ``DataReport``).
         """
+        return self._train(training_data, validation_data, freq=freq, fill=fill,
+                           min_length=min_length, init_state=self.init_state,
+                           init_record=self.init_record, init_public=self.init_public)
+
+    def train_from(self, predictor, training_data, validation_data=None, *,
+                   freq: Optional[str] = None, fill: str = "error", min_length: int = 1,
+                   init_public: bool = False):
+        """Train with DP-SGD starting from ``predictor``'s network weights (gluonts'
+        ``Estimator.train_from``).
+
+        A :class:`DPPyTorchPredictor` carries the privacy record of its weights (in
+        ``privacy_report["privacy_record"]``): earlier runs on the same data are composed
+        with this one (the report's ``"epsilon"`` covers all of them, ``"run_epsilon"`` this
+        run; ``epsilon`` is the budget of the composition). Any other predictor's weights are
+        used only when declared public (``init_public=True``: never trained on
+        ``training_data``); otherwise ``ValueError``.
+        """
+        net = getattr(predictor, "prediction_net", None)
+        if net is None:
+            raise ValueError(f"train_from needs a gluonts PyTorchPredictor, got "
+                             f"{type(predictor).__name__}")
+        net = net.model if isinstance(getattr(net, "model", None), nn.Module) else net
+        state = {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
+        report = getattr(predictor, "privacy_report", None) or {}
+        return self._train(training_data, validation_data, freq=freq, fill=fill,
+                           min_length=min_length, init_state=state,
+                           init_record=report.get("privacy_record"), init_public=init_public)
+
+    def _train(self, training_data, validation_data, *, freq, fill, min_length, init_state,
+               init_record, init_public):
         if validation_data is not None:
             raise ValueError("validation_data is not supported: early stopping or checkpoint "
                              "selection on validation data is not covered by the DP guarantee; "
@@ -349,7 +391,8 @@ class DPEstimator:
             max_grad_norm=self.max_grad_norm, max_steps=self.max_steps, epochs=self.epochs,
             device=self.device, seed=self.seed, init_seed=self.init_seed,
             progress=self.progress, discretization=self.discretization,
-            init_state=self.init_state, tail_average=self.tail_average,
+            init_state=init_state, init_record=init_record, init_public=init_public,
+            tail_average=self.tail_average,
             lstm_impl=self.lstm_impl, grad_sample_mode=self.grad_sample_mode,
             num_workers=self.num_workers)
         self.last_result = result

@@ -20,7 +20,10 @@ The file name carries a hash of the recipe, so a changed recipe never loads stal
 ``opacus-structured pretrain`` runs step 3 ahead of time (and ``--output`` writes the weights
 where you like); ``forecast --init-from public`` (the default) or ``--init-from PATH`` starts DP
 fine-tuning from them. The privacy guarantee covers the fine-tuning panel only; nothing private
-is read while pretraining.
+is read while pretraining. The weights are public by construction: their meta carries a
+privacy record without runs (:func:`~.provenance.public_record`), and the weights returned here
+are registered public, so ``train_forecaster(init_state=...)`` takes them without
+``init_public`` (:mod:`.provenance`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any, Optional
 
 from .._validation import check_int
 from .estimators import default_context_length, prepare_estimator
+from .provenance import public_record, register_public_weights
 from .public_corpus import synthetic_panel
 from .training import train_forecaster
 
@@ -142,6 +146,8 @@ def pretrain(model: str, *, freq: str = "M", prediction_length: int = 12,
             "train_seconds": result.train_seconds,
             "key": weights_key(model, freq=freq, prediction_length=prediction_length,
                                context_length=context_length, recipe=recipe)}
+    meta["privacy_record"] = public_record(
+        state, "pretrained on the public synthetic corpus (opacus-structured pretrain)")
     return state, meta
 
 
@@ -162,10 +168,12 @@ def pretrained_weights(model: str, *, freq: str = "M", prediction_length: int = 
     shipped = shipped_weights_path(key)
     if shipped is not None:
         state, meta = load_weights(shipped)
+        register_public_weights(state)
         return state, {**meta, "source": "shipped", "path": shipped}
     cached = os.path.join(cache_dir(), f"{key}.pt")
-    if os.path.isfile(cached):
+    if os.path.isfile(cached):  # written by pretrain (public corpus only)
         state, meta = load_weights(cached)
+        register_public_weights(state)
         return state, {**meta, "source": "cache", "path": cached}
     say(f"pretraining {model} on the public synthetic corpus (once; cached at {cached})")
     state, meta = pretrain(model, freq=freq, prediction_length=prediction_length,

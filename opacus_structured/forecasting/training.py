@@ -59,6 +59,7 @@ from ..accounting.calibration import calibrate_noise_multiplier
 from ..samplers import public_sizes
 from ..samplers._generator import fresh_seed
 from ..schemes.structured import StructuredScheme
+from . import provenance as prov
 from .data import Panel
 from .estimators import PreparedModel, estimator_model, prepare_estimator
 from .user_data import _period_freq as period_freq
@@ -319,6 +320,21 @@ class TrainResult:
     #: where the sampling rate and the normaliser came from
     #: (:func:`~opacus_structured.samplers.public_sizes.sampling_constants`; DP runs only)
     sampling_constants: Optional[dict] = None
+    #: ε of this run alone (``epsilon`` composes earlier runs on the same data with it; see
+    #: :mod:`.provenance`); ``None`` without DP-SGD.
+    run_epsilon: Optional[float] = None
+    #: what :func:`~.provenance.resolve_init` found out about ``init_state`` (``None``: none)
+    init_provenance: Optional[prov.InitProvenance] = None
+    train_panel: Any = dataclasses.field(default=None, repr=False, compare=False)
+    #: SHA-256 of the released weights, taken when training ended (:mod:`.provenance`)
+    weights_hash: Optional[str] = None
+    _record: Optional[dict] = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def prior_runs(self) -> list:
+        """The earlier runs ``init_state`` went through, labelled ``"composed"`` (this data)
+        or not (other data); empty for public or random initial weights."""
+        return [] if self.init_provenance is None else self.init_provenance.summary()
 
     @property
     def reproducible_noise(self) -> bool:
@@ -327,8 +343,11 @@ class TrainResult:
 
     @property
     def private(self) -> bool:
-        """The (ε, δ) guarantee holds for the released model: DP-SGD with secret coins."""
-        return self.dp_sgd and self.seed is None
+        """The (ε, δ) guarantee holds for the released model: DP-SGD with secret coins (and
+        no earlier run on this data with seeded noise)."""
+        return (self.dp_sgd and self.seed is None
+                and (self.init_provenance is None
+                     or self.init_provenance.not_private_reason is None))
 
     @property
     def not_private_reason(self) -> Optional[str]:
@@ -338,7 +357,60 @@ class TrainResult:
         if self.seed is not None:
             return ("reproducible noise: the sampler and noise were seeded with seed="
                     f"{self.seed}, which regenerates the noise")
+        if self.init_provenance is not None:
+            return self.init_provenance.not_private_reason
         return None
+
+    def state_dict(self) -> dict:
+        """The released network weights (``prepared.module.model``), detached CPU copies."""
+        return {k: v.detach().cpu().clone()
+                for k, v in self.prepared.module.model.state_dict().items()}
+
+    @property
+    def privacy_record(self) -> dict:
+        """The privacy record of the released weights (:mod:`.provenance`): every run they
+        went through on non-public data, this one last, and the weights' hash. Pass it as
+        ``init_record`` (with ``init_state=result.state_dict()``) to train again from them:
+        runs on the same data are then composed."""
+        if self._record is None:
+            if self.train_panel is None or self.weights_hash is None:
+                raise ValueError("this TrainResult has no training panel: no privacy record")
+            if prov.weights_fingerprint(self.state_dict()) != self.weights_hash:
+                raise ValueError("the weights changed after train_forecaster released them: "
+                                 "their privacy record would not cover the change")
+            earlier = [] if self.init_provenance is None else self.init_provenance.runs()
+            this = prov.run_entry(panel=self.train_panel, dp_sgd=self.dp_sgd,
+                                  private=self.dp_sgd and self.seed is None,
+                                  accountant=self.accountant,
+                                  noise_multiplier=self.noise_multiplier, steps=self.steps,
+                                  delta=self.delta, epsilon=self.run_epsilon
+                                  if self.dp_sgd else math.inf, bound=self.run_bound)
+            self._record = {"format": prov.RECORD_FORMAT,
+                            "weights": self.weights_hash,
+                            "runs": [*earlier, this]}
+        return self._record
+
+    @property
+    def run_bound(self) -> Optional[str]:
+        """The bound kind of this run's own ε."""
+        return None if self.accountant is None else self.accountant.bound
+
+    def save_weights(self, path: str) -> None:
+        """Write ``{"state_dict", "meta"}`` to ``path`` (the layout of
+        :func:`~.pretraining.save_weights`), the meta holding the geometry and the
+        :attr:`privacy_record`: ``forecast --init-from PATH`` and
+        ``train_forecaster(init_state=..., init_record=...)`` then compose."""
+        import os
+
+        import torch
+
+        meta = {"model": self.prepared.name, "prediction_length": self.prepared.prediction_length,
+                "privacy_record": self.privacy_record}
+        ctx = getattr(self.prepared.estimator, "context_length", None)
+        if ctx is not None:
+            meta["context_length"] = int(ctx)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        torch.save({"state_dict": self.state_dict(), "meta": meta}, path)
 
     @property
     def step_seconds(self) -> float:
@@ -361,6 +433,12 @@ class TrainResult:
             "prediction_length": self.prepared.prediction_length,
             "scheme": None if self.scheme is None else self.scheme.describe(),
         }
+        if self.init_provenance is not None:
+            out.update(run_epsilon=self.run_epsilon, init=self.init_provenance.source,
+                       init_note=self.init_provenance.note, prior_runs=self.prior_runs,
+                       epsilon_composes_prior_runs=bool(self.init_provenance.composed))
+        if self.train_panel is not None and self.weights_hash is not None:
+            out["privacy_record"] = self.privacy_record
         if self.seed is not None:  # only a caller's seed; OS-entropy coins are never recorded
             out["seed"] = self.seed
         if self.init_seed is not None:
@@ -385,7 +463,8 @@ def train_forecaster(model: Optional[str], train: Panel, *,
                      progress: bool = False,
                      discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
                      estimator_kwargs: Optional[dict] = None,
-                     init_state: Optional[dict] = None, tail_average: float = 0.0,
+                     init_state: Optional[dict] = None, init_record: Optional[dict] = None,
+                     init_public: bool = False, tail_average: float = 0.0,
                      callbacks: Sequence = (), sampler_wrapper: Optional[Callable] = None,
                      log: Optional[Callable[[str], None]] = None,
                      lstm_impl: str = "fast", grad_sample_mode: str = "hooks",
@@ -463,6 +542,20 @@ def train_forecaster(model: Optional[str], train: Panel, *,
             :class:`~opacus_structured.samplers.public_sizes.DatasetSizeFromDataWarning` says
             so once and ``result.sampling_constants`` records ``dataset_size_source="data"``.
             The accounted length ``L`` is the shortest series of the panel either way.
+        init_state: initial weights (a ``state_dict`` of the network) to fine-tune from.
+            Accepted as they are only when public: the package's pretrained weights (shipped
+            or from :func:`~.pretraining.pretrained_weights`) or ``init_public=True``.
+            Weights of an earlier run need that run's ``init_record``.
+        init_record: the :attr:`TrainResult.privacy_record` of ``init_state`` (or the
+            ``"privacy_record"`` of a file written by :meth:`TrainResult.save_weights`).
+            Earlier DP runs on this data (a series in common) are **composed** with this run:
+            ``result.epsilon`` is the ε of the composition (``result.run_epsilon`` this run
+            alone, ``result.prior_runs`` each earlier run), ``epsilon`` is the budget of the
+            composition (σ is calibrated so that the earlier runs plus the planned steps
+            spend at most it; refused when the earlier runs alone reach it). Runs on other
+            data are reported, not composed. See :mod:`.provenance`.
+        init_public: declare ``init_state`` public (never trained on this data); refused when
+            its record shows a run on this data.
     """
     import torch
 
@@ -554,6 +647,12 @@ def train_forecaster(model: Optional[str], train: Panel, *,
             raise ValueError(f"init_state does not fit the {model} network built for "
                              f"prediction_length={prediction_length}, context_length="
                              f"{context_length}: {err}") from None
+    elif init_record is not None or init_public:
+        raise ValueError("init_record / init_public describe init_state: pass init_state too")
+    # earlier runs the initial weights went through (public / composed / refused)
+    provenance = (None if init_state is None else
+                  prov.resolve_init(init_state, init_record=init_record,
+                                    init_public=bool(init_public), panel=train, dp_sgd=dp_sgd))
     tail_average = float(tail_average)
     if not 0.0 <= tail_average <= 1.0:
         raise ValueError(f"tail_average must be in [0, 1] (fraction of the last steps whose "
@@ -590,9 +689,25 @@ def train_forecaster(model: Optional[str], train: Panel, *,
     t0 = time.perf_counter()
     accountant = None
     eps_of = None
+    prior = None
     if dp_sgd:
-        def eps_of(sigma, n):
-            return scheme.epsilon(sigma, n, delta, discretization=discretization)
+        prior = None if provenance is None else provenance.prior_pld(discretization)
+        if prior is None:
+            def eps_of(sigma, n):
+                return scheme.epsilon(sigma, n, delta, discretization=discretization)
+        else:  # a target epsilon bounds the composition with the earlier runs on this data
+            def eps_of(sigma, n):
+                return prov.composed_epsilon(prior, scheme, sigma, n, delta, discretization)
+
+            spent_before = pld_lib.epsilon_for_delta(prior, delta)
+            say(f"init_state: earlier runs on this data spent epsilon={spent_before:.4g} at "
+                f"delta={delta:g}; composed with this run")
+            if epsilon is not None and math.isfinite(epsilon) and spent_before >= epsilon:
+                raise ValueError(
+                    f"the earlier runs on this data that init_state went through already spent "
+                    f"epsilon={spent_before:.4g} >= the target epsilon={epsilon} (the target "
+                    f"bounds the composition of every run): raise epsilon or start from public "
+                    f"weights")
 
         if noise_multiplier is None:
             say(f"calibrating noise for epsilon={epsilon:g}, delta={delta:g}, {steps} steps")
@@ -603,7 +718,9 @@ def train_forecaster(model: Optional[str], train: Panel, *,
                                             steps)
             if steps == 0:
                 raise ValueError(f"noise_multiplier={noise_multiplier} exceeds epsilon="
-                                 f"{epsilon} in a single step; raise the noise multiplier")
+                                 f"{epsilon} in a single step"
+                                 f"{' (composed with the earlier runs on this data)' if prior is not None else ''}"  # noqa: E501
+                                 f"; raise the noise multiplier")
         accountant = StructuredSubsamplingAccountant(scheme, discretization=discretization)
     calibration_seconds = time.perf_counter() - t0
 
@@ -675,18 +792,26 @@ def train_forecaster(model: Optional[str], train: Panel, *,
         if len(accountant) != taken:
             raise RuntimeError(f"the accountant recorded {len(accountant)} steps but "
                                f"{taken} optimizer steps ran")
-        spent = accountant.get_epsilon(delta)
-        bound = accountant.bound
+        run_epsilon = accountant.get_epsilon(delta)
+        spent, bound = run_epsilon, accountant.bound
+        if prior is not None:  # the released model went through the earlier runs too
+            spent = pld_lib.epsilon_for_delta(
+                prov.compose_plds([prior, accountant.composed_pld(discretization)]), delta)
+            bound = prov.combined_bound(bound, *provenance.prior_bounds())
         if epsilon is not None and math.isfinite(epsilon) and spent > epsilon:
             raise RuntimeError(f"the run spent epsilon={spent} > target {epsilon}: refusing to "
                                f"release the model")
     else:
-        spent, bound = math.inf, None
+        spent, bound, run_epsilon = math.inf, None, None
     return TrainResult(prepared=prepared, scheme=scheme, accountant=accountant, dp_sgd=dp_sgd,
                        noise_multiplier=noise_multiplier if dp_sgd else None,
                        max_grad_norm=max_grad_norm if dp_sgd else None, steps=taken,
                        epsilon=spent, delta=delta, target_epsilon=epsilon, bound=bound,
                        train_seconds=train_seconds, calibration_seconds=calibration_seconds,
                        seed=seed, init_seed=init_seed,
-                       sampling_constants=dict(sampling) if dp_sgd else None)
+                       sampling_constants=dict(sampling) if dp_sgd else None,
+                       run_epsilon=run_epsilon,
+                       init_provenance=provenance, train_panel=train,
+                       weights_hash=prov.weights_fingerprint(
+                           module.model.state_dict()))
 

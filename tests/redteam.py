@@ -84,6 +84,9 @@ SHAPES = ("plain", "skip2", "skip3", "break", "eval_draw", "early_stop", "noise_
           "resume_checkpoint", "resume_history_only", "other_loader", "detached_step")
 MAY_RAISE = {"double_step", "accumulate", "rewrap", "stale_reload", "resume_history_only",
              "other_loader", "detached_step"}
+#: Priceable runs a scheme refuses on purpose (random allocation prices one σ for the run).
+REFUSED_BY_DESIGN = {("random-allocation-identity", "noise_schedule"),
+                     ("random-allocation-bandmf", "noise_schedule")}
 #: Shapes whose run no ε describes: they must raise (a batch released twice, batches that did
 #: not come from the scheme's loader, private training outside the DP optimizer, a stale state).
 MUST_RAISE = {"double_step", "rewrap", "stale_reload", "other_loader", "detached_step"}
@@ -423,7 +426,6 @@ def _scheme_epsilon(scheme, sigma: float, steps: int) -> float:
     return _PRICED[key]
 
 
-@functools.lru_cache(maxsize=None)
 def _deterministic_positions(scheme, released: list) -> Optional[list]:
     """Stream positions of windows batches under a deterministic top level, read off the
     batches themselves: step ``p`` of an epoch takes series ``p·s .. p·s + s − 1``, so a batch
@@ -444,6 +446,7 @@ def _deterministic_positions(scheme, released: list) -> Optional[list]:
     return positions
 
 
+@functools.lru_cache(maxsize=None)
 def _poisson_dp_accounting(q: float, sigma: float, steps: int) -> float:
     acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=D)
     acc.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), steps)
@@ -493,7 +496,7 @@ def judge(scheme_name: str, shape: str, out: Outcome) -> None:
     truth = oracle(scheme_name, out)
     if out.error is not None:
         assert str(out.error), "an error must say what went wrong"
-        if truth is None or shape in MAY_RAISE:
+        if truth is None or shape in MAY_RAISE or (scheme_name, shape) in REFUSED_BY_DESIGN:
             return
         raise AssertionError(f"{scheme_name}/{shape}: refused a priceable run "
                              f"(oracle ε={truth:.4f}): {out.error}")

@@ -39,7 +39,7 @@ from opacus_structured.schemes.base import Scheme
 
 from .batch_indices import BatchIndexRecorder, loader_settings, train_loader_source
 
-__all__ = ["TrackedBatchSampler", "SamplerInstaller", "resolve_scheme", "build_sampler",
+__all__ = ["TrackedBatchSampler", "ResumableDPDataLoader", "SamplerInstaller", "resolve_scheme", "build_sampler",
            "loader_with_batch_sampler", "SamplerFactory"]
 
 #: ``(dataset, generator) -> batch sampler``: the ``sampler=`` factory form.
@@ -104,8 +104,28 @@ def loader_with_batch_sampler(loader: DataLoader, batch_sampler) -> DataLoader:
     collate = loader.collate_fn
     if not hasattr(collate, "wrapped_collator_fn"):  # not yet an Opacus empty-batch wrapper
         collate = wrap_collate_with_empty(collate_fn=collate)
-    return DataLoader(loader.dataset, batch_sampler=batch_sampler, collate_fn=collate,
-                      **loader_settings(loader))
+    cls = ResumableDPDataLoader if isinstance(batch_sampler, TrackedBatchSampler) else DataLoader
+    return cls(loader.dataset, batch_sampler=batch_sampler, collate_fn=collate,
+               **loader_settings(loader))
+
+
+class ResumableDPDataLoader(DataLoader):
+    """The train DataLoader ``DPCallback`` installs: a plain ``DataLoader`` over the tracked
+    batch sampler that also implements Lightning's stateful-loader protocol (``state_dict`` /
+    ``load_state_dict``). Lightning saves its state in the checkpoint's loop state and loads it
+    back on a resume, so a mid-epoch resume is exact by Lightning's own mechanism (and Lightning
+    no longer warns that the loader is not resumable). The state is the sampler's state from
+    which the untrained rest of the epoch is drawn, and the number of batches of the epoch
+    already trained on (what ``DPCheckpoint`` also keeps)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        tracked = self.batch_sampler
+        return {"sampler": tracked.state_for_consumed(), "consumed": tracked.consumed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict or "sampler" not in state_dict:
+            return
+        self.batch_sampler.restore(state_dict["sampler"], int(state_dict.get("consumed", 0)))
 
 
 class TrackedBatchSampler(BatchIndexRecorder, Sampler):

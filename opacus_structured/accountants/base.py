@@ -504,6 +504,8 @@ class SchemeAccountant(IAccountant):
         self._cache.clear()
         if state_dict.get("ledger") is not None:
             self._ledger.load_state_dict(state_dict["ledger"])
+        else:
+            self._ledger.unverified_history = saved_steps > 0
 
     def __repr__(self):
         return (f"{type(self).__name__}(scheme={self.scheme!r}, steps={len(self)}, "

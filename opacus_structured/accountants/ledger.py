@@ -107,6 +107,9 @@ class ReleaseLedger:
         self.releases = 0
         self.skipped = 0
         self.fingerprint: Optional[str] = None
+        #: the accountant's history was restored from a state without a ledger (saved by an
+        #: older version): whether the sampler continues that history cannot be checked
+        self.unverified_history = False
         self._source = None              # weakref to the DrawLedger sampler
         self._pending_sampler: Optional[dict] = None
         self._optimizer = None           # weakref to the torch optimizer under the DPOptimizer
@@ -142,6 +145,14 @@ class ReleaseLedger:
             return 0
         policy = scheme.release_policy
         step_no = priced_steps + 1
+        if self.unverified_history and self.last_draw is None:
+            raise LedgerError(
+                f"noisy step {step_no}: the accountant's {priced_steps} earlier step(s) were "
+                f"restored from a state without a privacy ledger (saved by an older version), so "
+                f"whether this run's sampler continues the stream they were drawn from cannot be "
+                f"checked; a sampler restarted with the same seed would release the same batches "
+                f"again. Resume from a checkpoint saved by this version, or price a new run with "
+                f"a new accountant (its epsilon then covers only the new run)")
         if self.fingerprint is not None and source.fingerprint is not None \
                 and source.fingerprint != self.fingerprint:
             if policy != "independent":
@@ -286,6 +297,7 @@ class ReleaseLedger:
         sampler (now, or when one is bound)."""
         last = state.get("last_draw")
         self.last_draw = None if last is None else int(last)
+        self.unverified_history = False
         self.releases = int(state.get("releases", 0))
         self.skipped = int(state.get("skipped", 0))
         self.fingerprint = state.get("fingerprint")

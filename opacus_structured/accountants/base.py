@@ -51,7 +51,9 @@ from opacus.accountants.accountant import IAccountant
 from opacus.accountants.registry import _ACCOUNTANTS, register_accountant
 
 from .._validation import check_open_unit, check_positive
+from ..accounting import numerics
 from ..accounting import pld as pld_lib
+from ..accounting.numerics import NumericalPrecisionError
 from ..accounting.resource_guard import ResourceBudgetError
 from ..samplers import verification
 from ..schemes import registry
@@ -347,9 +349,30 @@ class SchemeAccountant(IAccountant):
         d = self.discretization if discretization is None else check_positive(
             "discretization", discretization)
         try:
-            return pld_lib.epsilon_for_delta(self._composed(d), delta)
-        except ResourceBudgetError as exc:
-            return self._epsilon_over_budget(exc, delta, d)
+            if self.scheme.unit == "step":  # before composing: a floor no grid can beat
+                numerics.check_a_priori(len(self), delta)
+            try:
+                return pld_lib.epsilon_for_delta(self._composed(d), delta)
+            except ResourceBudgetError as exc:
+                return self._epsilon_over_budget(exc, delta, d)
+        except NumericalPrecisionError as exc:
+            return self._epsilon_below_precision(exc, delta, d)
+
+    def _epsilon_below_precision(self, error: NumericalPrecisionError, delta: float,
+                                 discretization: float) -> float:
+        """δ below the PLD route's round-off floor (:mod:`~opacus_structured.accounting.
+        numerics`): the scheme's certified route (:meth:`Scheme.epsilon_below_precision`, the
+        RDP bound for Poisson) when the history has one noise multiplier and rate, with a
+        warning naming it; otherwise ``error`` (names δ, the floor and the fixes)."""
+        settings = {(sigma, q) for sigma, q, n in self.history if n}
+        if len(settings) != 1:
+            raise error
+        ((sigma, q),) = settings
+        value = self.scheme.epsilon_below_precision(error, sigma, len(self), delta,
+                                                    discretization=discretization, sample_rate=q)
+        warnings.warn(f"{type(self).__name__}: epsilon priced by route {value.route!r}: "
+                      f"{value.note}", stacklevel=3)
+        return value
 
     def _epsilon_over_budget(self, error: ResourceBudgetError, delta: float,
                              discretization: float) -> float:

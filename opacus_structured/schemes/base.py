@@ -22,9 +22,11 @@ from typing import Any, ClassVar
 
 from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 
-from .._validation import check_int, check_positive
+from .._validation import check_int, check_open_unit, check_positive
+from ..accounting import numerics
 from ..accounting import pld as pld_lib
 from ..accounting.bounds import BoundKind
+from ..accounting.numerics import NumericalPrecisionError
 from ..accounting.resource_guard import MAX_DISCRETIZATION, PricedEpsilon, ResourceBudgetError
 from .registry import SCHEMES, get_scheme_class, register_scheme, sampler_factory_for
 
@@ -130,18 +132,39 @@ class Scheme(abc.ABC):
     def epsilon(self, noise_multiplier: float, steps: int, delta: float, *,
                 discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
                 sample_rate: float | None = None) -> float:
-        """ε(δ) after ``steps`` optimizer steps at a constant noise multiplier."""
+        """ε(δ) after ``steps`` optimizer steps at a constant noise multiplier.
+
+        The PLD route's ε is certified against its numerical error (:mod:`~opacus_structured.
+        accounting.numerics`); where δ is too close to the round-off floor, the scheme's
+        :meth:`epsilon_below_precision` route prices it (labelled) or refuses.
+        """
         noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
         n = self.compositions(steps)
         if n == 0:
             return 0.0
+        delta = check_open_unit("delta", delta)
         step = self.pld(noise_multiplier, sample_rate=sample_rate, discretization=discretization)
         try:
-            return pld_lib.epsilon_for_delta(pld_lib.self_compose(step, n), delta)
-        except ResourceBudgetError as exc:
-            return self.epsilon_over_budget(exc, noise_multiplier, steps, delta,
-                                            discretization=discretization,
-                                            sample_rate=sample_rate)
+            numerics.check_a_priori(n, delta)
+            try:
+                return pld_lib.epsilon_for_delta(pld_lib.self_compose(step, n), delta)
+            except ResourceBudgetError as exc:
+                return self.epsilon_over_budget(exc, noise_multiplier, steps, delta,
+                                                discretization=discretization,
+                                                sample_rate=sample_rate)
+        except NumericalPrecisionError as exc:
+            return self.epsilon_below_precision(exc, noise_multiplier, steps, delta,
+                                                discretization=discretization,
+                                                sample_rate=sample_rate)
+
+    def epsilon_below_precision(self, error: NumericalPrecisionError, noise_multiplier: float,
+                                steps: int, delta: float, *, discretization: float,
+                                sample_rate: float | None = None) -> PricedEpsilon:
+        """ε when δ is within :data:`~opacus_structured.accounting.numerics.CERTIFY_FACTOR` of
+        the PLD route's round-off floor (``error``): a route certified there, labelled, or
+        ``error`` re-raised (the default: one line naming δ, the floor and the fixes). Poisson
+        subsampling overrides it with its Rényi-DP bound."""
+        raise error
 
     def epsilon_over_budget(self, error: ResourceBudgetError, noise_multiplier: float,
                             steps: int, delta: float, *, discretization: float,

@@ -21,11 +21,12 @@ from typing import Optional
 from .._validation import check_int, check_positive, check_probability
 from ..accounting import pld as pld_lib
 from ..accounting.mixture import MixturePair
+from ..accounting.numerics import CERTIFY_FACTOR
 from ..accounting.profiles import PairProfile
 from ..accounting.resource_guard import PricedEpsilon
 from .base import Scheme, register_scheme
 
-__all__ = ["PoissonScheme", "poisson_pair", "rdp_epsilon"]
+__all__ = ["PoissonScheme", "poisson_pair", "rdp_epsilon", "rdp_epsilon_and_order"]
 
 
 def poisson_pair(noise_multiplier: float, sample_rate: float) -> MixturePair:
@@ -43,6 +44,12 @@ RDP_ORDERS = tuple(1.0 + k / 100.0 for k in range(1, 100)) + (
 def rdp_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
     """Rényi-DP upper bound on ε(δ) of ``steps`` Poisson-subsampled Gaussian steps (add/remove),
     by dp_accounting's ``RdpAccountant``; O(1) in ``steps``."""
+    return rdp_epsilon_and_order(noise_multiplier, sample_rate, steps, delta)[0]
+
+
+def rdp_epsilon_and_order(noise_multiplier: float, sample_rate: float, steps: int,
+                          delta: float) -> tuple[float, float]:
+    """:func:`rdp_epsilon` and the RDP order that attains it (``nan`` for zero steps)."""
     import dp_accounting
     from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
@@ -50,10 +57,11 @@ def rdp_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: 
     s = check_positive("noise_multiplier", noise_multiplier)
     steps = check_int("steps", steps, minimum=0)
     if steps == 0:
-        return 0.0
+        return 0.0, math.nan
     acc = rdp.RdpAccountant(list(RDP_ORDERS))
     acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(s)), steps)
-    return float(acc.get_epsilon(delta))
+    eps, order = acc.get_epsilon_and_optimal_order(delta)
+    return float(eps), float(order)
 
 
 @register_scheme
@@ -129,6 +137,30 @@ class PoissonScheme(Scheme):
             "sound, typically 5-30% above the PLD epsilon (no a-priori bound on the gap); the "
             "PLD route was over the memory budget - raise --memory-budget for it",
             refused_estimate_bytes=error.estimated_bytes, memory_budget_bytes=error.budget)
+
+    def epsilon_below_precision(self, error, noise_multiplier, steps, delta, *, discretization,
+                                sample_rate=None):
+        r"""δ below the PLD route's round-off floor: the Rényi-DP upper bound (route ``"rdp"``).
+
+        The RDP curve of the Poisson-subsampled Gaussian is computed in log space per order
+        (dp_accounting's ``RdpAccountant``; relative error of order :math:`10^{-15}`, no
+        composition round-off: :math:`\rho_T = T\rho`), so it is certified at every δ. Its
+        only grid is the order grid :data:`RDP_ORDERS`; any order gives a valid bound, so the
+        grid only makes it looser (the certificate records the optimal order and whether it
+        sits at the edge of the grid).
+        """
+        q = self.sample_rate if self.sample_rate is not None else sample_rate
+        if q is None:
+            raise error
+        value, order = rdp_epsilon_and_order(noise_multiplier, q, self.compositions(steps), delta)
+        return PricedEpsilon(
+            value, "rdp",
+            f"Renyi-DP upper bound (dp_accounting RdpAccountant, Poisson-subsampled Gaussian), "
+            f"certified at this delta; the PLD route is not: its FFT round-off after "
+            f"{error.compositions:,} compositions is about {error.floor:.2g} in delta, and a "
+            f"certified PLD epsilon needs delta >= {CERTIFY_FACTOR:g} x that",
+            pld_roundoff=error.floor, compositions=error.compositions, rdp_order=order,
+            rdp_order_at_grid_edge=order in (min(RDP_ORDERS), max(RDP_ORDERS)))
 
     @classmethod
     def from_training(cls, *, dataset_size: int, steps_per_epoch: int,

@@ -57,7 +57,7 @@ from ..accounting.numerics import NumericalPrecisionError
 from ..accounting.resource_guard import ResourceBudgetError
 from ..samplers import verification
 from ..schemes import registry
-from ..schemes.base import Scheme
+from ..schemes.base import Scheme, below_precision, best_route
 
 __all__ = ["SchemeAccountant", "WholeRunAccountant", "register_scheme_accountant",
            "accountant_class_for", "AccountantNotAttachedError", "UnboundAccountantError",
@@ -352,24 +352,21 @@ class SchemeAccountant(IAccountant):
             if self.scheme.unit == "step":  # before composing: a floor no grid can beat
                 numerics.check_a_priori(len(self), delta)
             try:
-                return pld_lib.epsilon_for_delta(self._composed(d), delta)
+                value = pld_lib.epsilon_for_delta(self._composed(d), delta)
             except ResourceBudgetError as exc:
                 return self._epsilon_over_budget(exc, delta, d)
         except NumericalPrecisionError as exc:
             return self._epsilon_below_precision(exc, delta, d)
+        # the smallest certified route (monotone in δ across the PLD's round-off floor)
+        return best_route(value, self.scheme.certified_alternatives(self.history, delta))
 
     def _epsilon_below_precision(self, error: NumericalPrecisionError, delta: float,
                                  discretization: float) -> float:
         """δ below the PLD route's round-off floor (:mod:`~opacus_structured.accounting.
-        numerics`): the scheme's certified route (:meth:`Scheme.epsilon_below_precision`, the
-        RDP bound for Poisson) when the history has one noise multiplier and rate, with a
-        warning naming it; otherwise ``error`` (names δ, the floor and the fixes)."""
-        settings = {(sigma, q) for sigma, q, n in self.history if n}
-        if len(settings) != 1:
-            raise error
-        ((sigma, q),) = settings
-        value = self.scheme.epsilon_below_precision(error, sigma, len(self), delta,
-                                                    discretization=discretization, sample_rate=q)
+        numerics`): the scheme's best certified route for the whole history
+        (:meth:`Scheme.certified_alternatives`, the RDP bound for Poisson), with a warning
+        naming it; otherwise ``error`` (names δ, the floor and the fixes)."""
+        value = below_precision(error, self.scheme.certified_alternatives(self.history, delta))
         warnings.warn(f"{type(self).__name__}: epsilon priced by route {value.route!r}: "
                       f"{value.note}", stacklevel=3)
         return value

@@ -21,7 +21,6 @@ from typing import Optional
 from .._validation import check_int, check_positive, check_probability
 from ..accounting import pld as pld_lib
 from ..accounting.mixture import MixturePair
-from ..accounting.numerics import CERTIFY_FACTOR
 from ..accounting.profiles import PairProfile
 from ..accounting.resource_guard import PricedEpsilon
 from .base import Scheme, register_scheme
@@ -138,29 +137,32 @@ class PoissonScheme(Scheme):
             "PLD route was over the memory budget - raise --memory-budget for it",
             refused_estimate_bytes=error.estimated_bytes, memory_budget_bytes=error.budget)
 
-    def epsilon_below_precision(self, error, noise_multiplier, steps, delta, *, discretization,
-                                sample_rate=None):
-        r"""δ below the PLD route's round-off floor: the Rényi-DP upper bound (route ``"rdp"``).
+    def certified_alternatives(self, history, delta):
+        r"""The Rényi-DP upper bound of the whole ``history`` (route ``"rdp"``).
 
         The RDP curve of the Poisson-subsampled Gaussian is computed in log space per order
         (dp_accounting's ``RdpAccountant``; relative error of order :math:`10^{-15}`, no
-        composition round-off: :math:`\rho_T = T\rho`), so it is certified at every δ. Its
-        only grid is the order grid :data:`RDP_ORDERS`; any order gives a valid bound, so the
-        grid only makes it looser (the certificate records the optimal order and whether it
+        composition round-off: :math:`\rho_T = \sum_t \rho_t`), so it is certified at every
+        δ. Its only grid is the order grid :data:`RDP_ORDERS`; any order gives a valid bound,
+        so the grid only makes it looser (the details record the optimal order and whether it
         sits at the edge of the grid).
         """
-        q = self.sample_rate if self.sample_rate is not None else sample_rate
-        if q is None:
-            raise error
-        value, order = rdp_epsilon_and_order(noise_multiplier, q, self.compositions(steps), delta)
-        return PricedEpsilon(
-            value, "rdp",
-            f"Renyi-DP upper bound (dp_accounting RdpAccountant, Poisson-subsampled Gaussian), "
-            f"certified at this delta; the PLD route is not: its FFT round-off after "
-            f"{error.compositions:,} compositions is about {error.floor:.2g} in delta, and a "
-            f"certified PLD epsilon needs delta >= {CERTIFY_FACTOR:g} x that",
-            pld_roundoff=error.floor, compositions=error.compositions, rdp_order=order,
-            rdp_order_at_grid_edge=order in (min(RDP_ORDERS), max(RDP_ORDERS)))
+        import dp_accounting
+        from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+        acc = rdp.RdpAccountant(list(RDP_ORDERS))
+        for sigma, rate, steps in history:
+            q = self.sample_rate if self.sample_rate is not None else rate
+            if q is None:
+                return []
+            acc.compose(dp_accounting.PoissonSampledDpEvent(
+                q, dp_accounting.GaussianDpEvent(sigma)), self.compositions(steps))
+        eps, order = acc.get_epsilon_and_optimal_order(delta)
+        return [PricedEpsilon(
+            float(eps), "rdp",
+            "Renyi-DP upper bound (dp_accounting RdpAccountant, Poisson-subsampled Gaussian)",
+            rdp_order=float(order),
+            rdp_order_at_grid_edge=float(order) in (min(RDP_ORDERS), max(RDP_ORDERS)))]
 
     @classmethod
     def from_training(cls, *, dataset_size: int, steps_per_epoch: int,

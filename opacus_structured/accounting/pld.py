@@ -7,6 +7,11 @@ connect-the-dots algorithm (``create_pmf_pessimistic_connect_dots_fixed_gap``, D
 truncation), :math:`\varepsilon(\delta)` and :math:`\delta(\varepsilon)` are dp_accounting's own;
 this module adds argument checks, the grid choice and a few conveniences.
 
+Every composition records its numerical error on the result (FFT round-off floor, truncated
+mass; :mod:`.numerics`), and :func:`epsilon_for_delta` returns ε only where δ clears that floor
+by :data:`.numerics.CERTIFY_FACTOR`, read at δ minus the floor (else it raises
+:class:`.numerics.NumericalPrecisionError` and the scheme picks a certified route or refuses).
+
 The remove and add directions of an add/remove relation are kept as two PMFs (dp_accounting
 reports the worse of the two); a substitution relation uses one symmetric PMF.
 """

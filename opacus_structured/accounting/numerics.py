@@ -55,6 +55,8 @@ import math
 
 import numpy as np
 
+from .resource_guard import _dense_probs as _dense
+
 __all__ = [
     "UNIT_ROUNDOFF",
     "ROUNDOFF_SAFETY",
@@ -128,11 +130,6 @@ def _directions(pld) -> list:
     if not getattr(pld, "_symmetric", False):
         pmfs.append(pld._pmf_add)  # pylint: disable=protected-access
     return pmfs
-
-
-def _dense(pmf) -> np.ndarray:
-    from .resource_guard import _dense_probs  # pylint: disable=import-outside-toplevel
-    return _dense_probs(pmf)
 
 
 def fft_roundoff(probs, multiplications: int) -> float:

@@ -224,3 +224,25 @@ def test_scheme_without_a_certified_route_refuses_clearly():
     msg = str(info.value)
     assert "delta=1e-12" in msg and "Use delta >=" in msg and "compositions" in msg
     assert isinstance(info.value, ValueError)  # the CLI prints it as one line, exit 2
+
+
+def test_cli_prints_the_pld_route_and_its_floor(capsys):
+    args = ["epsilon", "poisson", "--sample-rate", "0.01", "--noise-multiplier", "1",
+            "--steps", "1000", "--delta", "1e-5", "--discretization", "1e-3"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "[PLD route: numerical error <= " in out and "certified for delta >= " in out
+    assert main(args + ["--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["route"] == "pld" and 0 < record["numerical_roundoff"] < 1e-10
+    assert record["certified_min_delta"] == pytest.approx(
+        numerics.CERTIFY_FACTOR * record["numerical_roundoff"])
+
+
+def test_priced_epsilon_survives_pickle_and_deepcopy():
+    import copy
+    import pickle
+
+    eps = PoissonScheme(sample_rate=0.01).epsilon(1.0, 100, 1e-5, discretization=1e-3)
+    for clone in (pickle.loads(pickle.dumps(eps)), copy.deepcopy(eps)):
+        assert clone == eps and clone.route == "pld" and clone.details == eps.details

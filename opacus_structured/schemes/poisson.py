@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -59,6 +60,22 @@ def rdp_epsilon_and_order(noise_multiplier: float, sample_rate: float, steps: in
         return 0.0, math.nan
     acc = rdp.RdpAccountant(list(RDP_ORDERS))
     acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(s)), steps)
+    eps, order = acc.get_epsilon_and_optimal_order(delta)
+    return float(eps), float(order)
+
+
+@functools.lru_cache(maxsize=256)
+def _rdp_of_parts(parts: tuple, delta: float) -> tuple[float, float]:
+    """RDP ε(δ) and optimal order of ``(σ, q, steps)`` parts (cached: accountants and callbacks
+    ask at every step)."""
+    import dp_accounting
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+    acc = rdp.RdpAccountant(list(RDP_ORDERS))
+    for sigma, q, steps in parts:
+        if steps:
+            acc.compose(dp_accounting.PoissonSampledDpEvent(
+                q, dp_accounting.GaussianDpEvent(sigma)), steps)
     eps, order = acc.get_epsilon_and_optimal_order(delta)
     return float(eps), float(order)
 
@@ -147,17 +164,13 @@ class PoissonScheme(Scheme):
         so the grid only makes it looser (the details record the optimal order and whether it
         sits at the edge of the grid).
         """
-        import dp_accounting
-        from dp_accounting.rdp import rdp_privacy_accountant as rdp
-
-        acc = rdp.RdpAccountant(list(RDP_ORDERS))
+        parts = []
         for sigma, rate, steps in history:
             q = self.sample_rate if self.sample_rate is not None else rate
             if q is None:
                 return []
-            acc.compose(dp_accounting.PoissonSampledDpEvent(
-                q, dp_accounting.GaussianDpEvent(sigma)), self.compositions(steps))
-        eps, order = acc.get_epsilon_and_optimal_order(delta)
+            parts.append((float(sigma), float(q), self.compositions(steps)))
+        eps, order = _rdp_of_parts(tuple(parts), float(delta))
         return [PricedEpsilon(
             float(eps), "rdp",
             "Renyi-DP upper bound (dp_accounting RdpAccountant, Poisson-subsampled Gaussian)",

@@ -39,13 +39,17 @@ every ε: the **round-off floor**.
 covers the round-off. Below that, ε would be round-off (at 1e6 steps and δ = 1e-12 the
 uncorrected value moved between 0.86 and ∞ with the grid), so :func:`certify` raises
 :class:`NumericalPrecisionError`; the scheme then moves to a route certified there (Rényi DP for
-Poisson subsampling, :meth:`~opacus_structured.schemes.base.Scheme.epsilon_below_precision`) and
-labels it, or the error reaches the user naming δ, the floor and the fixes.
+Poisson subsampling, :meth:`~opacus_structured.schemes.base.Scheme.certified_alternatives`) and
+labels it, or the error reaches the user naming δ, the floor and the fixes. Where both routes
+are certified the smaller ε is returned (:func:`~opacus_structured.schemes.base.best_route`).
 :func:`check_a_priori` applies the same rule *before* composing, with the smallest spectral sum a
 composed PMF has (:data:`MIN_SPECTRAL_SUM`), so hopeless requests do not pay for a composition.
 
 Monotonicity: on one route ε(δ) is non-increasing in δ (a PLD's hockey-stick curve is, and the
-shift by the constant ``e`` keeps it so); the set of certified routes only grows with δ.
+shift by the constant ``e`` keeps it so); the set of certified routes only grows with δ; so the
+minimum over the routes certified at δ is non-increasing in δ. Finer grids: the RDP route does
+not depend on the grid, and a finer pessimistic PLD is at most the coarser one's value plus its
+round-off correction.
 """
 
 from __future__ import annotations

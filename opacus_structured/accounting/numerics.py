@@ -47,9 +47,9 @@ composed PMF has (:data:`MIN_SPECTRAL_SUM`), so hopeless requests do not pay for
 
 Monotonicity: on one route ε(δ) is non-increasing in δ (a PLD's hockey-stick curve is, and the
 shift by the constant ``e`` keeps it so); the set of certified routes only grows with δ; so the
-minimum over the routes certified at δ is non-increasing in δ. Finer grids: the RDP route does
-not depend on the grid, and a finer pessimistic PLD is at most the coarser one's value plus its
-round-off correction.
+minimum over the routes certified at δ is non-increasing in δ. Across grids: the RDP route does
+not depend on the grid, and each grid's PLD value is an upper bound certified up to its own
+round-off correction, so no grid can return less than the true ε.
 """
 
 from __future__ import annotations

@@ -123,8 +123,11 @@ def _route(eps) -> tuple[dict, str]:
     """JSON fields and a text label for the route that priced ``eps`` (PLD unless labelled)."""
     record = eps.record() if isinstance(eps, resource_guard.PricedEpsilon) else {"route": "pld"}
     route = record["route"]
-    if route == "pld":
-        return record, ""
+    if route == "pld":  # certified against its numerical error (accounting.numerics)
+        roundoff = record.get("numerical_roundoff")
+        return record, ("" if roundoff is None else
+                        f"  [PLD route: numerical error <= {roundoff:.2g} in delta, certified "
+                        f"for delta >= {record['certified_min_delta']:.2g}]")
     if route == "closed-form":
         return record, "  (exact closed form)"
     return record, f"  [{route.upper()} route: {record['route_note']}]"

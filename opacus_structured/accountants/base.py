@@ -51,11 +51,13 @@ from opacus.accountants.accountant import IAccountant
 from opacus.accountants.registry import _ACCOUNTANTS, register_accountant
 
 from .._validation import check_open_unit, check_positive
+from ..accounting import numerics
 from ..accounting import pld as pld_lib
+from ..accounting.numerics import NumericalPrecisionError
 from ..accounting.resource_guard import ResourceBudgetError
 from ..samplers import verification
 from ..schemes import registry
-from ..schemes.base import Scheme
+from ..schemes.base import Scheme, below_precision, best_route
 from .ledger import LedgerError, ReleaseLedger
 from .release_guard import ClipNormLedger, guard_optimizer
 
@@ -425,9 +427,27 @@ class SchemeAccountant(IAccountant):
         d = self.discretization if discretization is None else check_positive(
             "discretization", discretization)
         try:
-            return pld_lib.epsilon_for_delta(self._composed(d), delta)
-        except ResourceBudgetError as exc:
-            return self._epsilon_over_budget(exc, delta, d)
+            if self.scheme.unit == "step":  # before composing: a floor no grid can beat
+                numerics.check_a_priori(len(self), delta)
+            try:
+                value = pld_lib.epsilon_for_delta(self._composed(d), delta)
+            except ResourceBudgetError as exc:
+                return self._epsilon_over_budget(exc, delta, d)
+        except NumericalPrecisionError as exc:
+            return self._epsilon_below_precision(exc, delta, d)
+        # the smallest certified route (monotone in δ across the PLD's round-off floor)
+        return best_route(value, self.scheme.certified_alternatives(self.history, delta))
+
+    def _epsilon_below_precision(self, error: NumericalPrecisionError, delta: float,
+                                 discretization: float) -> float:
+        """δ below the PLD route's round-off floor (:mod:`~opacus_structured.accounting.
+        numerics`): the scheme's best certified route for the whole history
+        (:meth:`Scheme.certified_alternatives`, the RDP bound for Poisson), with a warning
+        naming it; otherwise ``error`` (names δ, the floor and the fixes)."""
+        value = below_precision(error, self.scheme.certified_alternatives(self.history, delta))
+        warnings.warn(f"{type(self).__name__}: epsilon priced by route {value.route!r}: "
+                      f"{value.note}", stacklevel=3)
+        return value
 
     def _epsilon_over_budget(self, error: ResourceBudgetError, delta: float,
                              discretization: float) -> float:

@@ -7,6 +7,11 @@ connect-the-dots algorithm (``create_pmf_pessimistic_connect_dots_fixed_gap``, D
 truncation), :math:`\varepsilon(\delta)` and :math:`\delta(\varepsilon)` are dp_accounting's own;
 this module adds argument checks, the grid choice and a few conveniences.
 
+Every composition records its numerical error on the result (FFT round-off floor, truncated
+mass; :mod:`.numerics`), and :func:`epsilon_for_delta` returns ε only where δ clears that floor
+by :data:`.numerics.CERTIFY_FACTOR`, read at δ minus the floor (else it raises
+:class:`.numerics.NumericalPrecisionError` and the scheme picks a certified route or refuses).
+
 The remove and add directions of an add/remove relation are kept as two PMFs (dp_accounting
 reports the worse of the two); a substitution relation uses one symmetric PMF.
 """
@@ -21,7 +26,7 @@ from dp_accounting.pld import pld_pmf
 from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 
 from .._validation import check_finite, check_int, check_open_unit, check_positive
-from . import resource_guard
+from . import numerics, resource_guard
 from .profiles import PrivacyProfile
 
 __all__ = [
@@ -99,7 +104,9 @@ def self_compose(pld: PrivacyLossDistribution, count: int) -> PrivacyLossDistrib
     # Estimate the composed grid first: raise ResourceBudgetError instead of allocating past
     # the memory budget (see :mod:`.resource_guard`).
     resource_guard.check_self_compose(pld, count)
-    return pld.self_compose(count, tail_mass_truncation=TAIL_MASS_TRUNCATION)
+    composed = pld.self_compose(count, tail_mass_truncation=TAIL_MASS_TRUNCATION)
+    # Record the FFT round-off and truncation (see :mod:`.numerics`) on the result.
+    return numerics.after_self_compose(composed, pld, count, TAIL_MASS_TRUNCATION)
 
 
 def compose(parts: Iterable[tuple[PrivacyLossDistribution, int]]) -> PrivacyLossDistribution | None:
@@ -113,21 +120,36 @@ def compose(parts: Iterable[tuple[PrivacyLossDistribution, int]]) -> PrivacyLoss
             result = composed
             continue
         resource_guard.check_compose(result, composed)
-        result = result.compose(composed, tail_mass_truncation=TAIL_MASS_TRUNCATION)
+        result = numerics.after_compose(
+            result.compose(composed, tail_mass_truncation=TAIL_MASS_TRUNCATION), result,
+            composed, TAIL_MASS_TRUNCATION)
     return result
 
 
 def epsilon_for_delta(pld: PrivacyLossDistribution | None, delta: float) -> float:
-    """Smallest ε (on the grid, rounded up) such that the PLD is (ε, δ)-DP; 0 for ``None``."""
+    r"""Smallest ε such that the PLD is (ε, δ)-DP, certified against round-off; 0 for ``None``.
+
+    Reads ε at :math:`\delta - e`, where :math:`e` is the composition's round-off floor
+    (:func:`.numerics.certify`), and returns a
+    :class:`~.resource_guard.PricedEpsilon` with ``route="pld"`` whose details are the
+    certificate (round-off, infinity mass, truncated mass, compositions, smallest certified δ).
+
+    Raises:
+        NumericalPrecisionError: (a ``ValueError``) when δ is within
+            :data:`.numerics.CERTIFY_FACTOR` of the round-off floor: the PLD's ε would be
+            round-off there. Schemes catch it and move to a certified route, or let it through.
+    """
     delta = check_open_unit("delta", delta)
     if pld is None:
         return 0.0
-    eps = float(pld.get_epsilon_for_delta(delta))
-    return max(eps, 0.0)
+    cert = numerics.certify(pld, delta)
+    eps = max(float(pld.get_epsilon_for_delta(delta - cert.roundoff)), 0.0)
+    return resource_guard.PricedEpsilon(eps, "pld", "", **cert.record())
 
 
 def delta_for_epsilon(pld: PrivacyLossDistribution | None, epsilon):
-    """δ(ε) of the PLD; accepts a scalar or a sequence (converted to floats)."""
+    """δ(ε) of the PLD plus its round-off floor (:mod:`.numerics`; an upper bound, at most 1);
+    accepts a scalar or a sequence (converted to floats)."""
     eps = np.asarray(epsilon, dtype=np.float64)  # dp_accounting mis-handles integer arrays
     if np.any(np.isnan(eps)):
         raise ValueError("epsilon must not be NaN")
@@ -137,6 +159,8 @@ def delta_for_epsilon(pld: PrivacyLossDistribution | None, epsilon):
         out = np.asarray(pld.get_delta_for_epsilon(float(eps)))
     else:
         out = np.asarray(pld.get_delta_for_epsilon(eps.tolist()), dtype=np.float64)
+    if pld is not None:
+        out = np.minimum(out + numerics.numerics_of(pld).roundoff, 1.0)
     return float(out) if out.ndim == 0 else out
 
 

@@ -335,6 +335,13 @@ class PricedEpsilon(float):
     def __repr__(self):
         return f"PricedEpsilon({float.__repr__(self)}, route={self.route!r})"
 
+    def __reduce__(self):  # pickle / copy.deepcopy (checkpoints, logged metrics)
+        return (_priced_epsilon, (float(self), self.route, self.note, dict(self.details)))
+
     def record(self) -> dict:
         """``{"route": ..., "route_note": ..., **details}`` for JSON reports."""
         return {"route": self.route, "route_note": self.note, **self.details}
+
+
+def _priced_epsilon(value, route, note, details):
+    return PricedEpsilon(value, route, note, **details)

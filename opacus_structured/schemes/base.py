@@ -22,13 +22,41 @@ from typing import Any, ClassVar
 
 from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 
-from .._validation import check_int, check_positive
+from .._validation import check_int, check_open_unit, check_positive
+from ..accounting import numerics
 from ..accounting import pld as pld_lib
 from ..accounting.bounds import BoundKind
+from ..accounting.numerics import NumericalPrecisionError
 from ..accounting.resource_guard import MAX_DISCRETIZATION, PricedEpsilon, ResourceBudgetError
 from .registry import SCHEMES, get_scheme_class, register_scheme, sampler_factory_for
 
-__all__ = ["Scheme", "SCHEMES", "register_scheme", "get_scheme_class", "BoundKind"]
+__all__ = ["Scheme", "SCHEMES", "register_scheme", "get_scheme_class", "BoundKind",
+           "best_route", "below_precision"]
+
+
+def best_route(pld_value, alternatives):
+    """The smallest of a certified PLD ε and the certified ``alternatives`` (each a sound upper
+    bound, so their minimum is one); an alternative that wins says by how much in its note."""
+    best = min(alternatives, key=float, default=None)
+    if best is None or not float(best) < float(pld_value):
+        return pld_value
+    return PricedEpsilon(float(best), best.route,
+                         f"{best.note}; below the certified PLD value {float(pld_value):.6g} on "
+                         f"this grid", **best.details, pld_epsilon=float(pld_value))
+
+
+def below_precision(error, alternatives):
+    """The smallest certified alternative, its note naming the PLD round-off floor that ruled
+    the PLD out; ``error`` re-raised when there is none."""
+    best = min(alternatives, key=float, default=None)
+    if best is None:
+        raise error
+    return PricedEpsilon(
+        float(best), best.route,
+        f"{best.note}; certified at this delta, the PLD route is not: its FFT round-off after "
+        f"{error.compositions:,} compositions is about {error.floor:.2g} in delta, and a "
+        f"certified PLD epsilon needs delta >= {numerics.CERTIFY_FACTOR:g} x that",
+        **best.details, pld_roundoff=error.floor, compositions=error.compositions)
 
 
 def noise_bands(coefficients) -> float:
@@ -158,18 +186,53 @@ class Scheme(abc.ABC):
     def epsilon(self, noise_multiplier: float, steps: int, delta: float, *,
                 discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
                 sample_rate: float | None = None) -> float:
-        """ε(δ) after ``steps`` optimizer steps at a constant noise multiplier."""
+        """ε(δ) after ``steps`` optimizer steps at a constant noise multiplier.
+
+        The PLD route's ε is certified against its numerical error (:mod:`~opacus_structured.
+        accounting.numerics`); where δ is too close to the round-off floor, the scheme's
+        :meth:`epsilon_below_precision` route prices it (labelled) or refuses.
+        """
         noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
         n = self.compositions(steps)
         if n == 0:
             return 0.0
+        delta = check_open_unit("delta", delta)
         step = self.pld(noise_multiplier, sample_rate=sample_rate, discretization=discretization)
         try:
-            return pld_lib.epsilon_for_delta(pld_lib.self_compose(step, n), delta)
-        except ResourceBudgetError as exc:
-            return self.epsilon_over_budget(exc, noise_multiplier, steps, delta,
-                                            discretization=discretization,
-                                            sample_rate=sample_rate)
+            numerics.check_a_priori(n, delta)
+            try:
+                value = pld_lib.epsilon_for_delta(pld_lib.self_compose(step, n), delta)
+            except ResourceBudgetError as exc:
+                return self.epsilon_over_budget(exc, noise_multiplier, steps, delta,
+                                                discretization=discretization,
+                                                sample_rate=sample_rate)
+        except NumericalPrecisionError as exc:
+            return self.epsilon_below_precision(exc, noise_multiplier, steps, delta,
+                                                discretization=discretization,
+                                                sample_rate=sample_rate)
+        return best_route(value, self.certified_alternatives(
+            [(noise_multiplier, sample_rate, steps)], delta))
+
+    def certified_alternatives(self, history, delta: float) -> list:
+        """Routes other than the PLD that are certified at every δ for a run described by
+        ``history`` (Opacus' ``(noise_multiplier, sample_rate, steps)`` entries), as
+        :class:`~opacus_structured.accounting.resource_guard.PricedEpsilon` values.
+
+        ε is the smallest certified value (:func:`best_route`): each route's ε(δ) is
+        non-increasing in δ and the PLD route is certified on an interval ``δ ≥ floor``, so
+        the minimum stays monotone across the switch. Default: none; Poisson subsampling
+        returns its Rényi-DP bound.
+        """
+        return []
+
+    def epsilon_below_precision(self, error: NumericalPrecisionError, noise_multiplier: float,
+                                steps: int, delta: float, *, discretization: float,
+                                sample_rate: float | None = None) -> PricedEpsilon:
+        """ε when δ is within :data:`~opacus_structured.accounting.numerics.CERTIFY_FACTOR` of
+        the PLD route's round-off floor (``error``): the best :meth:`certified_alternatives`
+        route, labelled, or ``error`` re-raised (one line naming δ, the floor and the fixes)."""
+        return below_precision(error, self.certified_alternatives(
+            [(noise_multiplier, sample_rate, steps)], delta))
 
     def epsilon_over_budget(self, error: ResourceBudgetError, noise_multiplier: float,
                             steps: int, delta: float, *, discretization: float,

@@ -192,17 +192,22 @@ def run_case(scheme_name: str, shape: str, workers: int = 0) -> Outcome:
     scheme = SCHEMES[scheme_name]
     model, optimizer = _fresh_model(scheme)
     engine, model, optimizer, loader = _private(scheme, model, optimizer, workers=workers)
-    loop = _Loop(model, optimizer)
-    out = Outcome(loop.released, loop.sigmas, scheme=engine.accountant.scheme, shape=shape)
+    out = Outcome([], [], scheme=engine.accountant.scheme, shape=shape)
     epochs = EPOCHS if not isinstance(scheme, GDPScheme) else 4
+    return _drive(out, engine, _Loop(model, optimizer), loader, scheme, epochs, workers)
+
+
+def _drive(out: Outcome, engine, loop: "_Loop", loader, scheme, epochs: int,
+           workers: int) -> Outcome:
+    """Run ``out.shape`` and read the ε the engine prints (or the error it raises)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            _SHAPES[shape](loop, engine, loader, scheme, epochs, workers)
+            _SHAPES[out.shape](loop, engine, loader, scheme, epochs, workers)
             out.epsilon = float(engine.accountant.get_epsilon(DELTA, discretization=D))
     except (RuntimeError, ValueError) as err:
         out.error = err
-    # the loop object may have been swapped by a re-wrap / resume
+    # what the loop trained on (its model / optimizer may have been swapped by a re-wrap)
     out.released, out.sigmas = loop.released, loop.sigmas
     return out
 
@@ -589,15 +594,5 @@ def run_stock_case(shape: str, workers: int = 0) -> Outcome:
         module=model, optimizer=optimizer,
         data_loader=DataLoader(_data(), batch_size=B, num_workers=workers),
         noise_multiplier=SIGMA, max_grad_norm=1.0)
-    loop = _Loop(model, optimizer)
-    out = Outcome(loop.released, loop.sigmas, scheme=PoissonScheme(sample_rate=B / N),
-                  stock=True, shape=shape)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _SHAPES[shape](loop, engine, loader, None, EPOCHS, workers)
-            out.epsilon = float(engine.accountant.get_epsilon(DELTA, discretization=D))
-    except (RuntimeError, ValueError) as err:
-        out.error = err
-    out.released, out.sigmas = loop.released, loop.sigmas
-    return out
+    out = Outcome([], [], scheme=PoissonScheme(sample_rate=B / N), stock=True, shape=shape)
+    return _drive(out, engine, _Loop(model, optimizer), loader, None, EPOCHS, workers)

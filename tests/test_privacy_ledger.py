@@ -91,30 +91,36 @@ def test_case1_break_mid_epoch_under_banded_bandmf_raises():
 
 
 # ---- case 2: resuming through Opacus' own checkpoint ----------------------------------------
-def _bib_run(tmp_path, *, resume_seed):
-    """balls-in-bins, 2 epochs × 10 steps on 200 examples; stopped after 5 steps and resumed
-    through PrivacyEngine.save_checkpoint / load_checkpoint into fresh objects."""
-    data = _data(200)
+def _balls_in_bins(seed):
+    """balls-in-bins, 2 epochs × 10 steps on 200 examples: (engine, model, optimizer, loader)."""
     model, optimizer = _model()
     engine = PrivacyEngine()
     model, optimizer, loader = make_private(
-        engine, module=model, optimizer=optimizer, data_loader=DataLoader(data, batch_size=20),
-        noise_multiplier=1.0, max_grad_norm=1.0, scheme="balls-in-bins", epochs=2,
-        sampler_generator=torch.Generator().manual_seed(3))
+        engine, module=model, optimizer=optimizer,
+        data_loader=DataLoader(_data(200), batch_size=20), noise_multiplier=1.0,
+        max_grad_norm=1.0, scheme="balls-in-bins", epochs=2,
+        sampler_generator=torch.Generator().manual_seed(seed))
+    return engine, model, optimizer, loader
+
+
+def _five_steps(model, optimizer, loader) -> list:
     seen = []
     for i, batch in enumerate(loader):
         _step(model, optimizer, batch)
         seen.append(batch[2].tolist())
         if i == 4:
             break
+    return seen
+
+
+def _bib_run(tmp_path, *, resume_seed):
+    """Stopped after 5 steps and resumed through PrivacyEngine.save_checkpoint /
+    load_checkpoint into fresh objects."""
+    engine, model, optimizer, loader = _balls_in_bins(3)
+    seen = _five_steps(model, optimizer, loader)
     path = tmp_path / "ckpt.pt"
     engine.save_checkpoint(path=path, module=model, optimizer=optimizer)
-    model2, optimizer2 = _model()
-    engine2 = PrivacyEngine()
-    model2, optimizer2, loader2 = make_private(
-        engine2, module=model2, optimizer=optimizer2, data_loader=DataLoader(data, batch_size=20),
-        noise_multiplier=1.0, max_grad_norm=1.0, scheme="balls-in-bins", epochs=2,
-        sampler_generator=torch.Generator().manual_seed(resume_seed))
+    engine2, model2, optimizer2, loader2 = _balls_in_bins(resume_seed)
     engine2.load_checkpoint(path=path, module=model2, optimizer=optimizer2)
     while len(seen) < 20:
         for batch in loader2:
@@ -129,38 +135,18 @@ def test_case2_opacus_checkpoint_carries_the_sampler(tmp_path, resume_seed):
     counts = collections.Counter(i for batch in seen for i in batch)
     assert max(counts.values()) == 2 and len(counts) == 200  # the planned allocation, continued
     # and exactly the batches of the unbroken run
-    model, optimizer = _model()
-    ref_engine = PrivacyEngine()
-    model, optimizer, loader = make_private(
-        ref_engine, module=model, optimizer=optimizer,
-        data_loader=DataLoader(_data(200), batch_size=20), noise_multiplier=1.0,
-        max_grad_norm=1.0, scheme="balls-in-bins", epochs=2,
-        sampler_generator=torch.Generator().manual_seed(3))
+    _, _, _, loader = _balls_in_bins(3)
     unbroken = [batch[2].tolist() for _ in range(2) for batch in loader]
     assert seen == unbroken
     assert len(engine.accountant) == 20
 
 
-def test_case2_resume_without_the_sampler_state_raises(tmp_path):
-    data = _data(200)
-    model, optimizer = _model()
-    engine = PrivacyEngine()
-    model, optimizer, loader = make_private(
-        engine, module=model, optimizer=optimizer, data_loader=DataLoader(data, batch_size=20),
-        noise_multiplier=1.0, max_grad_norm=1.0, scheme="balls-in-bins", epochs=2,
-        sampler_generator=torch.Generator().manual_seed(3))
-    for i, batch in enumerate(loader):
-        _step(model, optimizer, batch)
-        if i == 4:
-            break
+def test_case2_resume_without_the_sampler_state_raises():
+    engine, model, optimizer, loader = _balls_in_bins(3)
+    _five_steps(model, optimizer, loader)
     state = engine.accountant.state_dict()
     state["ledger"].pop("sampler")  # as if the sampler state could not be kept
-    model2, optimizer2 = _model()
-    engine2 = PrivacyEngine()
-    model2, optimizer2, loader2 = make_private(
-        engine2, module=model2, optimizer=optimizer2, data_loader=DataLoader(data, batch_size=20),
-        noise_multiplier=1.0, max_grad_norm=1.0, scheme="balls-in-bins", epochs=2,
-        sampler_generator=torch.Generator().manual_seed(3))
+    engine2, model2, optimizer2, loader2 = _balls_in_bins(3)
     engine2.accountant.load_state_dict(state)
     with pytest.raises(LedgerError, match="sampler"):
         for batch in loader2:

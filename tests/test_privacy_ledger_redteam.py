@@ -72,14 +72,16 @@ def test_stock_opacus_loop_never_under_reports(shape, workers):
     judge("poisson", shape, run_stock_case(shape, workers))
 
 
-LIGHTNING_CASES = list(itertools.product([s for s in SCHEMES if not isinstance(SCHEMES[s], str)],
-                                         LIGHTNING_SHAPES, (0,)))
+LIGHTNING_CASES = [(s, sh, w) for s, sh, w in itertools.product(
+    [s for s in SCHEMES if not isinstance(SCHEMES[s], str)], LIGHTNING_SHAPES, (0, 2))
+    if w == 0 or sh in ("plain", "skip2")]
 LIGHTNING_FAST = {("poisson", "skip2"), ("bandmf-banded", "limit_train_batches"),
                   ("balls-in-bins", "max_steps")}
 
 
 @pytest.mark.parametrize("scheme,shape,workers", [
-    pytest.param(s, sh, w, marks=() if (s, sh) in LIGHTNING_FAST else (pytest.mark.slow,),
+    pytest.param(s, sh, w, marks=() if (s, sh) in LIGHTNING_FAST and w == 0
+                 else (pytest.mark.slow,),
                  id=f"lightning-{s}-{sh}-w{w}") for s, sh, w in LIGHTNING_CASES])
 def test_lightning_loop_never_under_reports(scheme, shape, workers):
     out = run_lightning_case(scheme, shape, workers)

@@ -50,17 +50,21 @@ class FullBatchSampler(DrawLedger, Sampler[list[int]]):
         self.num_samples = check_int("num_samples", num_samples, minimum=1)
         self.expected_batch_size = self.num_samples
         self.scheme = adopt_scheme(scheme, GDPScheme(), "FullBatchSampler")
+        self.draws = 0  # batches drawn so far in the run (the next draw's global index)
 
     def __len__(self) -> int:
         return 1
 
     def __iter__(self):
-        self._count_draw()
+        self._begin_draws()
+        self.draws += 1
+        self._count_draw(self.draws - 1)
         yield list(range(self.num_samples))
 
     def state_dict(self) -> dict:
-        """``{"num_samples": N}``: the whole state (nothing is random)."""
-        return {"num_samples": self.num_samples}
+        """``{"num_samples": N, "draws": d}``: nothing is random; ``draws`` is the position in
+        the run (the privacy ledger's draw index)."""
+        return {"num_samples": self.num_samples, "draws": self.draws}
 
     def load_state_dict(self, state_dict) -> None:
         """Check that ``state_dict`` was saved by a sampler of the same dataset size."""
@@ -68,6 +72,7 @@ class FullBatchSampler(DrawLedger, Sampler[list[int]]):
         if n != self.num_samples:
             raise ValueError(f"sampler state is for num_samples={n!r} but this sampler has "
                              f"num_samples={self.num_samples}")
+        self.draws = int(state_dict.get("draws", self.draws))
 
     def __repr__(self) -> str:
         return f"FullBatchSampler(num_samples={self.num_samples})"

@@ -204,3 +204,16 @@ def test_advisor_ranks_at_mnist_scale():
     adv = advisor.advise(dataset_size=60000, batch_size=256, steps=1000, target_epsilon=2.0,
                          delta=1e-5, bands=(4, 16))
     assert adv.row("poisson").rank is not None
+
+
+@pytest.mark.slow
+def test_readme_advise_example_calibrates_every_row():
+    """Issue 31 item 6: README's `opacus-structured advise --dataset-size 60000 --batch-size 256
+    --epochs 10 --target-epsilon 2 --delta 1e-5` printed PLD_accounting's "x_max must be greater
+    than x_min" in the balls-in-bins row. Every row is now calibrated and meets the target."""
+    advice = advisor.advise(dataset_size=60000, batch_size=256, epochs=10, target_epsilon=2,
+                            delta=1e-5)
+    for row in advice:
+        assert "not calibrated" not in row.note, row
+        assert row.noise_multiplier is not None and row.epsilon <= 2.0, row
+    assert advice.row("balls-in-bins").rank is not None

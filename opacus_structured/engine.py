@@ -52,7 +52,8 @@ Scheme options (keyword arguments; an option of another scheme raises, naming it
 accountant / scheme          needs
 ==========================  ================================================================
 ``poisson``                  nothing (q = 1/len(loader))
-``truncated-poisson``        ``max_batch_size`` (B); ``relation``, ``analysis``; ``pad``
+``truncated-poisson``        ``max_batch_size`` (B; default chosen, below); ``relation``,
+                             ``analysis``; ``pad``; ``target_delta`` (for the default B)
 ``balls-in-bins``            ``epochs`` (make_private; make_private_with_epsilon has it)
 ``bandmf-cyclic-poisson``    ``bands``, ``epochs`` (the strategy is optimised for the run);
                              ``strategy``, ``partition``
@@ -70,6 +71,18 @@ Also accepted by both: ``sampler_generator`` (a ``torch.Generator`` for the batc
 default OS entropy; a seeded generator makes the batches reproducible by whoever knows the
 seed — tests only) and ``discretization`` (of the
 accountant; default: the engine's accountant's, else 1e-4).
+
+Truncated Poisson's default B: without ``max_batch_size`` (tight analysis, the scheme built
+from the DataLoader) B is :func:`default_max_batch_size`, the smallest
+B ≥ ⌈np⌉ whose ε is within :data:`TRUNCATION_SLACK` (1 %) of untruncated
+Poisson's at the same σ, steps (``epochs × len(data_loader)``, so ``epochs`` is then needed) and
+δ (``target_delta=``, default :data:`DEFAULT_SELECTION_DELTA`), p = 1/len(data_loader), same
+relation and discretization; the choice is announced by a ``UserWarning``. A B just above the
+expected batch can cost a lot (``examples/mnist.py``: B = 1.25 × 64 gives ε ≈ 2.6 against
+Poisson's 0.49 at σ = 1, 10 epochs). :func:`make_private_with_epsilon` first calibrates σ for
+Poisson at the target, chooses B at that σ, then calibrates σ for truncated Poisson with that B
+(so ε ≤ target always holds; B is within 1 % of Poisson at Poisson's σ, and the final σ is a
+little larger).
 
 Truncated Poisson's fixed batch shape: the default ``pad=False`` draws the truncated batches
 without padding (at most ``max_batch_size`` real rows, so a stock loop runs unchanged; the same
@@ -89,6 +102,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -103,6 +117,7 @@ from ._validation import check_int, check_open_unit, check_positive
 from .accountants import ACCOUNTANTS
 from .accountants.base import SchemeAccountant, accountant_class_for
 from .accounting import pld as pld_lib
+from .accounting import truncated_poisson as tp_lib
 from .accounting.calibration import calibrate_within_tolerance
 from .optim.privacy_engine import CorrelatedNoisePrivacyEngine
 from .samplers.truncated_poisson import PaddedDataset
@@ -113,14 +128,19 @@ from .schemes.structured import StructuredScheme
 from .schemes.truncated_poisson import TruncatedPoissonScheme
 
 __all__ = ["make_private", "make_private_with_epsilon", "scheme_for_training",
-           "SCHEME_OPTIONS"]
+           "SCHEME_OPTIONS", "default_max_batch_size", "TRUNCATION_SLACK"]
 
 _FIXED = ("dataset_size", "steps_per_epoch", "epochs")
 #: Read from the dataset (a WindowDataset), never given as options.
 _FROM_DATASET = ("series_lengths", "context_length", "forecast_length", "num_series",
                  "series_length")
 #: Options consumed by make_private itself, per scheme class (not passed to from_training).
-_SAMPLER_OPTIONS = {TruncatedPoissonScheme: ("pad",)}
+_SAMPLER_OPTIONS = {TruncatedPoissonScheme: ("pad", "target_delta")}
+#: Relative ε slack of the default truncated-Poisson ``max_batch_size`` (vs. Poisson, same σ).
+TRUNCATION_SLACK = 0.01
+#: δ at which :func:`make_private` chooses the default ``max_batch_size`` unless
+#: ``target_delta=`` is given (Opacus' ``examples/mnist.py`` default).
+DEFAULT_SELECTION_DELTA = 1e-5
 
 
 def _scheme_options(cls: type) -> tuple[str, ...]:
@@ -395,6 +415,78 @@ def _is_distributed(module) -> bool:
     return isinstance(module, (DPDDP, DDP))
 
 
+# ---- truncated Poisson's default B ----------------------------------------------------------
+def default_max_batch_size(*, dataset_size: int, steps_per_epoch: int, epochs: int,
+                           noise_multiplier: float, delta: float, relation: str = "add-remove",
+                           discretization: float = pld_lib.DEFAULT_DISCRETIZATION
+                           ) -> tuple[int, float, float]:
+    """``(B, ε_truncated, ε_Poisson)``: the smallest truncated-Poisson ``max_batch_size`` B ≥
+    ⌈np⌉ with ε_truncated(B) ≤ (1 + :data:`TRUNCATION_SLACK`) · ε_Poisson, both after
+    ``epochs × steps_per_epoch`` steps at ``noise_multiplier`` and δ, with n = ``dataset_size``
+    and p = 1/``steps_per_epoch`` (Opacus' rate), tight analysis under ``relation``
+    (:func:`opacus_structured.accounting.truncated_poisson.smallest_max_batch_size`; B = n is
+    Poisson itself, so one always exists). Both ε are returned as evaluated."""
+    n = check_int("dataset_size", dataset_size, minimum=1)
+    k = check_int("steps_per_epoch", steps_per_epoch, minimum=1)
+    steps = check_int("epochs", epochs, minimum=1) * k
+    seen: dict[int, float] = {}
+    b = tp_lib.smallest_max_batch_size(n, 1.0 / k, noise_multiplier, steps, delta,
+                                       TRUNCATION_SLACK, relation, discretization=discretization,
+                                       progress=lambda b_, eps: seen.__setitem__(b_, eps))
+    poisson = tp_lib.poisson_epsilon(1.0 / k, noise_multiplier, steps, delta, relation,
+                                     discretization=discretization)
+    eps = seen[b] if b in seen else tp_lib.truncated_poisson_epsilon(
+        n, 1.0 / k, b, noise_multiplier, steps, delta, relation, discretization=discretization)
+    return b, eps, poisson
+
+
+def _resolve_discretization(engine, discretization) -> float:
+    """The accountant's discretization: ``discretization``, else the engine accountant's, else
+    the package default."""
+    if discretization is None:
+        old = getattr(engine, "accountant", None)
+        discretization = (old.discretization if isinstance(old, SchemeAccountant)
+                          else pld_lib.DEFAULT_DISCRETIZATION)
+    return check_positive("discretization", discretization)
+
+
+def _wants_default_max_batch_size(engine, scheme, kwargs: dict, poisson_sampling: bool) -> bool:
+    """Whether this call builds a tight truncated-Poisson scheme from the DataLoader without
+    ``max_batch_size`` (then :func:`default_max_batch_size` chooses it)."""
+    if not poisson_sampling or kwargs.get("max_batch_size") is not None:
+        return False
+    if kwargs.get("analysis", "tight") != "tight":
+        return False
+    try:
+        cls, configured = _resolve_scheme(engine, scheme)
+    except ValueError:
+        return False  # _Plan raises with the full message
+    return configured is None and issubclass(cls, TruncatedPoissonScheme)
+
+
+def _choose_max_batch_size(engine, data_loader, kwargs: dict, *, epochs, noise_multiplier,
+                           delta, discretization, how: str) -> None:
+    """Sets ``kwargs["max_batch_size"]`` to :func:`default_max_batch_size` and warns with it."""
+    if epochs is None:
+        raise ValueError(
+            "truncated-poisson needs max_batch_size (the truncated, fixed batch size B), or "
+            "epochs= so that make_private chooses it for the planned run (the smallest B whose "
+            "epsilon over epochs x len(data_loader) steps is within 1% of Poisson's)")
+    size = _dataset_size(data_loader.dataset)
+    k = len(data_loader)
+    relation = kwargs.get("relation", "add-remove")
+    b, eps, poisson = default_max_batch_size(
+        dataset_size=size, steps_per_epoch=k, epochs=epochs, noise_multiplier=noise_multiplier,
+        delta=delta, relation=relation, discretization=discretization)
+    kwargs["max_batch_size"] = b
+    warnings.warn(
+        f"truncated-poisson: max_batch_size={b} chosen (expected batch {size / k:.6g}): the "
+        f"smallest B whose epsilon is within {TRUNCATION_SLACK:.0%} of Poisson's, {eps:.4g} vs "
+        f"{poisson:.4g} at noise_multiplier={noise_multiplier:.4g} ({how}), {epochs * k} steps "
+        f"({epochs} epochs x {k}), delta={delta:g}, {relation}; pass max_batch_size= to set B",
+        UserWarning, stacklevel=3)
+
+
 # ---- public API -----------------------------------------------------------------------------
 def make_private(engine: PrivacyEngine, *, module: nn.Module, optimizer: torch.optim.Optimizer,
                  data_loader: DataLoader, noise_multiplier: float, max_grad_norm,
@@ -430,10 +522,20 @@ def make_private(engine: PrivacyEngine, *, module: nn.Module, optimizer: torch.o
         criterion in ghost mode), ``data_loader`` drawing with the scheme's sampler. The engine's
         accountant is the scheme's (``engine.get_epsilon(delta)``).
     """
+    kwargs = dict(kwargs)
+    if _wants_default_max_batch_size(engine, scheme, kwargs, poisson_sampling):
+        delta = check_open_unit("target_delta",
+                                kwargs.pop("target_delta", DEFAULT_SELECTION_DELTA))
+        _choose_max_batch_size(engine, data_loader, kwargs, epochs=epochs,
+                               noise_multiplier=check_positive("noise_multiplier",
+                                                               noise_multiplier),
+                               delta=delta,
+                               discretization=_resolve_discretization(engine, discretization),
+                               how="the run's")
     plan = _Plan(engine, module=module, data_loader=data_loader, scheme=scheme, epochs=epochs,
                  batch_first=batch_first, rand_on_empty=rand_on_empty,
                  poisson_sampling=poisson_sampling, sampler_generator=sampler_generator,
-                 discretization=discretization, kwargs=dict(kwargs))
+                 discretization=discretization, kwargs=kwargs)
     return _finish(engine, plan, module=module, optimizer=optimizer,
                    noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                    criterion=criterion, batch_first=batch_first, loss_reduction=loss_reduction,
@@ -468,7 +570,8 @@ def make_private_with_epsilon(engine: PrivacyEngine, *, module: nn.Module,
     1 step per epoch for full batch) is within ``epsilon_tolerance`` (relative, default 1%)
     *below* ``target_epsilon`` and never above it, evaluating ε with a fresh accountant of the
     scheme (the one installed), and calls :func:`make_private` with it. The σ used is
-    ``optimizer.noise_multiplier``.
+    ``optimizer.noise_multiplier``. Truncated Poisson without ``max_batch_size``: B is chosen
+    first, at the σ that calibrates untruncated Poisson to the target (module docstring).
 
     Raises ``ValueError`` for a scheme whose ε is not a guarantee (``bminsep-mc`` is a Monte
     Carlo estimate: certify σ with Algorithm 5, ``opacus-structured bminsep-mc certify``, and
@@ -479,10 +582,25 @@ def make_private_with_epsilon(engine: PrivacyEngine, *, module: nn.Module,
     target_epsilon = check_positive("target_epsilon", target_epsilon)
     target_delta = check_open_unit("target_delta", target_delta)
     epochs = check_int("epochs", epochs, minimum=1)
+    kwargs = dict(kwargs)
+    if _wants_default_max_batch_size(engine, scheme, kwargs, poisson_sampling):
+        # B depends on σ and σ on B: calibrate σ for untruncated Poisson at the target, choose
+        # B at that σ, then calibrate σ for truncated Poisson with that B (below).
+        disc = _resolve_discretization(engine, discretization)
+        k = len(data_loader)
+        relation = kwargs.get("relation", "add-remove")
+        sigma_poisson, _ = calibrate_within_tolerance(
+            lambda sg: tp_lib.poisson_epsilon(1.0 / k, sg, epochs * k, target_delta, relation,
+                                              discretization=disc),
+            target_epsilon, epsilon_tolerance=epsilon_tolerance)
+        _choose_max_batch_size(engine, data_loader, kwargs, epochs=epochs,
+                               noise_multiplier=sigma_poisson, delta=target_delta,
+                               discretization=disc,
+                               how="Poisson's for the target epsilon")
     plan = _Plan(engine, module=module, data_loader=data_loader, scheme=scheme, epochs=epochs,
                  batch_first=batch_first, rand_on_empty=False,
                  poisson_sampling=poisson_sampling, sampler_generator=sampler_generator,
-                 discretization=discretization, kwargs=dict(kwargs))
+                 discretization=discretization, kwargs=kwargs)
     bound = plan.scheme.bound
     if not getattr(bound, "is_guarantee", False):
         kind = getattr(bound, "value", bound)

@@ -147,6 +147,35 @@ def test_suggested_max_batch_size_is_the_smallest_within_one_percent():
     assert eps(b) <= 1.01 * poisson < eps(b - 1)
 
 
+def test_advise_shows_epsilon_against_max_batch_size(advices):
+    """Issue 31 item 3: the truncated-Poisson row carries ε against B_max at Poisson's σ
+    (⌈Nq⌉ × 1, 1.25, 1.5, 2 and the chosen B_max), each the scheme's ε recomputed here, and the
+    table prints them."""
+    for key, adv in advices.items():
+        s = SETTINGS[key]
+        n, q, T = s["dataset_size"], s["batch_size"] / s["dataset_size"], s["steps"]
+        row = adv.row("truncated-poisson")
+        params = dict(row.parameters)
+        by_b = params["epsilon_by_max_batch_size"]
+        sigma = adv.row("poisson").noise_multiplier
+        assert by_b["noise_multiplier"] == sigma
+        assert by_b["poisson_epsilon"] == pytest.approx(
+            PoissonScheme(q).epsilon(sigma, T, s["delta"], discretization=D), rel=1e-12)
+        sizes = [b for b, _ in by_b["points"]]
+        base = math.ceil(n * q)
+        assert {base, round(1.25 * base), round(1.5 * base), 2 * base,
+                params["max_batch_size"]} == set(sizes)
+        k = round(n / s["batch_size"])
+        for b, eps in by_b["points"]:
+            assert eps == pytest.approx(TruncatedPoissonScheme(n, q, b, epoch_steps=k).epsilon(
+                sigma, T, s["delta"], discretization=D), rel=1e-12)
+        eps = [e for _, e in by_b["points"]]
+        assert eps == sorted(eps, reverse=True)  # less truncation, less ε
+        chosen = dict(by_b["points"])[params["max_batch_size"]]
+        assert chosen <= 1.01 * by_b["poisson_epsilon"]
+        assert "epsilon against B_max" in adv.format_table()
+
+
 def test_a_slow_accountant_is_skipped_within_the_budget_never_hangs():
     setting = advisor.AdvisorSetting(dataset_size=100, batch_size=10, steps=10,
                                      target_epsilon=1.0, delta=1e-5)

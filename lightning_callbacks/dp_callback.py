@@ -256,6 +256,7 @@ class DPCallback(pl.Callback):
                 f"batches into one noisy step, which changes the sampling scheme the accountant "
                 f"prices; use accumulate_grad_batches=1 and a larger sample rate instead")
         check_layers(pl_module)
+        self._module_part.snapshot(pl_module)  # before the DP optimizer marks the parameters
         loader, self.sampler = self._loader_part.install(trainer)
         self.sample_rate = self._loader_part.sample_rate(self.sampler)
         record_step = self._budget.attach(loader, self.sample_rate)

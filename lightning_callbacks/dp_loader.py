@@ -29,7 +29,11 @@ from opacus.data_loader import wrap_collate_with_empty
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from opacus_structured.samplers.distributed import DistributedBatchSampler
-from opacus_structured.samplers.verification import describe_loader, scheme_of_batch_sampler
+from opacus_structured.samplers.verification import (
+    check_replaceable_sampler,
+    describe_loader,
+    scheme_of_batch_sampler,
+)
 from opacus_structured.schemes.base import Scheme
 
 from .batch_indices import BatchIndexRecorder, loader_settings, train_loader_source
@@ -222,6 +226,7 @@ class SamplerInstaller:
         if current is not None:
             inner = loader.batch_sampler
             return inner.inner if isinstance(inner, TrackedBatchSampler) else inner
+        check_replaceable_sampler(loader, "DPCallback")
         if self.sampler is not None and hasattr(self.sampler, "__iter__"):
             return self.sampler
         if self.sampler is not None:

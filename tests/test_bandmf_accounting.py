@@ -168,9 +168,9 @@ def test_random_allocation_degenerate_grid_is_priced_as_gaussian():
     ("x_max must be greater than x_min"). The epoch is then priced without amplification, as the
     Gaussian mechanism with sensitivity √k (k = 1 here): pinned against the closed form ε(δ) of
     N(1, σ²) vs N(0, σ²) (pessimistic: at or just above it)."""
-    from opacus_structured.accounting.gaussian import gaussian_epsilon
-
     from PLD_accounting import BoundType, PrivacyParams, gaussian_allocation_pld
+
+    from opacus_structured.accounting.gaussian import gaussian_epsilon
 
     selected = 1
     with pytest.raises(ValueError, match="x_max must be greater than x_min"):  # the trigger

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import TEST_DISCRETIZATION as D
 from dp_accounting.pld import privacy_loss_distribution as dp_pld
 from opacus import PrivacyEngine
 from torch import nn
@@ -17,8 +18,6 @@ from torch.utils.data import DataLoader, TensorDataset
 import opacus_structured
 from opacus_structured.accounting import truncated_poisson as tp
 from opacus_structured.schemes.poisson import PoissonScheme
-
-from conftest import TEST_DISCRETIZATION as D
 
 N, BATCH, EPOCHS, SIGMA, DELTA = 60000, 64, 10, 1.0, 1e-5
 K = -(-N // BATCH)  # 938: len(DataLoader(batch_size=64)), drop_last=False

@@ -14,8 +14,14 @@ import pytest
 import torch
 from opacus import PrivacyEngine
 from torch import nn
-from torch.utils.data import (DataLoader, RandomSampler, SequentialSampler, SubsetRandomSampler,
-                              TensorDataset, WeightedRandomSampler)
+from torch.utils.data import (
+    DataLoader,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 
 import opacus_structured
 

@@ -144,8 +144,12 @@ def describe_loader(loader) -> str:
 def _partial_or_weighted(sampler, dataset_size: Optional[int]) -> Optional[str]:
     """Why ``sampler`` (a DataLoader's index sampler) is not a uniform pass over the whole
     dataset, or ``None`` when it is (sequential, or a permutation of all rows)."""
-    from torch.utils.data import (RandomSampler, SequentialSampler, SubsetRandomSampler,
-                                  WeightedRandomSampler)
+    from torch.utils.data import (
+        RandomSampler,
+        SequentialSampler,
+        SubsetRandomSampler,
+        WeightedRandomSampler,
+    )
 
     name = type(sampler).__name__
     if isinstance(sampler, WeightedRandomSampler):

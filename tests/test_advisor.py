@@ -53,6 +53,7 @@ def advices():
     return {k: advisor.advise(**v, discretization=D) for k, v in SETTINGS.items()}
 
 
+@pytest.mark.slow
 def test_poisson_sigma_is_calibrate_poisson(advices, capsys):
     for key, adv in advices.items():
         s = SETTINGS[key]
@@ -107,6 +108,7 @@ def _key(row):
 
 
 @pytest.mark.parametrize("key", sorted(SETTINGS))
+@pytest.mark.slow
 def test_ranking_matches_calibrating_each_scheme_by_hand(advices, key):
     adv = advices[key]
     hand = _by_hand(adv)
@@ -123,11 +125,13 @@ def test_ranking_matches_calibrating_each_scheme_by_hand(advices, key):
     assert [_key(r) for r in ranked] == order
 
 
+@pytest.mark.slow
 def test_setting_a_skips_random_allocation_within_its_budget(advices):
     row = advices["a"].row("random-allocation-mf", 2)
     assert row.rank is None and row.noise_multiplier is None and "skipped" in row.note
 
 
+@pytest.mark.slow
 def test_monte_carlo_rows_are_labelled_and_never_ranked(advices):
     for adv in advices.values():
         mc = [r for r in adv.rows if r.scheme == "bminsep-mc"]
@@ -147,6 +151,7 @@ def test_suggested_max_batch_size_is_the_smallest_within_one_percent():
     assert eps(b) <= 1.01 * poisson < eps(b - 1)
 
 
+@pytest.mark.slow
 def test_advise_shows_epsilon_against_max_batch_size(advices):
     """Issue 31 item 3: the truncated-Poisson row carries ε against B_max at Poisson's σ
     (⌈Nq⌉ × 1, 1.25, 1.5, 2 and the chosen B_max), each the scheme's ε recomputed here, and the
@@ -203,6 +208,7 @@ def test_bad_input_names_the_argument(bad, argument):
         advisor.advise(**kwargs)
 
 
+@pytest.mark.slow
 def test_cli_json_validates_against_the_documented_schema(capsys, tmp_path):
     jsonschema = pytest.importorskip("jsonschema")
     plot = tmp_path / "advice.png"

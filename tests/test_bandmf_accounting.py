@@ -136,6 +136,7 @@ def _exact_two_bin_delta(eps, sigma, n=1201):
 
 
 @pytest.mark.parametrize("epochs", [1, 3])
+@pytest.mark.slow
 def test_balls_in_bins_against_exact_two_bin_integral(epochs):
     # Oracle: the exact δ(ε) of the 2-bin pair at σ/√E by 2-D integration. For E = 3
     # (σ_eff = 0.577) pld-accounting's FFT PLD alone gives 14.27 (exact 6.72): the min with the

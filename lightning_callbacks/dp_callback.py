@@ -8,7 +8,9 @@ one part (a class in its own module) that the callback composes:
    hooks the sub-modules for per-sample gradients (Opacus ``GradSampleHooks``; with
    ``grad_sample_mode="ghost"`` book-keeping hooks that clip without materialising per-sample
    gradients, see :mod:`opacus_structured.optim.bookkeeping`); the LightningModule itself is not
-   replaced, and the hooks come off after the fit;
+   replaced, and the hooks come off after the fit with the attributes Opacus leaves on the
+   parameters and layers (``grad_sample``, ``summed_grad``, ``_forward_counter``,
+   ``activations``), as Opacus' own cleanup leaves a module;
 2. **the data** (:class:`~lightning_callbacks.dp_loader.SamplerInstaller`): verifies that the
    train DataLoader draws batches with the sampler the accountant prices (checked through the
    sampler's ``scheme``), or installs the scheme's sampler (``scheme.sampler(...)`` from the
@@ -277,6 +279,7 @@ class DPCallback(pl.Callback):
                 f"batches into one noisy step, which changes the sampling scheme the accountant "
                 f"prices; use accumulate_grad_batches=1 and a larger sample rate instead")
         check_layers(pl_module)
+        self._module_part.snapshot(pl_module)  # before the DP optimizer marks the parameters
         loader, self.sampler = self._loader_part.install(trainer)
         self.sample_rate = self._loader_part.sample_rate(self.sampler)
         record_step = self._budget.attach(loader, self.sample_rate)

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 from opacus_structured.samplers.distributed import DistributedBatchSampler
 from opacus_structured.samplers.verification import (
     DrawLedger,
+    check_replaceable_sampler,
     describe_loader,
     innermost_sampler,
     scheme_of_batch_sampler,
@@ -263,6 +264,7 @@ class SamplerInstaller:
         if current is not None:
             inner = loader.batch_sampler
             return inner.inner if isinstance(inner, TrackedBatchSampler) else inner
+        check_replaceable_sampler(loader, "DPCallback")
         if self.sampler is not None and hasattr(self.sampler, "__iter__"):
             return self.sampler
         if self.sampler is not None:

@@ -235,6 +235,7 @@ class IndividualGDPFilter(Callback):
         self._poisson = isinstance(train_scheme(trainer), PoissonScheme)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.last_active = None  # this step's decision is taken in on_before_optimizer_step
         idx = self._source.indices(trainer, batch)
         poisson_ok = self._poisson and self.require_full_batch is not True
         full = True

@@ -48,10 +48,14 @@ not have:
 With a full batch every example is in every step, and the individual GDP value is the paper's
 (and is never above the population value).
 
-Updates happen in ``on_before_optimizer_step`` (per-sample gradients are populated; put this
-callback *after* an :class:`~lightning_callbacks.gdp_filter.IndividualGDPFilter` so excluded
-examples are seen with zero gradient) with ``index_add_`` / ``index_put_(accumulate=True)``: no
-Python loop over examples and no host synchronisation per step. The dataset indices of a batch
+The per-sample norms are read in ``on_before_optimizer_step`` (per-sample gradients are
+populated) and recorded in ``on_train_batch_end``, after every callback's
+``on_before_optimizer_step`` has run: the norms of examples that an
+:class:`~lightning_callbacks.gdp_filter.IndividualGDPFilter` of the same Trainer excluded in
+that step (its ``last_active`` mask) count as zero, so the callbacks' order in
+``Trainer(callbacks=[...])`` does not change the result. Recording uses ``index_add_`` /
+``index_put_(accumulate=True)``: no Python loop over examples and no host synchronisation per
+step. The dataset indices of a batch
 come from its batch sampler (:mod:`lightning_callbacks.batch_indices`), so the LightningModule
 is unmodified. Export with :meth:`mu`, :meth:`epsilons`, :meth:`histogram`, :meth:`to_csv`,
 :meth:`plot_histogram`. The state is saved in Lightning checkpoints
@@ -97,7 +101,7 @@ from opacus_structured.schemes.poisson import PoissonScheme
 
 from .batch_indices import IndexSource, train_scheme
 from .dp_callback import DPCallback
-from .gdp_filter import step_inputs
+from .gdp_filter import IndividualGDPFilter, step_inputs
 
 __all__ = ["PerSampleEpsilonTracker"]
 
@@ -155,6 +159,8 @@ class PerSampleEpsilonTracker(Callback):
         if scheme is not None:
             self._set_scheme(scheme)
         self._indices: Optional[torch.Tensor] = None
+        self._pending: Optional[tuple] = None   # this step's (indices, norms, sigma, clip)
+        self._filters: list = []                # the Trainer's IndividualGDPFilters
 
     @property
     def steps(self) -> int:
@@ -191,6 +197,7 @@ class PerSampleEpsilonTracker(Callback):
 
     def on_train_start(self, trainer, pl_module):
         self._source.on_train_start(trainer)
+        self._filters = [cb for cb in trainer.callbacks if isinstance(cb, IndividualGDPFilter)]
         scheme = train_scheme(trainer)
         dps = [cb for cb in trainer.callbacks if isinstance(cb, DPCallback)]
         if dps and not self._discretization_given:
@@ -211,8 +218,25 @@ class PerSampleEpsilonTracker(Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         indices, norms, _, sigma, clip = step_inputs(self._indices, optimizer,
                                                      "PerSampleEpsilonTracker")
-        self.update(indices, norms, sigma, clip)
+        # recorded at batch end, once every filter of the Trainer has decided (module doc)
+        self._pending = (indices, norms.detach().clone(), sigma, clip)
         self._indices = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._record_pending()
+
+    def _record_pending(self) -> None:
+        if self._pending is None:
+            return
+        indices, norms, sigma, clip = self._pending
+        self._pending = None
+        for filt in self._filters:
+            active = filt.last_active
+            if active is None or active.shape[0] != norms.shape[0]:
+                raise ValueError("PerSampleEpsilonTracker: the IndividualGDPFilter of this "
+                                 "Trainer took no decision on this step's batch")
+            norms = norms * active.to(device=norms.device, dtype=norms.dtype)
+        self.update(indices, norms, sigma, clip)
 
     def update(self, indices: torch.Tensor, norms: torch.Tensor, noise_multiplier: float,
                max_grad_norm: float) -> None:

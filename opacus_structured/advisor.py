@@ -26,7 +26,10 @@ Rows (one per scheme, one per band count for the matrix mechanisms):
   discretisation.
 * ``truncated-poisson`` — Poisson at q = B/N truncated to ``max_batch_size``; suggested (unless
   given) as the smallest B_max whose ε at Poisson's σ is within 1% of Poisson's ε (a fixed
-  memory bound for ~no privacy cost), found by galloping then bisection over integers.
+  memory bound for ~no privacy cost), found by galloping then bisection over integers. The
+  table is followed by ε against B_max at Poisson's σ (B_max = ⌈Nq⌉ × 1, 1.25, 1.5, 2 and the
+  chosen one; row parameter ``epsilon_by_max_batch_size``): just above the expected batch the
+  price of truncation is large.
 * ``balls-in-bins`` — k bins reused for ``ceil(T/k)`` epochs (the planned run is priced whole;
   a T that is not a multiple of k is priced as the full last epoch).
 * ``shuffle`` — shuffling into k fixed-size batches per epoch has **no sound amplification
@@ -97,6 +100,8 @@ UTILITY_PROXY = ("prefix_sum_rmse = sigma / E[batch] * sqrt(||A C^-1||_F^2 / T) 
 TRUNCATION_SLACK = 0.01
 DEFAULT_TIME_BUDGET = 20.0
 _CURVE_FACTORS = (0.6, 0.75, 0.9, 1.0, 1.15, 1.35, 1.7, 2.2)
+#: B_max / ceil(N·q) of the truncated-Poisson ε-against-B_max line (plus the chosen B_max).
+_MAX_BATCH_FACTORS = (1.0, 1.25, 1.5, 2.0)
 
 
 # ---- data ---------------------------------------------------------------------------------
@@ -233,6 +238,15 @@ class Advice:
                      _fmt(r.epsilon), f"{r.expected_batch_size:.5g}", _fmt(r.noise_std),
                      _fmt(r.prefix_sum_rmse), r.note)
             lines.append("  ".join(f"{c:>{w}}" for c, w in zip(cells, _WIDTHS, strict=False)))
+        for r in self.rows:
+            by_b = dict(r.parameters).get("epsilon_by_max_batch_size")
+            if by_b:
+                chosen = dict(r.parameters).get("max_batch_size")
+                pts = ", ".join(f"{b}{' (chosen)' if b == chosen else ''}: {e:.4g}"
+                                for b, e in by_b["points"])
+                lines.append(f"{r.label}: epsilon against B_max at Poisson's sigma = "
+                             f"{by_b['noise_multiplier']:.4g} (Poisson: "
+                             f"{by_b['poisson_epsilon']:.4g}): {pts}")
         return "\n".join(lines)
 
 
@@ -460,9 +474,24 @@ def _jobs(s: AdvisorSetting) -> list[_Job]:
             how = (f"suggested: smallest B_max with epsilon within "
                    f"{TRUNCATION_SLACK:.0%} of Poisson's at Poisson's sigma")
         tps = TruncatedPoissonScheme(N, q, bmax, epoch_steps=k)
-        return (f"B_max = {bmax} ({how})", (("sample_rate", q), ("max_batch_size", bmax)),
+        return (f"B_max = {bmax} ({how})",
+                (("sample_rate", q), ("max_batch_size", bmax),
+                 ("epsilon_by_max_batch_size", _epsilon_by_max_batch_size(bmax))),
                 tp_lib.expected_batch_size(N, q, bmax),
                 lambda sg: tps.epsilon(sg, T, delta, discretization=d))
+
+    def _epsilon_by_max_batch_size(bmax: int) -> dict:
+        """ε against B_max at Poisson's calibrated σ (what a B_max costs): B_max = ceil(Nq)
+        times 1, 1.25, 1.5, 2, and the chosen one; ``None`` is untruncated Poisson."""
+        if "sigma" not in poisson_sigma:
+            poisson_sigma["sigma"] = calibrate_noise_multiplier(poisson_eps, s.target_epsilon)
+        sigma_p = poisson_sigma["sigma"]
+        base = max(1, math.ceil(N * q - 1e-9))
+        sizes = sorted({min(N, max(1, round(base * f))) for f in _MAX_BATCH_FACTORS} | {bmax})
+        points = [[b, TruncatedPoissonScheme(N, q, b, epoch_steps=k).epsilon(
+            sigma_p, T, delta, discretization=d)] for b in sizes]
+        return {"noise_multiplier": sigma_p, "poisson_epsilon": poisson_eps(sigma_p),
+                "points": points}
 
     jobs.append(_Job("truncated-poisson", "truncated-poisson", "independent", 1, N * q, None,
                      indep, prepare=prepare_truncated))

@@ -30,7 +30,11 @@ scheme named by the engine's accountant:
    replaces it with ``DPDataLoader``: same dataset, collate function wrapped with Opacus'
    ``wrap_collate_with_empty`` (empty batches keep their structure), workers, pinning, timeout
    and worker init kept. ``poisson_sampling=False`` keeps Opacus' meaning — "leave my loader
-   alone" — and then the loader must already draw with this scheme's sampler (checked).
+   alone" — and then the loader must already draw with this scheme's sampler (checked). A
+   weighted or partial sampler (``WeightedRandomSampler``, ``SubsetRandomSampler``,
+   ``RandomSampler`` with ``replacement=True`` or ``num_samples`` < the dataset) is refused
+   rather than replaced: uniform sampling over every row at 1/len(loader) would train another
+   run than the one written (Opacus issue #813: batches of ~12,500 instead of 16).
 3. **The scheme's accountant** (bound to that scheme) replaces the engine's before Opacus'
    ``make_private`` runs with ``poisson_sampling=False``, so Opacus attaches its step hook to
    it and the accountant checks the loader returned and every batch drawn
@@ -52,7 +56,8 @@ Scheme options (keyword arguments; an option of another scheme raises, naming it
 accountant / scheme          needs
 ==========================  ================================================================
 ``poisson``                  nothing (q = 1/len(loader))
-``truncated-poisson``        ``max_batch_size`` (B); ``relation``, ``analysis``; ``pad``
+``truncated-poisson``        ``max_batch_size`` (B; default chosen, below); ``relation``,
+                             ``analysis``; ``pad``; ``target_delta`` (for the default B)
 ``balls-in-bins``            ``epochs`` (make_private; make_private_with_epsilon has it)
 ``bandmf-cyclic-poisson``    ``bands``, ``epochs`` (the strategy is optimised for the run);
                              ``strategy``, ``partition``
@@ -84,6 +89,18 @@ default OS entropy; a seeded generator makes the batches reproducible by whoever
 seed — tests only) and ``discretization`` (of the
 accountant; default: the engine's accountant's, else 1e-4).
 
+Truncated Poisson's default B: without ``max_batch_size`` (tight analysis, the scheme built
+from the DataLoader) B is :func:`default_max_batch_size`, the smallest
+B ≥ ⌈np⌉ whose ε is within :data:`TRUNCATION_SLACK` (1 %) of untruncated
+Poisson's at the same σ, steps (``epochs × len(data_loader)``, so ``epochs`` is then needed) and
+δ (``target_delta=``, default :data:`DEFAULT_SELECTION_DELTA`), p = 1/len(data_loader), same
+relation and discretization; the choice is announced by a ``UserWarning``. A B just above the
+expected batch can cost a lot (``examples/mnist.py``: B = 1.25 × 64 gives ε ≈ 2.6 against
+Poisson's 0.49 at σ = 1, 10 epochs). :func:`make_private_with_epsilon` first calibrates σ for
+Poisson at the target, chooses B at that σ, then calibrates σ for truncated Poisson with that B
+(so ε ≤ target always holds; B is within 1 % of Poisson at Poisson's σ, and the final σ is a
+little larger).
+
 Truncated Poisson's fixed batch shape: the default ``pad=False`` draws the truncated batches
 without padding (at most ``max_batch_size`` real rows, so a stock loop runs unchanged; the same
 mechanism, since the optimizer divides by a fixed public batch size). ``pad=True`` pads every
@@ -102,6 +119,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -117,11 +135,13 @@ from .accountants import ACCOUNTANTS
 from .accountants.base import SchemeAccountant, accountant_class_for
 from .accountants.release_guard import refuse_adaptive
 from .accounting import pld as pld_lib
+from .accounting import truncated_poisson as tp_lib
 from .accounting.calibration import calibrate_within_tolerance
 from .optim.privacy_engine import CorrelatedNoisePrivacyEngine
 from .samplers import public_sizes
 from .samplers.ledger_loader import LedgerDataLoader
 from .samplers.truncated_poisson import PaddedDataset
+from .samplers.verification import check_replaceable_sampler
 from .schemes.base import Scheme, noise_bands
 from .schemes.poisson import PoissonScheme
 from .schemes.registry import SCHEMES, get_scheme_class
@@ -129,14 +149,19 @@ from .schemes.structured import StructuredScheme
 from .schemes.truncated_poisson import TruncatedPoissonScheme
 
 __all__ = ["make_private", "make_private_with_epsilon", "scheme_for_training",
-           "SCHEME_OPTIONS"]
+           "SCHEME_OPTIONS", "default_max_batch_size", "TRUNCATION_SLACK"]
 
 _FIXED = ("dataset_size", "steps_per_epoch", "epochs")
 #: Read from the dataset (a WindowDataset), never given as options.
 _FROM_DATASET = ("series_lengths", "context_length", "forecast_length", "num_series",
                  "series_length")
 #: Options consumed by make_private itself, per scheme class (not passed to from_training).
-_SAMPLER_OPTIONS = {TruncatedPoissonScheme: ("pad",)}
+_SAMPLER_OPTIONS = {TruncatedPoissonScheme: ("pad", "target_delta")}
+#: Relative ε slack of the default truncated-Poisson ``max_batch_size`` (vs. Poisson, same σ).
+TRUNCATION_SLACK = 0.01
+#: δ at which :func:`make_private` chooses the default ``max_batch_size`` unless
+#: ``target_delta=`` is given (Opacus' ``examples/mnist.py`` default).
+DEFAULT_SELECTION_DELTA = 1e-5
 
 
 def _scheme_options(cls: type) -> tuple[str, ...]:
@@ -502,6 +527,78 @@ def _is_distributed(module) -> bool:
     return isinstance(module, (DPDDP, DDP))
 
 
+# ---- truncated Poisson's default B ----------------------------------------------------------
+def default_max_batch_size(*, dataset_size: int, steps_per_epoch: int, epochs: int,
+                           noise_multiplier: float, delta: float, relation: str = "add-remove",
+                           discretization: float = pld_lib.DEFAULT_DISCRETIZATION
+                           ) -> tuple[int, float, float]:
+    """``(B, ε_truncated, ε_Poisson)``: the smallest truncated-Poisson ``max_batch_size`` B ≥
+    ⌈np⌉ with ε_truncated(B) ≤ (1 + :data:`TRUNCATION_SLACK`) · ε_Poisson, both after
+    ``epochs × steps_per_epoch`` steps at ``noise_multiplier`` and δ, with n = ``dataset_size``
+    and p = 1/``steps_per_epoch`` (Opacus' rate), tight analysis under ``relation``
+    (:func:`opacus_structured.accounting.truncated_poisson.smallest_max_batch_size`; B = n is
+    Poisson itself, so one always exists). Both ε are returned as evaluated."""
+    n = check_int("dataset_size", dataset_size, minimum=1)
+    k = check_int("steps_per_epoch", steps_per_epoch, minimum=1)
+    steps = check_int("epochs", epochs, minimum=1) * k
+    seen: dict[int, float] = {}
+    b = tp_lib.smallest_max_batch_size(n, 1.0 / k, noise_multiplier, steps, delta,
+                                       TRUNCATION_SLACK, relation, discretization=discretization,
+                                       progress=lambda b_, eps: seen.__setitem__(b_, eps))
+    poisson = tp_lib.poisson_epsilon(1.0 / k, noise_multiplier, steps, delta, relation,
+                                     discretization=discretization)
+    eps = seen[b] if b in seen else tp_lib.truncated_poisson_epsilon(
+        n, 1.0 / k, b, noise_multiplier, steps, delta, relation, discretization=discretization)
+    return b, eps, poisson
+
+
+def _resolve_discretization(engine, discretization) -> float:
+    """The accountant's discretization: ``discretization``, else the engine accountant's, else
+    the package default."""
+    if discretization is None:
+        old = getattr(engine, "accountant", None)
+        discretization = (old.discretization if isinstance(old, SchemeAccountant)
+                          else pld_lib.DEFAULT_DISCRETIZATION)
+    return check_positive("discretization", discretization)
+
+
+def _wants_default_max_batch_size(engine, scheme, kwargs: dict, poisson_sampling: bool) -> bool:
+    """Whether this call builds a tight truncated-Poisson scheme from the DataLoader without
+    ``max_batch_size`` (then :func:`default_max_batch_size` chooses it)."""
+    if not poisson_sampling or kwargs.get("max_batch_size") is not None:
+        return False
+    if kwargs.get("analysis", "tight") != "tight":
+        return False
+    try:
+        cls, configured = _resolve_scheme(engine, scheme)
+    except ValueError:
+        return False  # _Plan raises with the full message
+    return configured is None and issubclass(cls, TruncatedPoissonScheme)
+
+
+def _choose_max_batch_size(engine, data_loader, kwargs: dict, *, epochs, noise_multiplier,
+                           delta, discretization, how: str) -> None:
+    """Sets ``kwargs["max_batch_size"]`` to :func:`default_max_batch_size` and warns with it."""
+    if epochs is None:
+        raise ValueError(
+            "truncated-poisson needs max_batch_size (the truncated, fixed batch size B), or "
+            "epochs= so that make_private chooses it for the planned run (the smallest B whose "
+            "epsilon over epochs x len(data_loader) steps is within 1% of Poisson's)")
+    size = _dataset_size(data_loader.dataset)
+    k = len(data_loader)
+    relation = kwargs.get("relation", "add-remove")
+    b, eps, poisson = default_max_batch_size(
+        dataset_size=size, steps_per_epoch=k, epochs=epochs, noise_multiplier=noise_multiplier,
+        delta=delta, relation=relation, discretization=discretization)
+    kwargs["max_batch_size"] = b
+    warnings.warn(
+        f"truncated-poisson: max_batch_size={b} chosen (expected batch {size / k:.6g}): the "
+        f"smallest B whose epsilon is within {TRUNCATION_SLACK:.0%} of Poisson's, {eps:.4g} vs "
+        f"{poisson:.4g} at noise_multiplier={noise_multiplier:.4g} ({how}), {epochs * k} steps "
+        f"({epochs} epochs x {k}), delta={delta:g}, {relation}; pass max_batch_size= to set B",
+        UserWarning, stacklevel=3)
+
+
 # ---- public API -----------------------------------------------------------------------------
 def make_private(engine: PrivacyEngine, *, module: nn.Module, optimizer: torch.optim.Optimizer,
                  data_loader: DataLoader, noise_multiplier: float, max_grad_norm,
@@ -554,10 +651,22 @@ def make_private(engine: PrivacyEngine, *, module: nn.Module, optimizer: torch.o
         accountant is the scheme's (``engine.get_epsilon(delta)``).
     """
     _refuse_adaptive_clipping(engine, clipping)
+    kwargs = dict(kwargs)
+    if poisson_sampling:
+        check_replaceable_sampler(data_loader, "make_private")
+    if _wants_default_max_batch_size(engine, scheme, kwargs, poisson_sampling):
+        delta = check_open_unit("target_delta",
+                                kwargs.pop("target_delta", DEFAULT_SELECTION_DELTA))
+        _choose_max_batch_size(engine, data_loader, kwargs, epochs=epochs,
+                               noise_multiplier=check_positive("noise_multiplier",
+                                                               noise_multiplier),
+                               delta=delta,
+                               discretization=_resolve_discretization(engine, discretization),
+                               how="the run's")
     plan = _Plan(engine, module=module, data_loader=data_loader, scheme=scheme, epochs=epochs,
                  batch_first=batch_first, rand_on_empty=rand_on_empty,
                  poisson_sampling=poisson_sampling, sampler_generator=sampler_generator,
-                 discretization=discretization, kwargs=dict(kwargs),
+                 discretization=discretization, kwargs=kwargs,
                  dataset_size=dataset_size, sample_rate=sample_rate,
                  expected_batch_size=expected_batch_size)
     return _finish(engine, plan, module=module, optimizer=optimizer,
@@ -603,7 +712,8 @@ def make_private_with_epsilon(engine: PrivacyEngine, *, module: nn.Module,
     1 step per epoch for full batch) is within ``epsilon_tolerance`` (relative, default 1%)
     *below* ``target_epsilon`` and never above it, evaluating ε with a fresh accountant of the
     scheme (the one installed), and calls :func:`make_private` with it. The σ used is
-    ``optimizer.noise_multiplier``.
+    ``optimizer.noise_multiplier``. Truncated Poisson without ``max_batch_size``: B is chosen
+    first, at the σ that calibrates untruncated Poisson to the target (module docstring).
 
     Raises ``ValueError`` for a scheme whose ε is not a guarantee (``bminsep-mc`` is a Monte
     Carlo estimate: certify σ with Algorithm 5, ``opacus-structured bminsep-mc certify``, and
@@ -615,10 +725,27 @@ def make_private_with_epsilon(engine: PrivacyEngine, *, module: nn.Module,
     target_delta = check_open_unit("target_delta", target_delta)
     epochs = check_int("epochs", epochs, minimum=1)
     _refuse_adaptive_clipping(engine, clipping)
+    kwargs = dict(kwargs)
+    if poisson_sampling:
+        check_replaceable_sampler(data_loader, "make_private_with_epsilon")
+    if _wants_default_max_batch_size(engine, scheme, kwargs, poisson_sampling):
+        # B depends on σ and σ on B: calibrate σ for untruncated Poisson at the target, choose
+        # B at that σ, then calibrate σ for truncated Poisson with that B (below).
+        disc = _resolve_discretization(engine, discretization)
+        k = len(data_loader)
+        relation = kwargs.get("relation", "add-remove")
+        sigma_poisson, _ = calibrate_within_tolerance(
+            lambda sg: tp_lib.poisson_epsilon(1.0 / k, sg, epochs * k, target_delta, relation,
+                                              discretization=disc),
+            target_epsilon, epsilon_tolerance=epsilon_tolerance)
+        _choose_max_batch_size(engine, data_loader, kwargs, epochs=epochs,
+                               noise_multiplier=sigma_poisson, delta=target_delta,
+                               discretization=disc,
+                               how="Poisson's for the target epsilon")
     plan = _Plan(engine, module=module, data_loader=data_loader, scheme=scheme, epochs=epochs,
                  batch_first=batch_first, rand_on_empty=False,
                  poisson_sampling=poisson_sampling, sampler_generator=sampler_generator,
-                 discretization=discretization, kwargs=dict(kwargs),
+                 discretization=discretization, kwargs=kwargs,
                  dataset_size=dataset_size, sample_rate=sample_rate,
                  expected_batch_size=expected_batch_size)
     bound = plan.scheme.bound

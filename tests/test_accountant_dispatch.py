@@ -72,3 +72,34 @@ def test_every_scheme_gets_its_accountant(scheme):
     assert eps == pytest.approx(scheme.epsilon(1.0, steps, 1e-5, discretization=DISC,
                                                sample_rate=scheme.expected_sample_rate()
                                                or 0.1), rel=1e-9)
+
+
+def test_get_privacy_spent_has_opacus_call_shape():
+    """Issue 31 item 7: Opacus' RDPAccountant.get_privacy_spent(delta=, alphas=None) returns
+    two values (ε, best Rényi order). Ours takes the same call and returns two values, ε and
+    the bound kind (a PLD accountant has no Rényi order; docs: accountants.base)."""
+    import inspect
+
+    from opacus.accountants import RDPAccountant
+
+    from opacus_structured.accountants.base import AccountantNotAttachedError
+
+    ours = inspect.signature(SchemeAccountant.get_privacy_spent).parameters
+    theirs = inspect.signature(RDPAccountant.get_privacy_spent).parameters
+    assert list(ours) == list(theirs) == ["self", "delta", "alphas"]
+    assert all(p.kind == p.KEYWORD_ONLY for n, p in ours.items() if n != "self")
+    assert ours["alphas"].default is None is theirs["alphas"].default
+
+    rdp = RDPAccountant()
+    acc = SchemeAccountant(PoissonScheme(sample_rate=0.01), discretization=DISC)
+    for a in (rdp, acc):
+        a.step(noise_multiplier=1.0, sample_rate=0.01)
+    eps_rdp, alpha = rdp.get_privacy_spent(delta=1e-5)
+    eps, kind = acc.get_privacy_spent(delta=1e-5)
+    assert isinstance(eps, float) and eps == acc.get_epsilon(1e-5)
+    assert kind == acc.bound == "upper"
+    assert 0 < eps <= eps_rdp  # the PLD bound is tighter than RDP's, both are upper bounds
+    with pytest.raises(ValueError, match="alphas"):
+        acc.get_privacy_spent(delta=1e-5, alphas=[2, 4, 8])
+    with pytest.raises(AccountantNotAttachedError):  # Opacus would answer (0, 0)
+        SchemeAccountant(PoissonScheme(sample_rate=0.01)).get_privacy_spent(delta=1e-5)

@@ -53,6 +53,7 @@ def advices():
     return {k: advisor.advise(**v, discretization=D) for k, v in SETTINGS.items()}
 
 
+@pytest.mark.slow
 def test_poisson_sigma_is_calibrate_poisson(advices, capsys):
     for key, adv in advices.items():
         s = SETTINGS[key]
@@ -107,6 +108,7 @@ def _key(row):
 
 
 @pytest.mark.parametrize("key", sorted(SETTINGS))
+@pytest.mark.slow
 def test_ranking_matches_calibrating_each_scheme_by_hand(advices, key):
     adv = advices[key]
     hand = _by_hand(adv)
@@ -123,11 +125,13 @@ def test_ranking_matches_calibrating_each_scheme_by_hand(advices, key):
     assert [_key(r) for r in ranked] == order
 
 
+@pytest.mark.slow
 def test_setting_a_skips_random_allocation_within_its_budget(advices):
     row = advices["a"].row("random-allocation-mf", 2)
     assert row.rank is None and row.noise_multiplier is None and "skipped" in row.note
 
 
+@pytest.mark.slow
 def test_monte_carlo_rows_are_labelled_and_never_ranked(advices):
     for adv in advices.values():
         mc = [r for r in adv.rows if r.scheme == "bminsep-mc"]
@@ -145,6 +149,36 @@ def test_suggested_max_batch_size_is_the_smallest_within_one_percent():
             sigma, T, delta, discretization=D)
 
     assert eps(b) <= 1.01 * poisson < eps(b - 1)
+
+
+@pytest.mark.slow
+def test_advise_shows_epsilon_against_max_batch_size(advices):
+    """Issue 31 item 3: the truncated-Poisson row carries ε against B_max at Poisson's σ
+    (⌈Nq⌉ × 1, 1.25, 1.5, 2 and the chosen B_max), each the scheme's ε recomputed here, and the
+    table prints them."""
+    for key, adv in advices.items():
+        s = SETTINGS[key]
+        n, q, T = s["dataset_size"], s["batch_size"] / s["dataset_size"], s["steps"]
+        row = adv.row("truncated-poisson")
+        params = dict(row.parameters)
+        by_b = params["epsilon_by_max_batch_size"]
+        sigma = adv.row("poisson").noise_multiplier
+        assert by_b["noise_multiplier"] == sigma
+        assert by_b["poisson_epsilon"] == pytest.approx(
+            PoissonScheme(q).epsilon(sigma, T, s["delta"], discretization=D), rel=1e-12)
+        sizes = [b for b, _ in by_b["points"]]
+        base = math.ceil(n * q)
+        assert {base, round(1.25 * base), round(1.5 * base), 2 * base,
+                params["max_batch_size"]} == set(sizes)
+        k = round(n / s["batch_size"])
+        for b, eps in by_b["points"]:
+            assert eps == pytest.approx(TruncatedPoissonScheme(n, q, b, epoch_steps=k).epsilon(
+                sigma, T, s["delta"], discretization=D), rel=1e-12)
+        eps = [e for _, e in by_b["points"]]
+        assert eps == sorted(eps, reverse=True)  # less truncation, less ε
+        chosen = dict(by_b["points"])[params["max_batch_size"]]
+        assert chosen <= 1.01 * by_b["poisson_epsilon"]
+        assert "epsilon against B_max" in adv.format_table()
 
 
 def test_a_slow_accountant_is_skipped_within_the_budget_never_hangs():
@@ -174,6 +208,7 @@ def test_bad_input_names_the_argument(bad, argument):
         advisor.advise(**kwargs)
 
 
+@pytest.mark.slow
 def test_cli_json_validates_against_the_documented_schema(capsys, tmp_path):
     jsonschema = pytest.importorskip("jsonschema")
     plot = tmp_path / "advice.png"
@@ -204,3 +239,16 @@ def test_advisor_ranks_at_mnist_scale():
     adv = advisor.advise(dataset_size=60000, batch_size=256, steps=1000, target_epsilon=2.0,
                          delta=1e-5, bands=(4, 16))
     assert adv.row("poisson").rank is not None
+
+
+@pytest.mark.slow
+def test_readme_advise_example_calibrates_every_row():
+    """Issue 31 item 6: README's `opacus-structured advise --dataset-size 60000 --batch-size 256
+    --epochs 10 --target-epsilon 2 --delta 1e-5` printed PLD_accounting's "x_max must be greater
+    than x_min" in the balls-in-bins row. Every row is now calibrated and meets the target."""
+    advice = advisor.advise(dataset_size=60000, batch_size=256, epochs=10, target_epsilon=2,
+                            delta=1e-5)
+    for row in advice:
+        assert "not calibrated" not in row.note, row
+        assert row.noise_multiplier is not None and row.epsilon <= 2.0, row
+    assert advice.row("balls-in-bins").rank is not None

@@ -49,6 +49,7 @@ def _check_caught(scores: AuditScores) -> None:
 
 
 # ---- fast subset --------------------------------------------------------------------------
+@pytest.mark.slow
 def test_poisson_hooks_audit_is_sound_and_nearly_tight():
     scores = run_audit("poisson", runs=RUNS, seed=0)
     assert scores.scores_with.shape == scores.scores_without.shape == (RUNS,)

@@ -136,6 +136,7 @@ def _exact_two_bin_delta(eps, sigma, n=1201):
 
 
 @pytest.mark.parametrize("epochs", [1, 3])
+@pytest.mark.slow
 def test_balls_in_bins_against_exact_two_bin_integral(epochs):
     # Oracle: the exact δ(ε) of the 2-bin pair at σ/√E by 2-D integration. For E = 3
     # (σ_eff = 0.577) pld-accounting's FFT PLD alone gives 14.27 (exact 6.72): the min with the
@@ -161,3 +162,40 @@ def test_cli_epsilon():
          "--bands", "4", "--dataset-size", "12800", "--batch-size", "100", "--help"],
         capture_output=True, text=True)
     assert out.returncode == 0 and "--strategy" in out.stdout
+
+
+def test_random_allocation_degenerate_grid_is_priced_as_gaussian():
+    """Issue 31 item 6: at σ = 300 with t = 234 steps PLD_accounting cannot build its loss grid
+    ("x_max must be greater than x_min"). The epoch is then priced without amplification, as the
+    Gaussian mechanism with sensitivity √k (k = 1 here): pinned against the closed form ε(δ) of
+    N(1, σ²) vs N(0, σ²) (pessimistic: at or just above it)."""
+    from PLD_accounting import BoundType, PrivacyParams, gaussian_allocation_pld
+
+    from opacus_structured.accounting.gaussian import gaussian_epsilon
+
+    selected = 1
+    with pytest.raises(ValueError, match="x_max must be greater than x_min"):  # the trigger
+        gaussian_allocation_pld(params=PrivacyParams(sigma=300.0, num_steps=234,
+                                                     num_selected=selected, num_epochs=1),
+                                config=bm._allocation_config(D), bound_type=BoundType.DOMINATES)
+    pld = bm.random_allocation_pld(300.0, num_steps=234, num_selected=selected,
+                                   discretization=D)
+    exact = gaussian_epsilon(1e-5, 300.0, sensitivity=math.sqrt(selected))
+    eps = pld_lib.epsilon_for_delta(pld, 1e-5)
+    assert exact <= eps <= exact + 2 * D
+
+
+def test_balls_in_bins_calibrates_where_the_grid_degenerates():
+    """Issue 31 item 6: README's `advise` (N = 60000, B = 256, k = 234 bins) printed the
+    library's ValueError in the balls-in-bins row: calibration first evaluates ε at σ = 10⁴.
+    The calibrated σ now meets the target, and ε at σ = 10⁴ is the Gaussian closed form at
+    σ/√E (to the discretization)."""
+    from opacus_structured.accounting.calibration import calibrate_noise_multiplier
+    from opacus_structured.accounting.gaussian import gaussian_epsilon
+
+    s = BallsInBinsScheme(num_bins=234, epochs=1)
+    eps_max = s.epsilon(1e4, 234, 1e-5, discretization=D)
+    assert gaussian_epsilon(1e-5, 1e4) <= eps_max <= gaussian_epsilon(1e-5, 1e4) + 2 * D
+    sigma = calibrate_noise_multiplier(lambda x: s.epsilon(x, 234, 1e-5, discretization=D), 2.0)
+    assert s.epsilon(sigma, 234, 1e-5, discretization=D) <= 2.0
+    assert s.epsilon(sigma * 0.99, 234, 1e-5, discretization=D) > 2.0 * 0.98

@@ -235,6 +235,7 @@ def _kill_one_worker(client) -> int:
     return pid
 
 
+@pytest.mark.slow
 def test_dask_local_cluster_killed_worker_merges_exactly(tmp_path):
     """Two worker processes; one is killed mid-run (its nanny restarts it, the scheduler
     reruns its shard); the merged samples equal the single-process run of the same seed."""
@@ -293,6 +294,7 @@ def test_benchmark_table_against_jax_privacy(tmp_path):
     assert rows[1]["note"] and not rows[0]["note"]
 
 
+@pytest.mark.slow
 def test_settings_dask_executor_local_cluster_equals_process_pool(tmp_path):
     """``MonteCarloSettings(executor="dask")`` without a scheduler runs the shards on a local
     cluster of ``workers`` processes; the samples are the process-pool run's."""

@@ -47,6 +47,7 @@ def test_gdp_epochs_are_one_step_each(capsys):
     assert rec["steps"] == 100
 
 
+@pytest.mark.slow
 def test_calibrate_accepts_epochs_for_poisson(capsys):
     rec = _json_run(capsys, "calibrate", "poisson", "--sample-rate", "0.5", "--epochs", "1",
                     "--target-epsilon", "2", "--delta", "1e-5", "--no-progress")
@@ -85,6 +86,7 @@ def test_every_flag_has_help_text():
 
 
 @pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
+@pytest.mark.slow
 def test_examples_parse_arguments_before_working(example):
     done = subprocess.run([sys.executable, str(ROOT / "examples" / example), "--help"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -164,6 +166,7 @@ def test_progress_shown_only_on_a_terminal_and_never_with_no_progress(monkeypatc
     assert not _progress.enabled()
 
 
+@pytest.mark.slow
 def test_epsilon_and_calibrate_draw_a_bar_on_stderr_unless_no_progress(monkeypatch, capsys):
     monkeypatch.setenv(_progress.ENV, "1")
     args = ["calibrate", "poisson", "--sample-rate", "0.5", "--steps", "2", "--target-epsilon",
@@ -206,6 +209,7 @@ def test_import_opacus_structured_imports_no_heavy_dependency():
 
 
 @pytest.mark.parametrize("order", ["opacus_structured first", "opacus first"])
+@pytest.mark.slow
 def test_registration_with_opacus_happens_on_import(order):
     first, second = (("opacus_structured", "opacus") if order == "opacus_structured first"
                      else ("opacus", "opacus_structured"))

@@ -329,6 +329,7 @@ def two_ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLERS))
+@pytest.mark.slow
 def test_two_processes_union_equals_single_process_batch(two_ranks, name):
     reference = _global_batches(SAMPLERS[name](7))  # rank 0's seed
     ranks = [two_ranks[r]["batches"][name] for r in range(WORLD)]
@@ -340,6 +341,7 @@ def test_two_processes_union_equals_single_process_batch(two_ranks, name):
 
 @pytest.mark.parametrize("kind,coefs", [("plain", None), ("correlated", COEFS),
                                         ("correlated_ghost", COEFS)])
+@pytest.mark.slow
 def test_two_processes_final_parameters_equal_single_process(two_ranks, kind, coefs):
     ref = _train(0, 1, coefs, distributed=False)
     sizes = [a + b for a, b in zip(two_ranks[0][kind]["sizes"], two_ranks[1][kind]["sizes"], strict=True)]
@@ -359,6 +361,7 @@ def test_two_processes_final_parameters_equal_single_process(two_ranks, kind, co
                                                        ref["sampler"]["epoch"])
 
 
+@pytest.mark.slow
 def test_two_processes_correlated_noise_state(two_ranks):
     ref = _train(0, 1, COEFS, distributed=False)["noise"]
     r0, r1 = two_ranks[0]["correlated"]["noise"], two_ranks[1]["correlated"]["noise"]
@@ -368,6 +371,7 @@ def test_two_processes_correlated_noise_state(two_ranks):
     assert all(b is None for b in r1["buffers"])  # only rank 0 keeps past noise
 
 
+@pytest.mark.slow
 def test_two_processes_callback_state_gathered(two_ranks):
     tracker, filt, decisions = _reference_callback_states()
     for r in range(WORLD):

@@ -287,6 +287,7 @@ def test_refuses_without_cuda(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_allow_cpu_end_to_end_issue_10(tmp_path):
     out = tmp_path / "o"
     proc = subprocess.run([sys.executable, SCRIPT, "--out", str(out), "--allow-cpu",

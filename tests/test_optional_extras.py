@@ -69,6 +69,7 @@ def test_cli_prints_one_line_when_pld_accounting_is_missing():
     assert "pld-accounting" in lines[0] and lines[0].startswith("opacus-structured: error:")
 
 
+@pytest.mark.slow
 def test_forecast_command_prints_one_line_without_gluonts():
     r = _run_blocked({"gluonts"}, (
         "from opacus_structured.cli import main\n"

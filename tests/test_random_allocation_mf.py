@@ -383,6 +383,7 @@ from opacus_structured.accountants.random_allocation_mf import RandomAllocationM
 from opacus_structured.schemes.random_allocation_mf import RandomAllocationMFScheme  # noqa
 
 
+@pytest.mark.slow
 def test_scheme_methods_and_best():
     base = dict(strategy="bsr", bands=2, epochs=2, batches_per_epoch=8)
     r = RandomAllocationMFScheme(method="renyi", **base)

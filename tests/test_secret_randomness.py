@@ -249,6 +249,7 @@ def _forecast_args(out, *extra):
             "--no-baselines", "--no-progress", "--output", str(out), *extra]
 
 
+@pytest.mark.slow
 def test_default_forecast_report_holds_no_seed_of_its_noise(tiny, tmp_path, capsys,
                                                             monkeypatch):
     from lightning_callbacks import dp_callback
@@ -296,6 +297,7 @@ def _keys(obj):
             yield from _keys(v)
 
 
+@pytest.mark.slow
 def test_seeded_forecast_says_not_private_everywhere(tiny, tmp_path, capsys):
     from opacus_structured.commands.forecast import NOT_PRIVATE_SEEDED
 

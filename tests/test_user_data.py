@@ -321,6 +321,7 @@ def _forecast_args(path, tmp_path, *extra):
             "--init-from", "none", *extra]
 
 
+@pytest.mark.slow
 def test_forecast_command_on_a_csv_reports_the_data(tmp_path, capsys):
     from opacus_structured.cli import main
 

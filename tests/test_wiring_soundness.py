@@ -160,6 +160,7 @@ def test_unattached_empty_accountant_raises_but_offline_use_works():
     assert attached.get_epsilon(1e-5) == 0.0  # attached, no step yet: honest zero
 
 
+@pytest.mark.slow
 def test_opacus_calibration_builds_accountants_by_name_and_sets_history():
     from opacus.accountants.utils import get_noise_multiplier
 
@@ -219,6 +220,7 @@ def test_every_registered_name_is_constructible_by_opacus():
 
 
 # ---- README: the Opacus snippet runs exactly as printed ---------------------------------------
+@pytest.mark.slow
 def test_readme_opacus_snippets_run_as_printed():
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
@@ -297,6 +299,7 @@ def test_scheme_of_opacus_dp_data_loader_is_poisson_at_its_rate():
         check_data_loader(BIB, dl)
 
 
+@pytest.mark.slow
 def test_scheme_bound_name_trains_through_make_private_with_epsilon():
     scheme = BallsInBinsScheme(num_bins=10, epochs=1)
     register_scheme_accountant("wiring-test-bib", scheme, force=True)

@@ -37,6 +37,21 @@ optimizer's step hook and has recorded no step — e.g. one assigned to ``engine
 *after* ``make_private``, whose hook still feeds the old accountant — raises on
 :meth:`~SchemeAccountant.get_epsilon` instead of returning 0. Offline use (``step()`` by hand,
 Opacus' ``get_noise_multiplier`` setting ``history``) is unaffected.
+
+**Opacus' API, and the one difference.** ``get_epsilon(delta)``, ``step``, ``history``,
+``__len__``, ``mechanism``, ``get_optimizer_hook_fn``, ``state_dict`` / ``load_state_dict`` are
+Opacus' ``IAccountant`` contract. Opacus' ``IAccountant`` has no ``get_privacy_spent``; only its
+``RDPAccountant`` does, returning ``(epsilon, best_alpha)``: the Rényi order α that gave the
+smallest ε. Our accountants compose privacy loss distributions, which have no Rényi order, so
+:meth:`SchemeAccountant.get_privacy_spent` keeps the call (``get_privacy_spent(delta=...,
+alphas=None)``) and the two-element result but returns ``(epsilon, bound_kind)``: ε as a
+``float`` and the :class:`~opacus_structured.accounting.bounds.BoundKind` saying whether it is a
+guarantee (``"tight"``, ``"upper"``) — code that unpacks ``eps, best_alpha = ...`` keeps
+working; code that formats ``best_alpha`` as a number must use ``get_epsilon``. ``alphas``
+(Rényi orders to search) has no meaning here and raises ``ValueError`` unless ``None``. With no
+step recorded Opacus returns ``(0, 0)``; ours returns ``(0.0, bound_kind)`` once attached and
+raises :class:`AccountantNotAttachedError` before (see above). The Monte Carlo accountant
+(``bminsep-mc``) returns ``(MonteCarloEstimate, BoundKind.MONTE_CARLO)``.
 """
 
 from __future__ import annotations
@@ -64,6 +79,14 @@ from .release_guard import ClipNormLedger, guard_optimizer
 __all__ = ["SchemeAccountant", "WholeRunAccountant", "register_scheme_accountant",
            "accountant_class_for", "AccountantNotAttachedError", "UnboundAccountantError",
            "LedgerError", "data_loader_of_make_private"]
+
+
+def _check_no_alphas(alphas, owner: str) -> None:
+    """``get_privacy_spent(alphas=...)``: Rényi orders mean nothing to a PLD accountant."""
+    if alphas is not None:
+        raise ValueError(f"alphas are the Renyi orders Opacus' RDPAccountant searches; "
+                         f"{owner} composes privacy loss distributions and has none: call "
+                         f"get_privacy_spent(delta=...) without alphas, or get_epsilon(delta)")
 
 
 class AccountantNotAttachedError(RuntimeError):
@@ -473,8 +496,12 @@ class SchemeAccountant(IAccountant):
         d = self.discretization if discretization is None else discretization
         return float(pld_lib.delta_for_epsilon(self._composed(d), float(epsilon)))
 
-    def get_privacy_spent(self, *, delta: float) -> tuple[float, str]:
-        """``(epsilon, bound_kind)``: the bound kind says if ε is a guarantee."""
+    def get_privacy_spent(self, *, delta: float, alphas=None) -> tuple[float, str]:
+        """``(epsilon, bound_kind)``: Opacus' ``RDPAccountant.get_privacy_spent`` call and
+        two-element result, with the bound kind (whether ε is a guarantee) in place of the Rényi
+        order, which a PLD accountant does not have (module docstring). ``alphas`` must be
+        ``None``."""
+        _check_no_alphas(alphas, type(self).__name__)
         return self.get_epsilon(delta), self.bound
 
     # ---- state ---------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from .._validation import check_open_unit
 from ..accounting.bounds import BoundKind
 from ..accounting.monte_carlo import MonteCarloEstimate, MonteCarloSettings
 from ..schemes.bminsep_mc import BMinSepMonteCarloScheme
-from .base import SchemeAccountant
+from .base import SchemeAccountant, _check_no_alphas
 
 __all__ = ["BMinSepMonteCarloAccountant"]
 
@@ -99,8 +99,12 @@ class BMinSepMonteCarloAccountant(SchemeAccountant):
         self._reported = self._reported or steps > 0
         return self.scheme.delta(sigma if steps else 1.0, steps, epsilon, settings=self.settings)
 
-    def get_privacy_spent(self, *, delta: float) -> tuple[MonteCarloEstimate, BoundKind]:
-        """``(MonteCarloEstimate, BoundKind.MONTE_CARLO)``: the estimate states its confidence."""
+    def get_privacy_spent(self, *, delta: float,
+                          alphas=None) -> tuple[MonteCarloEstimate, BoundKind]:
+        """``(MonteCarloEstimate, BoundKind.MONTE_CARLO)``: the estimate states its confidence
+        (Opacus' call shape; ``alphas`` must be ``None``, see
+        :mod:`opacus_structured.accountants.base`)."""
+        _check_no_alphas(alphas, type(self).__name__)
         return self.get_epsilon(delta).estimate, self.bound
 
     # ---- state ---------------------------------------------------------------------------

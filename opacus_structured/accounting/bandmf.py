@@ -39,7 +39,7 @@ from .mixture import MixturePair
 from .profiles import PairProfile
 
 __all__ = ["cyclic_poisson_rate", "bandmf_cyclic_poisson_pld", "bandmf_cyclic_poisson_epsilon",
-           "random_allocation_pld", "balls_in_bins_pld"]
+           "random_allocation_pld", "balls_in_bins_pld", "gaussian_pld"]
 
 
 def cyclic_poisson_rate(dataset_size: int, batch_size: float, bands: int) -> float:
@@ -110,8 +110,36 @@ def random_allocation_pld(noise_multiplier: float, *, num_steps: int, num_select
     t = check_int("num_steps", num_steps, minimum=1)
     k = check_int("num_selected", num_selected, minimum=1, maximum=t)
     params = PrivacyParams(sigma=sigma, num_steps=t, num_selected=k, num_epochs=1)
-    return gaussian_allocation_pld(params=params, config=_allocation_config(discretization),
-                                   bound_type=BoundType.DOMINATES)
+    try:
+        return gaussian_allocation_pld(params=params, config=_allocation_config(discretization),
+                                       bound_type=BoundType.DOMINATES)
+    except ValueError as err:
+        if not _degenerate_grid(err):
+            raise
+    # At large σ the allocation's privacy losses span less than one grid interval and
+    # PLD_accounting cannot build its loss grid ("x_max must be greater than x_min"). Price the
+    # epoch without amplification instead: k participations of sensitivity 1 are the Gaussian
+    # mechanism with sensitivity √k, which dominates k-of-t allocation in both directions (each
+    # allocation pair is a mixture, over the k-subsets, of pairs N(Σ_{i∈S} e_i, σ²I) vs
+    # N(0, σ²I), each a Gaussian pair of sensitivity √k; the hockey-stick divergence is jointly
+    # convex). A sound upper bound, and ε is already small there.
+    return gaussian_pld(sigma / math.sqrt(k), discretization=discretization)
+
+
+def _degenerate_grid(err: ValueError) -> bool:
+    """Whether ``err`` is PLD_accounting's empty loss grid (all losses in one interval)."""
+    return "x_max must be greater than x_min" in str(err)
+
+
+def gaussian_pld(noise_multiplier: float, *,
+                 discretization: float = pld_lib.DEFAULT_DISCRETIZATION
+                 ) -> PrivacyLossDistribution:
+    """Pessimistic PLD (both directions) of the Gaussian mechanism with sensitivity 1 and
+    noise multiplier σ: N(1, σ²) vs N(0, σ²)."""
+    sigma = check_positive("noise_multiplier", noise_multiplier)
+    pair = MixturePair.from_components([1.0], [1.0], [0.0], [1.0], sigma)
+    return pld_lib.pld_from_profile(PairProfile(pair), PairProfile(pair.reversed()),
+                                    discretization=discretization)
 
 
 def balls_in_bins_pld(noise_multiplier: float, *, num_bins: int, epochs: int,

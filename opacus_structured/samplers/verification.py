@@ -36,7 +36,8 @@ from ..schemes.base import Scheme
 from ..schemes.poisson import PoissonScheme
 
 __all__ = ["DrawLedger", "scheme_of_batch_sampler", "innermost_sampler", "check_data_loader",
-           "describe_loader", "live_samplers_drawn_since", "draw_clock", "adopt_scheme"]
+           "describe_loader", "live_samplers_drawn_since", "draw_clock", "adopt_scheme",
+           "check_replaceable_sampler"]
 
 _CLOCK = itertools.count(1)
 _LAST_TICK = 0
@@ -209,6 +210,80 @@ def describe_loader(loader) -> str:
         return (f"{type(bs).__name__}({kind}){note.get(kind, '')} with batch_size="
                 f"{getattr(bs, 'batch_size', '?')}")
     return type(bs).__name__
+
+
+def _partial_or_weighted(sampler, dataset_size: Optional[int]) -> Optional[str]:
+    """Why ``sampler`` (a DataLoader's index sampler) is not a uniform pass over the whole
+    dataset, or ``None`` when it is (sequential, or a permutation of all rows)."""
+    from torch.utils.data import (
+        RandomSampler,
+        SequentialSampler,
+        SubsetRandomSampler,
+        WeightedRandomSampler,
+    )
+
+    name = type(sampler).__name__
+    if isinstance(sampler, WeightedRandomSampler):
+        how = "with" if sampler.replacement else "without"
+        return (f"{name}(num_samples={sampler.num_samples}) draws {sampler.num_samples} "
+                f"examples per epoch by weight ({how} replacement), not uniformly")
+    if isinstance(sampler, SubsetRandomSampler):
+        return f"{name} draws only {len(sampler.indices)} of the {dataset_size} examples"
+    if isinstance(sampler, RandomSampler):
+        if sampler.replacement:
+            return (f"RandomSampler(replacement=True, num_samples={sampler.num_samples}) draws "
+                    f"with replacement")
+        if dataset_size is not None and sampler.num_samples != dataset_size:
+            return (f"RandomSampler(num_samples={sampler.num_samples}) draws "
+                    f"{sampler.num_samples} of the {dataset_size} examples per epoch")
+        return None
+    if isinstance(sampler, SequentialSampler):
+        return None
+    try:
+        n = len(sampler)
+    except TypeError:
+        return None
+    if dataset_size is not None and n != dataset_size:
+        return f"{name} draws {n} of the {dataset_size} examples per epoch"
+    return None
+
+
+def check_replaceable_sampler(loader, owner: str) -> None:
+    """Raise ``ValueError`` when replacing ``loader``'s batches by a scheme's sampler over the
+    whole dataset would silently change the run the user wrote: a weighted or partial index
+    sampler (``WeightedRandomSampler``, ``SubsetRandomSampler``, ``RandomSampler`` with
+    ``replacement=True`` or ``num_samples`` other than the dataset size, any sampler whose
+    length is not the dataset's). Such a loader is not uniform subsampling of the dataset, so
+    the scheme's sampler (e.g. uniform Poisson at q = 1/len(loader) over every row: Opacus'
+    issue #813, 128 weighted draws of 100,000 rows become batches of ~12,500) would train a
+    different mechanism from the one the user built. Plain, shuffled and sequential loaders
+    pass, as do loaders already drawing with a scheme's sampler."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if batch_sampler is None or scheme_of_batch_sampler(batch_sampler) is not None:
+        return
+    sampler = getattr(batch_sampler, "sampler", None)
+    if sampler is None:
+        return
+    dataset = getattr(loader, "dataset", None)
+    try:
+        size = len(dataset)
+    except TypeError:
+        size = None
+    why = _partial_or_weighted(sampler, size)
+    if why is None:
+        return
+    steps = len(loader)
+    q = 1.0 / steps
+    expected = f"{size * q:.6g}" if size is not None else "len(dataset)/len(loader)"
+    raise ValueError(
+        f"{owner}: the DataLoader's {why}. DP sampling would replace it by the scheme's sampler "
+        f"over all {size} rows of the dataset at rate q = 1/len(data_loader) = 1/{steps}: "
+        f"batches of about {expected} examples drawn uniformly, not the run you built, and "
+        f"the epsilon would price that run. DP-SGD's amplification needs uniform sampling "
+        f"from a fixed dataset: pass the rows to train on as the dataset "
+        f"(torch.utils.data.Subset(dataset, indices)) with batch_size = the expected batch "
+        f"you want and no sampler (or shuffle=True), and express example weights in the loss, "
+        f"not in the sampling")
 
 
 def scheme_accepts(scheme: Scheme, found) -> bool:

@@ -185,11 +185,17 @@ class TruncatedPoissonScheme(Scheme):
 
     # ---- sampler -----------------------------------------------------------------------------
     def sampler_for_dataset(self, num_examples: int, *, generator=None):
-        """Refused: the fixed-shape batches index a padded dataset (``PaddedDataset``) and the
-        loss must be masked; build the loader with ``truncated_poisson_data_loader``."""
-        raise ValueError(f"scheme {self.name!r} draws padded fixed-shape batches: wrap the "
-                         f"dataset with truncated_poisson_data_loader(...) (PaddedDataset + "
-                         f"masked_loss) and pass its batch_sampler explicitly")
+        """Refused, naming the two samplers to pass instead: the unpadded one (``pad=False``:
+        at most B real rows per batch, the same mechanism since the optimizer divides by a
+        fixed public batch size; a stock ``training_step`` runs unchanged) or the padded
+        fixed-shape one (``PaddedDataset`` + ``masked_loss`` in ``training_step``)."""
+        raise ValueError(
+            f"scheme {self.name!r} needs its sampler chosen: pass DPCallback(sampler=lambda "
+            f"dataset, generator: scheme.sampler(len(dataset), generator=generator, pad=False)) "
+            f"for unpadded batches of at most max_batch_size={self.max_batch_size} real rows "
+            f"(the same mechanism and epsilon; no change to training_step), or, for batches of "
+            f"exactly B rows, truncated_poisson_data_loader(...) (PaddedDataset; training_step "
+            f"must weight the per-sample loss with masked_loss)")
 
     def batch_distribution(self) -> tuple:
         """Poisson at rate p truncated to ``max_batch_size``, ``steps_per_epoch()`` batches per

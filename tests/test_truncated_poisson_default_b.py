@@ -1,0 +1,97 @@
+"""Truncated Poisson's default max batch size in make_private (issue 31, item 3).
+
+The setting is Opacus' ``examples/mnist.py`` for the accounting only: 60000 examples,
+``batch_size=64`` (so ``len(loader) = 938`` steps per epoch, q = 1/938), σ = 1.0, 10 epochs,
+δ = 1e-5; the model is a 1-feature linear layer (the test is about B and ε).
+"""
+
+import warnings
+
+import pytest
+import torch
+from conftest import TEST_DISCRETIZATION as D
+from dp_accounting.pld import privacy_loss_distribution as dp_pld
+from opacus import PrivacyEngine
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import opacus_structured
+from opacus_structured.accounting import truncated_poisson as tp
+from opacus_structured.schemes.poisson import PoissonScheme
+
+N, BATCH, EPOCHS, SIGMA, DELTA = 60000, 64, 10, 1.0, 1e-5
+K = -(-N // BATCH)  # 938: len(DataLoader(batch_size=64)), drop_last=False
+
+
+def _mnist_shaped():
+    data = TensorDataset(torch.zeros(N, 1), torch.zeros(N, dtype=torch.long))
+    model = nn.Linear(1, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=BATCH)
+
+
+def _poisson_epsilon(sigma, steps):
+    """Untruncated Poisson at q = 1/K, ours; cross-checked against dp_accounting's PLD."""
+    ours = PoissonScheme(sample_rate=1 / K).epsilon(sigma, steps, DELTA, discretization=D)
+    peer = dp_pld.from_gaussian_mechanism(
+        sigma, sampling_prob=1 / K, value_discretization_interval=D,
+        use_connect_dots=True).self_compose(steps).get_epsilon_for_delta(DELTA)
+    assert ours == pytest.approx(peer, rel=5e-3)
+    return ours
+
+
+def test_mnist_shaped_default_b_is_within_one_percent_of_poisson():
+    assert K == 938
+    model, opt, loader = _mnist_shaped()
+    engine = PrivacyEngine(accountant="truncated-poisson")
+    with pytest.warns(UserWarning, match=r"max_batch_size=\d+ chosen") as rec:
+        _, opt, dl = opacus_structured.make_private(
+            engine, module=model, optimizer=opt, data_loader=loader, noise_multiplier=SIGMA,
+            max_grad_norm=1.0, epochs=EPOCHS, discretization=D)
+    b = engine.accountant.scheme.max_batch_size
+    assert f"max_batch_size={b} chosen" in str(rec[0].message)
+    assert dl.batch_sampler.max_batch_size == b
+    steps = EPOCHS * K
+    poisson = _poisson_epsilon(SIGMA, steps)
+    engine.accountant.history = [(SIGMA, 1 / K, steps)]
+    eps = engine.accountant.get_epsilon(DELTA)
+    assert eps <= 1.01 * poisson
+    # the smallest such B (and far below it the price is large: the issue's B = 1.25 x 64)
+    below = tp.truncated_poisson_epsilon(N, 1 / K, b - 1, SIGMA, steps, DELTA, discretization=D)
+    assert below > 1.01 * poisson
+    b125 = tp.truncated_poisson_epsilon(N, 1 / K, 80, SIGMA, steps, DELTA, discretization=D)
+    assert b125 > 4 * poisson
+    assert BATCH < b < 2 * BATCH
+
+
+@pytest.mark.slow
+def test_make_private_with_epsilon_chooses_b_for_the_target():
+    """σ is calibrated for Poisson, B chosen at that σ, then σ calibrated for truncated Poisson
+    with that B: ε ≤ target, and B is within 1 % of Poisson at Poisson's σ."""
+    model, opt, loader = _mnist_shaped()
+    engine = PrivacyEngine(accountant="truncated-poisson")
+    with pytest.warns(UserWarning, match="Poisson's for the target epsilon"):
+        _, opt, _ = opacus_structured.make_private_with_epsilon(
+            engine, module=model, optimizer=opt, data_loader=loader, target_epsilon=1.0,
+            target_delta=DELTA, epochs=EPOCHS, max_grad_norm=1.0, discretization=D)
+    steps = EPOCHS * K
+    b = engine.accountant.scheme.max_batch_size
+    engine.accountant.history = [(opt.noise_multiplier, 1 / K, steps)]
+    assert 0.99 <= engine.accountant.get_epsilon(DELTA) <= 1.0
+    # at the final σ (a little above Poisson's) the overhead is still within 1 %
+    poisson = _poisson_epsilon(opt.noise_multiplier, steps)
+    assert engine.accountant.get_epsilon(DELTA) <= 1.01 * poisson
+
+
+def test_default_b_needs_epochs_and_an_explicit_b_is_kept():
+    model, opt, loader = _mnist_shaped()
+    with pytest.raises(ValueError, match="max_batch_size.*epochs="):
+        opacus_structured.make_private(PrivacyEngine(accountant="truncated-poisson"),
+                                       module=model, optimizer=opt, data_loader=loader,
+                                       noise_multiplier=SIGMA, max_grad_norm=1.0)
+    engine = PrivacyEngine(accountant="truncated-poisson")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        opacus_structured.make_private(engine, module=model, optimizer=opt, data_loader=loader,
+                                       noise_multiplier=SIGMA, max_grad_norm=1.0,
+                                       max_batch_size=96, discretization=D)
+    assert engine.accountant.scheme.max_batch_size == 96

@@ -401,12 +401,16 @@ class SchemeAccountant(IAccountant):
                 raise ValueError(f"checkpoint was taken with scheme {saved!r}, which "
                                  f"{type(self).__name__} does not price")
             self.scheme = saved
+        resolved = self.scheme if saved is None else self.scheme.checkpoint_scheme(saved)
+        if resolved is None:
+            raise ValueError(
+                f"checkpoint was taken with scheme {saved!r} but this accountant prices "
+                f"{self.scheme!r}; build the accountant from the same scheme")
+        for _, rate, steps in state_dict.get("history", []):
+            if steps:  # a template's checkpoint resumed under a concrete scheme: same rates
+                resolved.check_sample_rate(rate)
         super().load_state_dict(state_dict)
-        if saved is not None:
-            if saved != self.scheme:
-                raise ValueError(
-                    f"checkpoint was taken with scheme {saved!r} but this accountant prices "
-                    f"{self.scheme!r}; build the accountant from the same scheme")
+        self.scheme = resolved
         self.discretization = float(state_dict.get("discretization", self.discretization))
         self.history = [tuple(h) for h in self.history]
         self._cache.clear()

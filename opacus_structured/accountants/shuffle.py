@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from .._validation import check_open_unit, check_positive
+from .._validation import check_nonnegative, check_open_unit, check_positive
 from ..accounting import pld as pld_lib
 from ..accounting.gaussian import gdp_delta, gdp_epsilon
 from ..accounting.shuffle import shuffle_mu
@@ -97,6 +97,13 @@ class ShuffleAccountant(SchemeAccountant):
         epoch length is ``1/sample_rate``)."""
         self._require_bound("record a step")
         self.scheme.steps_per_epoch_at(check_positive("sample_rate", sample_rate))
+        if check_nonnegative("noise_multiplier", noise_multiplier) == 0.0:
+            # no noise (Opacus' non-private debugging runs): recorded, and ε is infinite
+            if self.history and tuple(self.history[-1][:2]) == (0.0, sample_rate):
+                self.history[-1] = (0.0, sample_rate, self.history[-1][2] + num_steps)
+            else:
+                self.history.append((0.0, sample_rate, num_steps))
+            return
         super().step(noise_multiplier=noise_multiplier, sample_rate=sample_rate,
                      num_steps=num_steps)
 
@@ -142,20 +149,24 @@ class ShuffleAccountant(SchemeAccountant):
     def mu(self) -> float:
         """μ = Δ√(Σ_e σ_e⁻²) of the epochs recorded."""
         sigmas = self.epoch_noise_multipliers()
+        if any(s == 0.0 for s in sigmas):
+            return math.inf  # an epoch without noise: no privacy
         return shuffle_mu(sigmas, self.scheme.relation) if sigmas else 0.0
 
     def get_epsilon(self, delta: float, *, discretization: Optional[float] = None,
                     **kwargs) -> float:
         """Exact ε(δ) of μ-GDP (``discretization`` accepted and unused: no PLD)."""
         self._require_observed()
-        return gdp_epsilon(check_open_unit("delta", delta), self.mu())
+        delta, mu = check_open_unit("delta", delta), self.mu()
+        return math.inf if math.isinf(mu) else gdp_epsilon(delta, mu)
 
     def get_delta(self, epsilon: float, *, discretization: Optional[float] = None) -> float:
         """Exact δ(ε) of μ-GDP."""
         self._require_observed()
         if math.isnan(epsilon):
             raise ValueError("epsilon must not be NaN")
-        return float(gdp_delta(float(epsilon), self.mu()))
+        mu = self.mu()
+        return 1.0 if math.isinf(mu) else float(gdp_delta(float(epsilon), mu))
 
     # ---- state ----------------------------------------------------------------------------
     def state_dict(self, destination=None):

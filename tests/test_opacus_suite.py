@@ -77,27 +77,42 @@ def _our_accountants(monkeypatch, request):
 
 
 # ---- Opacus' engine tests ----------------------------------------------------------------------
-#: Released engine tests run in the default (fast) suite, on a quarter of the released data
-#: (128 examples, batches of 32): every one that uses ``poisson_sampling=False`` plus the
-#: default-path ones that price (checkpoints, calibration). All of them run on the released
-#: sizes, for every released model and backend, under ``-m slow``.
-FAST_TESTS = ("test_basic", "test_checkpoints", "test_flat_clipping", "test_per_layer_clipping",
-              "test_sample_grad_aggregation", "test_noise_changes_every_time",
-              "test_make_private_with_epsilon", "test_deterministic_run", "test_noise_level",
-              "test_compare_to_vanilla", "test_get_compatible_module_inaction",
+#: Released engine tests run in the default (fast) suite, on half of the released data (256
+#: examples, batches of 32: the released rate 1/8) — those that use ``poisson_sampling=False``
+#: (priced by ``"shuffle"``) or price on the default path (``"poisson"``), plus one example of
+#: each hypothesis-driven one (``EXAMPLES``). Every released engine test, at the released
+#: sizes, for every released model and backend, runs under ``-m slow``.
+FAST_TESTS = ("test_flat_clipping", "test_per_layer_clipping", "test_sample_grad_aggregation",
+              "test_noise_changes_every_time", "test_get_compatible_module_inaction",
               "test_parameters_match")
+#: One hypothesis example of the released hypothesis tests (their ``inner_test``).
+EXAMPLES = {"test_checkpoints": dict(has_noise_scheduler=True, has_grad_clip_scheduler=True),
+            "test_noise_level": dict(noise_multiplier=1.0, max_steps=3, secure_mode=False),
+            "test_compare_to_vanilla": dict(do_clip=True, do_noise=False, use_closure=False,
+                                            max_steps=3)}
 
 
 def _fast_setup(self):
     _pe.PrivacyEngineConvNetTest.setUp(self)
-    self.DATA_SIZE, self.BATCH_SIZE = 128, 32
+    self.DATA_SIZE, self.BATCH_SIZE = 256, 32
+
+
+def _one_example(name, kwargs):
+    inner = getattr(_pe.BasePrivacyEngineTest, name).hypothesis.inner_test
+
+    def test(self):
+        inner(self, **kwargs)
+    test.__name__ = f"{name}_one_example"
+    test.__doc__ = f"Opacus' {name} at {kwargs}."
+    return test
 
 
 TestOpacusEngineFast = type("TestOpacusEngineFast", (_pe.PrivacyEngineConvNetTest,), {
     "__module__": __name__, "setUp": _fast_setup,
-    "__doc__": "Opacus' PrivacyEngineConvNetTest on 128 examples (FAST_TESTS only).",
+    "__doc__": "Opacus' PrivacyEngineConvNetTest on 256 examples (FAST_TESTS and EXAMPLES).",
     **{n: None for n in dir(_pe.PrivacyEngineConvNetTest)
-       if n.startswith("test") and n not in FAST_TESTS}})
+       if n.startswith("test") and n not in FAST_TESTS},
+    **{f"{n}_one_example": _one_example(n, kw) for n, kw in EXAMPLES.items()}})
 
 
 def _engine_class(name: str):
@@ -121,6 +136,7 @@ for _name in dir(_pev):
 # ---- Opacus' accountant tests, unchanged ---------------------------------------------------------
 class TestOpacusAccountants(_acc.AccountingTest):
     opacus_unchanged = True
+    pytestmark = [pytest.mark.slow]   # Opacus' own RDP/PRV numbers; its overshoot test ~75 s
 
 
 class TestOpacusAccountantRegistry(_acc.AccountantRegistryTest):
@@ -164,7 +180,8 @@ def test_accountant_load_state_dict_contract(name):
 
 @pytest.mark.parametrize("name", sorted(OURS))
 @pytest.mark.parametrize("epsilon, epochs, sample_rate, delta", [
-    (1.0, 10, 0.1, 1e-5), (4.0, 20, 0.05, 1e-6), (8.0, 90, 0.04, 1e-5)])
+    (1.0, 10, 0.1, 1e-5), (4.0, 20, 0.05, 1e-6),
+    pytest.param(8.0, 90, 0.04, 1e-5, marks=pytest.mark.slow)])
 def test_get_noise_multiplier_never_overshoots(name, epsilon, epochs, sample_rate, delta):
     """``accountants_test.test_get_noise_multiplier_overshoot`` with ``accountant=name``: Opacus'
     calibration through our accountant lands at or below the target."""

@@ -38,6 +38,7 @@ from ..accounting import shuffle as sh
 from ..accounting.gaussian import gdp_delta, gdp_epsilon, gdp_mu
 from ..accounting.resource_guard import PricedEpsilon
 from .base import BoundKind, Scheme, register_scheme
+from .poisson import PoissonScheme
 
 __all__ = ["ShuffleScheme", "shuffle_steps_per_epoch"]
 
@@ -253,8 +254,6 @@ class ShuffleScheme(Scheme):
         """The price of shuffling: ``{"upper": guarantee, "lower": Chua et al.'s lower bound
         (not a guarantee), "poisson": Poisson subsampling's ε at q = 1/K over the same steps
         (what Opacus prints for this loader, valid only for Poisson batches)}``."""
-        from .poisson import PoissonScheme
-
         upper = dataclasses.replace(self, bound="upper")
         lower = dataclasses.replace(self, bound="lower")
         k = self.steps_per_epoch_at(sample_rate)

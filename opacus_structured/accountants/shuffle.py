@@ -63,6 +63,8 @@ class ShuffleAccountant(SchemeAccountant):
             batch_sampler = getattr(data_loader, "batch_sampler", None)
             instrument_batch_sampler(batch_sampler)   # a stock BatchSampler: count its passes
             found = verification.scheme_of_batch_sampler(batch_sampler)
+            if found is None and batch_sampler is not None:
+                found = verification.stock_shuffle_scheme(batch_sampler)
             if self.scheme.is_template() and isinstance(found, ShuffleScheme) \
                     and not found.is_template():
                 concrete = found.__class__(dataset_size=found.dataset_size,

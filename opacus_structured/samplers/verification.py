@@ -112,9 +112,11 @@ def scheme_of_batch_sampler(batch_sampler) -> Optional[Any]:
     Our samplers carry a ``scheme`` attribute (a :class:`Scheme`, or for the b-min-sep samplers
     a parameter record that the Monte Carlo scheme matches); Opacus' ``UniformWithReplacementSampler``
     and ``DistributedUniformWithReplacementSampler`` (what ``DPDataLoader`` uses) are Poisson
-    sampling at their ``sample_rate``; torch's ``BatchSampler`` over a ``RandomSampler``
-    (``DataLoader(shuffle=True)``) or a ``SequentialSampler`` is the ``shuffle`` scheme
-    (:func:`stock_shuffle_scheme`). Anything else has no scheme.
+    sampling at their ``sample_rate``. Anything else (``BatchSampler(RandomSampler)``: shuffling
+    with a fixed batch size; ``SequentialSampler``) has no scheme of its own here — callbacks
+    then install the scheme's sampler; the accountants' loader check
+    (:func:`check_data_loader`) recognises it as the ``shuffle`` scheme
+    (:func:`stock_shuffle_scheme`), which only the ``"shuffle"`` accountant accepts.
     """
     if batch_sampler is None:
         return None
@@ -124,7 +126,8 @@ def scheme_of_batch_sampler(batch_sampler) -> Optional[Any]:
         return scheme
     if type(inner) in (UniformWithReplacementSampler, DistributedUniformWithReplacementSampler):
         return PoissonScheme(sample_rate=inner.sample_rate)
-    return stock_shuffle_scheme(inner)
+    carried = getattr(getattr(inner, "sampler", None), "scheme", None)  # a counted stock loader
+    return carried if isinstance(carried, ShuffleScheme) else None
 
 
 def stock_shuffle_scheme(batch_sampler) -> Optional[ShuffleScheme]:
@@ -182,6 +185,8 @@ def check_data_loader(scheme: Scheme, loader) -> Optional[DrawLedger]:
     """
     batch_sampler = getattr(loader, "batch_sampler", None)
     found = scheme_of_batch_sampler(batch_sampler)
+    if found is None and batch_sampler is not None:  # a stock shuffled / sequential loader
+        found = stock_shuffle_scheme(innermost_sampler(batch_sampler))
     fix = (f"pass batch_sampler=scheme.sampler(...) (the sampler of {scheme.name!r}) to the "
            f"DataLoader and make_private(..., poisson_sampling=False)")
     if isinstance(loader, DPDataLoader) and not isinstance(scheme, PoissonScheme):

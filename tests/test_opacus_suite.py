@@ -27,11 +27,11 @@ import importlib
 import math
 
 import pytest
+from opacus_released import torchvision_standin
 
 import opacus_structured  # noqa: F401  (registers the accountants with Opacus)
 from opacus_structured.accountants.poisson import PoissonAccountant
 from opacus_structured.accountants.shuffle import ShuffleAccountant
-from opacus_released import torchvision_standin
 
 opacus = pytest.importorskip("opacus")
 if not opacus.__version__.startswith("1.6"):

@@ -113,8 +113,9 @@ def _exact_max_statistic_delta(sigma, k, eps, m_p, m_q):
     lo, hi = -12 * sigma, max(m_p, m_q) + 14 * sigma
     out = 0.0
     for mp, mq in ((m_p, m_q), (m_q, m_p)):
-        val, _ = integrate.quad(lambda c: max(dens(c, mp) - math.exp(eps) * dens(c, mq), 0.0),
-                                lo, hi, limit=400, points=[mp, mq])
+        def excess(c, mp=mp, mq=mq):
+            return max(dens(c, mp) - math.exp(eps) * dens(c, mq), 0.0)
+        val, _ = integrate.quad(excess, lo, hi, limit=400, points=[mp, mq])
         out = max(out, val)
     return out
 

@@ -64,6 +64,8 @@ accountant / scheme          needs
 ``random-allocation-mf``     ``epochs``; ``bands`` (default 1 = DP-SGD), ``strategy``,
                              ``method``, ``renyi_bands``, ``max_dp_cost``
 ``gdp-full-batch``           nothing (one full batch per epoch)
+``shuffle``                  nothing (the loader's ``batch_size`` and ``drop_last``);
+                             ``relation`` (``zero-out`` / ``replace-one``)
 ``structured``               a ``WindowDataset`` (lengths, context and forecast lengths);
                              ``batch_size`` (default the loader's), ``top_level``, …
 ``bminsep-mc``               a configured ``scheme=`` (with ``horizon`` for
@@ -143,8 +145,8 @@ from .samplers.ledger_loader import LedgerDataLoader
 from .samplers.truncated_poisson import PaddedDataset
 from .samplers.verification import check_replaceable_sampler
 from .schemes.base import Scheme, noise_bands
-from .schemes.poisson import PoissonScheme
 from .schemes.registry import SCHEMES, get_scheme_class
+from .schemes.shuffle import ShuffleScheme
 from .schemes.structured import StructuredScheme
 from .schemes.truncated_poisson import TruncatedPoissonScheme
 
@@ -211,13 +213,22 @@ def _resolve_scheme(engine, scheme) -> tuple[type, Optional[Scheme]]:
             f"in {sorted(_scheme_accountant_names())}, or pass scheme=NAME. (For Opacus' own "
             f"accountants call engine.make_private directly.)")
     configured = acc.scheme
-    if configured is not None and not (isinstance(configured, PoissonScheme)
-                                       and configured.sample_rate is None):
+    if configured is not None and not configured.is_template():
         return type(configured), configured
     cls = type(acc).scheme_class
     if cls is None:  # pragma: no cover - SchemeAccountant without a scheme cannot exist
         raise ValueError(f"{type(acc).__name__} names no scheme class")
     return cls, None
+
+
+def _template_options(engine, scheme) -> dict:
+    """Pricing choices of the engine accountant's template scheme (a ``ShuffleScheme()``'s
+    relation), kept by the scheme :func:`make_private` builds; none when ``scheme=`` is given."""
+    acc = getattr(engine, "accountant", None)
+    configured = getattr(acc, "scheme", None)
+    if scheme is None and configured is not None and configured.is_template():
+        return dict(configured.template_options())
+    return {}
 
 
 def _scheme_accountant_names() -> list[str]:
@@ -375,10 +386,13 @@ class _Plan:
                                  f"scheme={cls.name!r} to build it from the DataLoader")
             self.scheme = configured
         else:
+            options = {**_template_options(engine, scheme), **options}
             batch_size = options.pop("batch_size", None)
-            if batch_size is None and issubclass(cls, StructuredScheme):
+            if batch_size is None and issubclass(cls, (StructuredScheme, ShuffleScheme)):
                 batch_size = data_loader.batch_size
-            if batch_size is not None and issubclass(cls, StructuredScheme):
+            if issubclass(cls, ShuffleScheme):
+                options.setdefault("drop_last", bool(data_loader.drop_last))
+            if batch_size is not None and issubclass(cls, (StructuredScheme, ShuffleScheme)):
                 options["batch_size"] = batch_size
             elif batch_size is not None:
                 raise ValueError(f"scheme {cls.name!r} takes no option 'batch_size' (its "

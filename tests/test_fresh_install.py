@@ -37,6 +37,7 @@ SCHEME_ARGS = {
     "gdp": ["--steps", "10"],
     "poisson": ["--sample-rate", "0.01", "--steps", "100"],
     "random-allocation-mf": ["--batches-per-epoch", "10", "--epochs", "1"],
+    "shuffle": ["--dataset-size", "1000", "--batch-size", "10", "--steps", "150"],
     "structured": ["--num-series", "100", "--series-length", "60", "--context-length", "12",
                    "--forecast-length", "4", "--batch-size", "10", "--steps", "20"],
     "truncated-poisson": ["--dataset-size", "1000", "--sample-rate", "0.01",

@@ -32,6 +32,7 @@ from opacus_structured.schemes.bminsep_mc import BMinSepMonteCarloScheme
 from opacus_structured.schemes.gdp import GDPScheme
 from opacus_structured.schemes.poisson import PoissonScheme
 from opacus_structured.schemes.random_allocation_mf import RandomAllocationMFScheme
+from opacus_structured.schemes.shuffle import ShuffleScheme
 from opacus_structured.schemes.structured import StructuredScheme
 from opacus_structured.schemes.truncated_poisson import TruncatedPoissonScheme
 
@@ -63,6 +64,7 @@ CASES = {
                              RandomAllocationMFScheme(strategy="bandmf", bands=2, epochs=2,
                                                       batches_per_epoch=K, method="renyi")),
     "gdp-full-batch": (PrivacyEngine, {}, GDPScheme()),
+    "shuffle": (PrivacyEngine, {}, ShuffleScheme(dataset_size=N, batch_size=BATCH)),
 }
 
 

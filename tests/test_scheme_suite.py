@@ -26,6 +26,7 @@ from opacus_structured.schemes.gdp import GDPScheme
 from opacus_structured.schemes.poisson import PoissonScheme
 from opacus_structured.schemes.random_allocation_mf import RandomAllocationMFScheme
 from opacus_structured.schemes.registry import SCHEMES, sampler_factory_for
+from opacus_structured.schemes.shuffle import ShuffleScheme
 from opacus_structured.schemes.structured import StructuredScheme
 from opacus_structured.schemes.truncated_poisson import TruncatedPoissonScheme
 
@@ -54,6 +55,12 @@ def _structured_lower(scheme, sigma, steps, delta):
                                                               discretization=D)
 
 
+def _shuffle_lower(scheme, sigma, steps, delta):
+    """Chua et al.'s lower bound for the same shuffled run (the scheme's ``bound="lower"``)."""
+    return dataclasses.replace(scheme, bound="lower").epsilon(sigma, steps, delta,
+                                                              discretization=D)
+
+
 @dataclasses.dataclass(frozen=True)
 class Example:
     scheme: object
@@ -78,6 +85,8 @@ EXAMPLES = {
                          forecast_length=1, batch_size=10), (1, 5, 20), None,
         _structured_lower),
     "truncated-poisson": Example(TruncatedPoissonScheme(100, 0.1, 15), (1, 5, 20), None),
+    "shuffle": Example(ShuffleScheme(dataset_size=100, batch_size=10), (1, 15, 20), 100,
+                       _shuffle_lower),
     "bminsep-mc": Example(
         BMinSepMonteCarloScheme(bands=2, dataset_size=100, batch_size=10.0, min_sep=2),
         (2, 10), 100, delta=1e-2),

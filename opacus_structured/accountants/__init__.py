@@ -5,7 +5,8 @@ arguments (``PrivacyEngine(accountant=name)``, ``make_private_with_epsilon``), s
 accountants constructible that way are registered under their mechanism name
 (:data:`REGISTERED`). That is every scheme accountant whose constructor accepts no scheme:
 ``"poisson"`` and ``"gdp-full-batch"`` are bound from construction (their scheme needs no
-parameter); ``"truncated-poisson"``, ``"balls-in-bins"``, ``"bandmf-cyclic-poisson"``,
+parameter), ``"shuffle"`` too, with a template scheme that binds to the DataLoader it is attached
+to (Opacus' stock ``make_private(..., poisson_sampling=False)`` path); ``"truncated-poisson"``, ``"balls-in-bins"``, ``"bandmf-cyclic-poisson"``,
 ``"random-allocation-mf"`` and ``"structured"`` are constructed *unbound*: they refuse to price
 (naming ``opacus_structured.make_private``) until ``opacus_structured.make_private(engine, ...)``
 replaces them with an accountant bound to the scheme it builds from the DataLoader. Plus

@@ -298,7 +298,8 @@ class SchemeAccountant(IAccountant):
         """
         padding = 0
         self._clip_norms.check(optimizer, step=len(self) + 1)
-        if self._discover or not (self._exact_cursor and self._ledger.source is not None):
+        checked = self._discover or not (self._exact_cursor and self._ledger.source is not None)
+        if checked:
             self.check_draws()  # finds the sampler (discovery), or counts draws
         if self._exact_cursor and self._ledger.source is not None:
             padding = self._ledger.take(self.scheme, batches=batches, priced_steps=len(self),
@@ -308,6 +309,8 @@ class SchemeAccountant(IAccountant):
         sigma = optimizer.noise_multiplier
         if padding:
             self.step(noise_multiplier=sigma, sample_rate=sample_rate, num_steps=padding)
+        if not checked:  # after the ledger's finer checks; subclasses' bookkeeping runs here
+            self.check_draws()
         self.step(noise_multiplier=sigma, sample_rate=sample_rate)
         self._ledger.note_priced()
         self._hooked_steps += 1
@@ -537,12 +540,16 @@ class SchemeAccountant(IAccountant):
                 raise ValueError(f"checkpoint was taken with scheme {saved!r}, which "
                                  f"{type(self).__name__} does not price")
             self.scheme = saved
+        resolved = self.scheme if saved is None else self.scheme.checkpoint_scheme(saved)
+        if resolved is None:
+            raise ValueError(
+                f"checkpoint was taken with scheme {saved!r} but this accountant prices "
+                f"{self.scheme!r}; build the accountant from the same scheme")
+        for _, rate, steps in state_dict.get("history", []):
+            if steps:  # a template's checkpoint resumed under a concrete scheme: same rates
+                resolved.check_sample_rate(rate)
         super().load_state_dict(state_dict)
-        if saved is not None:
-            if saved != self.scheme:
-                raise ValueError(
-                    f"checkpoint was taken with scheme {saved!r} but this accountant prices "
-                    f"{self.scheme!r}; build the accountant from the same scheme")
+        self.scheme = resolved
         self.discretization = float(state_dict.get("discretization", self.discretization))
         self._clip_norms.load_state_dict(state_dict.get("clip_norm"))
         if state_dict.get("sampling_constants") is not None:

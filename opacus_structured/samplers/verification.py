@@ -31,13 +31,15 @@ from opacus.utils.uniform_sampler import (
     DistributedUniformWithReplacementSampler,
     UniformWithReplacementSampler,
 )
+from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
 from ..schemes.base import Scheme
 from ..schemes.poisson import PoissonScheme
+from ..schemes.shuffle import ShuffleScheme
 
-__all__ = ["DrawLedger", "scheme_of_batch_sampler", "innermost_sampler", "check_data_loader",
-           "describe_loader", "live_samplers_drawn_since", "draw_clock", "adopt_scheme",
-           "check_replaceable_sampler"]
+__all__ = ["DrawLedger", "scheme_of_batch_sampler", "stock_shuffle_scheme", "innermost_sampler",
+           "check_data_loader", "describe_loader", "live_samplers_drawn_since", "draw_clock",
+           "adopt_scheme", "check_replaceable_sampler"]
 
 _CLOCK = itertools.count(1)
 _LAST_TICK = 0
@@ -182,7 +184,10 @@ def scheme_of_batch_sampler(batch_sampler) -> Optional[Any]:
     a parameter record that the Monte Carlo scheme matches); Opacus' ``UniformWithReplacementSampler``
     and ``DistributedUniformWithReplacementSampler`` (what ``DPDataLoader`` uses) are Poisson
     sampling at their ``sample_rate``. Anything else (``BatchSampler(RandomSampler)``: shuffling
-    with a fixed batch size; ``SequentialSampler``) has no scheme.
+    with a fixed batch size; ``SequentialSampler``) has no scheme of its own here — callbacks
+    then install the scheme's sampler; the accountants' loader check
+    (:func:`check_data_loader`) recognises it as the ``shuffle`` scheme
+    (:func:`stock_shuffle_scheme`), which only the ``"shuffle"`` accountant accepts.
     """
     if batch_sampler is None:
         return None
@@ -193,7 +198,32 @@ def scheme_of_batch_sampler(batch_sampler) -> Optional[Any]:
     if isinstance(inner, (UniformWithReplacementSampler,
                           DistributedUniformWithReplacementSampler)):
         return PoissonScheme(sample_rate=inner.sample_rate)
-    return None
+    carried = getattr(getattr(inner, "sampler", None), "scheme", None)  # a counted stock loader
+    return carried if isinstance(carried, ShuffleScheme) else None
+
+
+def stock_shuffle_scheme(batch_sampler) -> Optional[ShuffleScheme]:
+    """The :class:`~opacus_structured.schemes.shuffle.ShuffleScheme` that torch's
+    ``BatchSampler`` draws over a ``RandomSampler`` without replacement covering the data once
+    (``DataLoader(shuffle=True, batch_size=B)``) or over a ``SequentialSampler`` (a fixed
+    order: the shuffle bound does not use the randomness); else ``None``. An index sampler
+    already wrapped by the shuffle accountant's counter carries its scheme."""
+    if type(batch_sampler) is not BatchSampler:
+        return None
+    inner = batch_sampler.sampler
+    carried = getattr(inner, "scheme", None)
+    if isinstance(carried, ShuffleScheme):
+        return carried
+    if type(inner) is RandomSampler:
+        if inner.replacement or inner.num_samples != len(inner.data_source):
+            return None
+    elif type(inner) is not SequentialSampler:
+        return None
+    n = len(inner)
+    if n < 1 or batch_sampler.batch_size is None or batch_sampler.batch_size > n:
+        return None
+    return ShuffleScheme(dataset_size=n, batch_size=batch_sampler.batch_size,
+                         drop_last=bool(batch_sampler.drop_last))
 
 
 def describe_loader(loader) -> str:
@@ -342,6 +372,8 @@ def check_data_loader(scheme: Scheme, loader) -> Optional[DrawLedger]:
     """
     batch_sampler = getattr(loader, "batch_sampler", None)
     found = scheme_of_batch_sampler(batch_sampler)
+    if found is None and batch_sampler is not None:  # a stock shuffled / sequential loader
+        found = stock_shuffle_scheme(innermost_sampler(batch_sampler))
     fix = (f"pass batch_sampler=scheme.sampler(...) (the sampler of {scheme.name!r}) to the "
            f"DataLoader and make_private(..., poisson_sampling=False)")
     if isinstance(loader, DPDataLoader) and not isinstance(scheme, PoissonScheme):
@@ -358,6 +390,18 @@ def check_data_loader(scheme: Scheme, loader) -> Optional[DrawLedger]:
         raise ValueError(f"the DataLoader draws batches with {desc}, but the accountant prices "
                          f"scheme {scheme.name!r}, whose epsilon is only valid for that scheme's "
                          f"sampler.{why} Fix: {fix}")
+    if isinstance(found, ShuffleScheme) and not isinstance(scheme, ShuffleScheme):
+        desc = describe_loader(loader)
+        other = ("let Opacus draw Poisson batches, which 'poisson' prices: "
+                 "make_private(..., poisson_sampling=True)" if isinstance(scheme, PoissonScheme)
+                 else fix)
+        raise ValueError(
+            f"the DataLoader draws batches with {desc}: fixed-size batches, every example once "
+            f"per epoch, i.e. the 'shuffle' scheme ({found!r}), but the accountant prices scheme "
+            f"{scheme.name!r} ({scheme!r}). Shuffling has no subsampling-amplification "
+            f"guarantee, so the scheme's epsilon could be an under-report. Fix: price this "
+            f"loader soundly with the 'shuffle' accountant (PrivacyEngine(accountant='shuffle'), "
+            f"or opacus_structured.make_private(engine, scheme='shuffle', ...)), or {other}")
     if not scheme_accepts(scheme, found):
         raise ValueError(f"the DataLoader's batch sampler implements {found!r} but the "
                          f"accountant prices {scheme!r}: build the sampler and the accountant "
@@ -376,4 +420,7 @@ def check_data_loader(scheme: Scheme, loader) -> Optional[DrawLedger]:
         raise ValueError(f"the batch sampler draws from {size} examples but the DataLoader's "
                          f"dataset has {len(dataset)}: build the sampler with the dataset's "
                          f"size (scheme.sampler(len(dataset), ...))")
-    return inner if isinstance(inner, DrawLedger) else None
+    if isinstance(inner, DrawLedger):
+        return inner
+    counter = getattr(inner, "sampler", None)  # a stock BatchSampler's counted index sampler
+    return counter if isinstance(counter, DrawLedger) else None

@@ -183,6 +183,25 @@ class Scheme(abc.ABC):
         ``PoissonScheme``) or whose samplers carry a parameter record override it."""
         return sampler_scheme == self
 
+    def is_template(self) -> bool:
+        """Whether this scheme leaves a parameter to the training run (a rate-less
+        ``PoissonScheme``, a size-less ``ShuffleScheme``: what an accountant built by name
+        holds); ``make_private`` then builds the concrete scheme from the DataLoader, keeping
+        :meth:`template_options`. Default ``False``."""
+        return False
+
+    def template_options(self) -> dict[str, Any]:
+        """Pricing choices of a template that the concrete scheme built from it keeps."""
+        return {}
+
+    def checkpoint_scheme(self, saved: "Scheme") -> "Scheme | None":
+        """The scheme to price with after loading an accountant checkpoint taken under
+        ``saved``, or ``None`` if the two are incompatible. Default: ``self`` if equal. Schemes
+        with a template override it: a template adopts the saved concrete scheme, a concrete
+        scheme resumes a checkpoint taken under its template (the accountant then checks the
+        history's rates against it)."""
+        return self if saved == self else None
+
     def epsilon(self, noise_multiplier: float, steps: int, delta: float, *,
                 discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
                 sample_rate: float | None = None) -> float:

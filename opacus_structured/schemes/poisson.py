@@ -119,6 +119,24 @@ class PoissonScheme(Scheme):
             return isinstance(sampler_scheme, PoissonScheme)
         return sampler_scheme == self
 
+    def is_template(self) -> bool:
+        """Without ``sample_rate`` the rate comes from Opacus' hook."""
+        return self.sample_rate is None
+
+    def checkpoint_scheme(self, saved):
+        """Equal schemes; a rate-less template adopts a saved rate; a checkpoint taken under
+        the template (rates in its history) resumes under a fixed rate (the accountant checks
+        the history's rates against it)."""
+        if saved == self:
+            return self
+        if not isinstance(saved, PoissonScheme):
+            return None
+        if self.sample_rate is None:
+            return saved
+        if saved.sample_rate is None:
+            return self
+        return None
+
     def pld(self, noise_multiplier, *, sample_rate=None,
             discretization=pld_lib.DEFAULT_DISCRETIZATION):
         self.check_sample_rate(sample_rate)

@@ -45,6 +45,7 @@ from opacus_structured.schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonS
 from opacus_structured.schemes.gdp import GDPScheme
 from opacus_structured.schemes.poisson import PoissonScheme
 from opacus_structured.schemes.random_allocation_mf import RandomAllocationMFScheme
+from opacus_structured.schemes.shuffle import ShuffleScheme
 from opacus_structured.schemes.truncated_poisson import TruncatedPoissonScheme
 
 N = 60           # examples
@@ -71,6 +72,7 @@ SCHEMES = {
         strategy="identity", epochs=EPOCHS, batches_per_epoch=N // B, method="renyi"),
     "random-allocation-bandmf": RandomAllocationMFScheme(
         strategy="bandmf", bands=2, epochs=EPOCHS, batches_per_epoch=N // B, method="renyi"),
+    "shuffle": ShuffleScheme(dataset_size=N, batch_size=B),
     # time-series windows: built by make_private from a WindowDataset (see _structured_data)
     "structured-wor": "wor",
     "structured-deterministic": "deterministic",
@@ -469,6 +471,17 @@ def oracle(scheme_name: str, out: Outcome) -> Optional[float]:
     policy = scheme.release_policy
     if isinstance(scheme, GDPScheme):
         return _scheme_epsilon(scheme, sigma, len(released))
+    if out.stock and isinstance(scheme, ShuffleScheme):
+        if out.shape in MUST_RAISE:
+            return None
+        # at least this many permutations were used: a new one starts at the first batch
+        # holding an example already released in the current one
+        permutations, seen = 1, set()
+        for batch in released:
+            if seen & set(batch):
+                permutations, seen = permutations + 1, set()
+            seen |= set(batch)
+        return _scheme_epsilon(scheme, sigma, permutations * scheme.steps_per_epoch())
     if out.stock:  # Poisson at the loader's rate; a batch released twice is not Poisson
         if len(set(released)) < len(released) or out.shape in MUST_RAISE:
             return None
@@ -583,16 +596,18 @@ STOCK_SHAPES = ("plain", "skip2", "break", "eval_draw", "early_stop", "noise_sch
                 "batch_memory_manager", "double_step", "other_loader", "detached_step")
 
 
-def run_stock_case(shape: str, workers: int = 0) -> Outcome:
+def run_stock_case(shape: str, workers: int = 0, accountant: str = "poisson") -> Outcome:
     """A stock Opacus script with our accountant: ``engine.make_private`` builds Opacus' own
     ``DPDataLoader`` (Poisson at q = 1/len(loader)), whose draws the accountant counts. Its
     generator is Opacus' (not seeded here), so the oracle prices the number of releases and a
     batch released twice or not drawn by the loader must raise."""
     model, optimizer = _fresh_model()
-    engine = PrivacyEngine(accountant="poisson")
+    engine = PrivacyEngine(accountant=accountant)
+    shuffle = accountant == "shuffle"  # a plain DataLoader(shuffle=True), poisson_sampling=False
     model, optimizer, loader = engine.make_private(
         module=model, optimizer=optimizer,
-        data_loader=DataLoader(_data(), batch_size=B, num_workers=workers),
-        noise_multiplier=SIGMA, max_grad_norm=1.0)
-    out = Outcome([], [], scheme=PoissonScheme(sample_rate=B / N), stock=True, shape=shape)
+        data_loader=DataLoader(_data(), batch_size=B, num_workers=workers, shuffle=shuffle),
+        noise_multiplier=SIGMA, max_grad_norm=1.0, poisson_sampling=not shuffle)
+    scheme = SCHEMES["shuffle"] if shuffle else PoissonScheme(sample_rate=B / N)
+    out = Outcome([], [], scheme=scheme, stock=True, shape=shape)
     return _drive(out, engine, _Loop(model, optimizer), loader, None, EPOCHS, workers)

@@ -61,15 +61,16 @@ def test_every_registered_scheme_is_in_the_grid():
     assert not missing, f"add an instance of {sorted(missing)} to tests/redteam.py SCHEMES"
 
 
-STOCK_CASES = list(itertools.product(STOCK_SHAPES, (0, 2)))
+STOCK_CASES = list(itertools.product(("poisson", "shuffle"), STOCK_SHAPES, (0, 2)))
+STOCK_FAST = {("poisson", "plain", 0), ("poisson", "other_loader", 0),
+              ("poisson", "double_step", 0), ("shuffle", "break", 0)}
 
 
-@pytest.mark.parametrize("shape,workers", [
-    pytest.param(sh, w, marks=() if (sh, w) in {("plain", 0), ("other_loader", 0),
-                                                 ("double_step", 0)} else (pytest.mark.slow,),
-                 id=f"stock-{sh}-w{w}") for sh, w in STOCK_CASES])
-def test_stock_opacus_loop_never_under_reports(shape, workers):
-    judge("poisson", shape, run_stock_case(shape, workers))
+@pytest.mark.parametrize("accountant,shape,workers", [
+    pytest.param(a, sh, w, marks=() if (a, sh, w) in STOCK_FAST else (pytest.mark.slow,),
+                 id=f"stock-{a}-{sh}-w{w}") for a, sh, w in STOCK_CASES])
+def test_stock_opacus_loop_never_under_reports(accountant, shape, workers):
+    judge(accountant, shape, run_stock_case(shape, workers, accountant))
 
 
 LIGHTNING_CASES = [(s, sh, w) for s, sh, w in itertools.product(

@@ -225,5 +225,6 @@ def test_case5_stock_path_prices_what_its_loader_drew():
         noise_multiplier=1.0, max_grad_norm=1.0)
     for batch in loader:
         _step(model, optimizer, batch)
-    assert engine.accountant.get_epsilon(DELTA, discretization=D) == pytest.approx(
-        _poisson_eps(0.1, 10), rel=1e-9)
+    # dp_accounting reads δ as given; ours at δ minus the composition's round-off floor
+    eps = engine.accountant.get_epsilon(DELTA, discretization=D)
+    assert _poisson_eps(0.1, 10) <= eps <= _poisson_eps(0.1, 10) * (1 + 1e-6)

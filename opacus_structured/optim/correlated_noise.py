@@ -8,22 +8,28 @@ matrix factorization"):
 
     w_i = ( z_i − Σ_{k=1}^{b−1} c_k · w_{i−k} ) / c_0,        w_j := 0 for j < 0.
 
-The ring buffer of the last ``b − 1`` noise vectors is **one contiguous** ``(b−1) × D`` tensor per
-(device, dtype) of the parameters (``D`` = their total size; each parameter owns a column range,
-:attr:`CorrelatedNoiseMixin._noise_buffers` holds its ``(b−1, *shape)`` view), at the parameter
-dtype. A step reads the ``(b−1)·d`` buffer once (the reduction ``Σ_slot a_slot · buf[slot]``),
-writes the new ``w_i`` once, straight into the slot it replaces (``torch.sub(z, t, out=slot)``),
-and adds it to the clipped sum: ≈ ``(b + 4)·d`` floats of memory traffic, of which stock DP-SGD's
-noise already moves ``4·d`` (draw ``z``, read ``S``, read ``z``, write the gradient).
+The ring buffer of the last ``b − 1`` noise vectors is **one contiguous storage** of ``(b−1)·D``
+elements per (device, dtype) of the parameters (``D`` = their total size), at the parameter dtype;
+:attr:`CorrelatedNoiseMixin._noise_buffers` holds each parameter's ``(b−1, *shape)`` view of it.
+A step reads the ``(b−1)·d`` ring once (the reduction ``t = Σ_slot a_slot · buf[slot]``), writes
+``w_i = (z_i − t) / c_0`` once, straight into the slot it replaces (``torch.sub(z, t, out=slot)``;
+the slot's old value ``w_{i−b+1}`` was read by ``t`` before), and adds it to the clipped sum:
+``(b − 1)·d`` (ring) + ``d`` (``t``) + ``3·d`` (``z − t`` into the slot) + ``d`` (draw ``z``) +
+``3·d`` (``S + w``) ≈ ``(b + 7)·d`` elements, of which stock DP-SGD's noise moves ``4·d``
+(``c_0 ≠ 1`` adds an in-place division, ``2·d``).
 
-The reduction runs, by default, as one BLAS ``(1 × (b−1)) @ ((b−1) × d_p)`` product per parameter
-over the parameter's column range of the contiguous buffer: the same BLAS call on the same
-operand shape as the historical per-parameter ``tensordot`` (BLAS's reduction order depends on
-the column count, e.g. MKL's float32 ``sgemm`` for ``b − 1 ≥ 8``), so the noise is bit-identical
-to the per-parameter implementation. ``single_gemv = True`` (class attribute or constructor
-keyword) instead does one GEMV per (device, dtype) over the whole buffer: the same distribution
-(exactly the same Gaussian recursion in exact arithmetic), fewer kernel launches, but the
-float rounding of the sum may differ from the per-parameter one in the last bit. Releasing ``G + C^{-1}Z`` is post-processing of the
+Layout and reduction order. By default the storage is parameter-major: parameter ``p`` owns the
+contiguous ``(b−1) × d_p`` block at ``(b−1)·offset_p``, reduced with one BLAS product per
+parameter on exactly the operand the former per-parameter buffers gave it, so the noise is
+bit-identical to the per-parameter implementation. A single GEMV over all parameters cannot
+be: BLAS's reduction order over the ``b − 1`` terms depends on the operand's column count and
+thread split (MKL's float32 ``sgemm`` rounds its tail columns and its per-thread chunk edges
+differently for ``b − 1 ≥ 8``), so the same element of ``t`` can round differently in a
+``(b−1) × D`` product than in the parameter's own ``(b−1) × d_p`` one. ``single_gemv = True``
+(class attribute or constructor keyword) lays the storage out as one ``(b−1) × D`` matrix
+(parameter ``p`` owns columns ``offset_p : offset_p + d_p``) and computes ``t`` with one GEMV
+per (device, dtype): the same Gaussian recursion in exact arithmetic and the same memory
+traffic, fewer kernel launches, last-bit differences in the sum. Releasing ``G + C^{-1}Z`` is post-processing of the
 Gaussian mechanism on ``C G`` (§2.1 there), so the privacy cost is the one of the matrix
 mechanism with columns of ``C`` as per-participation sensitivity: price it with an accountant
 that knows ``C`` and the sampler (e.g. ``bandmf-cyclic-poisson`` with the cyclic Poisson sampler),

@@ -204,6 +204,13 @@ def test_restored_buffer_of_wrong_shape_is_refused_before_any_write():
     with pytest.raises(RuntimeError, match="does not match the gradient"):
         opt.add_noise()
     assert all(torch.equal(a, b) for a, b in zip(before, opt._noise_buffers))
+    # a parameter frozen mid-run: the buffers no longer line up with the parameters
+    opt.params[0].requires_grad_(False)
+    for p in opt.params:
+        p.summed_grad = torch.zeros_like(p)
+    with pytest.raises(RuntimeError, match="frozen or unfrozen"):
+        opt.add_noise()
+    assert all(torch.equal(a, b) for a, b in zip(before, opt._noise_buffers))
 
 
 class _OpLog(TorchDispatchMode):

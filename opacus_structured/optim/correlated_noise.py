@@ -269,9 +269,16 @@ class CorrelatedNoiseMixin:
         ``i mod (b−1)`` (which held ``w_{i−b+1}``, read by ``t`` before), and
         ``p.grad = p.summed_grad + w``. Step 0 has an empty history: ``w = z / c_0``."""
         rings = self._flat_layout()
-        for p in self.params:  # refuse before any slot is overwritten
+        params = self.params
+        if len(params) != len(self._noise_buffers):
+            raise RuntimeError(
+                f"the optimizer has {len(params)} parameters needing noise, its correlated-"
+                f"noise buffers were built for {len(self._noise_buffers)} (a parameter was "
+                f"frozen or unfrozen mid-run); restore it with load_state_dict or restart")
+        for p, buf in zip(params, self._noise_buffers):  # refuse before any slot is overwritten
             ref = p.summed_grad
-            if (ref.device, ref.dtype) not in rings or ref.shape != p.shape:
+            if (ref.device, ref.dtype) not in rings or ref.shape != p.shape or \
+                    buf.shape[1:] != p.shape:
                 raise RuntimeError(
                     "correlated-noise buffer does not match the gradient (shape, dtype or "
                     "device changed mid-run); restore it with load_state_dict or restart")
@@ -283,7 +290,7 @@ class CorrelatedNoiseMixin:
             for ring in rings.values():
                 a = self._slot_weights(ring["storage"])
                 torch.mm(a.view(1, m), ring["storage"].view(m, -1), out=ring["t"].view(1, -1))
-        for idx, p in enumerate(self.params):
+        for idx, p in enumerate(params):
             _check_processed_flag(p.summed_grad)
             ref = p.summed_grad
             ring = rings[(ref.device, ref.dtype)]

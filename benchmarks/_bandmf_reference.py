@@ -6,8 +6,7 @@ passes. (``tests/test_bandmf_flat_buffer.py`` keeps its own frozen copy for bit-
 from __future__ import annotations
 
 import torch
-from opacus.optimizers.optimizer import (_check_processed_flag, _generate_noise,
-                                         _mark_as_processed)
+from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 
 from opacus_structured.optim.correlated_noise import CorrelatedNoiseDPOptimizer
 

@@ -163,7 +163,7 @@ def _noise_setup(variant, num_params, bands, device, dtype, pieces=4):
     sums = [torch.zeros_like(p) for p in params]
 
     def step():
-        for p, s in zip(params, sums):
+        for p, s in zip(params, sums, strict=True):
             s.__dict__.pop("_processed", None)  # Opacus' processed flag: reuse the tensor
             p.summed_grad = s
         opt.add_noise()
@@ -201,7 +201,7 @@ def bench_bandwidth(num_params, bands, device, repeats, dtype=torch.float32):
     for name in order:
         ts = times[name]
         gbs = [elements[name] * size / t / 1e9 for t in ts]
-        frac = [g / tg for g, tg in zip(gbs, triad_gbs)]
+        frac = [g / tg for g, tg in zip(gbs, triad_gbs, strict=True)]
         rows.append(dict(kind="bandwidth", variant=name, bands=None if name in (
             "triad", "copy", "stock") else bands, params=d, dtype=str(dtype).split(".")[-1],
             bytes_per_step=elements[name] * size, ms=statistics.median(ts) * 1e3,

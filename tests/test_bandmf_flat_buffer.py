@@ -6,8 +6,7 @@ import warnings
 
 import pytest
 import torch
-from opacus.optimizers.optimizer import (_check_processed_flag, _generate_noise,
-                                         _mark_as_processed)
+from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -93,7 +92,7 @@ def _params(shapes, dtype, seed=0):
 
 def _make(cls, coefs, shapes=SHAPES, dtype=torch.float64, seed=7, **kw):
     dtypes = dtype if isinstance(dtype, list) else [dtype] * len(shapes)
-    params = [q for s, d in zip(shapes, dtypes) for q in _params([s], d)]
+    params = [q for s, d in zip(shapes, dtypes, strict=True) for q in _params([s], d)]
     return cls(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.1, max_grad_norm=0.8,
                expected_batch_size=1, generator=torch.Generator().manual_seed(seed),
                noise_correlation=coefs, **kw)
@@ -111,8 +110,8 @@ def _stream(opt, steps, start=0):
 
 def _assert_bit_identical(a_steps, b_steps):
     assert len(a_steps) == len(b_steps)
-    for a, b in zip(a_steps, b_steps):
-        for x, y in zip(a, b):
+    for a, b in zip(a_steps, b_steps, strict=True):
+        for x, y in zip(a, b, strict=True):
             assert x.dtype == y.dtype and x.shape == y.shape
             assert torch.equal(x, y), (x - y).abs().max()
 
@@ -142,7 +141,7 @@ def test_mixed_dtypes_one_ring_each_and_bit_identical():
     _assert_bit_identical(ref, _stream(new, 20))
     rings = new._flat_rings
     assert sorted(str(k[1]) for k in rings) == ["torch.float32", "torch.float64"]
-    for (device, dt), ring in rings.items():
+    for (_device, dt), ring in rings.items():
         storage = ring["storage"]
         assert storage.is_contiguous() and storage.dtype == dt
         assert storage.numel() == 15 * sum(p.numel() for p in new.params if p.dtype == dt)
@@ -153,8 +152,8 @@ def test_single_gemv_same_recursion_up_to_rounding():
     coefs = COEFS[16]
     ref = _stream(_make(_FrozenPerParameterBandMF, coefs), 20)
     flat = _stream(_make(CorrelatedNoiseDPOptimizer, coefs, single_gemv=True), 20)
-    for a, b in zip(ref, flat):
-        for x, y in zip(a, b):
+    for a, b in zip(ref, flat, strict=True):
+        for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="single_gemv"):
         _make(CorrelatedNoiseDPOptimizer, coefs, single_gemv=1)
@@ -170,7 +169,7 @@ def test_resume_exact_new_and_old_format_states(single_gemv):
     sd = first.state_dict()
     bufs = sd["correlated_noise"]["buffers"]
     assert all(b.shape == (7, *p.shape) and b.is_contiguous()
-               for b, p in zip(bufs, first.params))  # the historical per-parameter format
+               for b, p in zip(bufs, first.params, strict=True))  # the historical per-parameter format
     resumed = _make(CorrelatedNoiseDPOptimizer, coefs, seed=999, single_gemv=single_gemv)
     resumed.load_state_dict(sd)
     _assert_bit_identical(full[cut:], _stream(resumed, n - cut, cut))
@@ -203,14 +202,14 @@ def test_restored_buffer_of_wrong_shape_is_refused_before_any_write():
         p.summed_grad = torch.zeros_like(p, dtype=torch.float32)
     with pytest.raises(RuntimeError, match="does not match the gradient"):
         opt.add_noise()
-    assert all(torch.equal(a, b) for a, b in zip(before, opt._noise_buffers))
+    assert all(torch.equal(a, b) for a, b in zip(before, opt._noise_buffers, strict=True))
     # a parameter frozen mid-run: the buffers no longer line up with the parameters
     opt.params[0].requires_grad_(False)
     for p in opt.params:
         p.summed_grad = torch.zeros_like(p)
     with pytest.raises(RuntimeError, match="frozen or unfrozen"):
         opt.add_noise()
-    assert all(torch.equal(a, b) for a, b in zip(before, opt._noise_buffers))
+    assert all(torch.equal(a, b) for a, b in zip(before, opt._noise_buffers, strict=True))
 
 
 class _OpLog(TorchDispatchMode):
@@ -241,7 +240,7 @@ def test_one_contiguous_buffer_and_one_reduction_per_step(single_gemv):
     assert storage.dtype == torch.float64
     start = storage.data_ptr()
     end = start + storage.numel() * storage.element_size()
-    for view, p in zip(opt._noise_buffers, opt.params):  # every parameter's ring is a view
+    for view, p in zip(opt._noise_buffers, opt.params, strict=True):  # every parameter's ring is a view
         assert view.shape == (15, *p.shape) and start <= view.data_ptr() < end
         assert view.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()
         if not single_gemv:  # parameter-major: each block contiguous, blocks back to back

@@ -275,7 +275,7 @@ class CorrelatedNoiseMixin:
                 f"the optimizer has {len(params)} parameters needing noise, its correlated-"
                 f"noise buffers were built for {len(self._noise_buffers)} (a parameter was "
                 f"frozen or unfrozen mid-run); restore it with load_state_dict or restart")
-        for p, buf in zip(params, self._noise_buffers):  # refuse before any slot is overwritten
+        for p, buf in zip(params, self._noise_buffers, strict=True):  # refuse before any slot is overwritten
             ref = p.summed_grad
             if (ref.device, ref.dtype) not in rings or ref.shape != p.shape or \
                     buf.shape[1:] != p.shape:

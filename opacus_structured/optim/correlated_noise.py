@@ -14,9 +14,11 @@ elements per (device, dtype) of the parameters (``D`` = their total size), at th
 A step reads the ``(b−1)·d`` ring once (the reduction ``t = Σ_slot a_slot · buf[slot]``), writes
 ``w_i = (z_i − t) / c_0`` once, straight into the slot it replaces (``torch.sub(z, t, out=slot)``;
 the slot's old value ``w_{i−b+1}`` was read by ``t`` before), and adds it to the clipped sum:
-``(b − 1)·d`` (ring) + ``d`` (``t``) + ``3·d`` (``z − t`` into the slot) + ``d`` (draw ``z``) +
-``3·d`` (``S + w``) ≈ ``(b + 7)·d`` elements, of which stock DP-SGD's noise moves ``4·d``
-(``c_0 ≠ 1`` adds an in-place division, ``2·d``).
+``(b − 1)·d`` (ring) + ``d`` (``t``) + ``3·d`` (``z − t`` into the slot) + ``2·d`` (Opacus'
+``_generate_noise`` writes a zero tensor and the draw ``z``) + ``3·d`` (``S + w``) =
+``(b + 8)·d`` elements, of which stock DP-SGD's noise moves ``5·d`` (``c_0 ≠ 1`` adds an
+in-place division, ``2·d``; the per-parameter implementation moved ``2·d`` more: ``z − t`` and
+the copy into the slot were separate passes).
 
 Layout and reduction order. By default the storage is parameter-major: parameter ``p`` owns the
 contiguous ``(b−1) × d_p`` block at ``(b−1)·offset_p``, reduced with one BLAS product per

@@ -144,7 +144,9 @@ def test_mixed_dtypes_one_ring_each_and_bit_identical():
     for (_device, dt), ring in rings.items():
         storage = ring["storage"]
         assert storage.is_contiguous() and storage.dtype == dt
-        assert storage.numel() == 15 * sum(p.numel() for p in new.params if p.dtype == dt)
+        need = 15 * sum(p.numel() for p in new.params if p.dtype == dt)
+        pieces = sum(p.dtype == dt for p in new.params)
+        assert need <= storage.numel() < need + 128 * pieces  # block alignment padding only
 
 
 def test_single_gemv_same_recursion_up_to_rounding():
@@ -236,7 +238,8 @@ def test_one_contiguous_buffer_and_one_reduction_per_step(single_gemv):
     (ring,) = opt._flat_rings.values()
     storage = ring["storage"]
     d = sum(p.numel() for p in opt.params)
-    assert storage.is_contiguous() and storage.shape == (15 * d,)
+    assert storage.is_contiguous() and storage.dim() == 1
+    assert 15 * d <= storage.numel() <= 15 * d + (0 if single_gemv else 128 * len(opt.params))
     assert storage.dtype == torch.float64
     start = storage.data_ptr()
     end = start + storage.numel() * storage.element_size()
@@ -248,8 +251,9 @@ def test_one_contiguous_buffer_and_one_reduction_per_step(single_gemv):
     if not single_gemv:
         ptrs = [v.data_ptr() for v in opt._noise_buffers]
         sizes = [v.numel() * v.element_size() for v in opt._noise_buffers]
-        assert ptrs[0] == start and all(ptrs[k] + sizes[k] == ptrs[k + 1]
-                                        for k in range(len(ptrs) - 1))
+        assert ptrs[0] == start and all(ptrs[k] + sizes[k] <= ptrs[k + 1]
+                                        for k in range(len(ptrs) - 1))  # in order, disjoint
+        assert all((q - start) % (128 * storage.element_size()) == 0 for q in ptrs)
     for p in opt.params:
         p.summed_grad = torch.zeros_like(p)
     with _OpLog(storage) as log:

@@ -89,6 +89,11 @@ __all__ = ["CorrelatedNoiseMixin", "CorrelatedNoiseDPOptimizer", "correlated_opt
 
 _STATE_KEY = "correlated_noise"
 
+#: start of each parameter's ring block in the default layout, in elements (512 B at float32):
+#: BLAS kernels may pick their code path by the operand's alignment, so each block is aligned
+#: like the separately allocated buffer it replaces (padding: < 128 elements per parameter).
+_BLOCK_ALIGN = 128
+
 
 def _coefficients_key(coefs):
     """Comparable form of banded coefficients (list) or BLT parameters (dict)."""
@@ -213,8 +218,8 @@ class CorrelatedNoiseMixin:
         """The contiguous ring buffers, one storage of ``(b−1)·D`` elements per (device, dtype)
         of the parameters, built at the first banded step.
 
-        Default layout: parameter-major, parameter ``p`` owning the contiguous ``(b−1) × d_p``
-        block at ``(b−1)·offset_p`` (so its reduction is the very BLAS call, on the very
+        Default layout: parameter-major, parameter ``p`` owning a contiguous ``(b−1) × d_p``
+        block (starts aligned to ``_BLOCK_ALIGN`` elements; so its reduction is the very BLAS call, on the very
         operand, of the per-parameter implementation: bit-identical). ``single_gemv``: one
         ``(b−1) × D`` matrix, parameter ``p`` owning columns ``offset_p : offset_p + d_p``.
         :attr:`_noise_buffers` holds each parameter's ``(b−1, *shape)`` view either way.
@@ -229,17 +234,25 @@ class CorrelatedNoiseMixin:
             groups.setdefault((p.device, p.dtype), []).append(idx)
         rings = {}
         for (device, dtype), idxs in groups.items():
-            total = sum(self.params[i].numel() for i in idxs)
-            storage = torch.zeros(m * total, dtype=dtype, device=device)
-            matrix = storage.view(m, total)
+            sizes = [self.params[i].numel() for i in idxs]
+            total = sum(sizes)
+            if self.single_gemv:
+                starts, length = None, m * total
+            else:  # blocks start at _BLOCK_ALIGN elements, as a fresh allocation would
+                starts, length = [], 0
+                for n in sizes:
+                    length = -(-length // _BLOCK_ALIGN) * _BLOCK_ALIGN
+                    starts.append(length)
+                    length += m * n
+            storage = torch.zeros(length, dtype=dtype, device=device)
             views, off = {}, 0
-            for i in idxs:
+            for k, i in enumerate(idxs):
                 p = self.params[i]
-                n = p.numel()
+                n = sizes[k]
                 if self.single_gemv:
-                    view = matrix[:, off:off + n].view(m, *p.shape)
+                    view = storage.view(m, total)[:, off:off + n].view(m, *p.shape)
                 else:
-                    view = storage[m * off:m * (off + n)].view(m, *p.shape)
+                    view = storage[starts[k]:starts[k] + m * n].view(m, *p.shape)
                 old = self._noise_buffers[i]
                 if old is not None:
                     if old.shape != view.shape or old.dtype != dtype:

@@ -1,16 +1,36 @@
-"""Step time and memory of CorrelatedNoiseDPOptimizer vs stock Opacus DPOptimizer.
+"""Step time, memory and memory bandwidth of CorrelatedNoiseDPOptimizer vs stock Opacus.
 
-Times ``optimizer.add_noise()`` + ``step()`` (the part correlated noise changes) on a model of
-``--params`` parameters (default 10M on CUDA, 1M on CPU) for b ∈ {1, 8, 64}, and a full
-forward/backward/clip/noise step on an MLP. Usage::
+Times a full forward/backward/clip/noise step on an MLP of ``--params`` parameters (default 10M
+on CUDA, 2M on CPU) for b ∈ {1, 8, 64}, ``optimizer.add_noise()`` alone, and (issue 32) the
+**bandwidth** of ``add_noise()``: for each b of ``--bw-bands`` the repetitions of
+
+* a STREAM-like triad ``a = b + s·c`` and a copy ``a = b`` (same dtype, arrays sized so that
+  the triad moves as many bytes as the BandMF step: out of cache),
+* stock Opacus ``DPOptimizer.add_noise()``,
+* the former per-parameter BandMF (``benchmarks/_bandmf_reference.py``),
+* the contiguous-ring BandMF (default, bit-identical) and its ``single_gemv`` variant
+
+are interleaved (one call of each per round), and each row reports the median time with its
+spread (min–max over the rounds), the bytes a step must move (model below), the achieved GB/s
+and its fraction of the triad's GB/s of the same round (median and min–max over rounds).
+
+Bytes per step, in elements of ``d`` (parameters) × dtype size: Opacus' ``_generate_noise``
+writes a zero tensor and the draw (2), ``p.grad = S + w`` reads two and writes one (3): stock
+5. Ring BandMF adds the ring read ``(b − 1)``, the reduction's output ``t`` (1) and
+``torch.sub(z, t, out=slot)`` (3): ``b + 8``; the per-parameter one ``z − t`` (3) and the copy
+into the slot (2): ``b + 10``. ``c_0 ≠ 1`` adds a division (2) to both. Usage::
 
     python benchmarks/correlated_noise.py [--params N] [--bands 1 8 64] [--repeats 20]
+    python benchmarks/correlated_noise.py --bandwidth-only [--bw-bands 64] [--bw-repeats 15]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import sys
 import time
 import warnings
 
@@ -23,6 +43,9 @@ from opacus_structured.optim.correlated_noise import CorrelatedNoiseDPOptimizer
 from opacus_structured.optim.privacy_engine import CorrelatedNoisePrivacyEngine
 from opacus_structured.optim.strategies import banded_sqrt_coefficients
 from opacus_structured.schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bandmf_reference import PerParameterBandMF  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -113,17 +136,126 @@ def bench_noise_only(num_params, bands, device, repeats):
     return times[len(times) // 2], state / 2**20
 
 
+def _noise_elements(variant: str, bands: int, c0: float) -> int:
+    """Elements of ``d`` that one ``add_noise()`` must read or write (module docstring)."""
+    if variant == "stock":
+        return 5
+    div = 0 if c0 == 1.0 else 2
+    if variant == "per_parameter":
+        return bands + 10 + div
+    return bands + 8 + div  # ring, single_gemv
+
+
+def _noise_setup(variant, num_params, bands, device, dtype, pieces=4):
+    params = [nn.Parameter(torch.zeros(num_params // pieces, device=device, dtype=dtype))
+              for _ in range(pieces)]
+    sgd = torch.optim.SGD(params, lr=0.01)
+    common = dict(noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=1,
+                  generator=torch.Generator(device=device).manual_seed(0))
+    coefs = banded_sqrt_coefficients(bands)
+    if variant == "stock":
+        opt = DPOptimizer(sgd, **common)
+    elif variant == "per_parameter":
+        opt = PerParameterBandMF(sgd, noise_correlation=coefs, **common)
+    else:
+        opt = CorrelatedNoiseDPOptimizer(sgd, noise_correlation=coefs,
+                                         single_gemv=variant == "single_gemv", **common)
+    sums = [torch.zeros_like(p) for p in params]
+
+    def step():
+        for p, s in zip(params, sums, strict=True):
+            s.__dict__.pop("_processed", None)  # Opacus' processed flag: reuse the tensor
+            p.summed_grad = s
+        opt.add_noise()
+    return step, float(coefs[0])
+
+
+def bench_bandwidth(num_params, bands, device, repeats, dtype=torch.float32):
+    """Interleaved rounds of triad, copy, stock, per-parameter and ring BandMF ``add_noise``."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    d = num_params // 4 * 4
+    variants = ["stock", "per_parameter", "ring", "single_gemv"]
+    steps, elements = {}, {}
+    for v in variants:
+        steps[v], c0 = _noise_setup(v, d, bands, device, dtype)
+        elements[v] = _noise_elements(v, bands, c0) * d
+    n = max(d, elements["ring"] // 3)  # triad moves ≈ as many bytes as the BandMF step
+    a, b, c = (torch.rand(n, device=device, dtype=dtype) for _ in range(3))
+    elements["triad"], elements["copy"] = 3 * n, 2 * n
+    steps["triad"] = lambda: torch.add(b, c, alpha=3.0, out=a)
+    steps["copy"] = lambda: a.copy_(b)
+    order = ["triad", "copy", *variants]
+    for name in order:  # warm-up: allocations, the ring's first (reduction-free) step
+        for _ in range(2):
+            steps[name]()
+    times = {name: [] for name in order}
+    for _ in range(repeats):
+        for name in order:
+            _sync(device)
+            t = time.perf_counter()
+            steps[name]()
+            _sync(device)
+            times[name].append(time.perf_counter() - t)
+    rows = []
+    triad_gbs = [elements["triad"] * size / t / 1e9 for t in times["triad"]]
+    for name in order:
+        ts = times[name]
+        gbs = [elements[name] * size / t / 1e9 for t in ts]
+        frac = [g / tg for g, tg in zip(gbs, triad_gbs, strict=True)]
+        rows.append(dict(kind="bandwidth", variant=name, bands=None if name in (
+            "triad", "copy", "stock") else bands, params=d, dtype=str(dtype).split(".")[-1],
+            bytes_per_step=elements[name] * size, ms=statistics.median(ts) * 1e3,
+            ms_min=min(ts) * 1e3, ms_max=max(ts) * 1e3, gbs=statistics.median(gbs),
+            frac_triad=statistics.median(frac), frac_min=min(frac), frac_max=max(frac),
+            repeats=repeats))
+    return rows
+
+
+def print_bandwidth(rows):
+    print("| variant | b | MB/step | median ms [min–max] | GB/s | of triad: median [min–max] |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['variant']} | {r['bands'] or '-'} | {r['bytes_per_step'] / 1e6:.1f} | "
+              f"{r['ms']:.2f} [{r['ms_min']:.2f}–{r['ms_max']:.2f}] | {r['gbs']:.1f} | "
+              f"{r['frac_triad']:.0%} [{r['frac_min']:.0%}–{r['frac_max']:.0%}] |")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--params", type=int, default=None)
     ap.add_argument("--bands", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
+    ap.add_argument("--bw-bands", type=int, nargs="+", default=[64],
+                    help="bands of the interleaved add_noise() bandwidth section")
+    ap.add_argument("--bw-repeats", type=int, default=None,
+                    help="rounds of the bandwidth section (default: --repeats, at least 5)")
+    ap.add_argument("--bandwidth-only", action="store_true",
+                    help="only the interleaved add_noise() bandwidth section")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (1 on a shared machine: an OpenMP region waits "
+                         "for its slowest thread, and a descheduled one stalls it by a "
+                         "scheduler time slice)")
     args = ap.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be ≥ 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     rows = []
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     num_params = args.params or (10_000_000 if device.type == "cuda" else 2_000_000)
-    print(f"device={device}, target params={num_params:,}")
+    print(f"device={device}, target params={num_params:,}, torch threads="
+          f"{torch.get_num_threads()}")
+    print("\nadd_noise() memory bandwidth (interleaved rounds; fraction of the same round's "
+          "STREAM-like triad):")
+    for b in args.bw_bands:
+        bw_rows = bench_bandwidth(num_params, b, device, max(5, args.bw_repeats or args.repeats))
+        print_bandwidth(bw_rows)
+        rows += bw_rows
+    if args.bandwidth_only:
+        _write(args.json, device, rows)
+        return
     print("| optimizer | params | median step (ms) | × stock | peak GPU MiB |")
     print("|---|---|---|---|---|")
     n, stock, mem = bench_full_step(num_params, None, device, args.repeats)
@@ -147,8 +279,12 @@ def main(argv=None):
         print(f"| BandMF b={b} | {num_params:,} | {t * 1e3:.2f} | {t / stock:.2f} | {state:.0f} |")
         rows.append(dict(kind="add_noise", bands=b, params=num_params, ms=t * 1e3,
                          ratio=t / stock, state_mib=state))
-    if args.json:
-        with open(args.json, "w") as fh:
+    _write(args.json, device, rows)
+
+
+def _write(path, device, rows):
+    if path:
+        with open(path, "w") as fh:
             json.dump({"device": str(device), "rows": rows}, fh, indent=1, default=float)
 
 

@@ -245,6 +245,16 @@ def eval_correlated_noise(data: dict) -> list[Result]:
         out.append(Result(iss, chk, "add_noise() alone", f"{_fmt(noise.get('ratio'), '.2f')}× "
                           f"stock, state {_fmt(noise.get('state_mib'), '.0f')} MiB", "report",
                           ERROR if _num(noise.get("ratio")) is None else REPORT if cuda else CPU))
+    bw = next((r for r in rows if r.get("kind") == "bandwidth" and r.get("variant") == "ring"
+               and r.get("bands") == BANDMF_BANDS), None)
+    if bw is not None:  # issue 32: the ring's add_noise() against the same run's triad
+        frac = _num(bw.get("frac_triad"))
+        out.append(Result("32", chk, "add_noise() bandwidth (ring)",
+                          f"{_fmt(bw.get('gbs'), '.1f')} GB/s = {_fmt(frac, '.0%')} of triad "
+                          f"[{_fmt(bw.get('frac_min'), '.0%')}–{_fmt(bw.get('frac_max'), '.0%')}]",
+                          "≥ 60 % of triad (CPU target)",
+                          ERROR if frac is None else REPORT if cuda else CPU,
+                          f"{_fmt(bw.get('bytes_per_step', 0) / 1e6, '.0f')} MB/step"))
     return out
 
 
@@ -487,7 +497,8 @@ def build_steps(name: str, mode: str, out: str) -> list[Step]:
         bands = ["--bands", "1", "8", str(BANDMF_BANDS)]
         extra = {"full": ["--params", "10000000", *bands, "--repeats", "30"],
                  "quick": ["--params", "10000000", *bands, "--repeats", "10"],
-                 "cpu": ["--params", "100000", "--bands", str(BANDMF_BANDS), "--repeats", "2"]
+                 "cpu": ["--params", "100000", "--bands", str(BANDMF_BANDS), "--repeats", "2",
+                         "--threads", "1"]
                  }[mode]
         return [Step("rows", _bench("correlated_noise.py") + ["--json", js] + extra, js)]
     if name == "bminsep_mc":

@@ -8,8 +8,30 @@ matrix factorization"):
 
     w_i = ( z_i − Σ_{k=1}^{b−1} c_k · w_{i−k} ) / c_0,        w_j := 0 for j < 0.
 
-Each parameter keeps a ring buffer of its last ``b − 1`` noise tensors (memory ``(b−1)·d`` on the
-parameter's device, O(b·d) work per step). Releasing ``G + C^{-1}Z`` is post-processing of the
+The ring buffer of the last ``b − 1`` noise vectors is **one contiguous storage** of ``(b−1)·D``
+elements per (device, dtype) of the parameters (``D`` = their total size), at the parameter dtype;
+:attr:`CorrelatedNoiseMixin._noise_buffers` holds each parameter's ``(b−1, *shape)`` view of it.
+A step reads the ``(b−1)·d`` ring once (the reduction ``t = Σ_slot a_slot · buf[slot]``), writes
+``w_i = (z_i − t) / c_0`` once, straight into the slot it replaces (``torch.sub(z, t, out=slot)``;
+the slot's old value ``w_{i−b+1}`` was read by ``t`` before), and adds it to the clipped sum:
+``(b − 1)·d`` (ring) + ``d`` (``t``) + ``3·d`` (``z − t`` into the slot) + ``2·d`` (Opacus'
+``_generate_noise`` writes a zero tensor and the draw ``z``) + ``3·d`` (``S + w``) =
+``(b + 8)·d`` elements, of which stock DP-SGD's noise moves ``5·d`` (``c_0 ≠ 1`` adds an
+in-place division, ``2·d``; the per-parameter implementation moved ``2·d`` more: ``z − t`` and
+the copy into the slot were separate passes).
+
+Layout and reduction order. By default the storage is parameter-major: parameter ``p`` owns the
+contiguous ``(b−1) × d_p`` block at ``(b−1)·offset_p``, reduced with one BLAS product per
+parameter on exactly the operand the former per-parameter buffers gave it, so the noise is
+bit-identical to the per-parameter implementation. A single GEMV over all parameters cannot
+be: BLAS's reduction order over the ``b − 1`` terms depends on the operand's column count and
+thread split (MKL's float32 ``sgemm`` rounds its tail columns and its per-thread chunk edges
+differently for ``b − 1 ≥ 8``), so the same element of ``t`` can round differently in a
+``(b−1) × D`` product than in the parameter's own ``(b−1) × d_p`` one. ``single_gemv = True``
+(class attribute or constructor keyword) lays the storage out as one ``(b−1) × D`` matrix
+(parameter ``p`` owns columns ``offset_p : offset_p + d_p``) and computes ``t`` with one GEMV
+per (device, dtype): the same Gaussian recursion in exact arithmetic and the same memory
+traffic, fewer kernel launches, last-bit differences in the sum. Releasing ``G + C^{-1}Z`` is post-processing of the
 Gaussian mechanism on ``C G`` (§2.1 there), so the privacy cost is the one of the matrix
 mechanism with columns of ``C`` as per-participation sensitivity: price it with an accountant
 that knows ``C`` and the sampler (e.g. ``bandmf-cyclic-poisson`` with the cyclic Poisson sampler),
@@ -67,6 +89,11 @@ __all__ = ["CorrelatedNoiseMixin", "CorrelatedNoiseDPOptimizer", "correlated_opt
 
 _STATE_KEY = "correlated_noise"
 
+#: start of each parameter's ring block in the default layout, in elements (512 B at float32):
+#: BLAS kernels may pick their code path by the operand's alignment, so each block is aligned
+#: like the separately allocated buffer it replaces (padding: < 128 elements per parameter).
+_BLOCK_ALIGN = 128
+
 
 def _coefficients_key(coefs):
     """Comparable form of banded coefficients (list) or BLT parameters (dict)."""
@@ -85,8 +112,18 @@ class CorrelatedNoiseMixin:
     constructor takes the base optimizer's arguments plus ``noise_correlation``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, noise_correlation=None, **kwargs):
+    #: one GEMV per (device, dtype) over the whole ring buffer instead of one BLAS product per
+    #: parameter's column range (see module): same distribution, not bit-identical to the
+    #: per-parameter rounding.
+    single_gemv: bool = False
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, noise_correlation=None,
+                 single_gemv: Optional[bool] = None, **kwargs):
         super().__init__(optimizer, **kwargs)
+        if single_gemv is not None:
+            if not isinstance(single_gemv, bool):
+                raise ValueError(f"single_gemv must be a bool, got {single_gemv!r}")
+            self.single_gemv = single_gemv
         self._init_correlated_noise(noise_correlation)
 
     def _init_correlated_noise(self, noise_correlation) -> None:
@@ -109,6 +146,9 @@ class CorrelatedNoiseMixin:
         self.noise_step = 0  # number of noise vectors drawn so far (index i of the next w_i)
         self.noise_clip_norm: Optional[float] = None  # the one max_grad_norm of the stream
         self._noise_buffers: list[Optional[torch.Tensor]] = [None] * len(self.params)
+        # banded path: (device, dtype) -> _FlatRing; None until the first banded step (or after
+        # a load_noise_state_dict, whose buffers are copied in at the next step)
+        self._flat_rings: Optional[dict] = None
 
     def _noise_generator(self, reference: torch.Tensor):
         """The caller's ``generator``, else this optimizer's OS-entropy generator for
@@ -167,20 +207,126 @@ class CorrelatedNoiseMixin:
         return u / scale
 
     def _correlate(self, idx: int, z: torch.Tensor) -> torch.Tensor:
+        """``w_i`` of parameter ``idx`` for the independent paths (BLT, ``b = 1``); the banded
+        path (``b ≥ 2``) runs over the contiguous ring in :meth:`_add_banded_noise`."""
         if self._blt is not None:
             return self._correlate_blt(idx, z)
         c0 = self._coef_list[0]
-        if self.bands == 1:
-            return z if c0 == 1.0 else z / c0
-        buf = self._new_buffer(idx, z, self.bands - 1)
-        if self.noise_step > 0:
-            w = z - torch.tensordot(self._slot_weights(buf), buf, dims=1)
-        else:
-            w = z
-        if c0 != 1.0:
-            w = w / c0
-        buf[self.noise_step % (self.bands - 1)].copy_(w)
-        return w
+        return z if c0 == 1.0 else z / c0
+
+    def _flat_layout(self) -> dict:
+        """The contiguous ring buffers, one storage of ``(b−1)·D`` elements per (device, dtype)
+        of the parameters, built at the first banded step.
+
+        Default layout: parameter-major, parameter ``p`` owning a contiguous ``(b−1) × d_p``
+        block (starts aligned to ``_BLOCK_ALIGN`` elements; so its reduction is the very BLAS call, on the very
+        operand, of the per-parameter implementation: bit-identical). ``single_gemv``: one
+        ``(b−1) × D`` matrix, parameter ``p`` owning columns ``offset_p : offset_p + d_p``.
+        :attr:`_noise_buffers` holds each parameter's ``(b−1, *shape)`` view either way.
+        Buffers restored by :meth:`load_noise_state_dict` (standalone tensors) are copied in; a
+        restored buffer whose shape or dtype no longer matches its parameter after step 0 is
+        refused (the stream cannot continue)."""
+        if self._flat_rings is not None:
+            return self._flat_rings
+        m = self.bands - 1
+        groups: dict = {}
+        for idx, p in enumerate(self.params):
+            groups.setdefault((p.device, p.dtype), []).append(idx)
+        rings = {}
+        for (device, dtype), idxs in groups.items():
+            sizes = [self.params[i].numel() for i in idxs]
+            total = sum(sizes)
+            if self.single_gemv:
+                starts, length = None, m * total
+            else:  # blocks start at _BLOCK_ALIGN elements, as a fresh allocation would
+                starts, length = [], 0
+                for n in sizes:
+                    length = -(-length // _BLOCK_ALIGN) * _BLOCK_ALIGN
+                    starts.append(length)
+                    length += m * n
+            storage = torch.zeros(length, dtype=dtype, device=device)
+            views, off = {}, 0
+            for k, i in enumerate(idxs):
+                p = self.params[i]
+                n = sizes[k]
+                if self.single_gemv:
+                    view = storage.view(m, total)[:, off:off + n].view(m, *p.shape)
+                else:
+                    view = storage[starts[k]:starts[k] + m * n].view(m, *p.shape)
+                old = self._noise_buffers[i]
+                if old is not None:
+                    if old.shape != view.shape or old.dtype != dtype:
+                        if self.noise_step > 0:
+                            raise RuntimeError(
+                                f"correlated-noise buffer of parameter {i} has shape "
+                                f"{tuple(old.shape)} and dtype {old.dtype}, the parameter needs "
+                                f"{tuple(view.shape)} at {dtype}: restore it with "
+                                f"load_state_dict or restart")
+                    else:
+                        view.copy_(old)
+                self._noise_buffers[i] = view
+                views[i] = (off, n)
+                off += n
+            rings[(device, dtype)] = {
+                "storage": storage, "cols": views,
+                "t": torch.empty(total, dtype=dtype, device=device) if self.single_gemv
+                else None}
+        self._flat_rings = rings
+        return rings
+
+    def _add_banded_noise(self, sigma: float) -> None:
+        """``p.grad = p.summed_grad + w_i`` for every parameter, ``b ≥ 2``.
+
+        Step ``i``, slot weights ``a`` (:meth:`_slot_weights`), per parameter in parameter
+        order: ``t = a · buf_p`` (one BLAS product over its contiguous ``(b−1) × d_p`` block;
+        with ``single_gemv`` one product over each ``(b−1) × D`` ring, before the loop), the
+        fresh ``z`` (the stock Opacus draw), ``w = (z − t) / c_0`` written straight into slot
+        ``i mod (b−1)`` (which held ``w_{i−b+1}``, read by ``t`` before), and
+        ``p.grad = p.summed_grad + w``. Step 0 has an empty history: ``w = z / c_0``."""
+        rings = self._flat_layout()
+        params = self.params
+        if len(params) != len(self._noise_buffers):
+            raise RuntimeError(
+                f"the optimizer has {len(params)} parameters needing noise, its correlated-"
+                f"noise buffers were built for {len(self._noise_buffers)} (a parameter was "
+                f"frozen or unfrozen mid-run); restore it with load_state_dict or restart")
+        for p, buf in zip(params, self._noise_buffers, strict=True):  # refuse before any slot is overwritten
+            ref = p.summed_grad
+            if (ref.device, ref.dtype) not in rings or ref.shape != p.shape or \
+                    buf.shape[1:] != p.shape:
+                raise RuntimeError(
+                    "correlated-noise buffer does not match the gradient (shape, dtype or "
+                    "device changed mid-run); restore it with load_state_dict or restart")
+        c0 = self._coef_list[0]
+        m = self.bands - 1
+        slot = self.noise_step % m
+        history = self.noise_step > 0
+        if history and self.single_gemv:  # one GEMV per ring, before any slot is overwritten
+            for ring in rings.values():
+                a = self._slot_weights(ring["storage"])
+                torch.mm(a.view(1, m), ring["storage"].view(m, -1), out=ring["t"].view(1, -1))
+        for idx, p in enumerate(params):
+            _check_processed_flag(p.summed_grad)
+            ref = p.summed_grad
+            ring = rings[(ref.device, ref.dtype)]
+            z = _generate_noise(std=sigma * self.max_grad_norm, reference=ref,
+                                generator=self._noise_generator(ref),
+                                secure_mode=self.secure_mode)
+            buf = self._noise_buffers[idx]
+            out = buf[slot]
+            if history:
+                if self.single_gemv:
+                    off, n = ring["cols"][idx]
+                    t = ring["t"][off:off + n].view(p.shape)
+                else:  # the per-parameter call of the reference, on a contiguous block
+                    t = torch.tensordot(self._slot_weights(buf), buf, dims=1)
+                torch.sub(z, t, out=out)
+            else:
+                out.copy_(z)
+            if c0 != 1.0:
+                out.div_(c0)
+            p.grad = (p.summed_grad + out).view_as(p)
+            _mark_as_processed(p.summed_grad)
 
     def _check_clip_norm(self) -> None:
         """Correlated noise is priced for one clip norm: ``w_i`` carries the earlier ``z_j``,
@@ -205,6 +351,10 @@ class CorrelatedNoiseMixin:
         raises if ``max_grad_norm`` changed since the stream started (:meth:`_check_clip_norm`)."""
         self._check_clip_norm()
         sigma = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier)
+        if self._blt is None and self.bands > 1:
+            self._add_banded_noise(sigma)
+            self.noise_step += 1
+            return
         for idx, p in enumerate(self.params):
             _check_processed_flag(p.summed_grad)
             z = _generate_noise(std=sigma * self.max_grad_norm, reference=p.summed_grad,
@@ -245,6 +395,7 @@ class CorrelatedNoiseMixin:
         self._noise_buffers = [
             None if b is None else b.detach().clone().to(p.device)
             for b, p in zip(buffers, self.params, strict=True)]
+        self._flat_rings = None  # the banded path copies them into its contiguous ring
         if state.get("generator_state") is not None:
             if not isinstance(self.generator, torch.Generator):
                 raise ValueError("checkpoint holds a noise generator state but this optimizer "

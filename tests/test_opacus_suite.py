@@ -50,6 +50,9 @@ from opacus.tests import accountants_test as _acc  # noqa: E402
 from opacus.tests import privacy_engine_test as _pe  # noqa: E402
 from opacus.tests import privacy_engine_validation_test as _pev  # noqa: E402
 
+if STAND_IN:  # the released modules hold their references; nothing else may see it
+    torchvision_standin.uninstall()
+
 _ORIGINAL_INIT = PrivacyEngine.__init__
 _ORIGINAL_MAKE_PRIVATE = PrivacyEngine.make_private
 

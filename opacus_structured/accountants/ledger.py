@@ -112,6 +112,8 @@ class ReleaseLedger:
         self.unverified_history = False
         self._source = None              # weakref to the DrawLedger sampler
         self._pending_sampler: Optional[dict] = None
+        self._new_stream = False         # the bound sampler cannot continue the saved stream
+        self._stream_unchecked = False   # check the stream's identity at the next step
         self._optimizer = None           # weakref to the torch optimizer under the DPOptimizer
         self._optimizer_steps_at_watch = 0
         self._releases_at_watch = 0
@@ -125,10 +127,22 @@ class ReleaseLedger:
     def bind(self, source) -> None:
         """Follow ``source``'s draws from now on; a checkpoint's sampler state loaded before
         the ledger was bound is applied to it now."""
+        previous = self.source
         self._source = None if source is None else weakref.ref(source)
+        if source is not None and source is not previous and self.last_draw is not None:
+            self._stream_unchecked = True
         if source is not None and self._pending_sampler is not None:
             state, self._pending_sampler = self._pending_sampler, None
+            self._restore_sampler(source, state)
+
+    def _restore_sampler(self, source, state: dict) -> None:
+        """Load a checkpoint's sampler state into ``source``; a sampler that keeps no state
+        (Opacus' own) continues on a new stream, which :meth:`take` accepts only for schemes
+        whose steps do not depend on the stream (``Scheme.accepts_new_stream``)."""
+        if callable(getattr(source, "load_state_dict", None)):
             source.load_state_dict(state)
+        else:
+            self._new_stream = True
 
     # ---- the invariant ---------------------------------------------------------------------
     def take(self, scheme, *, batches: int = 1, priced_steps: int = 0, optimizer=None) -> int:
@@ -153,9 +167,16 @@ class ReleaseLedger:
                 f"checked; a sampler restarted with the same seed would release the same batches "
                 f"again. Resume from a checkpoint saved by this version, or price a new run with "
                 f"a new accountant (its epsilon then covers only the new run)")
-        if self.fingerprint is not None and source.fingerprint is not None \
-                and source.fingerprint != self.fingerprint:
-            if policy != "independent":
+        if self._stream_unchecked:  # first step after a resume or on another sampler object
+            self._stream_unchecked = False
+            same = self.fingerprint is not None and source.fingerprint == self.fingerprint
+            self._new_stream = self._new_stream or not same
+        new_stream = self._new_stream or (
+            self.fingerprint is not None and source.fingerprint is not None
+            and source.fingerprint != self.fingerprint)
+        if new_stream and self.last_draw is not None:
+            self._new_stream = False
+            if not scheme.accepts_new_stream:
                 raise LedgerError(
                     f"noisy step {step_no} trains on a sampler stream other than the one this run "
                     f"drew from (fingerprint {source.fingerprint} != {self.fingerprint}: another "
@@ -163,6 +184,10 @@ class ReleaseLedger:
                     f"{scheme.name!r} prices one stream of draws for the whole run. Fix: "
                     f"{_RESTORE_FIX}")
             self.last_draw = None  # a fresh, independent stream (new randomness)
+            fresh = True
+        else:
+            self._new_stream = False
+            fresh = False
         index = source.current_draw()
         if index is None:
             raise LedgerError(
@@ -186,7 +211,7 @@ class ReleaseLedger:
         # holds one entry per draw, padding included; "exact") continues at the draw the
         # priced steps reached; an "independent" stream may start anywhere.
         expected = (self.last_draw + 1) if self.last_draw is not None else (
-            priced_steps if policy != "independent" else first)
+            priced_steps if policy != "independent" and not fresh else first)
         skipped = first - expected
         if skipped < 0:
             raise LedgerError(
@@ -307,8 +332,10 @@ class ReleaseLedger:
         self._optimizer_steps_at_watch = counter.total if counter is not None else 0
         sampler_state = state.get("sampler")
         source = self.source
+        self._new_stream = False
+        self._stream_unchecked = self.last_draw is not None
         if sampler_state is not None and source is not None:
-            source.load_state_dict(sampler_state)
             self._pending_sampler = None
+            self._restore_sampler(source, sampler_state)
         else:
             self._pending_sampler = sampler_state

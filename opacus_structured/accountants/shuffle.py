@@ -31,7 +31,6 @@ from ..accounting import pld as pld_lib
 from ..accounting.gaussian import gdp_delta, gdp_epsilon
 from ..accounting.shuffle import shuffle_mu
 from ..samplers import verification
-from ..samplers.shuffle import instrument_batch_sampler
 from ..schemes.shuffle import ShuffleScheme
 from .base import SchemeAccountant
 
@@ -61,7 +60,7 @@ class ShuffleAccountant(SchemeAccountant):
         it as every scheme accountant does."""
         if data_loader is not None:
             batch_sampler = getattr(data_loader, "batch_sampler", None)
-            instrument_batch_sampler(batch_sampler)   # a stock BatchSampler: count its passes
+            verification.instrument_batch_sampler(batch_sampler)   # a stock BatchSampler: count its passes
             found = verification.scheme_of_batch_sampler(batch_sampler)
             if found is None and batch_sampler is not None:
                 found = verification.stock_shuffle_scheme(batch_sampler)

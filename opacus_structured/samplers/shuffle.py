@@ -42,10 +42,13 @@ from ..schemes.registry import register_sampler
 from ..schemes.shuffle import ShuffleScheme
 from ._generator import resolve_generator
 from ._resumable import EpochResumableSampler
-from .verification import DrawLedger, adopt_scheme, stock_shuffle_scheme
+from .verification import (  # noqa: F401  (re-exported)
+    PermutationCounter,
+    adopt_scheme,
+    instrument_batch_sampler,
+)
 
-__all__ = ["ShuffleBatchSampler", "PermutationCounter", "instrument_batch_sampler",
-           "stock_shuffle_scheme"]
+__all__ = ["ShuffleBatchSampler", "PermutationCounter", "instrument_batch_sampler"]
 
 
 class ShuffleBatchSampler(EpochResumableSampler, Sampler[list[int]]):
@@ -152,46 +155,5 @@ def shuffle_batch_sampler(scheme: ShuffleScheme, num_samples: Optional[int] = No
                                scheme=scheme)
 
 
-# ---- stock torch loaders --------------------------------------------------------------------
-class PermutationCounter(DrawLedger, Sampler[int]):
-    """Wraps the index sampler of a stock ``BatchSampler``: yields its indices unchanged,
-    counts passes begun (``permutations_drawn``: one per ``iter()`` of the batch sampler) and
-    batches completed (``batches_drawn``: every ``batch_size`` indices, plus the last partial
-    batch unless ``drop_last``)."""
-
-    def __init__(self, sampler, batch_size: int, drop_last: bool, scheme: ShuffleScheme):
-        self.sampler = sampler
-        self.batch_size = batch_size
-        self.drop_last = drop_last
-        self.scheme = scheme
-        self.permutations_drawn = 0
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def __iter__(self) -> Iterator[int]:
-        self.permutations_drawn += 1
-        pulled = 0
-        for index in self.sampler:
-            pulled += 1
-            if pulled % self.batch_size == 0:
-                self._count_draw()
-            yield index
-        if pulled % self.batch_size and not self.drop_last:
-            self._count_draw()
-
-    def __repr__(self) -> str:
-        return f"PermutationCounter({self.sampler!r})"
-
-
-def instrument_batch_sampler(batch_sampler) -> Optional[PermutationCounter]:
-    """Install (once) a :class:`PermutationCounter` in a stock ``BatchSampler`` whose index
-    sampler is shuffling or sequential; returns it (``None`` for any other batch sampler)."""
-    scheme = stock_shuffle_scheme(batch_sampler)
-    if scheme is None:
-        return None
-    if not isinstance(batch_sampler.sampler, PermutationCounter):
-        batch_sampler.sampler = PermutationCounter(batch_sampler.sampler,
-                                                   batch_sampler.batch_size,
-                                                   bool(batch_sampler.drop_last), scheme)
-    return batch_sampler.sampler
+# ---- stock torch loaders: PermutationCounter / instrument_batch_sampler live in verification.py
+# (the accountants import them while the samplers package may still be importing).

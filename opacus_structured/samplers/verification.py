@@ -24,14 +24,14 @@ from __future__ import annotations
 import hashlib
 import itertools
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from opacus.data_loader import DPDataLoader
 from opacus.utils.uniform_sampler import (
     DistributedUniformWithReplacementSampler,
     UniformWithReplacementSampler,
 )
-from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 
 from ..schemes.base import Scheme
 from ..schemes.poisson import PoissonScheme
@@ -39,7 +39,8 @@ from ..schemes.shuffle import ShuffleScheme
 
 __all__ = ["DrawLedger", "scheme_of_batch_sampler", "stock_shuffle_scheme", "innermost_sampler",
            "check_data_loader", "describe_loader", "live_samplers_drawn_since", "draw_clock",
-           "adopt_scheme", "check_replaceable_sampler"]
+           "adopt_scheme", "check_replaceable_sampler", "PermutationCounter",
+           "instrument_batch_sampler"]
 
 _CLOCK = itertools.count(1)
 _LAST_TICK = 0
@@ -424,3 +425,47 @@ def check_data_loader(scheme: Scheme, loader) -> Optional[DrawLedger]:
         return inner
     counter = getattr(inner, "sampler", None)  # a stock BatchSampler's counted index sampler
     return counter if isinstance(counter, DrawLedger) else None
+
+
+class PermutationCounter(DrawLedger, Sampler[int]):
+    """Wraps the index sampler of a stock ``BatchSampler``: yields its indices unchanged,
+    counts passes begun (``permutations_drawn``: one per ``iter()`` of the batch sampler) and
+    batches completed (``batches_drawn``: every ``batch_size`` indices, plus the last partial
+    batch unless ``drop_last``)."""
+
+    def __init__(self, sampler, batch_size: int, drop_last: bool, scheme: ShuffleScheme):
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.scheme = scheme
+        self.permutations_drawn = 0
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[int]:
+        self.permutations_drawn += 1
+        pulled = 0
+        for index in self.sampler:
+            pulled += 1
+            if pulled % self.batch_size == 0:
+                self._count_draw()
+            yield index
+        if pulled % self.batch_size and not self.drop_last:
+            self._count_draw()
+
+    def __repr__(self) -> str:
+        return f"PermutationCounter({self.sampler!r})"
+
+
+def instrument_batch_sampler(batch_sampler) -> Optional[PermutationCounter]:
+    """Install (once) a :class:`PermutationCounter` in a stock ``BatchSampler`` whose index
+    sampler is shuffling or sequential; returns it (``None`` for any other batch sampler)."""
+    scheme = stock_shuffle_scheme(batch_sampler)
+    if scheme is None:
+        return None
+    if not isinstance(batch_sampler.sampler, PermutationCounter):
+        batch_sampler.sampler = PermutationCounter(batch_sampler.sampler,
+                                                   batch_sampler.batch_size,
+                                                   bool(batch_sampler.drop_last), scheme)
+    return batch_sampler.sampler

@@ -111,6 +111,14 @@ class Scheme(abc.ABC):
             return "exact"
         return "independent" if self.unit == "step" else "span"
 
+    @property
+    def accepts_new_stream(self) -> bool:
+        """Whether a run may continue on a *new* sampler stream (another seed, a sampler that
+        cannot restore its state, e.g. Opacus' own) after a resume: true when every step is an
+        independent mechanism (``release_policy == "independent"``); schemes whose accountant
+        prices each new pass on its own (``shuffle``) override it."""
+        return self.release_policy == "independent"
+
     def check_noise_correlation(self, coefficients) -> None:
         """Raise ``ValueError`` unless this scheme's ε is valid for an optimizer adding
         correlated noise with first-column coefficients ``coefficients`` (``[1]`` = DP-SGD).

@@ -104,6 +104,12 @@ class ShuffleScheme(Scheme):
     def template_options(self) -> dict[str, Any]:
         return {"relation": self.relation, "bound": self.bound.value}
 
+    @property
+    def accepts_new_stream(self) -> bool:
+        """A new pass (a new permutation) is priced as a new epoch by the shuffle accountant,
+        so a run may continue on a new stream."""
+        return True
+
     def steps_per_epoch(self) -> int:
         if self.is_template():
             raise NotImplementedError("a ShuffleScheme template has no epoch length (it comes "

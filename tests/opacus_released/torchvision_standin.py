@@ -119,3 +119,15 @@ def install() -> bool:
     sys.modules.update({"torchvision": root, "torchvision.models": models,
                         "torchvision.transforms": transforms, "torchvision.datasets": datasets})
     return True
+
+
+def uninstall() -> None:
+    """Take the stand-in out of ``sys.modules`` again (the Opacus test modules imported while it
+    was installed keep their references). Left installed, it would make other modules that
+    probe for torchvision (Lightning: ``importlib.util.find_spec``) fail on its missing
+    ``__spec__``."""
+    if not getattr(sys.modules.get("torchvision"), "__stand_in__", False):
+        return
+    for name in ("torchvision", "torchvision.models", "torchvision.transforms",
+                 "torchvision.datasets"):
+        sys.modules.pop(name, None)

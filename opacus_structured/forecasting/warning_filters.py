@@ -12,7 +12,20 @@ the bundled gluonts models and is harmless for what this package does with them:
   requires a gradient (the first layer of every model): Opacus' per-sample gradient hooks
   (``GradSampleHooks``) read only the output gradients, which are exact, and
   ``tests/test_forecasting.py`` checks the per-window gradients against one-window batches;
-* gluonts indexes a tensor with a list (deprecated indexing form; same result).
+* gluonts indexes a tensor with a list (deprecated indexing form; same result);
+* gluonts says it falls back to the standard ``json`` module when neither ``orjson`` nor
+  ``ujson`` is installed (a speed hint, raised once when ``gluonts.json`` is first imported).
+
+Two scopes:
+
+* :func:`known_harmless_warnings_filtered` ignores every entry inside a ``with`` block (the
+  command-line commands and our own training and evaluation run in one);
+* :func:`install_gluonts_filters` (run once when :mod:`opacus_structured.forecasting` is
+  imported) ignores the entries **raised from gluonts' own modules** process-wide, matched by
+  category, message *and* the module ``gluonts.*``: gluonts code the user calls directly on
+  our predictors (``make_evaluation_predictions``, ``Evaluator`` — which calls
+  ``get_seasonality("M")`` once per series, i.e. 148 pandas ``'M'→'ME'`` FutureWarnings on
+  the bundled panel) is then quiet too. The same messages from any other module still show.
 """
 
 from __future__ import annotations
@@ -20,7 +33,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-__all__ = ["KNOWN_HARMLESS_WARNINGS", "known_harmless_warnings_filtered"]
+__all__ = ["KNOWN_HARMLESS_WARNINGS", "known_harmless_warnings_filtered",
+           "install_gluonts_filters", "GLUONTS_JSON_WARNING"]
 
 #: ``(category, message regex)`` pairs, matched at the start of the message.
 KNOWN_HARMLESS_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
@@ -31,6 +45,25 @@ KNOWN_HARMLESS_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
                   r"module outputs since no inputs require gradients"),
     (UserWarning, r"Using a non-tuple sequence for multidimensional indexing is deprecated"),
 )
+
+#: gluonts' speed hint when ``orjson`` / ``ujson`` is missing (raised by ``gluonts.json``).
+GLUONTS_JSON_WARNING = (UserWarning, r"Using `json`-module for json-handling")
+
+#: ``(category, message regex, module regex)`` installed by :func:`install_gluonts_filters`.
+_GLUONTS_SOURCES = (
+    (FutureWarning,  # any period-end alias ('M', 'Q-DEC', 'A', 'Y') from gluonts' to_offset
+     r"'[A-Z]+(-[A-Z]{3})?' is deprecated and will be removed in a future version, please use "
+     r"'[A-Z]+(-[A-Z]{3})?' instead", r"gluonts\."),
+    (*KNOWN_HARMLESS_WARNINGS[3], r"gluonts\."),  # list indexing inside gluonts.torch.util
+    (*GLUONTS_JSON_WARNING, r"gluonts\.json"),
+)
+
+
+def install_gluonts_filters() -> None:
+    """Ignore, process-wide, the known-harmless warnings raised *from gluonts modules* (module
+    docstring); idempotent. Filters match category, message and module together."""
+    for category, message, module in _GLUONTS_SOURCES:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,6 @@ test series' own history at prediction time (inference is not covered by trainin
 from __future__ import annotations
 
 from .._validation import check_int
-
 from .seasonality import season_length as default_season_length
 
 __all__ = ["seasonal_naive_predictor"]

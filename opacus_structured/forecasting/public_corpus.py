@@ -55,6 +55,8 @@ def synthetic_panel(num_series: int = 2000, *, freq: str = "M", season_length: i
         noise_scale: range of the AR(1) innovations' std (log scale), log-uniform.
         seed: the generator's seed (public: the corpus is not private data).
     """
+    import warnings
+
     import pandas as pd
 
     num_series = check_int("num_series", num_series, minimum=1)
@@ -65,7 +67,10 @@ def synthetic_panel(num_series: int = 2000, *, freq: str = "M", season_length: i
     seed = check_int("seed", seed, minimum=0)
     rng = np.random.default_rng(seed)
     targets, starts, ids = [], [], []
-    base = pd.Period("1950-01", freq=freq)
+    with warnings.catch_warnings():  # business-day Periods: pandas deprecates, still exact
+        warnings.filterwarnings("ignore", category=FutureWarning,
+                                message="Period with BDay freq is deprecated")
+        base = pd.Period("1950-01", freq=freq)
     for i in range(num_series):
         n = int(rng.integers(min_length, max_length + 1))
         t = np.arange(n)
@@ -93,6 +98,9 @@ def synthetic_panel(num_series: int = 2000, *, freq: str = "M", season_length: i
             noise[j] = phi * noise[j - 1] + eps[j]
         x = level * np.exp(trend + seasonal + noise)
         targets.append(x.astype(np.float32))
-        starts.append(base + int(rng.integers(0, 240)))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning,
+                                    message="Period with BDay freq is deprecated")
+            starts.append(base + int(rng.integers(0, 240)))
         ids.append(f"synthetic-{i}")
     return Panel(tuple(targets), tuple(starts), tuple(ids), freq)

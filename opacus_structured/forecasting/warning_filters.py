@@ -13,6 +13,8 @@ the bundled gluonts models and is harmless for what this package does with them:
   (``GradSampleHooks``) read only the output gradients, which are exact, and
   ``tests/test_forecasting.py`` checks the per-window gradients against one-window batches;
 * gluonts indexes a tensor with a list (deprecated indexing form; same result);
+* pandas deprecates ``Period`` at the business-day frequency ``"B"``; gluonts datasets are
+  Period-indexed, so a business-day panel needs it (the periods are still exact);
 * gluonts says it falls back to the standard ``json`` module when neither ``orjson`` nor
   ``ujson`` is installed (a speed hint, raised once when ``gluonts.json`` is first imported).
 
@@ -44,6 +46,7 @@ KNOWN_HARMLESS_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
     (UserWarning, r"Full backward hook is firing when gradients are computed with respect to "
                   r"module outputs since no inputs require gradients"),
     (UserWarning, r"Using a non-tuple sequence for multidimensional indexing is deprecated"),
+    (FutureWarning, r"(Period with BDay freq|PeriodDtype\[B\]) is deprecated"),
 )
 
 #: gluonts' speed hint when ``orjson`` / ``ujson`` is missing (raised by ``gluonts.json``).
@@ -56,6 +59,7 @@ _GLUONTS_SOURCES = (
      r"'[A-Z]+(-[A-Z]{3})?' instead", r"gluonts\."),
     (*KNOWN_HARMLESS_WARNINGS[3], r"gluonts\."),  # list indexing inside gluonts.torch.util
     (*GLUONTS_JSON_WARNING, r"gluonts\.json"),
+    (*KNOWN_HARMLESS_WARNINGS[4], r"gluonts\."),  # business-day Periods inside gluonts
 )
 
 

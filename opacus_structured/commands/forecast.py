@@ -34,6 +34,7 @@ import time
 
 from ..accounting import pld as pld_lib
 from ..cli import register_command
+from ..forecasting.seasonality import season_length as default_season_length
 from ..forecasting.warning_filters import known_harmless_warnings_filtered
 from ..samplers._generator import fresh_seed
 
@@ -568,8 +569,6 @@ def run_forecast(args, *, print_fn=print) -> dict:
         listed = "; ".join(f"{i}: {r}" for i, r in data_report.excluded)
         print(f"excluded {len(data_report.excluded)} of {data_report.num_input_series} series "
               f"({listed})", file=sys.stderr)
-    from ..forecasting.seasonality import season_length as default_season_length
-
     season_source = "given" if season_length is not None else "default for the frequency"
     if season_length is None:
         season_length = default_season_length(train.freq)

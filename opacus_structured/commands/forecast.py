@@ -34,6 +34,7 @@ import time
 
 from ..accounting import pld as pld_lib
 from ..cli import register_command
+from ..forecasting.seasonality import season_length as default_season_length
 from ..forecasting.warning_filters import known_harmless_warnings_filtered
 from ..samplers._generator import fresh_seed
 
@@ -71,13 +72,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     length.add_argument("--epochs", type=float, default=None,
                         help="epochs of floor(N / batch size) steps (a fractional count is "
                              "rounded up to whole steps)")
-    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
-                   help="series per step Λ (one window each; default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"series per step Λ (one window each; default min({DEFAULTS['batch_size']}"
+                        ", N) for N training series, or the declared --dataset-size; σ is "
+                        "calibrated to --epsilon for the Λ used)")
     p.add_argument("--prediction-length", type=int, default=DEFAULTS["prediction_length"],
                    help="forecast horizon L_F in time steps; also the held-out test steps "
                         "(default %(default)s)")
     p.add_argument("--context-length", type=int, default=None,
                    help="model context before lags (default 3·L_F, DeepAR 2·L_F)")
+    p.add_argument("--season-length", type=int, default=None, metavar="M",
+                   help="steps per seasonal cycle: the seasonal-naive lag, the MASE scale and "
+                        "the public pretraining corpus' period (default from the frequency: "
+                        "15min 96, 30min 48, h 24, D 7, B 5, W 52, M 12, Q 4, Y 1)")
     p.add_argument("--max-grad-norm", type=float, default=DEFAULTS["max_grad_norm"],
                    help="per-window clipping norm C (default %(default)g)")
     p.add_argument("--lr", type=float, default=None,
@@ -228,8 +235,7 @@ def _plot(path, panel_test, forecasts_by_method: dict, series_idx, prediction_le
             f = fcs[i]
             ax.plot(x_f, f.quantile(0.5), color=color, lw=1.2, label=f"{name} median")
             ax.fill_between(x_f, f.quantile(0.1), f.quantile(0.9), color=color, alpha=0.2)
-        title = panel_test.titles[i] if panel_test.titles else panel_test.item_ids[i]
-        ax.set_title(f"{title} ({panel_test.item_ids[i]})", fontsize=9)
+        ax.set_title(_plot_title(panel_test, i), fontsize=9)
         ax.axvline(dates[len(y) - prediction_length], color="grey", ls=":", lw=0.8)
         ax.set_ylabel("value")
     axes[0, 0].legend(fontsize=7, loc="upper left")
@@ -239,6 +245,13 @@ def _plot(path, panel_test, forecasts_by_method: dict, series_idx, prediction_le
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_title(panel, i) -> str:
+    """``"title (id)"``, or the id alone when there is no title or it is the id."""
+    item = str(panel.item_ids[i])
+    title = str(panel.titles[i]) if panel.titles else item
+    return item if title == item else f"{title} ({item})"
 
 
 def parse_epsilons(text):
@@ -261,7 +274,7 @@ def parse_epsilons(text):
     return budgets
 
 
-def _initial_weights(init_from, args, freq, progress, log):
+def _initial_weights(init_from, args, freq, progress, log, season_length=None):
     """``(state_dict or None, meta or None)`` for ``--init-from`` (public weights only)."""
     from ..forecasting.estimators import default_context_length  # optional: gluonts
     from ..forecasting.pretraining import load_weights, pretrained_weights  # optional: gluonts
@@ -269,10 +282,16 @@ def _initial_weights(init_from, args, freq, progress, log):
     if init_from == "none":
         return None, None
     if init_from == "public":
-        state, meta = pretrained_weights(args.model, freq=freq,
-                                         prediction_length=args.prediction_length,
-                                         context_length=args.context_length,
-                                         progress=progress, log=log)
+        try:
+            state, meta = pretrained_weights(args.model, freq=freq,
+                                             prediction_length=args.prediction_length,
+                                             context_length=args.context_length,
+                                             progress=progress, log=log,
+                                             season_length=season_length)
+        except ValueError as exc:
+            raise ValueError(f"public pretraining (--init-from public) failed: {exc}; "
+                             "--init-from none starts from a random initialisation "
+                             "instead") from exc
     else:
         state, meta = load_weights(init_from)
         meta = {**meta, "source": "file", "path": init_from}
@@ -291,7 +310,8 @@ def _initial_weights(init_from, args, freq, progress, log):
     for key, value in want.items():
         if key in meta and meta[key] != value:
             raise ValueError(f"--init-from {init_from}: the weights were trained for "
-                             f"{key}={meta[key]!r} but this run uses {key}={value!r}")
+                             f"{key}={meta[key]!r} but this run uses {key}={value!r} (or "
+                             "--init-from public / none)")
     runs = (meta.get("privacy_record") or {}).get("runs") or []
     log(f"initial weights: {meta.get('source')} ({meta.get('path')}); "
         + (f"{len(runs)} earlier run(s) on non-public data in their privacy record"
@@ -381,6 +401,63 @@ def _plot_sweep(path, sweep, baselines, model, banner=None):
     plt.close(fig)
 
 
+def _writable_target(flag: str, path: str, *, directory: bool) -> None:
+    """Raise ``ValueError`` naming ``flag`` unless ``path`` can be written: a directory (or a
+    file) that exists and is writable, or a new one whose nearest existing parent is a
+    writable directory. Nothing is created."""
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        if directory and not os.path.isdir(path):
+            raise ValueError(f"{flag} {path!r} is a file, not a directory")
+        if not directory and os.path.isdir(path):
+            raise ValueError(f"{flag} {path!r} is a directory, not a file path")
+        probe = path
+    else:
+        probe = os.path.dirname(path)
+        while probe and not os.path.exists(probe):
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                break
+            probe = parent
+        if not os.path.isdir(probe):
+            raise ValueError(f"{flag} {path!r} cannot be created: {probe!r} is not a directory")
+    if not os.access(probe, os.W_OK | (os.X_OK if os.path.isdir(probe) else 0)):
+        raise ValueError(f"{flag} {path!r} is not writable (no write permission on "
+                         f"{probe!r})")
+    if directory and os.path.isdir(path):
+        for name in ("report.json", "forecasts.png", "sweep.png"):
+            f = os.path.join(path, name)
+            if os.path.exists(f) and (os.path.isdir(f) or not os.access(f, os.W_OK)):
+                raise ValueError(f"{flag} {path!r}: {f!r} cannot be overwritten")
+
+
+def check_paths(args) -> None:
+    """Check every input and output path of ``args`` before any data is read or any training
+    runs (one-line ``ValueError`` naming the flag): ``--data`` and ``--init-from PATH`` must be
+    readable files, ``--output`` a writable (or creatable) directory, ``--save-weights`` a
+    writable (or creatable) file path."""
+    data = getattr(args, "data", None)
+    if data is not None:
+        if not os.path.exists(data):
+            raise ValueError(f"--data {data!r}: no such file")
+        if not os.path.isfile(data):
+            raise ValueError(f"--data {data!r} is not a file (a CSV file is expected)")
+        if not os.access(data, os.R_OK):
+            raise ValueError(f"--data {data!r} is not readable (no read permission)")
+    init_from = getattr(args, "init_from", None)
+    if init_from not in (None, "public", "none"):
+        if not os.path.isfile(init_from):
+            raise ValueError(f"--init-from {init_from!r}: no such file (use --init-from public "
+                             "for the public pretrained weights or --init-from none for a "
+                             "random initialisation)")
+        if not os.access(init_from, os.R_OK):
+            raise ValueError(f"--init-from {init_from!r} is not readable (no read permission)")
+    if getattr(args, "output", None):
+        _writable_target("--output", args.output, directory=True)
+    if getattr(args, "save_weights", None):
+        _writable_target("--save-weights", args.save_weights, directory=False)
+
+
 def run_forecast(args, *, print_fn=print) -> dict:
     """Run the forecast job described by ``args`` and return the report dictionary."""
     # deferred so that the other commands work without the [forecast] extra
@@ -422,6 +499,13 @@ def run_forecast(args, *, print_fn=print) -> dict:
         raise ValueError("--inference-sensitivity applies to --inference-epsilon only")
     if not 0 < args.delta < 1:
         raise ValueError(f"--delta must be in (0, 1), got {args.delta}")
+    season_length = getattr(args, "season_length", None)
+    if season_length is not None and season_length < 1:
+        raise ValueError(f"--season-length must be >= 1 (steps per seasonal cycle), got "
+                         f"{season_length}")
+    if getattr(args, "batch_size", None) is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    check_paths(args)  # before any data is read or any training runs
     if args.max_steps is None and args.epochs is None:
         args.max_steps = DEFAULTS["max_steps"]
     if args.num_samples < 1:
@@ -466,6 +550,13 @@ def run_forecast(args, *, print_fn=print) -> dict:
             raise ValueError(f"--num-series must be in [1, {len(panel)}], got {args.num_series}")
         panel = panel.subset(range(args.num_series))
     train, test = train_test_split(panel, args.prediction_length)
+    batch_size_source = "given"
+    if getattr(args, "batch_size", None) is None:  # fits the panel (N is public here, as in
+        # the accountant: dataset_size_source says where N came from)
+        declared = getattr(args, "dataset_size", None)
+        args.batch_size = min(DEFAULTS["batch_size"], declared or len(train))
+        batch_size_source = (f"default min({DEFAULTS['batch_size']}, N = "
+                             f"{declared or len(train)})")
     if args.batch_size > len(train):
         raise ValueError(f"fewer series than the batch size: {len(train)} training series "
                          f"(after exclusions) but --batch-size {args.batch_size}; each step "
@@ -474,8 +565,16 @@ def run_forecast(args, *, print_fn=print) -> dict:
     test_ds = test.to_gluonts()
     progress = not args.no_progress and sys.stderr.isatty()
     log = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
+    if args.json and data_report.excluded:  # the table's log line is silent under --json
+        listed = "; ".join(f"{i}: {r}" for i, r in data_report.excluded)
+        print(f"excluded {len(data_report.excluded)} of {data_report.num_input_series} series "
+              f"({listed})", file=sys.stderr)
+    season_source = "given" if season_length is not None else "default for the frequency"
+    if season_length is None:
+        season_length = default_season_length(train.freq)
     # public pretrained weights (read before any private data is used; see pretraining.py)
-    init_state, init_meta = _initial_weights(init_from, args, train.freq, progress, log)
+    init_state, init_meta = _initial_weights(init_from, args, train.freq, progress, log,
+                                             season_length)
     init_record = None if init_meta is None else init_meta.pop("privacy_record", None)
     lr = args.lr if args.lr is not None else (
         DEFAULTS["lr"] if init_state is not None else DEFAULTS["lr_from_scratch"])
@@ -503,7 +602,8 @@ def run_forecast(args, *, print_fn=print) -> dict:
     def evaluate(name, predictor, extra):
         t0 = time.perf_counter()
         metrics, fcs, series = evaluate_predictor(predictor, test_ds,
-                                                  num_samples=args.num_samples)
+                                                  num_samples=args.num_samples,
+                                                  season_length=season_length)
         truth[:] = series
         forecasts[name] = fcs
         row = {"method": name, **metrics, **extra,
@@ -589,8 +689,8 @@ def run_forecast(args, *, print_fn=print) -> dict:
                 context_length=args.context_length), {"epsilon": 0.0, "steps": 0})
             baselines["zero_shot"] = {k: row[k] for k in ("crps", "mase")}
         t0 = time.perf_counter()
-        row = evaluate("seasonal naive", seasonal_naive_predictor(args.prediction_length,
-                                                                  train.freq), {})
+        row = evaluate("seasonal naive", seasonal_naive_predictor(
+            args.prediction_length, train.freq, season_length=season_length), {})
         row["seconds"] = time.perf_counter() - t0
         baselines["seasonal_naive"] = {k: row[k] for k in ("crps", "mase")}
 
@@ -602,6 +702,8 @@ def run_forecast(args, *, print_fn=print) -> dict:
         "target_epsilon": args.epsilon, "bound": result.bound,
         "noise_multiplier": result.noise_multiplier, "max_grad_norm": result.max_grad_norm,
         "steps": result.steps, "batch_size": args.batch_size,
+        "batch_size_source": batch_size_source, "season_length": season_length,
+        "season_length_source": season_source,
         "crps": main_row["crps"], "mase": main_row["mase"],
         "train_seconds": result.train_seconds, "step_seconds": result.step_seconds,
         "calibration_seconds": result.calibration_seconds,

@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--freq", default="M",
                    help="pandas frequency of the data to be fine-tuned on (sets the corpus' "
                         "season length; default %(default)s)")
+    p.add_argument("--season-length", type=int, default=None, metavar="M",
+                   help="steps per seasonal cycle of the corpus (default: from --freq, e.g. "
+                        "12 for M, 48 for 30min; as forecast --season-length)")
     p.add_argument("--prediction-length", type=int, default=12,
                    help="forecast horizon L_F (default %(default)s)")
     p.add_argument("--context-length", type=int, default=None,
@@ -69,8 +72,11 @@ def run_pretrain(args) -> dict:
         raise ValueError(f"--prediction-length must be >= 1, got {args.prediction_length}")
     if args.context_length is not None and args.context_length < 1:
         raise ValueError(f"--context-length must be >= 1, got {args.context_length}")
+    season = getattr(args, "season_length", None)
+    if season is not None and season < 1:
+        raise ValueError(f"--season-length must be >= 1, got {season}")
     key = weights_key(args.model, freq=args.freq, prediction_length=args.prediction_length,
-                      context_length=args.context_length)
+                      context_length=args.context_length, season_length=season)
     progress = not args.no_progress and sys.stderr.isatty()
     record = {"model": args.model, "freq": args.freq, "key": key}
     if args.verify:
@@ -81,7 +87,8 @@ def run_pretrain(args) -> dict:
         reference, _ = load_weights(shipped)
         state, meta = pretrain(args.model, freq=args.freq,
                                prediction_length=args.prediction_length,
-                               context_length=args.context_length, progress=progress)
+                               context_length=args.context_length, progress=progress,
+                               season_length=season)
         diffs = {name: float((state[name].double() - reference[name].double()).abs().max())
                  for name in reference}
         worst = max(diffs.values()) if diffs else 0.0
@@ -96,7 +103,8 @@ def run_pretrain(args) -> dict:
         record.update(path=path, source="cache (already there; --force retrains)")
         return record
     state, meta = pretrain(args.model, freq=args.freq, prediction_length=args.prediction_length,
-                           context_length=args.context_length, progress=progress)
+                           context_length=args.context_length, progress=progress,
+                           season_length=season)
     save_weights(path, state, meta)
     record.update(path=path, source="pretrained now", train_seconds=meta["train_seconds"],
                   recipe=meta["recipe"], bytes=os.path.getsize(path))

@@ -11,19 +11,18 @@ test series' own history at prediction time (inference is not covered by trainin
 from __future__ import annotations
 
 from .._validation import check_int
+from .seasonality import season_length as default_season_length
 
-__all__ = ["seasonal_naive_predictor", "DEFAULT_SEASON"]
-
-#: Season length per pandas frequency prefix.
-DEFAULT_SEASON = {"M": 12, "ME": 12, "Q": 4, "QE": 4, "W": 52, "D": 7, "H": 24, "h": 24}
+__all__ = ["seasonal_naive_predictor"]
 
 
 def seasonal_naive_predictor(prediction_length: int, freq: str, season_length: int | None = None):
-    """gluonts ``SeasonalNaivePredictor`` (season from ``freq`` unless given)."""
+    """gluonts ``SeasonalNaivePredictor`` (season from ``freq`` unless given: see
+    :func:`~opacus_structured.forecasting.seasonality.season_length`)."""
     from gluonts.model.seasonal_naive import SeasonalNaivePredictor
 
     h = check_int("prediction_length", prediction_length, minimum=1)
     if season_length is None:
-        season_length = DEFAULT_SEASON.get(freq, 1)
+        season_length = default_season_length(freq)
     season_length = check_int("season_length", season_length, minimum=1)
     return SeasonalNaivePredictor(prediction_length=h, season_length=season_length)

@@ -39,6 +39,7 @@ from .._validation import check_int
 from .estimators import default_context_length, prepare_estimator
 from .provenance import public_record, register_public_weights
 from .public_corpus import synthetic_panel
+from .seasonality import season_length as default_season_length
 from .training import train_forecaster
 
 __all__ = ["PretrainRecipe", "PRETRAIN_RECIPE", "pretrain", "pretrained_weights",
@@ -74,14 +75,24 @@ PRETRAIN_RECIPE = {
 
 def weights_key(model: str, *, freq: str, prediction_length: int,
                 context_length: Optional[int] = None,
-                recipe: Optional[PretrainRecipe] = None) -> str:
-    """File stem naming a geometry and a recipe, e.g. ``dlinear-M-h12-c36-<hash>``."""
+                recipe: Optional[PretrainRecipe] = None,
+                season_length: Optional[int] = None) -> str:
+    """File stem naming a geometry and a recipe, e.g. ``dlinear-M-h12-c36-<hash>``.
+
+    A ``season_length`` other than ``freq``'s default
+    (:func:`~opacus_structured.forecasting.seasonality.season_length`) is part of the key
+    (``-s<m>``): the corpus' seasonal period differs, so do the weights."""
     h = check_int("prediction_length", prediction_length, minimum=1)
     ctx = (default_context_length(model, h) if context_length is None
            else check_int("context_length", context_length, minimum=1))
     recipe = PRETRAIN_RECIPE[model] if recipe is None else recipe
     digest = hashlib.sha256(json.dumps(recipe.to_dict(), sort_keys=True).encode()).hexdigest()
-    return f"{model}-{freq}-h{h}-c{ctx}-{digest[:10]}"
+    season = ""
+    if season_length is not None:
+        m = check_int("season_length", season_length, minimum=1)
+        if m != default_season_length(freq):
+            season = f"-s{m}"
+    return f"{model}-{freq}-h{h}-c{ctx}{season}-{digest[:10]}"
 
 
 def cache_dir() -> str:
@@ -122,16 +133,23 @@ def load_weights(path: str) -> tuple[dict, dict]:
 
 def pretrain(model: str, *, freq: str = "M", prediction_length: int = 12,
              context_length: Optional[int] = None, recipe: Optional[PretrainRecipe] = None,
-             progress: bool = False, estimator_kwargs: Optional[dict] = None
-             ) -> tuple[dict, dict[str, Any]]:
+             progress: bool = False, estimator_kwargs: Optional[dict] = None,
+             season_length: Optional[int] = None) -> tuple[dict, dict[str, Any]]:
     """Pretrain ``model`` non-privately on the synthetic corpus; returns ``(state_dict, meta)``.
+
+    Any pandas ``freq`` works: the corpus' seasonal period is ``season_length``, default
+    :func:`~opacus_structured.forecasting.seasonality.season_length` of ``freq`` (``"M"``:
+    12, ``"30min"``: 48, ``"W"``: 52, ``"Y"``: 1).
 
     Deterministic for a given geometry, recipe and torch build (fixed corpus, sampler and
     initialisation seeds; public randomness only).
     """
     recipe = PRETRAIN_RECIPE[model] if recipe is None else recipe
-    corpus = synthetic_panel(recipe.num_series, freq=freq, min_length=recipe.min_length,
-                             max_length=recipe.max_length, seed=recipe.corpus_seed)
+    season = (default_season_length(freq) if season_length is None
+              else check_int("season_length", season_length, minimum=1))
+    corpus = synthetic_panel(recipe.num_series, freq=freq, season_length=season,
+                             min_length=recipe.min_length, max_length=recipe.max_length,
+                             seed=recipe.corpus_seed)
     result = train_forecaster(model, corpus, prediction_length=prediction_length,
                               context_length=context_length, batch_size=recipe.batch_size,
                               max_steps=recipe.steps, lr=recipe.lr, seed=recipe.sampler_seed,
@@ -142,10 +160,11 @@ def pretrain(model: str, *, freq: str = "M", prediction_length: int = 12,
     meta = {"model": model, "freq": freq, "prediction_length": int(prediction_length),
             "context_length": int(default_context_length(model, prediction_length)
                                   if context_length is None else context_length),
-            "recipe": recipe.to_dict(), "corpus": "synthetic_panel",
+            "recipe": recipe.to_dict(), "corpus": "synthetic_panel", "season_length": season,
             "train_seconds": result.train_seconds,
             "key": weights_key(model, freq=freq, prediction_length=prediction_length,
-                               context_length=context_length, recipe=recipe)}
+                               context_length=context_length, recipe=recipe,
+                               season_length=season)}
     meta["privacy_record"] = public_record(
         state, "pretrained on the public synthetic corpus (opacus-structured pretrain)")
     return state, meta
@@ -159,12 +178,14 @@ def shipped_weights_path(key: str) -> Optional[str]:
 
 def pretrained_weights(model: str, *, freq: str = "M", prediction_length: int = 12,
                        context_length: Optional[int] = None, progress: bool = False,
-                       log=None) -> tuple[dict, dict[str, Any]]:
+                       log=None, season_length: Optional[int] = None
+                       ) -> tuple[dict, dict[str, Any]]:
     """Public pretrained weights for the geometry: shipped, cached, or pretrained now
-    (module docstring). Returns ``(state_dict, meta)``; ``meta["source"]`` says which."""
+    (module docstring). Returns ``(state_dict, meta)``; ``meta["source"]`` says which.
+    Any pandas ``freq`` works (the corpus' season: ``season_length``, default from ``freq``)."""
     say = log or (lambda msg: None)
     key = weights_key(model, freq=freq, prediction_length=prediction_length,
-                      context_length=context_length)
+                      context_length=context_length, season_length=season_length)
     shipped = shipped_weights_path(key)
     if shipped is not None:
         state, meta = load_weights(shipped)
@@ -177,7 +198,8 @@ def pretrained_weights(model: str, *, freq: str = "M", prediction_length: int = 
         return state, {**meta, "source": "cache", "path": cached}
     say(f"pretraining {model} on the public synthetic corpus (once; cached at {cached})")
     state, meta = pretrain(model, freq=freq, prediction_length=prediction_length,
-                           context_length=context_length, progress=progress)
+                           context_length=context_length, progress=progress,
+                           season_length=season_length)
     save_weights(cached, state, meta)
     return state, {**meta, "source": "pretrained now", "path": cached}
 

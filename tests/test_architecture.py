@@ -48,6 +48,7 @@ LAYERS = {
     # make_private / make_private_with_epsilon: installs samplers and accountants on an
     # Opacus engine, and needs CorrelatedNoisePrivacyEngine (optim)
     "opacus_structured.engine": 5,
+    "opacus_structured.engine_schemes": 5,
     # the scheme advisor prices schemes (accounting, schemes) only; commands use it
     "opacus_structured.advisor": 3,
     "lightning_callbacks": 6,

@@ -53,6 +53,7 @@ CASES = {
     "truncated-poisson": (PrivacyEngine, {"max_batch_size": 16}, False),
     "balls-in-bins": (PrivacyEngine, {"epochs": 2}, False),
     "gdp-full-batch": (PrivacyEngine, {}, False),
+    "shuffle": (PrivacyEngine, {}, False),
     "bandmf-cyclic-poisson": (CorrelatedNoisePrivacyEngine, {"bands": 2, "epochs": 2}, True),
     "random-allocation-mf": (CorrelatedNoisePrivacyEngine,
                              {"bands": 2, "epochs": 2, "method": "renyi"}, True),

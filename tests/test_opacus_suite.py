@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 
 import pytest
 from opacus_released import torchvision_standin
@@ -118,9 +119,19 @@ TestOpacusEngineFast = type("TestOpacusEngineFast", (_pe.PrivacyEngineConvNetTes
     **{f"{n}_one_example": _one_example(n, kw) for n, kw in EXAMPLES.items()}})
 
 
+#: Every released engine class at the released sizes takes hours on 2 cores (the three ConvNet
+#: classes alone took 9 minutes here: 23 passed, 1 skipped by Opacus), beyond CI's budget: they
+#: run with OPACUS_RELEASED_FULL=1 (``OPACUS_RELEASED_FULL=1 python -m pytest -m slow
+#: tests/test_opacus_suite.py``).
+RELEASED_FULL = pytest.mark.skipif(
+    not os.environ.get("OPACUS_RELEASED_FULL"),
+    reason="Opacus' released engine classes at the released sizes take hours on 2 cores; set "
+           "OPACUS_RELEASED_FULL=1 to run them")
+
+
 def _engine_class(name: str):
     cls = getattr(_pe, name)
-    return type(f"TestOpacus_{name}", (cls,), {"pytestmark": [pytest.mark.slow],
+    return type(f"TestOpacus_{name}", (cls,), {"pytestmark": [pytest.mark.slow, RELEASED_FULL],
                                                "__module__": __name__})
 
 

@@ -354,10 +354,10 @@ def _resume(with_ledger: bool) -> Callable:
 
 
 def _other_loader(loop, engine, loader, scheme, epochs, workers):
-    if isinstance(scheme, str):
+    if isinstance(scheme, str):  # windows: the scheme's sampler, but another one (other stream)
         data = _structured_data()
-        plain = DataLoader(data, batch_size=WINDOWS_PER_STEP, shuffle=True,
-                           collate_fn=data.collate)
+        other = engine.accountant.scheme.sampler(list(data.lengths), seed=SEED + 1)
+        plain = DataLoader(data, batch_sampler=other, collate_fn=data.collate)
     else:
         plain = DataLoader(_data(), batch_size=B, shuffle=True)
     for _ in range(epochs):

@@ -251,7 +251,7 @@ class SchemeAccountant(IAccountant):
         if data_loader is not None:
             source = verification.check_data_loader(self.scheme, data_loader)
             exact = verification.sees_trained_batch(data_loader, source)
-            if not exact and self.scheme.release_policy != "independent":
+            if not exact and not self.scheme.accepts_new_stream:
                 raise ValueError(
                     f"the DataLoader has num_workers={data_loader.num_workers}: it draws batches "
                     f"ahead of training, so the accountant cannot see which draw each noisy step "

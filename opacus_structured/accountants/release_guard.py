@@ -276,8 +276,9 @@ def zero_nonfinite_grad_samples(optimizer) -> int:
     device = chunks(params[0])[0].device
     bad = None
     for p in params:
-        rows = torch.cat([~torch.isfinite(c.reshape(len(c), -1).sum(1)).to(device)
-                          for c in chunks(p)])
+        # flatten(1): a rank's shard (or a Poisson batch) may hold no example
+        rows = torch.cat([~torch.isfinite((c.flatten(1) if c.dim() > 1 else c.unsqueeze(1))
+                                          .sum(1)).to(device) for c in chunks(p)])
         bad = rows if bad is None else bad | rows
     if not bool(bad.any()):
         return 0

@@ -589,7 +589,7 @@ def run_forecast(args, *, print_fn=print) -> dict:
                   grad_sample_mode=getattr(args, "grad_sample_mode", "hooks"),
                   num_workers=getattr(args, "num_workers", 0),
                   top_level=getattr(args, "top_level", "wor"),
-                  dataset_size=getattr(args, "dataset_size", None),
+                  dataset_size=_public_dataset_size(args, data_path, train),
                   discretization=args.discretization)
     if seeded_any:  # said up front, on stderr even with --json (stdout then holds the JSON)
         print(NOT_PRIVATE_SEEDED, file=sys.stderr)
@@ -810,6 +810,16 @@ def run(args) -> int:
             print(f"report: {os.path.join(args.output, 'report.json')}"
                   + (f", plot: {report['plot']}" if "plot" in report else ""))
     return 0
+
+
+def _public_dataset_size(args, data_path, train):
+    """The declared public number of series: ``--dataset-size``, or for the bundled panel
+    (public data, its series count published with it) the panel's own count; ``None`` for a
+    user's panel without ``--dataset-size`` (then read from the data, recorded and warned)."""
+    declared = getattr(args, "dataset_size", None)
+    if declared is None and data_path is None:
+        return len(train)
+    return declared
 
 
 register_command("forecast", "DP fine-tuning of a gluonts forecaster on the bundled panel or "

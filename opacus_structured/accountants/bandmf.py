@@ -16,7 +16,8 @@ from typing import Optional
 from ..accounting import pld as pld_lib
 from ..schemes.balls_in_bins import BallsInBinsScheme
 from ..schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme
-from .base import SchemeAccountant, WholeRunAccountant
+from .base import SchemeAccountant
+from .whole_run import WholeRunAccountant
 
 __all__ = ["BandMFCyclicPoissonAccountant", "BallsInBinsAccountant"]
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 from ..accounting import pld as pld_lib
 from ..schemes.random_allocation_mf import RandomAllocationMFScheme
-from .base import WholeRunAccountant
+from .whole_run import WholeRunAccountant
 
 __all__ = ["RandomAllocationMFAccountant"]
 

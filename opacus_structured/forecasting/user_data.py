@@ -82,6 +82,21 @@ import numpy as np
 
 from .._validation import check_int
 from .data import Panel
+from .timestamps import (  # noqa: F401  (TIMESTAMP_FORMS and the helpers: re-exported)
+    _CALENDAR_UNITS,
+    _ISO_WEEK,
+    _MAX_LISTED,
+    _MONTHS,
+    _QUARTER,
+    TIMESTAMP_FORMS,
+    _first_break,
+    _infer_period_freq,
+    _normalise_time_text,
+    _parse_times,
+    _period_freq,
+    _t,
+    _to_periods,
+)
 
 __all__ = ["load_panel", "DataReport", "FILL_POLICIES", "LAYOUTS"]
 
@@ -90,10 +105,6 @@ FILL_POLICIES = ("error", "ffill", "interpolate", "drop-series")
 #: Table layouts of :func:`load_panel` (``layout``).
 LAYOUTS = ("auto", "long", "wide")
 
-_MONTHS = ("JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT", "NOV", "DEC")
-#: Calendar units tried (finest first) when ``pandas.infer_freq`` finds no fixed offset.
-_CALENDAR_UNITS = ("D", "W", "M", "Q", "Y")
-_MAX_LISTED = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,93 +253,6 @@ def load_panel(source, *, layout: str = "auto", item_id_column: str = "item_id",
                    freq_source=freq_source, fill=fill, min_length=min_length, ignored=ignored)
 
 
-# ---- frequencies ---------------------------------------------------------------------------
-def _period_freq(freq: str) -> str:
-    """The pandas Period alias of an offset alias (``"MS"``/``"ME"`` -> ``"M"``, ...).
-
-    Weekly, quarterly and yearly offsets of any anchor map to ``"W"``, ``"Q"``, ``"Y"``: each
-    timestamp of a regular series at such an offset lies in its own period, consecutively.
-    """
-    import pandas as pd
-    from pandas.tseries.frequencies import to_offset
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        try:
-            offset = to_offset(freq)
-        except ValueError as exc:
-            raise ValueError(f"freq {freq!r} is not a pandas frequency: {exc}") from None
-        name, n = type(offset).__name__, int(offset.n)
-        base = {"MonthBegin": "M", "MonthEnd": "M", "QuarterBegin": "Q", "QuarterEnd": "Q",
-                "YearBegin": "Y", "YearEnd": "Y", "Week": "W"}.get(name)
-        alias = (base if n == 1 else f"{n}{base}") if base else str(freq)
-        for candidate in (alias, alias.replace("Y", "A")):
-            try:
-                period = pd.Period("2000-01-01", freq=candidate)
-            except (ValueError, TypeError):
-                continue
-            return candidate if base else period.freqstr
-    raise ValueError(f"freq {freq!r} has no pandas Period equivalent (supported: e.g. "
-                     "'h', 'D', 'B', 'W', 'M', 'Q', 'Y', and multiples like '15min')")
-
-
-def _infer_period_freq(stamps) -> Optional[str]:
-    """Period alias of sorted, distinct timestamps (a ``DatetimeIndex``), ``None`` if none."""
-    import pandas as pd
-
-    if isinstance(stamps, pd.PeriodIndex):
-        return _period_freq(stamps.freqstr)
-    if len(stamps) < 3:
-        return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        try:
-            inferred = pd.infer_freq(stamps)
-        except (ValueError, TypeError):
-            inferred = None
-    if inferred is not None:
-        try:
-            return _period_freq(inferred)
-        except ValueError:
-            pass
-    for unit in _CALENDAR_UNITS:  # same calendar unit at varying offsets (the 15th, ...)
-        if _first_break(_to_periods(stamps, unit), unit) is None:
-            return unit
-    return None
-
-
-def _t(stamp) -> str:
-    """A timestamp for a message: the date alone when there is no time of day."""
-    import pandas as pd
-
-    if isinstance(stamp, pd.Timestamp) and stamp == stamp.normalize():
-        return stamp.strftime("%Y-%m-%d")
-    return str(stamp)
-
-
-def _to_periods(stamps, freq: str):
-    import pandas as pd
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if isinstance(stamps, pd.PeriodIndex):
-            if stamps.freqstr == pd.Period("2000-01-01", freq=freq).freqstr:
-                return stamps
-            return pd.PeriodIndex(stamps.start_time, freq=freq)
-        return pd.PeriodIndex(stamps, freq=freq)
-
-
-def _first_break(periods, freq: str) -> Optional[int]:
-    """Position of the first period that is not the previous one plus one step (or None)."""
-    import pandas as pd
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        expected = pd.period_range(start=periods[0], periods=len(periods), freq=freq)
-    bad = np.flatnonzero(np.asarray(periods != expected))
-    return int(bad[0]) if bad.size else None
-
-
 # ---- tables --------------------------------------------------------------------------------
 def _has_index_time(frame) -> bool:
     import pandas as pd
@@ -364,69 +288,6 @@ def _pick_layout(frame, layout, item_col, ts_col, target_col, description) -> st
         raise ValueError(f"{description} ({layout} layout) is missing the column(s) "
                          f"{missing}; columns found {cols}; {flags}")
     return layout
-
-
-def _parse_times(values, where, what: str):
-    """``DatetimeIndex`` / ``PeriodIndex`` of ``values``; raises naming unparseable rows."""
-    import pandas as pd
-
-    if isinstance(values, pd.PeriodIndex):
-        return values
-    series = pd.Series(values)
-    if isinstance(series.dtype, pd.PeriodDtype):
-        return pd.PeriodIndex(series)
-    if pd.api.types.is_datetime64_any_dtype(series.dtype):
-        parsed = pd.to_datetime(series)
-    else:
-        text = series.where(series.isna(), series.astype(str).map(_normalise_time_text))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Could not infer format")
-            warnings.simplefilter("ignore", FutureWarning)
-            try:
-                parsed = pd.to_datetime(text, errors="coerce")
-            except (ValueError, TypeError):
-                parsed = pd.to_datetime(text, errors="coerce", format="mixed")
-    bad = np.flatnonzero(parsed.isna().to_numpy())
-    if bad.size:
-        shown = ", ".join(f"{where(int(p))}: {series.iloc[p]!r}" for p in bad[:_MAX_LISTED])
-        more = f" and {bad.size - _MAX_LISTED} more" if bad.size > _MAX_LISTED else ""
-        raise ValueError(f"unparseable timestamps in {what} ({bad.size} value(s)): {shown}{more}; "
-                         f"accepted forms: {TIMESTAMP_FORMS}")
-    if getattr(parsed.dt, "tz", None) is not None:
-        parsed = parsed.dt.tz_localize(None)
-    return pd.DatetimeIndex(parsed)
-
-
-#: The timestamp forms :func:`load_panel` reads (named in its error for an unparseable one).
-TIMESTAMP_FORMS = ("ISO dates 2020-01-31, months 2020-01 or 2020-1, years 2020, date-times "
-                   "2020-01-31 12:30 / 2020-01-31T12:30:00 (a UTC offset is dropped), "
-                   "quarters 1998Q1, 1998 Q1, 1998-Q1 or Q1 1998, weeks 2020-W05")
-
-_QUARTER = (r"^\s*(?:(?P<y1>\d{4})\s*[-/ ]?\s*[Qq](?P<q1>[1-4])"
-            r"|[Qq](?P<q2>[1-4])\s*[-/ ]?\s*(?P<y2>\d{4}))\s*$")
-_ISO_WEEK = r"^\s*(?P<y>\d{4})-?W(?P<w>\d{2})\s*$"
-
-
-def _normalise_time_text(text: str) -> str:
-    """Rewrite the forms pandas does not read itself into ISO dates: quarters (``1998 Q1``,
-    ``1998-Q1``, ``Q1 1998`` -> ``1998-01-01``) and ISO weeks (``2020-W05`` -> its Monday);
-    anything else is returned unchanged for ``pandas.to_datetime``."""
-    import datetime
-    import re
-
-    m = re.match(_QUARTER, text)
-    if m:
-        year = int(m.group("y1") or m.group("y2"))
-        quarter = int(m.group("q1") or m.group("q2"))
-        return f"{year:04d}-{3 * quarter - 2:02d}-01"
-    m = re.match(_ISO_WEEK, text)
-    if m:
-        try:
-            return datetime.date.fromisocalendar(int(m.group("y")), int(m.group("w")),
-                                                 1).isoformat()
-        except ValueError:
-            return text
-    return text
 
 
 def _numeric(values, item_ids, stamps, where, hint: str = "") -> np.ndarray:

@@ -51,6 +51,7 @@ LAYERS = {
     "opacus_structured.engine_schemes": 5,
     # the scheme advisor prices schemes (accounting, schemes) only; commands use it
     "opacus_structured.advisor": 3,
+    "opacus_structured.advisor_results": 3,
     "lightning_callbacks": 6,
     "opacus_structured.forecasting": 7,
     # empirical auditing: its pipelines drive samplers, optimizers, accountants and callbacks

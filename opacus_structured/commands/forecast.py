@@ -42,6 +42,17 @@ __all__ = ["add_arguments", "run", "run_forecast", "NOT_PRIVATE_SEEDED"]
 
 #: Defaults of the DP recipe, chosen on public panels only (``benchmarks/forecast_recipe.py``;
 #: docs/guides/forecasting.md shows the study): fine-tuning the public pretrained weights.
+from ._forecast_output import (  # noqa: F401  (check_paths, _plot_title: re-exported)
+    _fmt,
+    _plot,
+    _plot_sweep,
+    _plot_title,
+    _sweep_entry,
+    _table,
+    _writable_target,
+    check_paths,
+)
+
 DEFAULTS = dict(model="dlinear", epsilon=1.0, delta=1e-7, max_steps=100, batch_size=64,
                 prediction_length=12, max_grad_norm=1e-4, lr=1e-4, lr_from_scratch=1e-2,
                 tail_average=0.5, num_samples=100)
@@ -194,66 +205,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and notices go to stderr)")
 
 
-def _fmt(x, spec=".4g"):
-    if x is None:
-        return "-"
-    if isinstance(x, float) and math.isinf(x):
-        return "inf"
-    return format(x, spec)
-
-
-def _table(rows: list[dict]) -> str:
-    head = ["method", "epsilon", "sigma", "steps", "CRPS", "MASE", "time [s]"]
-    body = [[r["method"], _fmt(r.get("epsilon"), ".3g"), _fmt(r.get("noise_multiplier"), ".3g"),
-             _fmt(r.get("steps"), "d"), _fmt(r["crps"], ".4f"), _fmt(r["mase"], ".3f"),
-             _fmt(r.get("seconds"), ".1f")] for r in rows]
-    widths = [max(len(str(c)) for c in col) for col in zip(head, *body, strict=False)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=False))  # noqa: E731
-    return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
-
-
-def _plot(path, panel_test, forecasts_by_method: dict, series_idx, prediction_length,
-          banner=None):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import pandas as pd
-
-    n = len(series_idx)
-    fig, axes = plt.subplots(n, 1, figsize=(9, 2.6 * n), squeeze=False)
-    for ax, i in zip(axes[:, 0], series_idx, strict=False):
-        y = panel_test.targets[i]
-        hist = min(len(y), 4 * prediction_length)
-        dates = pd.period_range(panel_test.starts[i], periods=len(y),
-                                freq=panel_test.freq).to_timestamp()
-        xs = dates[len(y) - hist:]
-        ax.plot(xs, y[-hist:], color="black", lw=1.2, label="observed")
-        x_f = dates[len(y) - prediction_length:]
-        for (name, fcs), color in zip(forecasts_by_method.items(),
-                                      ("tab:blue", "tab:orange", "tab:green"), strict=False):
-            f = fcs[i]
-            ax.plot(x_f, f.quantile(0.5), color=color, lw=1.2, label=f"{name} median")
-            ax.fill_between(x_f, f.quantile(0.1), f.quantile(0.9), color=color, alpha=0.2)
-        ax.set_title(_plot_title(panel_test, i), fontsize=9)
-        ax.axvline(dates[len(y) - prediction_length], color="grey", ls=":", lw=0.8)
-        ax.set_ylabel("value")
-    axes[0, 0].legend(fontsize=7, loc="upper left")
-    axes[-1, 0].set_xlabel("date (shaded: 10–90% band; from the dotted line on: test)")
-    if banner:  # e.g. NOT_PRIVATE_SEEDED
-        fig.suptitle(banner, color="tab:red", fontsize=10, fontweight="bold")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _plot_title(panel, i) -> str:
-    """``"title (id)"``, or the id alone when there is no title or it is the id."""
-    item = str(panel.item_ids[i])
-    title = str(panel.titles[i]) if panel.titles else item
-    return item if title == item else f"{title} ({item})"
-
-
 def parse_epsilons(text):
     """``"0.5,1,inf"`` → ``[0.5, 1.0, inf]`` (``None`` stays ``None``); clear errors."""
     if text is None:
@@ -352,110 +303,6 @@ def _private_inputs_row(args, result, test, truth, rows, seed, log) -> dict:
         f"{first.epsilon:.4g} at delta={first.delta:g} ({first.relation}; separate from the "
         f"training epsilon)")
     return record
-
-
-def _sweep_entry(budget, res, row) -> dict:
-    return {"target_epsilon": budget, "epsilon": res.epsilon, "private": res.private,
-            "dp_sgd": res.dp_sgd, "noise_multiplier": res.noise_multiplier,
-            "steps": res.steps, "crps": row["crps"], "mase": row["mase"],
-            "train_seconds": res.train_seconds}
-
-
-def _plot_sweep(path, sweep, baselines, model, banner=None):
-    """CRPS and MASE against ε (the layout of Table 1 of Schuchardt et al. 2025), with the
-    seasonal-naive, non-private and zero-shot levels as horizontal lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    finite = [e for e in sweep if math.isfinite(e["target_epsilon"])]
-    infinite = [e for e in sweep if not math.isfinite(e["target_epsilon"])]
-    xs = [e["target_epsilon"] for e in finite]
-    x_inf = (max(xs) * 2.5) if xs else 1.0
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, metric in zip(axes, ("crps", "mase"), strict=True):
-        ax.plot(xs, [e[metric] for e in finite], "o-", color="tab:blue", label=f"{model} DP")
-        if infinite:
-            ax.plot([x_inf], [infinite[0][metric]], "s", color="tab:blue",
-                    label=f"{model} at ε=∞ (DP path)")
-        for key, name, style in (("seasonal_naive", "seasonal naive", ("tab:red", "--")),
-                                 ("non_private", f"{model} non-private", ("black", ":")),
-                                 ("zero_shot", "pretrained, zero-shot", ("tab:green", "-."))):
-            if key in baselines:
-                ax.axhline(baselines[key][metric], color=style[0], ls=style[1], lw=1,
-                           label=name)
-        ax.set_xscale("log")
-        ticks = xs + ([x_inf] if infinite else [])
-        ax.set_xticks(ticks)
-        ax.set_xticklabels([f"{t:g}" for t in xs] + (["∞"] if infinite else []))
-        ax.minorticks_off()
-        ax.set_xlabel("ε (δ fixed)")
-        ax.set_ylabel(metric.upper())
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    if banner:
-        fig.suptitle(banner, color="tab:red", fontsize=10, fontweight="bold")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _writable_target(flag: str, path: str, *, directory: bool) -> None:
-    """Raise ``ValueError`` naming ``flag`` unless ``path`` can be written: a directory (or a
-    file) that exists and is writable, or a new one whose nearest existing parent is a
-    writable directory. Nothing is created."""
-    path = os.path.abspath(path)
-    if os.path.exists(path):
-        if directory and not os.path.isdir(path):
-            raise ValueError(f"{flag} {path!r} is a file, not a directory")
-        if not directory and os.path.isdir(path):
-            raise ValueError(f"{flag} {path!r} is a directory, not a file path")
-        probe = path
-    else:
-        probe = os.path.dirname(path)
-        while probe and not os.path.exists(probe):
-            parent = os.path.dirname(probe)
-            if parent == probe:
-                break
-            probe = parent
-        if not os.path.isdir(probe):
-            raise ValueError(f"{flag} {path!r} cannot be created: {probe!r} is not a directory")
-    if not os.access(probe, os.W_OK | (os.X_OK if os.path.isdir(probe) else 0)):
-        raise ValueError(f"{flag} {path!r} is not writable (no write permission on "
-                         f"{probe!r})")
-    if directory and os.path.isdir(path):
-        for name in ("report.json", "forecasts.png", "sweep.png"):
-            f = os.path.join(path, name)
-            if os.path.exists(f) and (os.path.isdir(f) or not os.access(f, os.W_OK)):
-                raise ValueError(f"{flag} {path!r}: {f!r} cannot be overwritten")
-
-
-def check_paths(args) -> None:
-    """Check every input and output path of ``args`` before any data is read or any training
-    runs (one-line ``ValueError`` naming the flag): ``--data`` and ``--init-from PATH`` must be
-    readable files, ``--output`` a writable (or creatable) directory, ``--save-weights`` a
-    writable (or creatable) file path."""
-    data = getattr(args, "data", None)
-    if data is not None:
-        if not os.path.exists(data):
-            raise ValueError(f"--data {data!r}: no such file")
-        if not os.path.isfile(data):
-            raise ValueError(f"--data {data!r} is not a file (a CSV file is expected)")
-        if not os.access(data, os.R_OK):
-            raise ValueError(f"--data {data!r} is not readable (no read permission)")
-    init_from = getattr(args, "init_from", None)
-    if init_from not in (None, "public", "none"):
-        if not os.path.isfile(init_from):
-            raise ValueError(f"--init-from {init_from!r}: no such file (use --init-from public "
-                             "for the public pretrained weights or --init-from none for a "
-                             "random initialisation)")
-        if not os.access(init_from, os.R_OK):
-            raise ValueError(f"--init-from {init_from!r} is not readable (no read permission)")
-    if getattr(args, "output", None):
-        _writable_target("--output", args.output, directory=True)
-    if getattr(args, "save_weights", None):
-        _writable_target("--save-weights", args.save_weights, directory=False)
 
 
 def run_forecast(args, *, print_fn=print) -> dict:

@@ -104,6 +104,7 @@ from gluonts.transform import Transformation
 from .._validation import check_int, check_open_unit, check_positive
 from ..accounting import pld as pld_lib
 from .estimators import LSTM_IMPLS, _check_user_estimator, dp_safe_network, estimator_model
+from .provenance import json_ready as _json_ready
 from .training import DEFAULT_MAX_GRAD_NORM, TrainResult, train_forecaster
 from .user_data import load_panel
 
@@ -408,28 +409,3 @@ class DPEstimator:
         report.update(result.summary())
         report["data"] = data_report.to_dict()
         return _json_ready(report)
-
-
-def _json_ready(value):
-    """Plain JSON types (numpy scalars → Python numbers, tuples → lists); non-finite floats
-    stay floats (``json`` writes them as ``Infinity`` / ``NaN``)."""
-    import enum
-
-    import numpy as np
-
-    if isinstance(value, enum.Enum):
-        value = value.value
-    if isinstance(value, dict):
-        return {str(k): _json_ready(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_ready(v) for v in value]
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    if isinstance(value, (float, np.floating)):
-        return float(value)
-    if value is None or isinstance(value, str):
-        return None if value is None else str(value)
-    return str(value)
-

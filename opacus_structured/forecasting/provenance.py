@@ -194,13 +194,20 @@ def public_record(state, note: str) -> dict[str, Any]:
 
 
 # ---- runs and records ------------------------------------------------------------------------
-def _json_ready(value):
+def json_ready(value):
+    """``value`` with numpy scalars, enums and tuples turned into plain JSON types (dicts with
+    ``str`` keys, lists, bool / int / float / str / None); anything else as its ``str``. Infinite
+    and NaN floats stay floats (``json`` writes them as ``Infinity`` / ``NaN``)."""
+    import enum
+
     import numpy as np
 
+    if isinstance(value, enum.Enum):
+        value = value.value
     if isinstance(value, dict):
-        return {str(k): _json_ready(v) for k, v in value.items()}
+        return {str(k): json_ready(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_ready(v) for v in value]
+        return [json_ready(v) for v in value]
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
     if isinstance(value, (int, np.integer)):
@@ -217,7 +224,7 @@ def _json_ready(value):
 def run_entry(*, panel, dp_sgd: bool, private: bool, accountant, noise_multiplier,
               steps: int, delta, epsilon, bound) -> dict[str, Any]:
     """One run of a privacy record (module docstring): JSON-ready."""
-    return _json_ready({
+    return json_ready({
         "dp_sgd": bool(dp_sgd), "private": bool(private), "noise_multiplier": noise_multiplier,
         "steps": int(steps), "delta": delta, "epsilon": epsilon,
         "bound": bound,

@@ -1,7 +1,9 @@
 """Step time, memory and memory bandwidth of CorrelatedNoiseDPOptimizer vs stock Opacus.
 
 Times a full forward/backward/clip/noise step on an MLP of ``--params`` parameters (default 10M
-on CUDA, 2M on CPU) for b ∈ {1, 8, 64}, ``optimizer.add_noise()`` alone, and (issue 32) the
+on CUDA, 2M on CPU) for b ∈ {1, 8, 64} against stock Opacus (interleaved rounds: one step of
+each variant per round; median, min–max, and the ratio to the same round's stock step),
+``optimizer.add_noise()`` alone, and (issue 32) the
 **bandwidth** of ``add_noise()``: for each b of ``--bw-bands`` the repetitions of
 
 * a STREAM-like triad ``a = b + s·c`` and a copy ``a = b`` (same dtype, arrays sized so that
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -69,7 +72,9 @@ def _forever(loader):
         yield from loader
 
 
-def bench_full_step(num_params, bands, device, repeats, batch=64):
+def _full_step_setup(num_params, bands, device, batch=64):
+    """``(step, num_params, state_bytes)``: one forward/backward/clip/noise step of an MLP with
+    stock Opacus (``bands=None``) or BandMF with ``bands`` bands, on freshly drawn batches."""
     torch.manual_seed(0)
     model = _mlp(num_params).to(device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -92,22 +97,64 @@ def bench_full_step(num_params, bands, device, repeats, batch=64):
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
         data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, **kw)
     batches = _forever(loader)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for i in range(repeats + 3):
-        xb, yb = (t.to(device) for t in next(batches))  # drawn outside the timed region
-        _sync(device)
-        t = time.perf_counter()
+
+    def draw():  # outside the timed region
+        return tuple(t.to(device) for t in next(batches))
+
+    def step(batch_xy):
         opt.zero_grad()
-        nn.functional.cross_entropy(model(xb), yb).backward()
+        nn.functional.cross_entropy(model(batch_xy[0]), batch_xy[1]).backward()
         opt.step()
-        _sync(device)
-        if i >= 3:
-            times.append(time.perf_counter() - t)
-    times.sort()
-    mem = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
-    return n_params, times[len(times) // 2], mem
+
+    def state_bytes():
+        return sum(b.numel() * b.element_size() for b in getattr(opt, "_noise_buffers", [])
+                   if b is not None)
+
+    return step, draw, n_params, state_bytes
+
+
+def bench_full_steps(num_params, bands_list, device, repeats, batch=64):
+    """Full steps of stock and BandMF(b) for b in ``bands_list``, **interleaved**: each round
+    times one step of every variant (in a shuffled order). Returns rows with the median time,
+    its min–max spread and the ratio to the same round's stock step (median, min–max), and the
+    step's transient CUDA peak (measured alone after the timing; NaN on CPU)."""
+    variants = [None, *bands_list]
+    built = {b: _full_step_setup(num_params, b, device, batch) for b in variants}
+    for b in variants:  # warm-up: allocations, the ring's first steps
+        for _ in range(3):
+            built[b][0](built[b][1]())
+    times = {b: [] for b in variants}
+    order = list(variants)
+    shuffle = random.Random(0)
+    for _ in range(repeats):
+        shuffle.shuffle(order)
+        for b in order:
+            step, draw = built[b][0], built[b][1]
+            xy = draw()
+            _sync(device)
+            t = time.perf_counter()
+            step(xy)
+            _sync(device)
+            times[b].append(time.perf_counter() - t)
+    rows = []
+    for b in variants:
+        step, draw, n_params, state_bytes = built[b]
+        peak = float("nan")
+        if device.type == "cuda":
+            xy = draw()
+            _sync(device)
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step(xy)
+            _sync(device)
+            peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+        ratios = [t / s for t, s in zip(times[b], times[None], strict=True)]
+        rows.append(dict(kind="full_step", bands=b, params=n_params,
+                         ms=statistics.median(times[b]) * 1e3, ms_min=min(times[b]) * 1e3,
+                         ms_max=max(times[b]) * 1e3, ratio=statistics.median(ratios),
+                         ratio_min=min(ratios), ratio_max=max(ratios), peak_mib=peak,
+                         state_mib=state_bytes() / 2**20, repeats=repeats))
+    return rows
 
 
 def bench_noise_only(num_params, bands, device, repeats):
@@ -256,17 +303,17 @@ def main(argv=None):
     if args.bandwidth_only:
         _write(args.json, device, rows)
         return
-    print("| optimizer | params | median step (ms) | × stock | peak GPU MiB |")
-    print("|---|---|---|---|---|")
-    n, stock, mem = bench_full_step(num_params, None, device, args.repeats)
-    print(f"| stock DPOptimizer | {n:,} | {stock * 1e3:.2f} | 1.00 | {mem:.0f} |")
-    rows.append(dict(kind="full_step", bands=None, params=n, ms=stock * 1e3, ratio=1.0,
-                     peak_mib=mem))
-    for b in args.bands:
-        n, t, mem = bench_full_step(num_params, b, device, args.repeats)
-        print(f"| BandMF b={b} | {n:,} | {t * 1e3:.2f} | {t / stock:.2f} | {mem:.0f} |")
-        rows.append(dict(kind="full_step", bands=b, params=n, ms=t * 1e3, ratio=t / stock,
-                         peak_mib=mem))
+    print("\nfull step (fwd+bwd+clip+noise), interleaved rounds; ratio to the same round's "
+          "stock step:")
+    print("| optimizer | params | median step ms [min–max] | × stock: median [min–max] | "
+          "noise state MiB | step peak GPU MiB |")
+    print("|---|---|---|---|---|---|")
+    for r in bench_full_steps(num_params, args.bands, device, max(5, args.repeats)):
+        name = "stock DPOptimizer" if r["bands"] is None else f"BandMF b={r['bands']}"
+        print(f"| {name} | {r['params']:,} | {r['ms']:.2f} [{r['ms_min']:.2f}–{r['ms_max']:.2f}] "
+              f"| {r['ratio']:.3f} [{r['ratio_min']:.3f}–{r['ratio_max']:.3f}] | "
+              f"{r['state_mib']:.0f} | {r['peak_mib']:.0f} |")
+        rows.append(r)
     print("\nadd_noise() alone:")
     print("| optimizer | params | median add_noise (ms) | × stock | noise state MiB |")
     print("|---|---|---|---|---|")

@@ -508,9 +508,9 @@ def build_steps(name: str, mode: str, out: str) -> list[Step]:
                          "20000", "--our-elements", "40000", "--device", "cpu"]}[mode]
         return [Step("record", _bench("bminsep_mc.py") + ["--json", js] + extra, js)]
     if name == "per_sample_tracking":
-        extra = {"full": [], "quick": ["--iters", "20"],
+        extra = {"full": [], "quick": ["--rounds", "8"],
                  "cpu": ["--num-examples", "10000", "--batch-size", "32", "--dim", "16",
-                         "--hidden", "16", "--iters", "2", "--warmup", "1"]}[mode]
+                         "--hidden", "16", "--rounds", "2", "--steps", "1"]}[mode]
         return [Step("result", _bench("per_sample_tracking.py") + ["--json", js] + extra, js)]
     if name in ("distributed_nccl", "distributed_one_gpu"):
         key = "nccl" if name == "distributed_nccl" else "one_gpu"

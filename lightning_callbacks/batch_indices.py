@@ -41,7 +41,7 @@ from opacus_structured.samplers.full_batch import FullBatchSampler
 from opacus_structured.samplers.verification import scheme_of_batch_sampler
 
 __all__ = ["BatchIndexRecorder", "RecordingBatchSampler", "FullBatchSampler", "IndexSource",
-           "find_recorder", "train_scheme", "train_loader_source", "loader_settings"]
+           "find_recorder", "train_scheme", "train_loader_source", "loader_settings", "to_device"]
 
 
 class BatchIndexRecorder:
@@ -86,6 +86,18 @@ class BatchIndexRecorder:
                 f"needs one dataset index per batch row")
         self._taken_key, self._taken = key, idx
         return idx
+
+
+def to_device(indices: torch.Tensor, device) -> torch.Tensor:
+    """``indices`` on ``device`` with no host synchronisation: a CPU tensor bound for a CUDA
+    device is staged in pinned memory and copied asynchronously (a plain ``.to("cuda")`` from
+    pageable memory waits for the stream)."""
+    device = torch.device(device)
+    if indices.device == device:
+        return indices
+    if device.type == "cuda" and indices.device.type == "cpu":
+        return indices.pin_memory().to(device, non_blocking=True)
+    return indices.to(device)
 
 
 class RecordingBatchSampler(BatchIndexRecorder, Sampler):

@@ -7,10 +7,14 @@ Koskela, Tobaben & Honkela (2023), Theorem 1. With budget :math:`B`, at step :ma
           \mu_j^{(i)} = \frac{\min(\lVert g_{ij}\rVert_2, C)}{\sigma C},
 
 where :math:`s_i` is the sum of its :math:`\mu^2` over the steps in which it was active (the test
-includes the current step). Inactive examples are removed from the clipped sum by zeroing their
-rows of every ``p.grad_sample`` in ``on_before_optimizer_step`` — after backward, *before*
-Opacus' ``DPOptimizer.step`` clips, sums and adds noise (Opacus' own step hook fires after the
-noise: too late). The noise is unchanged and Opacus divides by its fixed public
+includes the current step). Inactive examples are removed from the clipped sum through their clipping
+factors: the filter is folded into the optimizer's clipping
+(:mod:`opacus_structured.accountants.clip_factors`), where Opacus computes the per-sample norms
+:math:`\lVert g_{ij}\rVert` anyway, takes its decision from them and multiplies the clip
+factor of each inactive example by 0 — no extra pass over the per-sample gradients, and the
+released sum is bit-identical to zeroing the inactive rows first (Opacus' own step hook fires
+after the noise: too late). Optimizers that clip otherwise (per layer) get their inactive rows
+of every ``p.grad_sample`` zeroed in ``on_before_optimizer_step`` instead. The noise is unchanged and Opacus divides by its fixed public
 ``expected_batch_size``, never by the number of active examples. Then the released trajectory
 is :math:`B`-GDP for every example under add/remove (Thm 1; ε(δ) by Cor. C.2, see
 :meth:`IndividualGDPFilter.epsilon`).
@@ -85,13 +89,19 @@ from opacus_structured.accounting.individual_gdp import filter_epsilon
 from opacus_structured.distributed import all_gather_cat as _all_gather_cat
 from opacus_structured.distributed import all_reduce_sum as _all_reduce_sum
 from opacus_structured.distributed import is_distributed as _is_distributed
+from opacus_structured.accountants.clip_factors import (
+    add_clip_mask,
+    install_clip_factors,
+    remove_clip_hooks,
+)
 from opacus_structured.optim.ghost_clipping import set_clipping_mask
 from opacus_structured.schemes.base import noise_bands
 from opacus_structured.schemes.poisson import PoissonScheme
 
-from .batch_indices import IndexSource, train_scheme
+from .batch_indices import IndexSource, to_device, train_scheme
 
-__all__ = ["IndividualGDPFilter", "dp_params", "step_norms", "step_inputs", "check_batch_rows"]
+__all__ = ["IndividualGDPFilter", "dp_params", "dp_settings", "step_norms", "step_inputs",
+           "check_batch_rows"]
 
 
 def _dist_rank() -> int:
@@ -118,7 +128,9 @@ def step_norms(optimizer) -> tuple[torch.Tensor, object]:
     return per_sample_norms(dp_params(optimizer)), None
 
 
-def _dp_settings(optimizer) -> tuple[float, float]:
+def dp_settings(optimizer) -> tuple[float, float]:
+    """``(noise_multiplier, max_grad_norm)`` of an independent-noise Opacus DP optimizer;
+    raises ``ValueError`` for anything else (no DP optimizer, correlated noise)."""
     sigma = getattr(optimizer, "noise_multiplier", None)
     clip = getattr(optimizer, "max_grad_norm", None)
     if sigma is None or clip is None:
@@ -153,10 +165,10 @@ def step_inputs(indices: Optional[torch.Tensor], optimizer, owner: str):
     not match the indices (:func:`check_batch_rows`)."""
     if indices is None:
         raise ValueError("no batch indices recorded for this step")
-    sigma, clip = _dp_settings(optimizer)
+    sigma, clip = dp_settings(optimizer)
     norms, bookkeeper = step_norms(optimizer)
     check_batch_rows(indices, norms, owner)
-    return indices.to(norms.device), norms, bookkeeper, sigma, clip
+    return to_device(indices, norms.device), norms, bookkeeper, sigma, clip
 
 
 class IndividualGDPFilter(Callback):
@@ -257,6 +269,10 @@ class IndividualGDPFilter(Callback):
         self._indices = idx
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self._indices is None:
+            raise ValueError("no batch indices recorded for this step")
+        if getattr(optimizer, "bookkeeper", None) is None and self.attach(optimizer):
+            return  # hooks: decided inside optimizer.step, from Opacus' own norms (_clip_mask)
         indices, norms, bookkeeper, sigma, clip = step_inputs(self._indices, optimizer,
                                                               "IndividualGDPFilter")
         params = dp_params(optimizer) if bookkeeper is None else []
@@ -266,6 +282,41 @@ class IndividualGDPFilter(Callback):
         if not self._covered:
             self.uncertified_steps += 1
         self._indices = None
+
+    def on_fit_end(self, trainer, pl_module):
+        for optimizer in trainer.optimizers:
+            remove_clip_hooks(optimizer, self)
+
+    def attach(self, optimizer) -> bool:
+        """Fold the filter into ``optimizer``'s per-sample clipping factors (hooks mode).
+
+        From then on every ``optimizer.step()`` takes the filter's decision on the batch whose
+        dataset indices :meth:`set_batch_indices` gave (Lightning gives them itself), from the
+        per-sample norms Opacus computes for clipping, and multiplies each example's clip
+        factor by its active mask (:mod:`opacus_structured.accountants.clip_factors`): no
+        ``grad_sample`` tensor is read or written beyond the stock step. Returns ``False``
+        (attaching nothing) for an optimizer that does not clip as Opacus' ``DPOptimizer``
+        (per-layer clipping: the filter then zeroes inactive rows itself; ghost clipping: use
+        :meth:`attach_ghost`). Raises ``ValueError`` for a correlated-noise optimizer."""
+        dp_settings(optimizer)
+        if not install_clip_factors(optimizer):
+            return False
+        add_clip_mask(optimizer, self, self._clip_mask)
+        return True
+
+    def _clip_mask(self, optimizer, norms: torch.Tensor) -> torch.Tensor:
+        indices, self._indices = self._indices, None
+        if indices is None:
+            raise ValueError("IndividualGDPFilter is attached to this optimizer but no batch "
+                             "indices were given for this step: call "
+                             "set_batch_indices(indices) before each optimizer.step() (under "
+                             "Lightning the filter records them itself)")
+        check_batch_rows(indices, norms, "IndividualGDPFilter")
+        sigma, clip = dp_settings(optimizer)
+        active = self.mask_and_record([], to_device(indices, norms.device), norms, sigma, clip)
+        if not self._covered:
+            self.uncertified_steps += 1
+        return active
 
     def set_batch_indices(self, indices) -> None:
         """Dataset indices of the next batch (plain Opacus loops; Lightning sets them itself)."""
@@ -281,8 +332,9 @@ class IndividualGDPFilter(Callback):
             if self._indices is None:
                 raise ValueError("call IndividualGDPFilter.set_batch_indices(indices) before "
                                  "each backward")
-            sigma, clip = _dp_settings(optimizer)
-            active = self.mask_and_record([], self._indices.to(norms.device), norms, sigma, clip)
+            sigma, clip = dp_settings(optimizer)
+            active = self.mask_and_record([], to_device(self._indices, norms.device), norms, sigma,
+                                          clip)
             self._indices = None
             return active.to(norms.dtype)
 

@@ -48,14 +48,18 @@ not have:
 With a full batch every example is in every step, and the individual GDP value is the paper's
 (and is never above the population value).
 
-The per-sample norms are read in ``on_before_optimizer_step`` (per-sample gradients are
-populated) and recorded in ``on_train_batch_end``, after every callback's
-``on_before_optimizer_step`` has run: the norms of examples that an
-:class:`~lightning_callbacks.gdp_filter.IndividualGDPFilter` of the same Trainer excluded in
-that step (its ``last_active`` mask) count as zero, so the callbacks' order in
-``Trainer(callbacks=[...])`` does not change the result. Recording uses ``index_add_`` /
-``index_put_(accumulate=True)``: no Python loop over examples and no host synchronisation per
-step. The dataset indices of a batch
+**Where the norms come from.** In hooks mode the tracker observes the optimizer's own
+clipping (:mod:`opacus_structured.accountants.clip_factors`): the per-sample norms Opacus
+computes anyway, after every mask, so the norms of examples that an
+:class:`~lightning_callbacks.gdp_filter.IndividualGDPFilter` excluded in that step count as zero
+whatever the callbacks' order in ``Trainer(callbacks=[...])``. A step touches only the
+batch's rows (``index_add_`` / ``index_put_(accumulate=True)`` of :math:`\mu^2`, and of the
+approximate-PLD state), on the training device: no pass over the per-sample gradients, no
+Python loop over examples, no host synchronisation (the batch's indices are copied through
+pinned memory); its cost does not grow with ``num_examples``. ε values are computed only when
+asked (:meth:`epsilons`, logging). With book-keeping / ghost clipping or per-layer clipping the
+norms are read in ``on_before_optimizer_step`` and recorded in ``on_train_batch_end``, after
+every filter has decided (its ``last_active`` mask). The dataset indices of a batch
 come from its batch sampler (:mod:`lightning_callbacks.batch_indices`), so the LightningModule
 is unmodified. Export with :meth:`mu`, :meth:`epsilons`, :meth:`histogram`, :meth:`to_csv`,
 :meth:`plot_histogram`. The state is saved in Lightning checkpoints
@@ -88,6 +92,11 @@ except ImportError:  # pragma: no cover
 
 from opacus_structured._validation import check_int, check_open_unit, check_positive
 from opacus_structured.accountants.base import SchemeAccountant
+from opacus_structured.accountants.clip_factors import (
+    add_norm_observer,
+    install_clip_factors,
+    remove_clip_hooks,
+)
 from opacus_structured.accountants.individual_gdp import IndividualGDPAccountant
 from opacus_structured.accounting import pld as pld_lib
 from opacus_structured.accounting.individual_gdp import (
@@ -99,9 +108,9 @@ from opacus_structured.schemes.base import Scheme
 from opacus_structured.schemes.gdp import GDPScheme
 from opacus_structured.schemes.poisson import PoissonScheme
 
-from .batch_indices import IndexSource, train_scheme
+from .batch_indices import IndexSource, to_device, train_scheme
 from .dp_callback import DPCallback
-from .gdp_filter import IndividualGDPFilter, step_inputs
+from .gdp_filter import IndividualGDPFilter, check_batch_rows, dp_settings, step_inputs
 
 __all__ = ["PerSampleEpsilonTracker"]
 
@@ -216,6 +225,10 @@ class PerSampleEpsilonTracker(Callback):
         self._indices = self._source.indices(trainer, batch)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self._indices is None:
+            raise ValueError("no batch indices recorded for this step")
+        if getattr(optimizer, "bookkeeper", None) is None and self.attach(optimizer):
+            return  # hooks: recorded inside optimizer.step from Opacus' own norms (_observe)
         indices, norms, _, sigma, clip = step_inputs(self._indices, optimizer,
                                                      "PerSampleEpsilonTracker")
         # recorded at batch end, once every filter of the Trainer has decided (module doc)
@@ -224,6 +237,43 @@ class PerSampleEpsilonTracker(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._record_pending()
+
+    def on_fit_end(self, trainer, pl_module):
+        for optimizer in trainer.optimizers:
+            remove_clip_hooks(optimizer, self)
+
+    def attach(self, optimizer) -> bool:
+        """Record from ``optimizer``'s own per-sample clipping norms (hooks mode).
+
+        From then on every ``optimizer.step()`` records the batch whose dataset indices
+        :meth:`set_batch_indices` gave (Lightning gives them itself) with the norms Opacus
+        computes for clipping, after every mask (an
+        :class:`~lightning_callbacks.gdp_filter.IndividualGDPFilter`'s inactive examples count
+        0): :mod:`opacus_structured.accountants.clip_factors`. The step does ``O(batch)`` work
+        on the training device: no pass over ``grad_sample``, no host synchronisation. Returns
+        ``False`` (attaching nothing) for an optimizer that does not clip as Opacus'
+        ``DPOptimizer`` (per-layer clipping; ghost / book-keeping: the norms are read in
+        ``on_before_optimizer_step``)."""
+        dp_settings(optimizer)
+        if not install_clip_factors(optimizer):
+            return False
+        add_norm_observer(optimizer, self, self._observe)
+        return True
+
+    def set_batch_indices(self, indices) -> None:
+        """Dataset indices of the next batch (plain Opacus loops after :meth:`attach`)."""
+        self._indices = torch.as_tensor(indices)
+
+    def _observe(self, optimizer, norms: torch.Tensor) -> None:
+        indices, self._indices = self._indices, None
+        if indices is None:
+            raise ValueError("PerSampleEpsilonTracker is attached to this optimizer but no "
+                             "batch indices were given for this step: call "
+                             "set_batch_indices(indices) before each optimizer.step() (under "
+                             "Lightning the tracker records them itself)")
+        check_batch_rows(indices, norms, "PerSampleEpsilonTracker")
+        sigma, clip = dp_settings(optimizer)
+        self.update(to_device(indices, norms.device), norms, sigma, clip)
 
     def _record_pending(self) -> None:
         if self._pending is None:

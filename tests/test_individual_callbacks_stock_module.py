@@ -84,6 +84,19 @@ def _dataset():
     return RandomDataset(32, N)
 
 
+class FoldedProbe(pl.Callback):
+    """Placed after the filter and the tracker: records whether both were folded into the
+    optimizer's clipping (no pass of their own over the per-sample gradients)."""
+
+    def __init__(self, *owners):
+        self.owners, self.seen = owners, []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        hooks = optimizer.__dict__.get("_clip_factor_hooks")
+        self.seen.append(hooks is not None and all(
+            id(o) in hooks.masks or id(o) in hooks.observers for o in self.owners))
+
+
 def _fit(scheme, callbacks, steps, clip, *, loader=None, ckpt_path=None, extra=(), seed=7):
     torch.manual_seed(0)
     model = BoringModel()
@@ -128,9 +141,11 @@ def test_stock_boring_model_filter_and_tracker(scheme):
     ds = _dataset()
     probe = Probe(ds.data)
     filt, tracker = IndividualGDPFilter(N, budget), PerSampleEpsilonTracker(N)
-    dp, model, trainer, _ = _fit(scheme, [probe, filt, tracker], steps, clip)
+    folded = FoldedProbe(filt, tracker)
+    dp, model, trainer, _ = _fit(scheme, [probe, filt, tracker, folded], steps, clip)
 
     assert dp.steps == steps == tracker.steps
+    assert folded.seen == [True] * steps  # both run inside Opacus' clipping (issue 32)
     # the module got what it gets without DP: a tensor batch of data rows
     assert all(t is torch.Tensor and s[1:] == (32,) for t, s in probe.batch_types)
     if isinstance(scheme, GDPScheme):

@@ -62,10 +62,14 @@ through. Mixed precision without a scaler (bf16 autocast) is fine.
 
 **3. A non-finite per-sample gradient is clipped to 0, never propagated.** Opacus' clip factor
 ``C/(‖g_b‖ + 1e-6)`` of an inf/NaN gradient is 0 or NaN and ``0·inf = NaN``: one example would
-turn the released sum, and the model, into NaN. :func:`zero_nonfinite_grad_samples` (hooks)
-and the book-keeping hooks zero every per-sample row of an example whose gradient has a
-non-finite entry before the sum (clip factor 0: the example counts as clipped, its
-contribution 0 has norm ≤ C), so the step is released as usual. Opacus' ghost clipping cannot
+turn the released sum, and the model, into NaN. In hooks mode the clipping
+(:mod:`~opacus_structured.accountants.clip_factors`, installed on every optimizer that clips as
+Opacus' ``DPOptimizer`` does) gives an example whose per-sample norm is non-finite the clip
+factor 0 and replaces its rows by zeros in the sum (only on a step that holds one; no extra
+pass over the per-sample gradients otherwise); for other hooks-mode clipping (per layer)
+:func:`zero_nonfinite_grad_samples` zeroes them before the sum, and the book-keeping hooks do
+the same in their own pass. The example counts as clipped (its contribution 0 has norm ≤ C),
+and the step is released as usual. Opacus' ghost clipping cannot
 do that (its second backward sums the batch inside autograd, and ``0·inf`` there is NaN): a
 non-finite per-sample norm gets clip factor 0, and if the clipped sum is still non-finite the
 step raises (:func:`check_finite_clipped_sum`) instead of releasing or skipping it. That stop
@@ -82,6 +86,8 @@ from typing import Optional
 import torch
 from opacus import optimizers as opacus_optimizers
 from opacus.optimizers import DPOptimizerFastGradientClipping
+
+from .clip_factors import install_clip_factors
 
 __all__ = ["guard_optimizer", "guard_of", "ClipNormLedger", "clipping_norm", "refuse_adaptive",
            "is_adaptive", "adds_correlated_noise", "zero_nonfinite_grad_samples",
@@ -185,7 +191,9 @@ def guard_optimizer(optimizer, module=None):
     given later calls link it. Refuses adaptive clipping. Installs (instance attributes, the
     class is not touched): the GradScaler refusal and, for Opacus' ghost optimizers, the
     finite-sum check in ``pre_step``; the non-finite zeroing and the norm record in
-    ``clip_and_accumulate`` (hooks); the norm sync and record in the ghost module's
+    ``clip_and_accumulate`` (hooks: folded into Opacus' own norm pass by
+    :func:`~opacus_structured.accountants.clip_factors.install_clip_factors` where the optimizer
+    clips as ``DPOptimizer`` does, a zeroing pass before the clipping otherwise); the norm sync and record in the ghost module's
     ``get_clipping_coef``. Book-keeping optimizers record their own clipping norm.
     """
     refuse_adaptive(optimizer)
@@ -207,10 +215,14 @@ def guard_optimizer(optimizer, module=None):
 
         optimizer.pre_step = pre_step
         if not ghost:
+            # Opacus' own clipping: one norm pass, non-finite examples get factor 0 there
+            # (clip_factors); other clipping (per layer): a zeroing pass first
+            fused = install_clip_factors(optimizer, zero_nonfinite=True)
             plain_clip = optimizer.clip_and_accumulate
 
             def clip_and_accumulate():
-                zero_nonfinite_grad_samples(optimizer)
+                if not fused:
+                    zero_nonfinite_grad_samples(optimizer)
                 guard.record(clipping_norm(optimizer))
                 return plain_clip()
 

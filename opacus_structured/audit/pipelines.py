@@ -918,17 +918,22 @@ class _GDPFilterAudit(_SchemeAudit):
     def attach(self, chunk):
         if _clipping(chunk.plan.path) == "ghost":
             chunk.accountant.attach_ghost(chunk.module, chunk.optimizer)
+        elif _clipping(chunk.plan.path) == "hooks":
+            # folded into Opacus' clipping factors (the path DPCallback takes in hooks mode)
+            if not chunk.accountant.attach(chunk.optimizer):
+                raise ValueError(f"{type(chunk.optimizer).__name__} does not clip as Opacus' "
+                                 f"DPOptimizer: the filter cannot be folded into its factors")
 
     def before_backward(self, chunk):
-        if _clipping(chunk.plan.path) == "ghost":
+        if _clipping(chunk.plan.path) in ("ghost", "hooks"):
             chunk.accountant.set_batch_indices(chunk.local_batch())
 
     def before_step(self, chunk):
-        if _clipping(chunk.plan.path) == "ghost":
-            return  # the filter decided inside the ghost backward
+        if _clipping(chunk.plan.path) in ("ghost", "hooks"):
+            return  # the filter decides inside the ghost backward / the optimizer's clipping
         from lightning_callbacks.gdp_filter import step_norms  # optional: lightning
 
-        # hooks: zero the inactive rows of grad_sample; book-keeping: mask the coefficients
+        # book-keeping: mask the coefficients
         norms, bookkeeper = step_norms(chunk.optimizer)
         params = [] if bookkeeper is not None else [
             p for p in chunk.module.parameters() if p.requires_grad]

@@ -320,6 +320,13 @@ def eval_per_sample_tracking(data: dict) -> list[Result]:
         if pct is not None:
             out.append(Result(iss, chk, mode, f"{pct:+.2f} %", "report",
                               REPORT if cuda else CPU))
+    ratio = _num(data.get("step_ratio_n_large_vs_small"))
+    if ratio is not None:  # issue 32: the tracker's step does not grow with N
+        small = (data.get("rows") or {}).get("tracker-small", {}).get("num_examples")
+        out.append(Result("32", chk, "tracker step, N large / small", f"{ratio:.3f}×",
+                          "≈ 1 (within the run's spread)", REPORT if cuda else CPU,
+                          f"{n:,} vs {small:,} examples" if isinstance(n, int)
+                          and isinstance(small, int) else ""))
     return out
 
 

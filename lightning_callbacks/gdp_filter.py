@@ -84,16 +84,16 @@ except ImportError:  # pragma: no cover
     from pytorch_lightning import Callback
 
 from opacus_structured._validation import check_int, check_nonnegative, check_positive
-from opacus_structured.accountants.individual_gdp import IndividualGDPAccountant, per_sample_norms
-from opacus_structured.accounting.individual_gdp import filter_epsilon
-from opacus_structured.distributed import all_gather_cat as _all_gather_cat
-from opacus_structured.distributed import all_reduce_sum as _all_reduce_sum
-from opacus_structured.distributed import is_distributed as _is_distributed
 from opacus_structured.accountants.clip_factors import (
     add_clip_mask,
     install_clip_factors,
     remove_clip_hooks,
 )
+from opacus_structured.accountants.individual_gdp import IndividualGDPAccountant, per_sample_norms
+from opacus_structured.accounting.individual_gdp import filter_epsilon
+from opacus_structured.distributed import all_gather_cat as _all_gather_cat
+from opacus_structured.distributed import all_reduce_sum as _all_reduce_sum
+from opacus_structured.distributed import is_distributed as _is_distributed
 from opacus_structured.optim.ghost_clipping import set_clipping_mask
 from opacus_structured.schemes.base import noise_bands
 from opacus_structured.schemes.poisson import PoissonScheme
@@ -101,7 +101,7 @@ from opacus_structured.schemes.poisson import PoissonScheme
 from .batch_indices import IndexSource, to_device, train_scheme
 
 __all__ = ["IndividualGDPFilter", "dp_params", "dp_settings", "step_norms", "step_inputs",
-           "check_batch_rows"]
+           "check_batch_rows", "clip_step_inputs"]
 
 
 def _dist_rank() -> int:
@@ -169,6 +169,21 @@ def step_inputs(indices: Optional[torch.Tensor], optimizer, owner: str):
     norms, bookkeeper = step_norms(optimizer)
     check_batch_rows(indices, norms, owner)
     return to_device(indices, norms.device), norms, bookkeeper, sigma, clip
+
+
+def clip_step_inputs(indices: Optional[torch.Tensor], optimizer, norms: torch.Tensor,
+                     owner: str):
+    """What a callback attached to the clipping (:mod:`~opacus_structured.accountants.clip_factors`)
+    needs: ``(indices, sigma, clip)``, the batch's dataset indices on the norms' device and the
+    optimizer's noise multiplier and clipping norm. Raises ``ValueError`` when no indices were
+    given for the step or the rows do not match them."""
+    if indices is None:
+        raise ValueError(f"{owner} is attached to this optimizer but no batch indices were "
+                         f"given for this step: call set_batch_indices(indices) before each "
+                         f"optimizer.step() (under Lightning the callback records them itself)")
+    check_batch_rows(indices, norms, owner)
+    sigma, clip = dp_settings(optimizer)
+    return to_device(indices, norms.device), sigma, clip
 
 
 class IndividualGDPFilter(Callback):
@@ -306,14 +321,8 @@ class IndividualGDPFilter(Callback):
 
     def _clip_mask(self, optimizer, norms: torch.Tensor) -> torch.Tensor:
         indices, self._indices = self._indices, None
-        if indices is None:
-            raise ValueError("IndividualGDPFilter is attached to this optimizer but no batch "
-                             "indices were given for this step: call "
-                             "set_batch_indices(indices) before each optimizer.step() (under "
-                             "Lightning the filter records them itself)")
-        check_batch_rows(indices, norms, "IndividualGDPFilter")
-        sigma, clip = dp_settings(optimizer)
-        active = self.mask_and_record([], to_device(indices, norms.device), norms, sigma, clip)
+        indices, sigma, clip = clip_step_inputs(indices, optimizer, norms, "IndividualGDPFilter")
+        active = self.mask_and_record([], indices, norms, sigma, clip)
         if not self._covered:
             self.uncertified_steps += 1
         return active

@@ -108,9 +108,9 @@ from opacus_structured.schemes.base import Scheme
 from opacus_structured.schemes.gdp import GDPScheme
 from opacus_structured.schemes.poisson import PoissonScheme
 
-from .batch_indices import IndexSource, to_device, train_scheme
+from .batch_indices import IndexSource, train_scheme
 from .dp_callback import DPCallback
-from .gdp_filter import IndividualGDPFilter, check_batch_rows, dp_settings, step_inputs
+from .gdp_filter import IndividualGDPFilter, clip_step_inputs, dp_settings, step_inputs
 
 __all__ = ["PerSampleEpsilonTracker"]
 
@@ -266,14 +266,9 @@ class PerSampleEpsilonTracker(Callback):
 
     def _observe(self, optimizer, norms: torch.Tensor) -> None:
         indices, self._indices = self._indices, None
-        if indices is None:
-            raise ValueError("PerSampleEpsilonTracker is attached to this optimizer but no "
-                             "batch indices were given for this step: call "
-                             "set_batch_indices(indices) before each optimizer.step() (under "
-                             "Lightning the tracker records them itself)")
-        check_batch_rows(indices, norms, "PerSampleEpsilonTracker")
-        sigma, clip = dp_settings(optimizer)
-        self.update(to_device(indices, norms.device), norms, sigma, clip)
+        indices, sigma, clip = clip_step_inputs(indices, optimizer, norms,
+                                                "PerSampleEpsilonTracker")
+        self.update(indices, norms, sigma, clip)
 
     def _record_pending(self) -> None:
         if self._pending is None:

@@ -19,13 +19,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_callbacks.batch_indices import to_device
 from lightning_callbacks.gdp_filter import IndividualGDPFilter
 from lightning_callbacks.per_sample_epsilon import PerSampleEpsilonTracker
-from opacus_structured.accountants.individual_gdp import per_sample_norms
 from opacus_structured.accountants.clip_factors import (
     add_clip_mask,
     add_norm_observer,
     install_clip_factors,
     remove_clip_hooks,
 )
+from opacus_structured.accountants.individual_gdp import per_sample_norms
 from opacus_structured.accountants.release_guard import guard_optimizer
 
 B, D_IN, D_HID, D_OUT = 6, 7, 5, 3

@@ -298,9 +298,13 @@ class IndividualGDPFilter(Callback):
             self.uncertified_steps += 1
         self._indices = None
 
-    def on_fit_end(self, trainer, pl_module):
+    def teardown(self, trainer, pl_module, stage):
+        # the optimizer must not call back into a finished fit
         for optimizer in trainer.optimizers:
             remove_clip_hooks(optimizer, self)
+
+    def on_exception(self, trainer, pl_module, exception):
+        self.teardown(trainer, pl_module, "fit")
 
     def attach(self, optimizer) -> bool:
         """Fold the filter into ``optimizer``'s per-sample clipping factors (hooks mode).

@@ -238,9 +238,13 @@ class PerSampleEpsilonTracker(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._record_pending()
 
-    def on_fit_end(self, trainer, pl_module):
+    def teardown(self, trainer, pl_module, stage):
+        # the optimizer must not call back into a finished fit
         for optimizer in trainer.optimizers:
             remove_clip_hooks(optimizer, self)
+
+    def on_exception(self, trainer, pl_module, exception):
+        self.teardown(trainer, pl_module, "fit")
 
     def attach(self, optimizer) -> bool:
         """Record from ``optimizer``'s own per-sample clipping norms (hooks mode).

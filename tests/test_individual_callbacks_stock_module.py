@@ -146,6 +146,8 @@ def test_stock_boring_model_filter_and_tracker(scheme):
 
     assert dp.steps == steps == tracker.steps
     assert folded.seen == [True] * steps  # both run inside Opacus' clipping (issue 32)
+    hooks = trainer.optimizers[0].__dict__["_clip_factor_hooks"]
+    assert not hooks.masks and not hooks.observers  # detached when the fit ended
     # the module got what it gets without DP: a tensor batch of data rows
     assert all(t is torch.Tensor and s[1:] == (32,) for t, s in probe.batch_types)
     if isinstance(scheme, GDPScheme):

@@ -43,9 +43,13 @@ LSTM_IMPLS = ("fast", "opacus")
 
 
 def default_context_length(model: str, prediction_length: int) -> int:
-    """Default context length (before lags) per model: 3 × L_F (2 × L_F for DeepAR)."""
+    """Default context length (before lags) per model: ``context_multiple`` × L_F from
+    :data:`~opacus_structured.forecasting.model_defaults.MODEL_DEFAULTS` (3 × L_F for DLinear
+    and SimpleFeedForward, 2 × L_F for DeepAR)."""
+    from .model_defaults import default_context_length as _from_table
+
     _check_model(model)
-    return (2 if model == "deepar" else 3) * int(prediction_length)
+    return _from_table(model, prediction_length)
 
 
 def _check_model(model: str) -> str:

@@ -37,7 +37,6 @@ import statistics
 import time
 import warnings
 
-
 PANELS = ("txhousing", "economics")
 
 

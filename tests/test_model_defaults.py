@@ -9,12 +9,12 @@ import pytest
 pytest.importorskip("gluonts")
 pytest.importorskip("lightning")
 
+from conftest import TEST_DISCRETIZATION  # noqa: E402
+
 from opacus_structured.cli import main  # noqa: E402
 from opacus_structured.forecasting import model_defaults, pretraining  # noqa: E402
 from opacus_structured.forecasting.estimators import default_context_length  # noqa: E402
 from opacus_structured.forecasting.model_defaults import MODEL_DEFAULTS  # noqa: E402
-
-from conftest import TEST_DISCRETIZATION  # noqa: E402
 
 TINY_RECIPE = pretraining.PretrainRecipe(num_series=12, min_length=40, max_length=60, steps=3,
                                          batch_size=4)

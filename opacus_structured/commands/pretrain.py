@@ -61,11 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_pretrain(args) -> dict:
     """Pretrain (or find cached) weights as ``args`` says; returns a JSON-ready record."""
     from ..forecasting.pretraining import (  # optional: gluonts
-        shipped_weights_path,
         cache_dir,
         load_weights,
         pretrain,
         save_weights,
+        shipped_weights_path,
         weights_key,
     )
 

@@ -37,6 +37,7 @@ from typing import Any, Optional
 
 from .._validation import check_int
 from .estimators import default_context_length, prepare_estimator
+from .lightning_parts import _lightning
 from .provenance import public_record, register_public_weights
 from .public_corpus import synthetic_panel
 from .seasonality import season_length as default_season_length
@@ -138,8 +139,6 @@ def _step_log_callback(total: int, desc: str, log, parts: int = 10):
     ``1/parts`` of the steps: progress in plain lines where no bar is drawn (stderr not a
     terminal, ``--json`` piped to a file, CI logs)."""
     import time
-
-    from .lightning_parts import _lightning
 
     pl = _lightning()
     marks = sorted({max(1, round(total * k / parts)) for k in range(1, parts + 1)})

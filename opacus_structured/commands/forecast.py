@@ -42,8 +42,6 @@ from ..samplers._generator import fresh_seed
 
 __all__ = ["add_arguments", "run", "run_forecast", "NOT_PRIVATE_SEEDED"]
 
-#: Defaults of the DP recipe, chosen on public panels only (``benchmarks/forecast_recipe.py``;
-#: docs/guides/forecasting.md shows the study): fine-tuning the public pretrained weights.
 from ._forecast_output import (  # noqa: F401  (check_paths, _plot_title: re-exported)
     _fmt,
     _plot,
@@ -55,16 +53,21 @@ from ._forecast_output import (  # noqa: F401  (check_paths, _plot_title: re-exp
     check_paths,
 )
 
+#: Model-independent defaults. The DP recipe of each model (clip norm, lr, steps, tail average,
+#: context), chosen on public panels only (``benchmarks/forecast_recipe.py``; the studies are in
+#: docs/guides/forecasting.md), is its row of ``forecasting/model_defaults.py``.
 DEFAULTS = dict(model="dlinear", epsilon=1.0, delta=1e-7, batch_size=64,
                 prediction_length=12, num_samples=100)
-#: The per-model recipe (clip norm, lr, steps, tail average, context): one table, read here and
-#: by ``DPEstimator`` (:data:`~opacus_structured.forecasting.model_defaults.MODEL_DEFAULTS`).
+#: The recipe values a flag overrides; without the flag, the model's row of
+#: :data:`~opacus_structured.forecasting.model_defaults.MODEL_DEFAULTS` gives them.
 RECIPE_FLAGS = {"max_grad_norm": "--max-grad-norm", "lr": "--lr", "max_steps": "--max-steps",
                 "tail_average": "--tail-average"}
 
 
 def _recipe_help(key, fmt="{:g}"):
+    """``"dlinear 0.0001, simpleff 0.0003, deepar 0.0003"``: each model's default, for --help."""
     return ", ".join(f"{name} {fmt.format(row[key])}" for name, row in MODEL_DEFAULTS.items())
+
 
 #: Printed (and put on the plot) for a DP run whose noise was seeded with ``--seed``.
 NOT_PRIVATE_SEEDED = "NOT PRIVATE: reproducible noise (--seed given); for evaluation only"

@@ -21,6 +21,7 @@ from opacus_structured.cli import main  # noqa: E402
 from opacus_structured.commands import forecast as forecast_cmd  # noqa: E402
 from opacus_structured.forecasting import pretraining  # noqa: E402
 from opacus_structured.forecasting.data import Panel  # noqa: E402
+from opacus_structured.forecasting.model_defaults import MODEL_DEFAULTS  # noqa: E402
 from opacus_structured.forecasting.public_corpus import synthetic_panel  # noqa: E402
 from opacus_structured.forecasting.seasonality import season_length  # noqa: E402
 from opacus_structured.forecasting.user_data import TIMESTAMP_FORMS, load_panel  # noqa: E402
@@ -344,7 +345,8 @@ def quick(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("OPACUS_STRUCTURED_CACHE", str(cache))
     for model in ("dlinear", "deepar", "simpleff"):
         monkeypatch.setitem(pretraining.PRETRAIN_RECIPE, model, TINY_RECIPE)
-    monkeypatch.setitem(forecast_cmd.DEFAULTS, "max_steps", 2)
+    for row in MODEL_DEFAULTS.values():  # every model's own recipe: 2 steps
+        monkeypatch.setitem(row, "max_steps", 2)
     monkeypatch.setitem(forecast_cmd.DEFAULTS, "num_samples", 8)
     work = tmp_path_factory.mktemp("run")
     monkeypatch.chdir(work)

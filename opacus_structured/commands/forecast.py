@@ -32,16 +32,16 @@ import os
 import sys
 import time
 
+from .. import _progress
 from ..accounting import pld as pld_lib
 from ..cli import register_command
+from ..forecasting.model_defaults import MODEL_DEFAULTS, model_defaults
 from ..forecasting.seasonality import season_length as default_season_length
 from ..forecasting.warning_filters import known_harmless_warnings_filtered
 from ..samplers._generator import fresh_seed
 
 __all__ = ["add_arguments", "run", "run_forecast", "NOT_PRIVATE_SEEDED"]
 
-#: Defaults of the DP recipe, chosen on public panels only (``benchmarks/forecast_recipe.py``;
-#: docs/guides/forecasting.md shows the study): fine-tuning the public pretrained weights.
 from ._forecast_output import (  # noqa: F401  (check_paths, _plot_title: re-exported)
     _fmt,
     _plot,
@@ -53,9 +53,21 @@ from ._forecast_output import (  # noqa: F401  (check_paths, _plot_title: re-exp
     check_paths,
 )
 
-DEFAULTS = dict(model="dlinear", epsilon=1.0, delta=1e-7, max_steps=100, batch_size=64,
-                prediction_length=12, max_grad_norm=1e-4, lr=1e-4, lr_from_scratch=1e-2,
-                tail_average=0.5, num_samples=100)
+#: Model-independent defaults. The DP recipe of each model (clip norm, lr, steps, tail average,
+#: context), chosen on public panels only (``benchmarks/forecast_recipe.py``; the studies are in
+#: docs/guides/forecasting.md), is its row of ``forecasting/model_defaults.py``.
+DEFAULTS = dict(model="dlinear", epsilon=1.0, delta=1e-7, batch_size=64,
+                prediction_length=12, num_samples=100)
+#: The recipe values a flag overrides; without the flag, the model's row of
+#: :data:`~opacus_structured.forecasting.model_defaults.MODEL_DEFAULTS` gives them.
+RECIPE_FLAGS = {"max_grad_norm": "--max-grad-norm", "lr": "--lr", "max_steps": "--max-steps",
+                "tail_average": "--tail-average"}
+
+
+def _recipe_help(key, fmt="{:g}"):
+    """``"dlinear 0.0001, simpleff 0.0003, deepar 0.0003"``: each model's default, for --help."""
+    return ", ".join(f"{name} {fmt.format(row[key])}" for name, row in MODEL_DEFAULTS.items())
+
 
 #: Printed (and put on the plot) for a DP run whose noise was seeded with ``--seed``.
 NOT_PRIVATE_SEEDED = "NOT PRIVATE: reproducible noise (--seed given); for evaluation only"
@@ -79,7 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "step that would exceed --epsilon")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--max-steps", type=int, default=None,
-                        help=f"optimizer steps (default {DEFAULTS['max_steps']})")
+                        help="optimizer steps (default: the model's, "
+                             f"{_recipe_help('max_steps', '{:d}')})")
     length.add_argument("--epochs", type=float, default=None,
                         help="epochs of floor(N / batch size) steps (a fractional count is "
                              "rounded up to whole steps)")
@@ -91,16 +104,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="forecast horizon L_F in time steps; also the held-out test steps "
                         "(default %(default)s)")
     p.add_argument("--context-length", type=int, default=None,
-                   help="model context before lags (default 3·L_F, DeepAR 2·L_F)")
+                   help="model context before lags (default: the model's, "
+                        f"{_recipe_help('context_multiple', '{:d}·L_F')})")
     p.add_argument("--season-length", type=int, default=None, metavar="M",
                    help="steps per seasonal cycle: the seasonal-naive lag, the MASE scale and "
                         "the public pretraining corpus' period (default from the frequency: "
                         "15min 96, 30min 48, h 24, D 7, B 5, W 52, M 12, Q 4, Y 1)")
-    p.add_argument("--max-grad-norm", type=float, default=DEFAULTS["max_grad_norm"],
-                   help="per-window clipping norm C (default %(default)g)")
+    p.add_argument("--max-grad-norm", type=float, default=None,
+                   help="per-window clipping norm C (default: the model's, "
+                        f"{_recipe_help('max_grad_norm')})")
     p.add_argument("--lr", type=float, default=None,
-                   help=f"Adam learning rate (default {DEFAULTS['lr']:g} when fine-tuning "
-                        f"public weights, {DEFAULTS['lr_from_scratch']:g} from scratch)")
+                   help="Adam learning rate (default: the model's when fine-tuning public "
+                        f"weights, {_recipe_help('lr')}; from scratch "
+                        f"{_recipe_help('lr_from_scratch')})")
     p.add_argument("--init-from", default="public", metavar="{public,none,PATH}",
                    help="start DP fine-tuning from public pretrained weights (default "
                         "'public': shipped with the package, cached, or pretrained now on the "
@@ -115,9 +131,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-weights", default=None, metavar="PATH",
                    help="write the released model's weights with their privacy record (the "
                         "runs they went through) to PATH, for a later --init-from PATH")
-    p.add_argument("--tail-average", type=float, default=DEFAULTS["tail_average"],
+    p.add_argument("--tail-average", type=float, default=None,
                    help="release the mean of the last fraction of the iterates (post-processing:"
-                        " no privacy cost; default %(default)g, 0 = the last iterate)")
+                        " no privacy cost; 0 = the last iterate; default: the model's, "
+                        f"{_recipe_help('tail_average')})")
     p.add_argument("--epsilons", default=None, metavar="LIST",
                    help="sweep: train once per budget in this comma-separated list (e.g. "
                         "0.5,1,2,4,inf) and write sweep.png (CRPS and MASE against ε with the "
@@ -225,8 +242,16 @@ def parse_epsilons(text):
     return budgets
 
 
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def _initial_weights(init_from, args, freq, progress, log, season_length=None):
-    """``(state_dict or None, meta or None)`` for ``--init-from`` (public weights only)."""
+    """``(state_dict or None, meta or None)`` for ``--init-from`` (public weights only).
+
+    A first-use public pretraining (minutes for DeepAR on a CPU) is announced and followed on
+    stderr even under ``--json`` (stdout then holds the JSON only): a bar where stderr is a
+    terminal (or ``$OPACUS_STRUCTURED_PROGRESS=1``), else a line per tenth of the steps."""
     from ..forecasting.estimators import default_context_length  # optional: gluonts
     from ..forecasting.pretraining import load_weights, pretrained_weights  # optional: gluonts
 
@@ -237,7 +262,7 @@ def _initial_weights(init_from, args, freq, progress, log, season_length=None):
             state, meta = pretrained_weights(args.model, freq=freq,
                                              prediction_length=args.prediction_length,
                                              context_length=args.context_length,
-                                             progress=progress, log=log,
+                                             progress=progress, log=_stderr,
                                              season_length=season_length)
         except ValueError as exc:
             raise ValueError(f"public pretraining (--init-from public) failed: {exc}; "
@@ -321,7 +346,21 @@ def run_forecast(args, *, print_fn=print) -> dict:
             raise ValueError("--epsilons calibrates σ per budget; it cannot be combined with "
                              "--noise-multiplier")
         args.epsilon = budgets[0]
-    tail_average = getattr(args, "tail_average", DEFAULTS["tail_average"])
+    recipe = model_defaults(args.model)  # the model's own recipe (model_defaults.py)
+    recipe_given = {}  # which recipe values the user set
+    for key in RECIPE_FLAGS:
+        recipe_given[key] = getattr(args, key, None) is not None
+    if args.max_steps is None and getattr(args, "epochs", None) is None:
+        args.max_steps = recipe["max_steps"]
+    else:
+        recipe_given["max_steps"] = True
+    if getattr(args, "max_grad_norm", None) is None:
+        args.max_grad_norm = recipe["max_grad_norm"]
+    tail_average = getattr(args, "tail_average", None)
+    if tail_average is None:
+        tail_average = recipe["tail_average"]
+    if not args.max_grad_norm > 0:
+        raise ValueError(f"--max-grad-norm must be > 0, got {args.max_grad_norm}")
     if not 0.0 <= tail_average <= 1.0:
         raise ValueError(f"--tail-average must be in [0, 1] (fraction of the last steps whose "
                          f"iterates are averaged), got {tail_average}")
@@ -353,8 +392,6 @@ def run_forecast(args, *, print_fn=print) -> dict:
     if getattr(args, "batch_size", None) is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     check_paths(args)  # before any data is read or any training runs
-    if args.max_steps is None and args.epochs is None:
-        args.max_steps = DEFAULTS["max_steps"]
     if args.num_samples < 1:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
     seed = getattr(args, "seed", None)
@@ -410,7 +447,7 @@ def run_forecast(args, *, print_fn=print) -> dict:
                          f"draws --batch-size distinct series: use --batch-size {len(train)} "
                          "or smaller")
     test_ds = test.to_gluonts()
-    progress = not args.no_progress and sys.stderr.isatty()
+    progress = _progress.enabled(args.no_progress)
     log = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
     if args.json and data_report.excluded:  # the table's log line is silent under --json
         listed = "; ".join(f"{i}: {r}" for i, r in data_report.excluded)
@@ -424,7 +461,7 @@ def run_forecast(args, *, print_fn=print) -> dict:
                                              season_length)
     init_record = None if init_meta is None else init_meta.pop("privacy_record", None)
     lr = args.lr if args.lr is not None else (
-        DEFAULTS["lr"] if init_state is not None else DEFAULTS["lr_from_scratch"])
+        recipe["lr"] if init_state is not None else recipe["lr_from_scratch"])
     common = dict(prediction_length=args.prediction_length, context_length=args.context_length,
                   batch_size=args.batch_size, max_grad_norm=args.max_grad_norm, lr=lr,
                   init_state=init_state, tail_average=tail_average,
@@ -565,6 +602,9 @@ def run_forecast(args, *, print_fn=print) -> dict:
                     "test_months": args.prediction_length},
         "init_from": init_from, "pretrained": init_meta, "lr": lr,
         "tail_average": tail_average,
+        "recipe": {"source": recipe["source"], "model": args.model,
+                   "from_model_defaults": sorted(k for k, v in recipe_given.items() if not v),
+                   "given": sorted(k for k, v in recipe_given.items() if v)},
         "baselines": baselines, "device": args.device,
         "grad_sample_mode": getattr(args, "grad_sample_mode", "hooks"),
         "total_seconds": time.perf_counter() - t_start, "rows": rows,

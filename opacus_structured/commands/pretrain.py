@@ -26,6 +26,7 @@ import json
 import os
 import sys
 
+from .. import _progress
 from ..cli import register_command
 from ..forecasting.warning_filters import known_harmless_warnings_filtered
 
@@ -60,11 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_pretrain(args) -> dict:
     """Pretrain (or find cached) weights as ``args`` says; returns a JSON-ready record."""
     from ..forecasting.pretraining import (  # optional: gluonts
-        shipped_weights_path,
         cache_dir,
         load_weights,
         pretrain,
         save_weights,
+        shipped_weights_path,
         weights_key,
     )
 
@@ -77,7 +78,8 @@ def run_pretrain(args) -> dict:
         raise ValueError(f"--season-length must be >= 1, got {season}")
     key = weights_key(args.model, freq=args.freq, prediction_length=args.prediction_length,
                       context_length=args.context_length, season_length=season)
-    progress = not args.no_progress and sys.stderr.isatty()
+    progress = _progress.enabled(args.no_progress)
+    log = None if progress else (lambda m: print(m, file=sys.stderr, flush=True))
     record = {"model": args.model, "freq": args.freq, "key": key}
     if args.verify:
         shipped = shipped_weights_path(key)
@@ -88,7 +90,7 @@ def run_pretrain(args) -> dict:
         state, meta = pretrain(args.model, freq=args.freq,
                                prediction_length=args.prediction_length,
                                context_length=args.context_length, progress=progress,
-                               season_length=season)
+                               season_length=season, log=log)
         diffs = {name: float((state[name].double() - reference[name].double()).abs().max())
                  for name in reference}
         worst = max(diffs.values()) if diffs else 0.0
@@ -104,7 +106,7 @@ def run_pretrain(args) -> dict:
         return record
     state, meta = pretrain(args.model, freq=args.freq, prediction_length=args.prediction_length,
                            context_length=args.context_length, progress=progress,
-                           season_length=season)
+                           season_length=season, log=log)
     save_weights(path, state, meta)
     record.update(path=path, source="pretrained now", train_seconds=meta["train_seconds"],
                   recipe=meta["recipe"], bytes=os.path.getsize(path))

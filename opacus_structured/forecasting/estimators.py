@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from .._validation import check_int
 from .fast_rnn import replace_lstm
+from .model_defaults import default_context_length as _table_context_length
 
 __all__ = ["MODELS", "LSTM_IMPLS", "ESTIMATOR_CLASSES", "build_estimator", "prepare_estimator",
            "PreparedModel", "per_window_scalers", "default_context_length", "estimator_model",
@@ -43,9 +44,11 @@ LSTM_IMPLS = ("fast", "opacus")
 
 
 def default_context_length(model: str, prediction_length: int) -> int:
-    """Default context length (before lags) per model: 3 × L_F (2 × L_F for DeepAR)."""
+    """Default context length (before lags) per model: ``context_multiple`` × L_F from
+    :data:`~opacus_structured.forecasting.model_defaults.MODEL_DEFAULTS` (3 × L_F for DLinear
+    and SimpleFeedForward, 2 × L_F for DeepAR)."""
     _check_model(model)
-    return (2 if model == "deepar" else 3) * int(prediction_length)
+    return _table_context_length(model, prediction_length)
 
 
 def _check_model(model: str) -> str:

@@ -37,6 +37,7 @@ from typing import Any, Optional
 
 from .._validation import check_int
 from .estimators import default_context_length, prepare_estimator
+from .lightning_parts import _lightning
 from .provenance import public_record, register_public_weights
 from .public_corpus import synthetic_panel
 from .seasonality import season_length as default_season_length
@@ -69,7 +70,9 @@ class PretrainRecipe:
 PRETRAIN_RECIPE = {
     "dlinear": PretrainRecipe(),
     "simpleff": PretrainRecipe(),
-    "deepar": PretrainRecipe(steps=600, batch_size=64),
+    # DeepAR: 5000 steps at lr 3e-3 (600 steps at 1e-3 left it worse than seasonal naive on
+    # both public study panels; docs/guides/forecasting.md, "Public pretraining of DeepAR")
+    "deepar": PretrainRecipe(steps=5000, batch_size=64, lr=3e-3),
 }
 
 
@@ -131,10 +134,31 @@ def load_weights(path: str) -> tuple[dict, dict]:
     raise ValueError(f"--init-from {path!r} holds a {type(blob).__name__}, not a state dict")
 
 
+def _step_log_callback(total: int, desc: str, log, parts: int = 10):
+    """A Lightning callback writing ``"<desc>: k/total steps (t s)"`` through ``log`` at every
+    ``1/parts`` of the steps: progress in plain lines where no bar is drawn (stderr not a
+    terminal, ``--json`` piped to a file, CI logs)."""
+    import time
+
+    pl = _lightning()
+    marks = sorted({max(1, round(total * k / parts)) for k in range(1, parts + 1)})
+
+    class _StepLog(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            step = int(trainer.global_step)
+            if step in marks:
+                log(f"{desc}: {step}/{total} steps ({time.perf_counter() - self.t0:.0f} s)")
+
+    return _StepLog()
+
+
 def pretrain(model: str, *, freq: str = "M", prediction_length: int = 12,
              context_length: Optional[int] = None, recipe: Optional[PretrainRecipe] = None,
              progress: bool = False, estimator_kwargs: Optional[dict] = None,
-             season_length: Optional[int] = None) -> tuple[dict, dict[str, Any]]:
+             season_length: Optional[int] = None, log=None) -> tuple[dict, dict[str, Any]]:
     """Pretrain ``model`` non-privately on the synthetic corpus; returns ``(state_dict, meta)``.
 
     Any pandas ``freq`` works: the corpus' seasonal period is ``season_length``, default
@@ -143,6 +167,10 @@ def pretrain(model: str, *, freq: str = "M", prediction_length: int = 12,
 
     Deterministic for a given geometry, recipe and torch build (fixed corpus, sampler and
     initialisation seeds; public randomness only).
+
+    ``progress`` draws a bar on stderr; ``log`` (a ``str -> None`` callable, e.g. a print to
+    stderr) additionally gets a plain line at every tenth of the steps, for runs whose stderr
+    is not a terminal.
     """
     recipe = PRETRAIN_RECIPE[model] if recipe is None else recipe
     season = (default_season_length(freq) if season_length is None
@@ -154,7 +182,9 @@ def pretrain(model: str, *, freq: str = "M", prediction_length: int = 12,
                               context_length=context_length, batch_size=recipe.batch_size,
                               max_steps=recipe.steps, lr=recipe.lr, seed=recipe.sampler_seed,
                               init_seed=recipe.init_seed, progress=progress,
-                              estimator_kwargs=estimator_kwargs)
+                              estimator_kwargs=estimator_kwargs,
+                              callbacks=() if log is None else (
+                                  _step_log_callback(recipe.steps, f"pretraining {model}", log),))
     state = {k: v.detach().cpu().clone() for k, v in
              result.prepared.module.model.state_dict().items()}
     meta = {"model": model, "freq": freq, "prediction_length": int(prediction_length),
@@ -182,6 +212,8 @@ def pretrained_weights(model: str, *, freq: str = "M", prediction_length: int = 
                        ) -> tuple[dict, dict[str, Any]]:
     """Public pretrained weights for the geometry: shipped, cached, or pretrained now
     (module docstring). Returns ``(state_dict, meta)``; ``meta["source"]`` says which.
+    A pretraining run is announced through ``log`` (with its step count and, without a
+    ``progress`` bar, a line at every tenth of the steps) and timed.
     Any pandas ``freq`` works (the corpus' season: ``season_length``, default from ``freq``)."""
     say = log or (lambda msg: None)
     key = weights_key(model, freq=freq, prediction_length=prediction_length,
@@ -196,11 +228,15 @@ def pretrained_weights(model: str, *, freq: str = "M", prediction_length: int = 
         state, meta = load_weights(cached)
         register_public_weights(state)
         return state, {**meta, "source": "cache", "path": cached}
-    say(f"pretraining {model} on the public synthetic corpus (once; cached at {cached})")
+    recipe = PRETRAIN_RECIPE[model]
+    say(f"pretraining {model} on the public synthetic corpus ({recipe.steps} steps; once, then "
+        f"cached at {cached})")
     state, meta = pretrain(model, freq=freq, prediction_length=prediction_length,
                            context_length=context_length, progress=progress,
-                           season_length=season_length)
+                           season_length=season_length,
+                           log=None if progress or log is None else say)
     save_weights(cached, state, meta)
+    say(f"pretrained {model} in {meta['train_seconds']:.0f} s: {cached}")
     return state, {**meta, "source": "pretrained now", "path": cached}
 
 

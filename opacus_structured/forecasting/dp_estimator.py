@@ -1,21 +1,25 @@
-r"""gluonts-native DP training: :class:`DPEstimator` wraps a gluonts torch estimator.
+r"""gluonts-native DP training: :class:`DPEstimator`, a gluonts ``Estimator`` wrapping a gluonts
+torch estimator.
 
 .. code-block:: python
 
-    from gluonts.torch.model.deepar import DeepAREstimator
     from opacus_structured.forecasting.dp_estimator import DPEstimator
+    from opacus_structured.forecasting.estimators import build_estimator
 
-    dp = DPEstimator(DeepAREstimator(freq="M", prediction_length=12, context_length=24,
-                                     lags_seq=[1, 2, 3, 12, 13]),
-                     epsilon=1.0, delta=1e-7, max_steps=1000, batch_size=64)
+    dp = DPEstimator(build_estimator("dlinear", freq="M", prediction_length=12),
+                     epsilon=1.0, delta=1e-7)  # public weights, the CLI's recipe
     predictor = dp.train(train_ds)          # a gluonts PyTorchPredictor (subclass)
     predictor.privacy_report["epsilon"]     # ε spent, at predictor.privacy_report["delta"]
     predictor.serialize(path)               # also writes path / "privacy_report.json"
     Predictor.deserialize(path).privacy_report   # the report comes back with the model
+    dp.train_from(predictor, train_ds)      # continues; the two runs' ε compose
 
 ``train`` returns a :class:`DPPyTorchPredictor`, a ``PyTorchPredictor`` subclass, so
-``make_evaluation_predictions``, ``Evaluator``, ``predictor.serialize`` and gluonts'
-``Predictor.deserialize`` work unchanged.
+``make_evaluation_predictions``, ``Evaluator``, ``backtest_metrics``, ``predictor.serialize``
+and gluonts' ``Predictor.deserialize`` work unchanged. ``train``, ``train_model`` (gluonts'
+``TrainOutput``) and ``train_from`` take gluonts' arguments; each gluonts setting is honoured
+or refused with its reason, none is ignored
+(:mod:`~opacus_structured.forecasting.gluonts_parity`).
 
 What is trained, and how
 ------------------------
@@ -68,14 +72,39 @@ The estimator
 -------------
 
 Supported: gluonts' ``DLinearEstimator``, ``SimpleFeedForwardEstimator`` (``batch_norm=False``)
-and ``DeepAREstimator`` (no covariates), with ``lead_time=0``. Its network, transformation,
-``prediction_length``, ``context_length`` (and lags), ``lr`` and ``weight_decay`` are used as
-they are; the layers are made DP-safe (``nn.LSTM`` → ``FastDPLSTM`` or Opacus' ``DPLSTM``,
-batch-coupled ``MeanScaler`` → ``default_scale=1.0``). Its ``trainer_kwargs`` (e.g. gluonts'
-``gradient_clip_val``), training sampler, ``num_batches_per_epoch`` and early stopping are
-**not** used: steps, batches and clipping are DP-SGD's. ``batch_size`` (default: the
-estimator's) is Λ, the number of series per step that the accountant prices; the estimator's
-own ``batch_size`` is only the predictor's inference batch size.
+and ``DeepAREstimator`` (static categorical features allowed, no real-valued covariates), with
+``lead_time=0``. Its network, transformation, ``prediction_length``, ``context_length`` (and
+lags) and ``weight_decay`` are used as they are; the layers are made DP-safe (``nn.LSTM`` →
+``FastDPLSTM`` or Opacus' ``DPLSTM``, batch-coupled ``MeanScaler`` → ``default_scale=1.0``).
+Steps, batches and clipping are DP-SGD's: the estimator's ``trainer_kwargs`` are mapped onto
+them or refused, its ``lr`` and ``batch_size`` are used when changed from gluonts' defaults
+(else the recipe's), and its training sampler, ``num_batches_per_epoch`` (without
+``max_epochs``) and DeepAR's ``patience`` are refused
+(:mod:`~opacus_structured.forecasting.gluonts_parity`). ``batch_size`` is Λ, the number of
+series per step that the accountant prices; the estimator's own ``batch_size`` is also the
+predictor's inference batch size.
+
+Defaults and the initial weights
+--------------------------------
+
+What the user does not set comes from
+:mod:`~opacus_structured.forecasting.model_defaults`, the table ``opacus-structured forecast``
+reads (per model: clipping norm, learning rate from weights / from scratch, tail average;
+steps; Λ = ``min(batch_size, N)``), and training starts, as the command does, from the
+package's public pretrained weights (:func:`~.pretraining.pretrained_weights`: shipped,
+cached or pretrained now on the synthetic public corpus; public, so free). They were trained
+with :func:`~.estimators.build_estimator`'s architecture: an estimator that differs in an
+architecture argument is refused with the differences (``init_from="none"`` starts from a
+random initialisation instead).
+
+Static categorical features
+---------------------------
+
+A ``DeepAREstimator(num_feat_static_cat=k, cardinality=[...])`` reads each series'
+``feat_static_cat`` (a gluonts dataset's field, or ``Panel.static_cats``), checked against
+``cardinality``. They are public metadata, like the series ids: neighbouring datasets differ in
+target values only, so the guarantee protects the targets and not the categories (the report's
+``"static_features"`` says so).
 
 Serialization
 -------------

@@ -9,29 +9,21 @@ Three sources of settings, each read here:
    that gluonts adds on its own are *replaced* by the DP recipe and listed as such in the
    privacy report). :func:`trainer_settings` maps them:
 
-   ============================  ===========================================================
-   ``max_steps``                 DP-SGD steps (``-1``: no limit from it)
-   ``max_epochs``                ``max_epochs × num_batches_per_epoch`` steps (gluonts' epoch
-                                 is ``num_batches_per_epoch`` batches; ``-1``: no limit);
-                                 with ``max_steps`` too, the smaller (Lightning stops at the
-                                 first limit reached)
-   ``accelerator``               ``"cpu"`` → cpu, ``"gpu"`` / ``"cuda"`` → cuda, ``"auto"`` →
-                                 cuda when available, else cpu
-   ``devices``                   ``1``, ``"1"``, ``[0]``, ``"auto"`` (one device)
-   ``enable_progress_bar``       the progress bar
-   ``callbacks``                 model-summary callbacks only (:data:`SAFE_CALLBACKS`)
-   ``logger``                    ``False`` / ``None`` only (nothing is logged)
-   ``enable_checkpointing``      ``False`` only
-   ``enable_model_summary``,     passed to the Lightning ``Trainer`` (they change neither the
-   ``deterministic``,            steps, the batches nor the update)
-   ``benchmark``,
-   ``default_root_dir``
-   ``accumulate_grad_batches``   ``1`` only
-   ``precision``                 32-bit only (``32``, ``"32"``, ``"32-true"``)
-   ``gradient_clip_val``         ``None`` only: DP-SGD clips every window's gradient
-                                 (``max_grad_norm``)
-   ``strategy`` / ``num_nodes``  ``"auto"`` / ``1`` only
-   ============================  ===========================================================
+   * ``max_steps``: DP-SGD steps (``-1``: no limit from it);
+   * ``max_epochs``: ``max_epochs × num_batches_per_epoch`` steps (gluonts' epoch is
+     ``num_batches_per_epoch`` batches; ``-1``: no limit); with ``max_steps`` too, the
+     smaller (Lightning stops at the first limit reached);
+   * ``accelerator``: ``"cpu"`` → cpu, ``"gpu"`` / ``"cuda"`` → cuda, ``"auto"`` → cuda when
+     available, else cpu;
+   * ``devices``: ``1``, ``"1"``, ``[0]``, ``"auto"`` (one device);
+   * ``enable_progress_bar``: the progress bar;
+   * ``callbacks``: model-summary callbacks only (:data:`SAFE_CALLBACKS`);
+   * ``enable_model_summary``, ``deterministic``, ``benchmark``, ``default_root_dir``: passed
+     to the Lightning ``Trainer`` (they change neither the steps, the batches nor the update);
+   * the neutral values only: ``logger=False`` / ``None`` (nothing is logged),
+     ``enable_checkpointing=False``, ``accumulate_grad_batches=1``, 32-bit ``precision``
+     (``32``, ``"32"``, ``"32-true"``), ``gradient_clip_val=None`` (DP-SGD clips every
+     window's gradient to ``max_grad_norm``), ``strategy="auto"``, ``num_nodes=1``.
 
    Every other key raises ``ValueError`` naming it and the reason (:data:`REFUSED_TRAINER_KWARGS`
    lists the reasons of the common ones).

@@ -430,3 +430,30 @@ def test_static_categorical_features_refusals(split6):
     with pytest.raises(ValueError, match="non-negative integers"):
         Panel(plain.targets, plain.starts, plain.item_ids, "M",
               static_cats=tuple((-1,) for _ in plain.targets))
+
+
+# ---- init_from a weights file ------------------------------------------------------------------
+def test_init_from_weights_file_composes_and_checks_geometry(split6, tmp_path):
+    train, _ = split6
+    first = DPEstimator(_dlinear(), noise_multiplier=1.5, delta=DELTA, max_steps=2,
+                        init_from="none", discretization=D)
+    first.train(train)
+    path = tmp_path / "w.pt"
+    first.last_result.save_weights(str(path))  # weights + privacy record
+    again = DPEstimator(_dlinear(), noise_multiplier=2.0, delta=DELTA, max_steps=2,
+                        init_from=path, discretization=D)
+    rep = again.train(train).privacy_report
+    assert rep["init_weights"] == {"source": "file", "path": str(path), "declared_public": False}
+    assert rep["epsilon_composes_prior_runs"] is True
+    assert rep["epsilon"] > rep["run_epsilon"] == pytest.approx(_accountant_epsilon(again))
+    assert rep["lr"] == md.default_for("dlinear", "lr")  # fine-tuning weights
+    other = DPEstimator(_dlinear(context_length=9), noise_multiplier=2.0, delta=DELTA,
+                        max_steps=1, init_from=path, discretization=D)
+    with pytest.raises(ValueError, match="context_length=8 but this estimator has "
+                                         "context_length=9"):
+        other.train(train)
+    # gluonts' train has no from_predictor: not accepted through **kwargs either
+    with pytest.raises(ValueError, match="from_predictor"):
+        again.train(train, from_predictor=object())
+    with pytest.raises(ValueError, match="init_from / init_state as well"):
+        again.train_model(train, from_predictor=object())

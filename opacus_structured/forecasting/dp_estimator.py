@@ -504,10 +504,12 @@ class DPEstimator(Estimator):
             ``"estimator"``, ``"batch_size"``, ``"data"`` (the ``DataReport``), ``"init_weights"``,
             ``"defaults"``, ``"trainer_kwargs"`` and ``"static_features"``.
         """
+        parity.check_train_kwargs("train", shuffle_buffer_length=shuffle_buffer_length,
+                                  ckpt_path=ckpt_path, cache_data=cache_data, **kwargs)
         return self.train_model(training_data, validation_data,
                                 shuffle_buffer_length=shuffle_buffer_length,
                                 cache_data=cache_data, ckpt_path=ckpt_path, freq=freq,
-                                fill=fill, min_length=min_length, **kwargs).predictor
+                                fill=fill, min_length=min_length).predictor
 
     def train_from(self, predictor, training_data, validation_data=None,
                    shuffle_buffer_length=None, cache_data: bool = False, ckpt_path=None, *,
@@ -552,8 +554,12 @@ class DPEstimator(Estimator):
         Lightning ``Trainer`` that ran the DP steps, ``predictor`` — the
         :class:`DPPyTorchPredictor`). Arguments as :meth:`train`; ``from_predictor`` as
         :meth:`train_from`'s ``predictor`` (with ``init_public``)."""
-        parity.check_train_kwargs("train", shuffle_buffer_length=shuffle_buffer_length,
+        parity.check_train_kwargs("train_model", shuffle_buffer_length=shuffle_buffer_length,
                                   ckpt_path=ckpt_path, cache_data=cache_data, **kwargs)
+        if from_predictor is not None and self._init_given:
+            raise ValueError("train_from / from_predictor starts from the predictor's weights; "
+                             "this DPEstimator was given init_from / init_state as well: build "
+                             "it without them")
         if validation_data is not None:
             raise ValueError("validation_data is not supported: early stopping or checkpoint "
                              "selection on validation data is not covered by the DP guarantee; "
@@ -659,6 +665,12 @@ class DPEstimator(Estimator):
                     "describe": {"source": "public", "weights": meta.get("source"),
                                  "key": meta.get("key"), "path": meta.get("path")}}
         state, meta = load_weights(self.init_from)
+        want = {"model": self.model, "prediction_length": self.prediction_length,
+                "context_length": int(self.estimator.context_length)}
+        for key, value in want.items():
+            if key in meta and meta[key] != value:
+                raise ValueError(f"init_from={self.init_from!r}: the weights were trained for "
+                                 f"{key}={meta[key]!r} but this estimator has {key}={value!r}")
         return {"state": state, "record": meta.get("privacy_record"),
                 "public": self.init_public,
                 "describe": {"source": "file", "path": self.init_from,

@@ -457,3 +457,36 @@ def test_init_from_weights_file_composes_and_checks_geometry(split6, tmp_path):
         again.train(train, from_predictor=object())
     with pytest.raises(ValueError, match="init_from / init_state as well"):
         again.train_model(train, from_predictor=object())
+
+
+@pytest.mark.slow
+def test_snippet_prints_no_warning(tmp_path):
+    """A DPEstimator round trip with gluonts' Evaluator in a fresh interpreter with Python's
+    default warning filters (what a user sees): no warning at all on stderr — gluonts' 'M' →
+    'ME' deprecations (one per series in the Evaluator) and its json-module hint are filtered
+    by category, message and module (warning_filters.py). About 15 s (imports included)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+from gluonts.evaluation import Evaluator, backtest_metrics
+from opacus_structured.forecasting.data import load_us_employment, train_test_split
+from opacus_structured.forecasting.dp_estimator import DPEstimator
+from opacus_structured.forecasting.estimators import build_estimator
+train, test = train_test_split(load_us_employment().subset(range(0, 148, 4)), 12)
+dp = DPEstimator(build_estimator("dlinear", freq="M", prediction_length=12), epsilon=1.0,
+                 delta=1e-7, max_steps=3, dataset_size=len(train), discretization=1e-3)
+predictor = dp.train(train.to_gluonts())
+agg, _ = backtest_metrics(test_dataset=test.to_gluonts(), predictor=predictor,
+                          evaluator=Evaluator(num_workers=0))
+print("OK", agg["mean_wQuantileLoss"])
+"""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-W", "default", "-c", code], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("OK")
+    warned = [line for line in out.stderr.splitlines() if "Warning" in line]
+    assert warned == [], warned[:5]

@@ -90,54 +90,27 @@ def test_is_a_gluonts_estimator_with_its_methods():
 # ---- defaults: one table for the CLI and DPEstimator ------------------------------------------
 def test_defaults_are_the_model_defaults_table(monkeypatch):
     from opacus_structured.commands import forecast as cli
+    from opacus_structured.forecasting.dp_estimator import DEFAULT_MAX_BATCH_SIZE
 
-    assert cli.DEFAULTS is md.COMMON_DEFAULTS  # the CLI's table is this very dict
-    # the values the CLI had before the table existed
-    assert (md.default_for("dlinear", "max_grad_norm"), md.default_for("dlinear", "lr"),
-            md.default_for("dlinear", "lr_from_scratch"), md.default_for("dlinear", "tail_average"),
-            md.default_for("dlinear", "max_steps"), md.default_for("dlinear", "batch_size")) == \
-        (1e-4, 1e-4, 1e-2, 0.5, 100, 64)
+    assert DEFAULT_MAX_BATCH_SIZE == cli.DEFAULTS["batch_size"] == 64  # Λ = min(64, N)
+    row = md.model_defaults("dlinear")
+    # the values the command used before the table existed
+    assert (row["max_grad_norm"], row["lr"], row["lr_from_scratch"], row["tail_average"],
+            row["max_steps"]) == (1e-4, 1e-4, 1e-2, 0.5, 100)
     dp = DPEstimator(build_estimator("dlinear", freq="M", prediction_length=12), epsilon=1.0,
                      delta=1e-7)
     assert (dp.max_grad_norm, dp.tail_average, dp.max_steps, dp.init_from) == \
         (1e-4, 0.5, 100, "public")
-    # a recipe change for one model lands in both readers
-    monkeypatch.setitem(md.MODEL_DEFAULTS["deepar"], "max_grad_norm", 3e-3)
-    monkeypatch.setitem(md.MODEL_DEFAULTS["deepar"], "max_steps", 7)
+    assert dp.defaults == {"max_steps": 100, "max_grad_norm": 1e-4, "tail_average": 0.5}
+    # a recipe change for one model lands in DPEstimator (the CLI reads the same row)
+    for key, value in {"max_grad_norm": 3e-3, "max_steps": 7, "tail_average": 0.25,
+                       "lr_from_scratch": 5e-3, "batch_size": 5}.items():
+        monkeypatch.setitem(md.MODEL_DEFAULTS["deepar"], key, value)
     dp = DPEstimator(_deepar(), epsilon=1.0, delta=DELTA, init_from="none")
-    assert dp.max_grad_norm == 3e-3 and dp.max_steps == 7
+    assert (dp.max_grad_norm, dp.max_steps, dp.tail_average) == (3e-3, 7, 0.25)
+    assert dp._lr_defaults["lr_from_scratch"] == 5e-3 and dp._batch_cap == 5
     assert DPEstimator(_dlinear(), epsilon=1.0, delta=DELTA,
                        init_from="none").max_grad_norm == 1e-4
-    assert "deepar 0.003" in cli._per_model("max_grad_norm")
-
-
-def test_cli_reads_the_per_model_recipe(monkeypatch, tmp_path):
-    """``forecast --model deepar`` passes the deepar entry's clip norm, lr, tail average and
-    steps to the trainer (captured before any training runs)."""
-    from opacus_structured.cli import build_parser
-    from opacus_structured.commands import forecast as cli
-    from opacus_structured.forecasting import training
-
-    seen = {}
-
-    class _Stop(Exception):
-        pass
-
-    def fake(model, train, **kw):
-        seen.update(kw, model=model)
-        raise _Stop
-
-    monkeypatch.setattr(training, "train_forecaster", fake)
-    monkeypatch.setitem(md.MODEL_DEFAULTS["deepar"], "max_grad_norm", 3e-3)
-    monkeypatch.setitem(md.MODEL_DEFAULTS["deepar"], "lr_from_scratch", 5e-3)
-    monkeypatch.setitem(md.MODEL_DEFAULTS["deepar"], "tail_average", 0.25)
-    monkeypatch.setitem(md.MODEL_DEFAULTS["deepar"], "max_steps", 9)
-    args = build_parser().parse_args(["forecast", "--model", "deepar", "--init-from", "none",
-                                      "--num-series", "5", "--output", str(tmp_path / "o")])
-    with pytest.raises(_Stop):
-        cli.run_forecast(args)
-    assert (seen["model"], seen["max_grad_norm"], seen["lr"], seen["tail_average"],
-            seen["max_steps"]) == ("deepar", 3e-3, 5e-3, 0.25, 9)
 
 
 # ---- gluonts train keywords -------------------------------------------------------------------
@@ -311,9 +284,9 @@ def test_deepar_round_trip_from_public_weights_pretrained_now(split12, monkeypat
     assert rep["init_weights"]["source"] == "public" and rep["init"] == "public"
     assert rep["init_weights"]["weights"] == "pretrained now"
     assert rep["model"] == "deepar" and rep["steps"] == 3 and rep["private"] is True
-    assert rep["lr"] == md.default_for("deepar", "lr")
-    assert rep["max_grad_norm"] == md.default_for("deepar", "max_grad_norm")
-    assert rep["tail_average"] == md.default_for("deepar", "tail_average")
+    assert rep["lr"] == md.model_defaults("deepar")["lr"]
+    assert rep["max_grad_norm"] == md.model_defaults("deepar")["max_grad_norm"]
+    assert rep["tail_average"] == md.model_defaults("deepar")["tail_average"]
     assert rep["epsilon"] == _accountant_epsilon(dp) <= 1.0
     assert rep["context_length_with_lags"] == 24 + 13 - 1
     _finite_metrics(predictor, test)
@@ -324,18 +297,19 @@ def test_deepar_round_trip_from_public_weights_pretrained_now(split12, monkeypat
 def test_round_trip_with_the_new_defaults(model, split12):
     """Acceptance (issue 30): DPEstimator with nothing but ε and δ (public weights, the recipe,
     100 steps) on a 15-series panel, scored by gluonts' Evaluator through backtest_metrics.
-    DLinear's weights ship (12 s); DeepAR's are pretrained on first use into the tests'
-    temporary cache (600 steps: more than 9 minutes on 2 shared, loaded CPU cores)."""
+    DLinear's weights ship (13 s); DeepAR's, where they do not ship, are pretrained on first
+    use into the tests' temporary cache (with the 600-step recipe: more than 9 minutes on 2
+    shared, loaded CPU cores)."""
     train, test = split12
     dp = DPEstimator(build_estimator(model, freq="M", prediction_length=12), epsilon=1.0,
                      delta=1e-7, dataset_size=len(train), discretization=D)
     predictor = dp.train(train.to_gluonts())
     rep = predictor.privacy_report
     assert rep["init_weights"]["source"] == "public"
-    assert rep["steps"] == md.default_for(model, "max_steps")
-    assert rep["max_grad_norm"] == md.default_for(model, "max_grad_norm")
-    assert rep["lr"] == md.default_for(model, "lr")
-    assert rep["tail_average"] == md.default_for(model, "tail_average")
+    assert rep["steps"] == md.model_defaults(model)["max_steps"]
+    assert rep["max_grad_norm"] == md.model_defaults(model)["max_grad_norm"]
+    assert rep["lr"] == md.model_defaults(model)["lr"]
+    assert rep["tail_average"] == md.model_defaults(model)["tail_average"]
     assert rep["epsilon"] == _accountant_epsilon(dp) <= 1.0
     _finite_metrics(predictor, test)
 
@@ -446,7 +420,7 @@ def test_init_from_weights_file_composes_and_checks_geometry(split6, tmp_path):
     assert rep["init_weights"] == {"source": "file", "path": str(path), "declared_public": False}
     assert rep["epsilon_composes_prior_runs"] is True
     assert rep["epsilon"] > rep["run_epsilon"] == pytest.approx(_accountant_epsilon(again))
-    assert rep["lr"] == md.default_for("dlinear", "lr")  # fine-tuning weights
+    assert rep["lr"] == md.model_defaults("dlinear")["lr"]  # fine-tuning weights
     other = DPEstimator(_dlinear(context_length=9), noise_multiplier=2.0, delta=DELTA,
                         max_steps=1, init_from=path, discretization=D)
     with pytest.raises(ValueError, match="context_length=8 but this estimator has "

@@ -34,13 +34,14 @@ import time
 
 from ..accounting import pld as pld_lib
 from ..cli import register_command
-from ..forecasting.model_defaults import COMMON_DEFAULTS, MODEL_DEFAULTS, default_for
 from ..forecasting.seasonality import season_length as default_season_length
 from ..forecasting.warning_filters import known_harmless_warnings_filtered
 from ..samplers._generator import fresh_seed
 
 __all__ = ["add_arguments", "run", "run_forecast", "NOT_PRIVATE_SEEDED"]
 
+#: Defaults of the DP recipe, chosen on public panels only (``benchmarks/forecast_recipe.py``;
+#: docs/guides/forecasting.md shows the study): fine-tuning the public pretrained weights.
 from ._forecast_output import (  # noqa: F401  (check_paths, _plot_title: re-exported)
     _fmt,
     _plot,
@@ -52,27 +53,15 @@ from ._forecast_output import (  # noqa: F401  (check_paths, _plot_title: re-exp
     check_paths,
 )
 
-#: Defaults of the DP recipe, chosen on public panels only (``benchmarks/forecast_recipe.py``;
-#: docs/guides/forecasting.md shows the study): fine-tuning the public pretrained weights.
-#: The model-independent ones are the very dict of ``forecasting/model_defaults.py``, the one
-#: table DPEstimator reads too; the per-model recipe (clip norm, lr, tail average) is
-#: ``MODEL_DEFAULTS[model]`` there, looked up with ``default_for(model, key)``.
-DEFAULTS = COMMON_DEFAULTS
+DEFAULTS = dict(model="dlinear", epsilon=1.0, delta=1e-7, max_steps=100, batch_size=64,
+                prediction_length=12, max_grad_norm=1e-4, lr=1e-4, lr_from_scratch=1e-2,
+                tail_average=0.5, num_samples=100)
 
 #: Printed (and put on the plot) for a DP run whose noise was seeded with ``--seed``.
 NOT_PRIVATE_SEEDED = "NOT PRIVATE: reproducible noise (--seed given); for evaluation only"
 #: ``report["not_private_reason"]`` of such a run.
 SEEDED_REASON = ("reproducible noise: seeded with --seed (whoever knows the seed regenerates the "
                  "sampler draws and the noise and can subtract it)")
-
-
-def _per_model(key: str) -> str:
-    """``"dlinear 0.0001, deepar 0.001, ..."`` (or ``"0.0001 for every model"``): a recipe
-    value per model, for the help texts (read from ``forecasting/model_defaults.py``)."""
-    values = {m: default_for(m, key) for m in MODEL_DEFAULTS}
-    if len(set(values.values())) == 1:
-        return f"{next(iter(values.values())):g} for every model"
-    return ", ".join(f"{m} {v:g}" for m, v in values.items())
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,13 +96,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="steps per seasonal cycle: the seasonal-naive lag, the MASE scale and "
                         "the public pretraining corpus' period (default from the frequency: "
                         "15min 96, 30min 48, h 24, D 7, B 5, W 52, M 12, Q 4, Y 1)")
-    p.add_argument("--max-grad-norm", type=float, default=None,
-                   help="per-window clipping norm C (default per model: "
-                        f"{_per_model('max_grad_norm')})")
+    p.add_argument("--max-grad-norm", type=float, default=DEFAULTS["max_grad_norm"],
+                   help="per-window clipping norm C (default %(default)g)")
     p.add_argument("--lr", type=float, default=None,
-                   help=f"Adam learning rate (default per model: {_per_model('lr')} when "
-                        f"fine-tuning public weights, {_per_model('lr_from_scratch')} from "
-                        "scratch)")
+                   help=f"Adam learning rate (default {DEFAULTS['lr']:g} when fine-tuning "
+                        f"public weights, {DEFAULTS['lr_from_scratch']:g} from scratch)")
     p.add_argument("--init-from", default="public", metavar="{public,none,PATH}",
                    help="start DP fine-tuning from public pretrained weights (default "
                         "'public': shipped with the package, cached, or pretrained now on the "
@@ -128,10 +115,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-weights", default=None, metavar="PATH",
                    help="write the released model's weights with their privacy record (the "
                         "runs they went through) to PATH, for a later --init-from PATH")
-    p.add_argument("--tail-average", type=float, default=None,
+    p.add_argument("--tail-average", type=float, default=DEFAULTS["tail_average"],
                    help="release the mean of the last fraction of the iterates (post-processing:"
-                        f" no privacy cost; default per model: {_per_model('tail_average')}; "
-                        "0 = the last iterate)")
+                        " no privacy cost; default %(default)g, 0 = the last iterate)")
     p.add_argument("--epsilons", default=None, metavar="LIST",
                    help="sweep: train once per budget in this comma-separated list (e.g. "
                         "0.5,1,2,4,inf) and write sweep.png (CRPS and MASE against ε with the "
@@ -335,13 +321,7 @@ def run_forecast(args, *, print_fn=print) -> dict:
             raise ValueError("--epsilons calibrates σ per budget; it cannot be combined with "
                              "--noise-multiplier")
         args.epsilon = budgets[0]
-    # per-model recipe values the user did not set (forecasting/model_defaults.py)
-    model_name = getattr(args, "model", None) or DEFAULTS["model"]
-    if getattr(args, "max_grad_norm", None) is None:
-        args.max_grad_norm = default_for(model_name, "max_grad_norm")
-    tail_average = getattr(args, "tail_average", None)
-    if tail_average is None:
-        tail_average = default_for(model_name, "tail_average")
+    tail_average = getattr(args, "tail_average", DEFAULTS["tail_average"])
     if not 0.0 <= tail_average <= 1.0:
         raise ValueError(f"--tail-average must be in [0, 1] (fraction of the last steps whose "
                          f"iterates are averaged), got {tail_average}")
@@ -374,7 +354,7 @@ def run_forecast(args, *, print_fn=print) -> dict:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     check_paths(args)  # before any data is read or any training runs
     if args.max_steps is None and args.epochs is None:
-        args.max_steps = default_for(model_name, "max_steps")
+        args.max_steps = DEFAULTS["max_steps"]
     if args.num_samples < 1:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
     seed = getattr(args, "seed", None)
@@ -421,9 +401,9 @@ def run_forecast(args, *, print_fn=print) -> dict:
     if getattr(args, "batch_size", None) is None:  # fits the panel (N is public here, as in
         # the accountant: dataset_size_source says where N came from)
         declared = getattr(args, "dataset_size", None)
-        default_batch = default_for(model_name, "batch_size")
-        args.batch_size = min(default_batch, declared or len(train))
-        batch_size_source = f"default min({default_batch}, N = {declared or len(train)})"
+        args.batch_size = min(DEFAULTS["batch_size"], declared or len(train))
+        batch_size_source = (f"default min({DEFAULTS['batch_size']}, N = "
+                             f"{declared or len(train)})")
     if args.batch_size > len(train):
         raise ValueError(f"fewer series than the batch size: {len(train)} training series "
                          f"(after exclusions) but --batch-size {args.batch_size}; each step "
@@ -443,8 +423,8 @@ def run_forecast(args, *, print_fn=print) -> dict:
     init_state, init_meta = _initial_weights(init_from, args, train.freq, progress, log,
                                              season_length)
     init_record = None if init_meta is None else init_meta.pop("privacy_record", None)
-    lr = args.lr if args.lr is not None else default_for(
-        model_name, "lr" if init_state is not None else "lr_from_scratch")
+    lr = args.lr if args.lr is not None else (
+        DEFAULTS["lr"] if init_state is not None else DEFAULTS["lr_from_scratch"])
     common = dict(prediction_length=args.prediction_length, context_length=args.context_length,
                   batch_size=args.batch_size, max_grad_norm=args.max_grad_norm, lr=lr,
                   init_state=init_state, tail_average=tail_average,

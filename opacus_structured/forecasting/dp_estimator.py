@@ -89,8 +89,8 @@ Defaults and the initial weights
 
 What the user does not set comes from
 :mod:`~opacus_structured.forecasting.model_defaults`, the table ``opacus-structured forecast``
-reads (per model: clipping norm, learning rate from weights / from scratch, tail average;
-steps; Λ = ``min(batch_size, N)``), and training starts, as the command does, from the
+reads (``MODEL_DEFAULTS[model]``: clipping norm, learning rate from weights / from scratch,
+steps, tail average; Λ = ``min(64, N)``, :data:`DEFAULT_MAX_BATCH_SIZE`), and training starts, as the command does, from the
 package's public pretrained weights (:func:`~.pretraining.pretrained_weights`: shipped,
 cached or pretrained now on the synthetic public corpus; public, so free). They were trained
 with :func:`~.estimators.build_estimator`'s architecture: an estimator that differs in an
@@ -149,13 +149,19 @@ from .estimators import (
     dp_safe_network,
     estimator_model,
 )
-from .model_defaults import default_for
+from .model_defaults import model_defaults
 from .pretraining import load_weights, pretrained_weights
 from .provenance import json_ready as _json_ready
 from .training import TrainResult, train_forecaster
 from .user_data import load_panel
 
-__all__ = ["DPEstimator", "DPPyTorchPredictor", "REPORT_FILE", "REPORT_FORMAT"]
+__all__ = ["DPEstimator", "DPPyTorchPredictor", "REPORT_FILE", "REPORT_FORMAT",
+           "DEFAULT_MAX_BATCH_SIZE"]
+
+#: Largest default Λ: ``min(DEFAULT_MAX_BATCH_SIZE, N)`` series per step, the rule of
+#: ``opacus-structured forecast`` (its ``DEFAULTS["batch_size"]``; a test keeps the two equal).
+#: A ``"batch_size"`` in the model's row of ``model_defaults.MODEL_DEFAULTS`` overrides it.
+DEFAULT_MAX_BATCH_SIZE = 64
 
 #: File name of the human-readable copy of the report written by ``serialize``.
 REPORT_FILE = "privacy_report.json"
@@ -272,7 +278,7 @@ class DPEstimator(Estimator):
 
     Defaults come from the one table the command line reads too,
     :mod:`~opacus_structured.forecasting.model_defaults` (per model: clipping norm, learning
-    rate, tail average; steps; Λ = ``min(batch_size, N)``), and training starts from the
+    rate, steps, tail average; Λ = ``min(64, N)``), and training starts from the
     package's public pretrained weights, as ``opacus-structured forecast`` does.
 
     Args:
@@ -292,7 +298,7 @@ class DPEstimator(Estimator):
             ``num_batches_per_epoch``, gluonts' epoch), else the recipe's ``max_steps``.
         batch_size: Λ, series drawn per step (one window each), ``1 <= Λ <= N``. Default: the
             estimator's ``batch_size`` if you changed it from gluonts' 32, else
-            ``min(recipe batch_size, N)`` for the ``N`` training series.
+            ``min(64, N)`` for the ``N`` training series (the command's rule).
         max_grad_norm: per-window clipping norm ``C`` (> 0); default the model's recipe value.
         lr: Adam's learning rate (> 0). Default: the estimator's ``lr`` if you changed it from
             gluonts' 1e-3, else the recipe's (``lr`` when fine-tuning weights,
@@ -390,30 +396,33 @@ class DPEstimator(Estimator):
         if trainer_steps is not None and (max_steps is not None or epochs is not None):
             raise ValueError(f"max_steps / epochs given twice: to DPEstimator and in the "
                              f"estimator's trainer_kwargs ({trainer_steps} steps); keep one")
+        recipe = model_defaults(self.model)  # the model's row (model_defaults.py)
+        self._batch_cap = int(recipe.get("batch_size", DEFAULT_MAX_BATCH_SIZE))
+        self._lr_defaults = {key: recipe[key] for key in ("lr", "lr_from_scratch")}
         self.defaults = {}  # what came from the recipe table (model_defaults.py)
         if self.max_steps is None and self.epochs is None:
             if trainer_steps is not None:
                 self.max_steps = int(trainer_steps)
             else:
-                self.max_steps = default_for(self.model, "max_steps")
+                self.max_steps = int(recipe["max_steps"])
                 self.defaults["max_steps"] = self.max_steps
         if batch_size is not None:
             self.batch_size = check_int("batch_size", batch_size, minimum=1)
         elif "batch_size" in own:
             self.batch_size = check_int("batch_size", own["batch_size"], minimum=1)
         else:
-            self.batch_size = None  # min(recipe batch_size, N), fixed when the panel is read
+            self.batch_size = None  # min(64, N), fixed when the panel is read
         if lr is not None and "lr" in own and float(lr) != float(own["lr"]):
             raise ValueError(f"lr={lr} differs from the estimator's lr={own['lr']}: set it in "
                              f"one place")
         self.lr = None if lr is None and "lr" not in own else check_positive(
             "lr", lr if lr is not None else own["lr"])
         if max_grad_norm is None:
-            max_grad_norm = default_for(self.model, "max_grad_norm")
+            max_grad_norm = recipe["max_grad_norm"]
             self.defaults["max_grad_norm"] = max_grad_norm
         self.max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
         if tail_average is None:
-            tail_average = default_for(self.model, "tail_average")
+            tail_average = recipe["tail_average"]
             self.defaults["tail_average"] = tail_average
         self.tail_average = _check_tail_average(tail_average)
         self.seed = None if seed is None else check_int("seed", seed, minimum=0)
@@ -573,9 +582,8 @@ class DPEstimator(Estimator):
         defaults = dict(self.defaults)
         batch_size = self.batch_size
         if batch_size is None:
-            batch_size = min(default_for(self.model, "batch_size"),
-                             self.dataset_size or len(panel))
-            defaults["batch_size"] = f"min({default_for(self.model, 'batch_size')}, N)"
+            batch_size = min(self._batch_cap, self.dataset_size or len(panel))
+            defaults["batch_size"] = f"min({self._batch_cap}, N)"
         if batch_size > len(panel):
             raise ValueError(f"batch_size={batch_size} exceeds the {len(panel)} training "
                              f"series ({data_report.summary()}): each step draws batch_size "
@@ -583,7 +591,7 @@ class DPEstimator(Estimator):
         lr = self.lr
         if lr is None:
             key = "lr" if start["state"] is not None else "lr_from_scratch"
-            lr = default_for(self.model, key)
+            lr = self._lr_defaults[key]
             defaults["lr"] = f"{lr:g} ({key})"
         estimator = self.estimator
         if float(getattr(estimator, "lr", lr)) != float(lr):  # the same estimator, lr set

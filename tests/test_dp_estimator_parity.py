@@ -426,6 +426,8 @@ def test_init_from_weights_file_composes_and_checks_geometry(split6, tmp_path):
     with pytest.raises(ValueError, match="context_length=8 but this estimator has "
                                          "context_length=9"):
         other.train(train)
+    with pytest.raises(ValueError, match="init_from='pulic': no such file.*'public', 'none'"):
+        DPEstimator(_dlinear(), epsilon=1.0, delta=DELTA, init_from="pulic").train(train)
     # gluonts' train has no from_predictor: not accepted through **kwargs either
     with pytest.raises(ValueError, match="from_predictor"):
         again.train(train, from_predictor=object())

@@ -672,6 +672,9 @@ class DPEstimator(Estimator):
             return {"state": state, "record": meta.get("privacy_record"), "public": False,
                     "describe": {"source": "public", "weights": meta.get("source"),
                                  "key": meta.get("key"), "path": meta.get("path")}}
+        if not os.path.isfile(self.init_from):
+            raise ValueError(f"init_from={self.init_from!r}: no such file (init_from is "
+                             f"'public', 'none' or the path of a weights file)")
         state, meta = load_weights(self.init_from)
         want = {"model": self.model, "prediction_length": self.prediction_length,
                 "context_length": int(self.estimator.context_length)}

@@ -335,7 +335,8 @@ def test_dp_estimator_train_from_composes(tiny, tmp_path):
         return DLinearEstimator(prediction_length=H, context_length=8, hidden_dimension=2,
                                 kernel_size=5, batch_size=4)
 
-    dp = DPEstimator(est(), noise_multiplier=1.5, delta=DELTA, max_steps=2, discretization=D)
+    dp = DPEstimator(est(), noise_multiplier=1.5, delta=DELTA, max_steps=2, discretization=D,
+                     init_from="none")
     predictor = dp.train(tiny)
     first_eps = predictor.privacy_report["epsilon"]
     predictor.serialize(tmp_path / "model")  # the record comes back with the model

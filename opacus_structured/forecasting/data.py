@@ -48,6 +48,10 @@ class Panel:
     * ``item_ids``: one identifier per series.
     * ``freq``: pandas frequency string shared by all series (``"M"`` for monthly).
     * ``titles``: optional human-readable names.
+    * ``static_cats``: optional static categorical features, one tuple of non-negative ints
+      per series (gluonts' ``feat_static_cat``, e.g. for ``DeepAREstimator(
+      num_feat_static_cat=..., cardinality=...)``). Public metadata, like ``item_ids``: DP
+      training protects the target values, not these.
 
     """
 
@@ -56,6 +60,7 @@ class Panel:
     item_ids: tuple
     freq: str
     titles: Optional[tuple] = None
+    static_cats: Optional[tuple] = None
 
     def __post_init__(self):
         n = len(self.targets)
@@ -66,6 +71,18 @@ class Panel:
                              f"({len(self.item_ids)}) must have the same length")
         if self.titles is not None and len(self.titles) != n:
             raise ValueError(f"titles must have one entry per series ({n})")
+        if self.static_cats is not None:
+            if len(self.static_cats) != n:
+                raise ValueError(f"static_cats must have one entry per series ({n}), got "
+                                 f"{len(self.static_cats)}")
+            widths = {len(c) for c in self.static_cats}
+            if len(widths) != 1:
+                raise ValueError(f"static_cats: every series needs the same number of "
+                                 f"features, got {sorted(widths)}")
+            for i, cats in enumerate(self.static_cats):
+                if not all(isinstance(c, (int, np.integer)) and c >= 0 for c in cats):
+                    raise ValueError(f"static_cats[{i}] ({self.item_ids[i]}) must be "
+                                     f"non-negative integers, got {tuple(cats)!r}")
         for i, t in enumerate(self.targets):
             a = np.asarray(t)
             if a.ndim != 1 or a.size == 0:
@@ -89,11 +106,15 @@ class Panel:
 
     @known_harmless_warnings_filtered()  # pandas' 'M' -> 'ME' alias deprecation, by message
     def to_gluonts(self, *, one_dim_target: bool = True):
-        """The panel as a gluonts ``ListDataset`` (entries ``start``, ``target``, ``item_id``)."""
+        """The panel as a gluonts ``ListDataset`` (entries ``start``, ``target``, ``item_id``;
+        ``feat_static_cat`` when the panel has ``static_cats``)."""
         from gluonts.dataset.common import ListDataset
 
         entries = [{"start": s, "target": np.asarray(t, dtype=np.float32), "item_id": i}
                    for t, s, i in zip(self.targets, self.starts, self.item_ids, strict=False)]
+        if self.static_cats is not None:
+            for entry, cats in zip(entries, self.static_cats, strict=True):
+                entry["feat_static_cat"] = [int(c) for c in cats]
         return ListDataset(entries, freq=self.freq, one_dim_target=one_dim_target)
 
     def subset(self, indices: Sequence[int]) -> "Panel":
@@ -104,7 +125,7 @@ class Panel:
                 raise ValueError(f"series index {i} out of range [0, {len(self)})")
         pick = lambda seq: None if seq is None else tuple(seq[i] for i in idx)  # noqa: E731
         return Panel(pick(self.targets), pick(self.starts), pick(self.item_ids), self.freq,
-                     pick(self.titles))
+                     pick(self.titles), pick(self.static_cats))
 
     def filter_min_length(self, min_length: int) -> "Panel":
         """Drop series shorter than ``min_length``; raises if none is left."""
@@ -123,7 +144,8 @@ class Panel:
             cut = max(0, len(t) - max_length)
             targets.append(t[cut:])
             starts.append(s + cut)
-        return Panel(tuple(targets), tuple(starts), self.item_ids, self.freq, self.titles)
+        return Panel(tuple(targets), tuple(starts), self.item_ids, self.freq, self.titles,
+                     self.static_cats)
 
 
 def train_test_split(panel: Panel, prediction_length: int) -> tuple[Panel, Panel]:
@@ -138,7 +160,7 @@ def train_test_split(panel: Panel, prediction_length: int) -> tuple[Panel, Panel
         raise ValueError(f"prediction_length={h} must be smaller than the shortest series "
                          f"({panel.min_length}); filter short series with min_length")
     train = Panel(tuple(t[:-h] for t in panel.targets), panel.starts, panel.item_ids,
-                  panel.freq, panel.titles)
+                  panel.freq, panel.titles, panel.static_cats)
     return train, panel
 
 

@@ -1,21 +1,25 @@
-r"""gluonts-native DP training: :class:`DPEstimator` wraps a gluonts torch estimator.
+r"""gluonts-native DP training: :class:`DPEstimator`, a gluonts ``Estimator`` wrapping a gluonts
+torch estimator.
 
 .. code-block:: python
 
-    from gluonts.torch.model.deepar import DeepAREstimator
     from opacus_structured.forecasting.dp_estimator import DPEstimator
+    from opacus_structured.forecasting.estimators import build_estimator
 
-    dp = DPEstimator(DeepAREstimator(freq="M", prediction_length=12, context_length=24,
-                                     lags_seq=[1, 2, 3, 12, 13]),
-                     epsilon=1.0, delta=1e-7, max_steps=1000, batch_size=64)
+    dp = DPEstimator(build_estimator("dlinear", freq="M", prediction_length=12),
+                     epsilon=1.0, delta=1e-7)  # public weights, the CLI's recipe
     predictor = dp.train(train_ds)          # a gluonts PyTorchPredictor (subclass)
     predictor.privacy_report["epsilon"]     # ε spent, at predictor.privacy_report["delta"]
     predictor.serialize(path)               # also writes path / "privacy_report.json"
     Predictor.deserialize(path).privacy_report   # the report comes back with the model
+    dp.train_from(predictor, train_ds)      # continues; the two runs' ε compose
 
 ``train`` returns a :class:`DPPyTorchPredictor`, a ``PyTorchPredictor`` subclass, so
-``make_evaluation_predictions``, ``Evaluator``, ``predictor.serialize`` and gluonts'
-``Predictor.deserialize`` work unchanged.
+``make_evaluation_predictions``, ``Evaluator``, ``backtest_metrics``, ``predictor.serialize``
+and gluonts' ``Predictor.deserialize`` work unchanged. ``train``, ``train_model`` (gluonts'
+``TrainOutput``) and ``train_from`` take gluonts' arguments; each gluonts setting is honoured
+or refused with its reason, none is ignored
+(:mod:`~opacus_structured.forecasting.gluonts_parity`).
 
 What is trained, and how
 ------------------------
@@ -68,14 +72,39 @@ The estimator
 -------------
 
 Supported: gluonts' ``DLinearEstimator``, ``SimpleFeedForwardEstimator`` (``batch_norm=False``)
-and ``DeepAREstimator`` (no covariates), with ``lead_time=0``. Its network, transformation,
-``prediction_length``, ``context_length`` (and lags), ``lr`` and ``weight_decay`` are used as
-they are; the layers are made DP-safe (``nn.LSTM`` → ``FastDPLSTM`` or Opacus' ``DPLSTM``,
-batch-coupled ``MeanScaler`` → ``default_scale=1.0``). Its ``trainer_kwargs`` (e.g. gluonts'
-``gradient_clip_val``), training sampler, ``num_batches_per_epoch`` and early stopping are
-**not** used: steps, batches and clipping are DP-SGD's. ``batch_size`` (default: the
-estimator's) is Λ, the number of series per step that the accountant prices; the estimator's
-own ``batch_size`` is only the predictor's inference batch size.
+and ``DeepAREstimator`` (static categorical features allowed, no real-valued covariates), with
+``lead_time=0``. Its network, transformation, ``prediction_length``, ``context_length`` (and
+lags) and ``weight_decay`` are used as they are; the layers are made DP-safe (``nn.LSTM`` →
+``FastDPLSTM`` or Opacus' ``DPLSTM``, batch-coupled ``MeanScaler`` → ``default_scale=1.0``).
+Steps, batches and clipping are DP-SGD's: the estimator's ``trainer_kwargs`` are mapped onto
+them or refused, its ``lr`` and ``batch_size`` are used when changed from gluonts' defaults
+(else the recipe's), and its training sampler, ``num_batches_per_epoch`` (without
+``max_epochs``) and DeepAR's ``patience`` are refused
+(:mod:`~opacus_structured.forecasting.gluonts_parity`). ``batch_size`` is Λ, the number of
+series per step that the accountant prices; the estimator's own ``batch_size`` is also the
+predictor's inference batch size.
+
+Defaults and the initial weights
+--------------------------------
+
+What the user does not set comes from
+:mod:`~opacus_structured.forecasting.model_defaults`, the table ``opacus-structured forecast``
+reads (``MODEL_DEFAULTS[model]``: clipping norm, learning rate from weights / from scratch,
+steps, tail average; Λ = ``min(64, N)``, :data:`DEFAULT_MAX_BATCH_SIZE`), and training starts, as the command does, from the
+package's public pretrained weights (:func:`~.pretraining.pretrained_weights`: shipped,
+cached or pretrained now on the synthetic public corpus; public, so free). They were trained
+with :func:`~.estimators.build_estimator`'s architecture: an estimator that differs in an
+architecture argument is refused with the differences (``init_from="none"`` starts from a
+random initialisation instead).
+
+Static categorical features
+---------------------------
+
+A ``DeepAREstimator(num_feat_static_cat=k, cardinality=[...])`` reads each series'
+``feat_static_cat`` (a gluonts dataset's field, or ``Panel.static_cats``), checked against
+``cardinality``. They are public metadata, like the series ids: neighbouring datasets differ in
+target values only, so the guarantee protects the targets and not the categories (the report's
+``"static_features"`` says so).
 
 Serialization
 -------------
@@ -89,26 +118,50 @@ the report as ``privacy_report.json`` for people and other tools.
 """
 
 # no ``from __future__ import annotations``: gluonts' @validated reads the annotations
+import dataclasses
 import json
+import math
+import os
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import List, Optional, Union
 
+import numpy as np
 import torch
 import torch.nn as nn
 from gluonts.core.component import validated
+from gluonts.model.estimator import Estimator
 from gluonts.model.forecast_generator import ForecastGenerator, SampleForecastGenerator
 from gluonts.model.predictor import OutputTransform
+from gluonts.torch.model.estimator import TrainOutput
 from gluonts.torch.model.predictor import PyTorchPredictor
 from gluonts.transform import Transformation
 
 from .._validation import check_int, check_open_unit, check_positive
 from ..accounting import pld as pld_lib
-from .estimators import LSTM_IMPLS, _check_user_estimator, dp_safe_network, estimator_model
+from . import gluonts_parity as parity
+from .data import Panel
+from .estimators import (
+    LSTM_IMPLS,
+    _check_user_estimator,
+    build_estimator,
+    dp_safe_network,
+    estimator_model,
+)
+from .model_defaults import model_defaults
+from .pretraining import load_weights, pretrained_weights
 from .provenance import json_ready as _json_ready
-from .training import DEFAULT_MAX_GRAD_NORM, TrainResult, train_forecaster
+from .training import TrainResult, train_forecaster
 from .user_data import load_panel
 
-__all__ = ["DPEstimator", "DPPyTorchPredictor", "REPORT_FILE", "REPORT_FORMAT"]
+__all__ = ["DPEstimator", "DPPyTorchPredictor", "REPORT_FILE", "REPORT_FORMAT",
+           "DEFAULT_MAX_BATCH_SIZE"]
+
+#: Largest default Λ: ``min(DEFAULT_MAX_BATCH_SIZE, N)`` series per step, the rule of
+#: ``opacus-structured forecast`` (its ``DEFAULTS["batch_size"]``; a test keeps the two equal).
+#: A ``"batch_size"`` in the model's row of ``model_defaults.MODEL_DEFAULTS`` overrides it.
+DEFAULT_MAX_BATCH_SIZE = 64
 
 #: File name of the human-readable copy of the report written by ``serialize``.
 REPORT_FILE = "privacy_report.json"
@@ -205,69 +258,121 @@ def _check_tail_average(value) -> float:
     return value
 
 
-class DPEstimator:
-    """Differentially private training of a gluonts torch estimator (see the module docstring).
+def _trainer_capture():
+    """A Lightning callback that keeps the ``Trainer`` (for ``train_model``'s ``TrainOutput``);
+    it only stores a reference."""
+    import lightning.pytorch as pl
+
+    class _Capture(pl.Callback):
+        trainer = None
+
+        def on_fit_start(self, trainer, pl_module):
+            self.trainer = trainer
+
+    return _Capture()
+
+
+class DPEstimator(Estimator):
+    """Differentially private training of a gluonts torch estimator: a gluonts ``Estimator``
+    (``train``, ``train_model``, ``train_from``; see the module docstring).
+
+    Defaults come from the one table the command line reads too,
+    :mod:`~opacus_structured.forecasting.model_defaults` (per model: clipping norm, learning
+    rate, steps, tail average; Λ = ``min(64, N)``), and training starts from the
+    package's public pretrained weights, as ``opacus-structured forecast`` does.
 
     Args:
         estimator: a gluonts ``DLinearEstimator``, ``SimpleFeedForwardEstimator`` or
             ``DeepAREstimator`` (``lead_time=0``); its network and settings are trained as
-            they are, with DP-safe layers.
+            they are, with DP-safe layers. Its ``trainer_kwargs`` and training settings are
+            honoured or refused one by one (:mod:`~opacus_structured.forecasting.gluonts_parity`).
+            For the public weights (the default start) build it with
+            :func:`~opacus_structured.forecasting.estimators.build_estimator`, the architecture
+            they were trained with.
         epsilon: target ε (> 0, finite): σ is calibrated so that the planned steps spend at
             most ``epsilon`` at ``delta``. ``None`` needs ``noise_multiplier`` (ε reported).
         delta: δ in (0, 1), e.g. ``1e-7``; well below ``1 / number of series``.
         max_steps: number of DP-SGD steps (>= 1); or ``epochs`` (> 0; one epoch is
-            ``floor(N / batch_size)`` steps, rounded up). Exactly one of the two.
-        batch_size: Λ, series drawn per step (one window each), ``1 <= Λ <= N``; default the
-            estimator's ``batch_size``.
-        max_grad_norm: per-window clipping norm ``C`` (> 0).
+            ``floor(N / batch_size)`` steps, rounded up). At most one of the two; without
+            either, the estimator's ``trainer_kwargs`` ``max_steps`` / ``max_epochs`` (×
+            ``num_batches_per_epoch``, gluonts' epoch), else the recipe's ``max_steps``.
+        batch_size: Λ, series drawn per step (one window each), ``1 <= Λ <= N``. Default: the
+            estimator's ``batch_size`` if you changed it from gluonts' 32, else
+            ``min(64, N)`` for the ``N`` training series (the command's rule).
+        max_grad_norm: per-window clipping norm ``C`` (> 0); default the model's recipe value.
+        lr: Adam's learning rate (> 0). Default: the estimator's ``lr`` if you changed it from
+            gluonts' 1e-3, else the recipe's (``lr`` when fine-tuning weights,
+            ``lr_from_scratch`` from a random initialisation).
         noise_multiplier: fixed σ (> 0) instead of calibrating it; with ``epsilon`` training
             stops before the step that would exceed it.
         seed: seeds the sampler and the noise: reproducible, hence **not private** (the report
             says so). ``None`` (default): fresh OS entropy, recorded nowhere.
         init_seed: seeds only the public randomness (initialisation, forecast sampling).
-        init_state: initial weights (a ``state_dict`` of the estimator's network) to
-            fine-tune from: the package's public pretrained weights, weights declared public
-            (``init_public``), or an earlier run's weights with its ``init_record`` (runs on
-            the same data are composed; see :meth:`train_from` and
+        init_from: where training starts: ``"public"`` (the package's public pretrained
+            weights for the model, the panel's frequency, ``prediction_length`` and
+            ``context_length``: shipped, cached, or pretrained now on the synthetic public
+            corpus, as the CLI's ``--init-from public``), ``"none"`` (random initialisation),
+            or the path of a weights file written by ``--save-weights`` /
+            ``TrainResult.save_weights`` / ``opacus-structured pretrain`` (its privacy record
+            comes with it). Default: ``"public"``, or ``init_state`` when given.
+        init_state: initial weights (a ``state_dict`` of the estimator's network): weights
+            declared public (``init_public``), or an earlier run's weights with its
+            ``init_record`` (runs on the same data are composed; see :meth:`train_from` and
             :mod:`~opacus_structured.forecasting.provenance`).
         init_record: the privacy record of ``init_state`` (``predictor.privacy_report
             ["privacy_record"]`` of the run that trained it).
-        init_public: declare ``init_state`` public (never trained on the training data).
+        init_public: declare ``init_state`` (or the ``init_from`` file) public: never trained
+            on the training data.
         tail_average: fraction in [0, 1] of the last steps whose iterates are averaged (free
-            post-processing).
+            post-processing); default the recipe's.
+        season_length: the seasonal period of the public pretraining corpus (default from the
+            frequency); used only with ``init_from="public"``.
         discretization: PLD grid (> 0) for calibration and reporting (pessimistic: a coarser
             grid only over-reports ε).
-        progress: show a progress bar.
-        device: ``"cpu"`` or ``"cuda"``.
+        progress: show a progress bar (default: ``trainer_kwargs["enable_progress_bar"]``,
+            else off).
+        device: ``"cpu"`` or ``"cuda"`` (default: ``trainer_kwargs["accelerator"]``, else
+            ``"cpu"``).
         lstm_impl: ``"fast"`` (``FastDPLSTM``) or ``"opacus"`` (``DPLSTM``) for DeepAR.
         grad_sample_mode: ``"hooks"`` or ``"ghost"`` (book-keeping), the same ε.
         num_workers: DataLoader workers that cut windows.
+        dataset_size: a declared **public** number of training series N (at most the
+            panel's): the sampling rate, the epoch length and the default Λ then come from N,
+            not from the data (``train_forecaster``'s ``dataset_size``). Default: the panel's
+            own count, read from the data (a ``DatasetSizeFromDataWarning`` says so once).
 
     Attributes:
         last_result: the :class:`~opacus_structured.forecasting.training.TrainResult` of the
-            latest :meth:`train` (``None`` before).
+            latest training (``None`` before).
         last_data_report: the :class:`~opacus_structured.forecasting.user_data.DataReport` of
-            the latest :meth:`train`.
+            the latest training.
     """
 
     def __init__(self, estimator, *, epsilon: Optional[float] = None,
                  delta: Optional[float] = None, max_steps: Optional[int] = None,
                  epochs: Optional[float] = None, batch_size: Optional[int] = None,
-                 max_grad_norm: float = DEFAULT_MAX_GRAD_NORM,
+                 max_grad_norm: Optional[float] = None, lr: Optional[float] = None,
                  noise_multiplier: Optional[float] = None, seed: Optional[int] = None,
-                 init_seed: Optional[int] = None, init_state: Optional[dict] = None,
-                 init_record: Optional[dict] = None, init_public: bool = False,
-                 tail_average: float = 0.0,
+                 init_seed: Optional[int] = None, init_from: Optional[str] = None,
+                 init_state: Optional[dict] = None, init_record: Optional[dict] = None,
+                 init_public: bool = False, tail_average: Optional[float] = None,
+                 season_length: Optional[int] = None,
                  discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
-                 progress: bool = False, device: str = "cpu", lstm_impl: str = "fast",
-                 grad_sample_mode: str = "hooks", num_workers: int = 0):
+                 progress: Optional[bool] = None, device: Optional[str] = None,
+                 lstm_impl: str = "fast", grad_sample_mode: str = "hooks",
+                 num_workers: int = 0, dataset_size: Optional[int] = None):
+        super().__init__(lead_time=0)
         self.model = estimator_model(estimator)  # raises for unsupported estimators
         _check_user_estimator(self.model, estimator)
         if getattr(estimator, "lead_time", 0) != 0:
             raise ValueError(f"estimator lead_time must be 0 (the structured accountant "
                              f"assumes the forecast window starts right after the context), "
                              f"got {estimator.lead_time}")
+        # gluonts settings: honoured, replaced or refused, one by one (gluonts_parity.py)
+        self.trainer_settings = parity.trainer_settings(estimator)
+        own = parity.estimator_settings(estimator, self.model)
         self.estimator = estimator
+        self.prediction_length = int(estimator.prediction_length)
         if delta is None:
             raise ValueError("delta is required, in (0, 1) (e.g. 1e-7)")
         self.delta = check_open_unit("delta", delta)
@@ -276,35 +381,93 @@ class DPEstimator:
                              "noise_multiplier (> 0; epsilon is reported): DPEstimator always "
                              "trains with DP-SGD (train the gluonts estimator itself for a "
                              "non-private baseline)")
+        if epsilon is not None and not math.isfinite(float(epsilon)):
+            raise ValueError(f"epsilon must be finite (DPEstimator always trains with DP-SGD), "
+                             f"got {epsilon}")
         self.epsilon = None if epsilon is None else check_positive("epsilon", epsilon)
         self.noise_multiplier = (None if noise_multiplier is None
                                  else check_positive("noise_multiplier", noise_multiplier))
-        if (max_steps is None) == (epochs is None):
-            raise ValueError("pass exactly one of max_steps (>= 1) and epochs (> 0)")
+        if max_steps is not None and epochs is not None:
+            raise ValueError("pass at most one of max_steps (>= 1) and epochs (> 0)")
         self.max_steps = None if max_steps is None else check_int("max_steps", max_steps,
                                                                   minimum=1)
         self.epochs = None if epochs is None else check_positive("epochs", epochs)
-        self.batch_size = check_int("batch_size", estimator.batch_size if batch_size is None
-                                    else batch_size, minimum=1)
+        trainer_steps = self.trainer_settings.get("steps")
+        if trainer_steps is not None and (max_steps is not None or epochs is not None):
+            raise ValueError(f"max_steps / epochs given twice: to DPEstimator and in the "
+                             f"estimator's trainer_kwargs ({trainer_steps} steps); keep one")
+        recipe = model_defaults(self.model)  # the model's row (model_defaults.py)
+        self._batch_cap = int(recipe.get("batch_size", DEFAULT_MAX_BATCH_SIZE))
+        self._lr_defaults = {key: recipe[key] for key in ("lr", "lr_from_scratch")}
+        self.defaults = {}  # what came from the recipe table (model_defaults.py)
+        if self.max_steps is None and self.epochs is None:
+            if trainer_steps is not None:
+                self.max_steps = int(trainer_steps)
+            else:
+                self.max_steps = int(recipe["max_steps"])
+                self.defaults["max_steps"] = self.max_steps
+        if batch_size is not None:
+            self.batch_size = check_int("batch_size", batch_size, minimum=1)
+        elif "batch_size" in own:
+            self.batch_size = check_int("batch_size", own["batch_size"], minimum=1)
+        else:
+            self.batch_size = None  # min(64, N), fixed when the panel is read
+        if lr is not None and "lr" in own and float(lr) != float(own["lr"]):
+            raise ValueError(f"lr={lr} differs from the estimator's lr={own['lr']}: set it in "
+                             f"one place")
+        self.lr = None if lr is None and "lr" not in own else check_positive(
+            "lr", lr if lr is not None else own["lr"])
+        if max_grad_norm is None:
+            max_grad_norm = recipe["max_grad_norm"]
+            self.defaults["max_grad_norm"] = max_grad_norm
         self.max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
+        if tail_average is None:
+            tail_average = recipe["tail_average"]
+            self.defaults["tail_average"] = tail_average
+        self.tail_average = _check_tail_average(tail_average)
         self.seed = None if seed is None else check_int("seed", seed, minimum=0)
         self.init_seed = None if init_seed is None else check_int("init_seed", init_seed,
                                                                   minimum=0)
         if init_state is not None and not hasattr(init_state, "keys"):
             raise ValueError(f"init_state must be a state_dict (mapping of parameter names to "
                              f"tensors), got {type(init_state).__name__}")
+        if init_from is not None and not isinstance(init_from, (str, os.PathLike)):
+            raise ValueError(f"init_from must be 'public', 'none' or a weights file path, got "
+                             f"{type(init_from).__name__}")
+        if init_state is not None and init_from is not None:
+            raise ValueError(f"init_from={init_from!r} and init_state both say where training "
+                             "starts: pass one")
+        if init_record is not None and init_state is None:
+            raise ValueError("init_record describes init_state: pass init_state too (or use "
+                             "train_from(predictor, ...))")
+        if init_public and init_state is None and init_from in (None, "public", "none"):
+            raise ValueError("init_public declares init_state (or an init_from file) public: "
+                             "pass one of them")
+        self.init_from = (None if init_state is not None else
+                          "public" if init_from is None else os.fspath(init_from))
+        self._init_given = init_state is not None or init_from is not None
         self.init_state = init_state
-        if (init_record is not None or init_public) and init_state is None:
-            raise ValueError("init_record / init_public describe init_state: pass init_state "
-                             "too (or use train_from(predictor, ...))")
         self.init_record = init_record
         self.init_public = bool(init_public)
-        self.tail_average = _check_tail_average(tail_average)
+        self.season_length = (None if season_length is None
+                              else check_int("season_length", season_length, minimum=1))
+        if self.season_length is not None and self.init_from != "public":
+            raise ValueError("season_length sets the public pretraining corpus' period: it "
+                             "applies to init_from='public' only")
         self.discretization = check_positive("discretization", discretization)
-        self.progress = bool(progress)
-        if device not in ("cpu", "cuda"):
+        if progress is not None and "progress" in self.trainer_settings and bool(
+                progress) != self.trainer_settings["progress"]:
+            raise ValueError("progress differs from trainer_kwargs['enable_progress_bar']: set "
+                             "it in one place")
+        self.progress = bool(self.trainer_settings.get("progress", False) if progress is None
+                             else progress)
+        if device is not None and device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-        self.device = device
+        if device is not None and "device" in self.trainer_settings and \
+                device != self.trainer_settings["device"]:
+            raise ValueError(f"device={device!r} differs from trainer_kwargs['accelerator'] "
+                             f"({self.trainer_settings['device']!r}): set it in one place")
+        self.device = device or self.trainer_settings.get("device", "cpu")
         if lstm_impl not in LSTM_IMPLS:
             raise ValueError(f"lstm_impl must be one of {LSTM_IMPLS}, got {lstm_impl!r}")
         self.lstm_impl = lstm_impl
@@ -313,99 +476,260 @@ class DPEstimator:
                              f"{grad_sample_mode!r}")
         self.grad_sample_mode = grad_sample_mode
         self.num_workers = check_int("num_workers", num_workers, minimum=0)
+        self.dataset_size = (None if dataset_size is None
+                             else check_int("dataset_size", dataset_size, minimum=1))
         self.last_result = None
         self.last_data_report = None
 
-    # gluonts estimators expose these; evaluation helpers read them
-    @property
-    def prediction_length(self) -> int:
-        return int(self.estimator.prediction_length)
-
-    @property
-    def lead_time(self) -> int:
-        return 0
-
-    def train(self, training_data, validation_data=None, *, freq: Optional[str] = None,
-              fill: str = "error", min_length: int = 1):
-        """Train with DP-SGD and return a :class:`DPPyTorchPredictor` with its report.
+    # ---- gluonts' Estimator API --------------------------------------------------------------
+    def train(self, training_data, validation_data=None, shuffle_buffer_length=None,
+              cache_data: bool = False, ckpt_path=None, *, freq: Optional[str] = None,
+              fill: str = "error", min_length: int = 1, **kwargs):
+        """Train with DP-SGD and return a :class:`DPPyTorchPredictor` with its report
+        (gluonts' ``Estimator.train``).
 
         Args:
             training_data: a gluonts dataset (``ListDataset``, ``PandasDataset``, any iterable
-                of ``{"start", "target"}`` dicts), a ``pandas.DataFrame``, a CSV path or a
+                of ``{"start", "target"}`` dicts; ``feat_static_cat`` for a DeepAR with
+                static categorical features), a ``pandas.DataFrame``, a CSV path or a
                 :class:`~opacus_structured.forecasting.data.Panel`; read by
                 :func:`~opacus_structured.forecasting.user_data.load_panel` (univariate
-                targets, no covariates).
+                targets).
             validation_data: must be ``None``: validation-driven early stopping or checkpoint
                 selection would consult data outside the guarantee. Evaluate the returned
                 predictor instead (e.g. ``make_evaluation_predictions``).
+            shuffle_buffer_length: must be ``None`` (a shuffle buffer is another sampling
+                scheme than the one the accountant prices).
+            cache_data: honoured: the transformed panel is always held in memory.
+            ckpt_path: must be ``None`` (a resumed Lightning checkpoint has no accountant; use
+                :meth:`train_from`).
             freq, fill, min_length: passed to ``load_panel`` (frequency, interior missing
                 values, shortest series kept); every exclusion is in the report's ``"data"``.
+            kwargs: none accepted (gluonts ignores unknown keywords; this raises).
 
         Returns:
             a ``DPPyTorchPredictor`` (a gluonts ``PyTorchPredictor``) whose
             ``privacy_report`` is :meth:`TrainResult.summary` plus ``"format"``,
-            ``"estimator"``, ``"batch_size"`` and ``"data"`` (the ``DataReport``).
+            ``"estimator"``, ``"batch_size"``, ``"data"`` (the ``DataReport``), ``"init_weights"``,
+            ``"defaults"``, ``"trainer_kwargs"`` and ``"static_features"``.
         """
-        return self._train(training_data, validation_data, freq=freq, fill=fill,
-                           min_length=min_length, init_state=self.init_state,
-                           init_record=self.init_record, init_public=self.init_public)
+        parity.check_train_kwargs("train", shuffle_buffer_length=shuffle_buffer_length,
+                                  ckpt_path=ckpt_path, cache_data=cache_data, **kwargs)
+        return self.train_model(training_data, validation_data,
+                                shuffle_buffer_length=shuffle_buffer_length,
+                                cache_data=cache_data, ckpt_path=ckpt_path, freq=freq,
+                                fill=fill, min_length=min_length).predictor
 
-    def train_from(self, predictor, training_data, validation_data=None, *,
+    def train_from(self, predictor, training_data, validation_data=None,
+                   shuffle_buffer_length=None, cache_data: bool = False, ckpt_path=None, *,
                    freq: Optional[str] = None, fill: str = "error", min_length: int = 1,
                    init_public: bool = False):
         """Train with DP-SGD starting from ``predictor``'s network weights (gluonts'
         ``Estimator.train_from``).
 
-        A :class:`DPPyTorchPredictor` carries the privacy record of its weights (in
-        ``privacy_report["privacy_record"]``): earlier runs on the same data are composed
-        with this one (the report's ``"epsilon"`` covers all of them, ``"run_epsilon"`` this
-        run; ``epsilon`` is the budget of the composition). Any other predictor's weights are
-        used only when declared public (``init_public=True``: never trained on
-        ``training_data``); otherwise ``ValueError``.
+        Privacy: fine-tuning weights that were trained on private data releases a model
+        that went through both runs. A :class:`DPPyTorchPredictor` carries the privacy record
+        of its weights (``privacy_report["privacy_record"]``): its earlier runs on the same
+        data (a series id in common) are **composed** with this one — the report's
+        ``"epsilon"`` covers all of them, ``"run_epsilon"`` this run alone, and ``epsilon``
+        is the budget of the composition (refused when the earlier runs alone reach it).
+        Runs on other data are listed, not composed. Any other predictor's weights (e.g. a
+        gluonts estimator trained without DP) cannot be priced: they are refused with a
+        ``ValueError`` unless declared public (``init_public=True``: never trained on
+        ``training_data``). The DPEstimator's own ``init_from`` / ``init_state`` must be left
+        unset (this method says where training starts).
         """
+        parity.check_train_kwargs("train_from", shuffle_buffer_length=shuffle_buffer_length,
+                                  ckpt_path=ckpt_path, cache_data=cache_data)
         net = getattr(predictor, "prediction_net", None)
         if net is None:
             raise ValueError(f"train_from needs a gluonts PyTorchPredictor, got "
                              f"{type(predictor).__name__}")
-        net = net.model if isinstance(getattr(net, "model", None), nn.Module) else net
-        state = {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
-        report = getattr(predictor, "privacy_report", None) or {}
-        return self._train(training_data, validation_data, freq=freq, fill=fill,
-                           min_length=min_length, init_state=state,
-                           init_record=report.get("privacy_record"), init_public=init_public)
+        if self._init_given:
+            raise ValueError("train_from starts from the predictor's weights; this DPEstimator "
+                             "was given init_from / init_state as well: build it without them")
+        return self.train_model(training_data, validation_data, from_predictor=predictor,
+                                shuffle_buffer_length=shuffle_buffer_length,
+                                cache_data=cache_data, ckpt_path=ckpt_path, freq=freq,
+                                fill=fill, min_length=min_length,
+                                init_public=init_public).predictor
 
-    def _train(self, training_data, validation_data, *, freq, fill, min_length, init_state,
-               init_record, init_public):
+    def train_model(self, training_data, validation_data=None, from_predictor=None,
+                    shuffle_buffer_length=None, cache_data: bool = False, ckpt_path=None, *,
+                    freq: Optional[str] = None, fill: str = "error", min_length: int = 1,
+                    init_public: bool = False, **kwargs) -> TrainOutput:
+        """gluonts' ``PyTorchLightningEstimator.train_model``: a ``TrainOutput``
+        (``transformation``, ``trained_net`` — the Lightning module, ``trainer`` — the
+        Lightning ``Trainer`` that ran the DP steps, ``predictor`` — the
+        :class:`DPPyTorchPredictor`). Arguments as :meth:`train`; ``from_predictor`` as
+        :meth:`train_from`'s ``predictor`` (with ``init_public``)."""
+        parity.check_train_kwargs("train_model", shuffle_buffer_length=shuffle_buffer_length,
+                                  ckpt_path=ckpt_path, cache_data=cache_data, **kwargs)
+        if from_predictor is not None and self._init_given:
+            raise ValueError("train_from / from_predictor starts from the predictor's weights; "
+                             "this DPEstimator was given init_from / init_state as well: build "
+                             "it without them")
         if validation_data is not None:
             raise ValueError("validation_data is not supported: early stopping or checkpoint "
                              "selection on validation data is not covered by the DP guarantee; "
                              "evaluate the returned predictor instead")
-        panel, data_report = load_panel(training_data, freq=freq, fill=fill,
+        if init_public and from_predictor is None:
+            raise ValueError("init_public applies to from_predictor / train_from; for "
+                             "init_state pass init_public to DPEstimator")
+        panel, data_report = self._read(training_data, freq=freq, fill=fill,
                                         min_length=min_length)
-        if self.batch_size > len(panel):
-            raise ValueError(f"batch_size={self.batch_size} exceeds the {len(panel)} training "
+        start = self._start(panel, from_predictor, init_public)
+        defaults = dict(self.defaults)
+        batch_size = self.batch_size
+        if batch_size is None:
+            batch_size = min(self._batch_cap, self.dataset_size or len(panel))
+            defaults["batch_size"] = f"min({self._batch_cap}, N)"
+        if batch_size > len(panel):
+            raise ValueError(f"batch_size={batch_size} exceeds the {len(panel)} training "
                              f"series ({data_report.summary()}): each step draws batch_size "
                              f"distinct series")
+        lr = self.lr
+        if lr is None:
+            key = "lr" if start["state"] is not None else "lr_from_scratch"
+            lr = self._lr_defaults[key]
+            defaults["lr"] = f"{lr:g} ({key})"
+        estimator = self.estimator
+        if float(getattr(estimator, "lr", lr)) != float(lr):  # the same estimator, lr set
+            estimator = type(estimator)(**{**estimator.__init_args__, "lr": lr})
+        capture = _trainer_capture()
         result = train_forecaster(
-            None, panel, estimator=self.estimator, batch_size=self.batch_size,
+            None, panel, estimator=estimator, batch_size=batch_size,
             epsilon=self.epsilon, delta=self.delta, noise_multiplier=self.noise_multiplier,
             max_grad_norm=self.max_grad_norm, max_steps=self.max_steps, epochs=self.epochs,
             device=self.device, seed=self.seed, init_seed=self.init_seed,
             progress=self.progress, discretization=self.discretization,
-            init_state=init_state, init_record=init_record, init_public=init_public,
-            tail_average=self.tail_average,
+            init_state=start["state"], init_record=start["record"],
+            init_public=start["public"], tail_average=self.tail_average,
             lstm_impl=self.lstm_impl, grad_sample_mode=self.grad_sample_mode,
-            num_workers=self.num_workers)
+            num_workers=self.num_workers, dataset_size=self.dataset_size,
+            callbacks=[*self.trainer_settings.get("callbacks", []), capture],
+            trainer_options=self.trainer_settings.get("trainer_options"))
         self.last_result = result
         self.last_data_report = data_report
-        report = self._report(result, data_report)
-        return DPPyTorchPredictor.from_predictor(
+        report = self._report(result, data_report, batch_size, start["describe"], estimator,
+                              defaults)
+        predictor = DPPyTorchPredictor.from_predictor(
             result.create_predictor(), privacy_report=report, lstm_impl=self.lstm_impl)
+        return TrainOutput(transformation=result.prepared.transformation,
+                           trained_net=result.prepared.module, trainer=capture.trainer,
+                           predictor=predictor)
 
-    def _report(self, result: TrainResult, data_report) -> dict:
+    # ---- pieces --------------------------------------------------------------------------------
+    def _read(self, training_data, *, freq, fill, min_length):
+        """The panel (with its static categorical features when the estimator reads them)."""
+        count = int(getattr(self.estimator, "num_feat_static_cat", 0) or 0)
+        if count == 0 or isinstance(training_data, Panel):
+            return load_panel(training_data, freq=freq, fill=fill, min_length=min_length)
+        if isinstance(training_data, (str, os.PathLike)) or hasattr(training_data, "columns"):
+            raise ValueError(f"the estimator reads num_feat_static_cat={count} static "
+                             f"categorical features, which a table does not carry: pass a "
+                             f"gluonts dataset whose entries have 'feat_static_cat' (or a "
+                             f"Panel with static_cats)")
+        entries = list(training_data)
+        cats = {}
+        for k, entry in enumerate(entries):
+            if not isinstance(entry, Mapping) or "feat_static_cat" not in entry:
+                item = entry.get("item_id", k) if isinstance(entry, Mapping) else k
+                raise ValueError(f"series {item!r} has no 'feat_static_cat' (the estimator reads "
+                                 f"num_feat_static_cat={count})")
+            values = np.asarray(entry["feat_static_cat"]).reshape(-1)
+            if not np.all(np.equal(np.mod(values, 1), 0)):
+                raise ValueError(f"series {entry.get('item_id', k)!r}: feat_static_cat must be "
+                                 f"integers, got {values.tolist()}")
+            cats[str(entry.get("item_id", k))] = tuple(int(v) for v in values)
+        panel, report = load_panel(entries, freq=freq, fill=fill, min_length=min_length)
+        panel = dataclasses.replace(panel, static_cats=tuple(cats[i] for i in panel.item_ids))
+        return panel, report
+
+    def _start(self, panel, from_predictor, init_public) -> dict:
+        """Initial weights, their record, whether declared public, and their description."""
+        if from_predictor is not None:
+            net = getattr(from_predictor, "prediction_net", None)
+            if net is None:
+                raise ValueError(f"from_predictor must be a gluonts PyTorchPredictor, got "
+                                 f"{type(from_predictor).__name__}")
+            net = net.model if isinstance(getattr(net, "model", None), nn.Module) else net
+            state = {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
+            report = getattr(from_predictor, "privacy_report", None) or {}
+            return {"state": state, "record": report.get("privacy_record"),
+                    "public": bool(init_public),
+                    "describe": {"source": "predictor", "class": type(from_predictor).__name__,
+                                 "declared_public": bool(init_public)}}
+        if self.init_state is not None:
+            return {"state": self.init_state, "record": self.init_record,
+                    "public": self.init_public,
+                    "describe": {"source": "init_state", "declared_public": self.init_public}}
+        if self.init_from == "none":
+            return {"state": None, "record": None, "public": False,
+                    "describe": {"source": "none"}}
+        if self.init_from == "public":
+            state, meta = self._public_weights(panel)  # record without runs: public
+            return {"state": state, "record": meta.get("privacy_record"), "public": False,
+                    "describe": {"source": "public", "weights": meta.get("source"),
+                                 "key": meta.get("key"), "path": meta.get("path")}}
+        if not os.path.isfile(self.init_from):
+            raise ValueError(f"init_from={self.init_from!r}: no such file (init_from is "
+                             f"'public', 'none' or the path of a weights file)")
+        state, meta = load_weights(self.init_from)
+        want = {"model": self.model, "prediction_length": self.prediction_length,
+                "context_length": int(self.estimator.context_length)}
+        for key, value in want.items():
+            if key in meta and meta[key] != value:
+                raise ValueError(f"init_from={self.init_from!r}: the weights were trained for "
+                                 f"{key}={meta[key]!r} but this estimator has {key}={value!r}")
+        return {"state": state, "record": meta.get("privacy_record"),
+                "public": self.init_public,
+                "describe": {"source": "file", "path": self.init_from,
+                             "declared_public": self.init_public}}
+
+    def _public_weights(self, panel):
+        """The package's public pretrained weights for this estimator's geometry, refused with
+        the reason when its architecture is not the one they were trained with."""
+        est = self.estimator
+        context = int(est.context_length)
+        reference = build_estimator(self.model, freq=panel.freq,
+                                    prediction_length=self.prediction_length,
+                                    context_length=context)
+        differ = parity.public_architecture_mismatch(est, reference)
+        if differ:
+            listed = "; ".join(f"{k}={a!r} (public weights: {b!r})" for k, (a, b) in
+                               differ.items())
+            raise ValueError(
+                f"the public pretrained weights (init_from='public', the default) were trained "
+                f"with build_estimator({self.model!r}, ...), whose architecture differs from "
+                f"this {type(est).__name__}: {listed}. Build the estimator with "
+                f"opacus_structured.forecasting.estimators.build_estimator({self.model!r}, "
+                f"freq=..., prediction_length=...) to fine-tune the public weights, or pass "
+                f"init_from='none' to start from a random initialisation")
+        log = (lambda m: print(m, file=sys.stderr)) if self.progress else None
+        return pretrained_weights(self.model, freq=panel.freq,
+                                  prediction_length=self.prediction_length,
+                                  context_length=context, progress=self.progress, log=log,
+                                  season_length=self.season_length)
+
+    def _report(self, result: TrainResult, data_report, batch_size, init, estimator,
+                defaults) -> dict:
         est = type(self.estimator)
         report = {"format": REPORT_FORMAT, "estimator": f"{est.__module__}.{est.__qualname__}",
-                  "batch_size": self.batch_size}
+                  "batch_size": batch_size}
         report.update(result.summary())
         report["data"] = data_report.to_dict()
+        report["init_weights"] = init
+        report["lr"] = float(estimator.lr)
+        report["tail_average"] = self.tail_average
+        report["defaults"] = defaults
+        report["trainer_kwargs"] = {
+            "honoured": dict(self.trainer_settings.honoured),
+            "replaced_gluonts_defaults": parity.gluonts_default_trainer_kwargs(self.estimator)}
+        count = int(getattr(self.estimator, "num_feat_static_cat", 0) or 0)
+        report["static_features"] = None if count == 0 else {
+            "num_feat_static_cat": count,
+            "cardinality": list(getattr(self.estimator, "cardinality", None) or []),
+            "privacy": "public metadata, like the series ids: not protected (the neighbouring "
+                       "relation changes target values only)"}
         return _json_ready(report)

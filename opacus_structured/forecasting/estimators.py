@@ -36,7 +36,7 @@ from .model_defaults import default_context_length as _table_context_length
 
 __all__ = ["MODELS", "LSTM_IMPLS", "ESTIMATOR_CLASSES", "build_estimator", "prepare_estimator",
            "PreparedModel", "per_window_scalers", "default_context_length", "estimator_model",
-           "dp_safe_network"]
+           "dp_safe_network", "check_static_cats"]
 
 MODELS = ("deepar", "dlinear", "simpleff")
 #: LSTM implementations for DP training: "fast" (FastDPLSTM) or "opacus" (DPLSTM).
@@ -91,11 +91,42 @@ def _check_user_estimator(model: str, estimator) -> None:
                          "SimpleFeedForwardEstimator(batch_norm=False)")
     if model == "deepar":
         extra = {k: getattr(estimator, k, 0) for k in
-                 ("num_feat_dynamic_real", "num_feat_static_real", "num_feat_static_cat")}
+                 ("num_feat_dynamic_real", "num_feat_static_real")}
         extra = {k: v for k, v in extra.items() if v}
         if extra:
-            raise ValueError(f"DP training reads target-only panels (no covariates), but the "
-                             f"DeepAREstimator expects {extra}: set them to 0")
+            raise ValueError(f"DP training reads target-only panels (no covariates; static "
+                             f"categorical features only: num_feat_static_cat), but the "
+                             f"DeepAREstimator expects {extra}: set them to 0 (real-valued "
+                             f"covariates would need a neighbouring relation that covers them)")
+
+
+def check_static_cats(estimator, panel) -> None:
+    """Raise ValueError unless ``panel`` carries the static categorical features that
+    ``estimator`` (a ``DeepAREstimator`` with ``num_feat_static_cat > 0``) reads: one tuple of
+    ``num_feat_static_cat`` ints per series, feature ``j`` in ``[0, cardinality[j])`` (the
+    rows of its embedding). Estimators without static features accept any panel (gluonts
+    drops the field, as it does without DP)."""
+    count = int(getattr(estimator, "num_feat_static_cat", 0) or 0)
+    if count == 0:
+        return
+    cats = getattr(panel, "static_cats", None)
+    if cats is None:
+        raise ValueError(f"the estimator reads num_feat_static_cat={count} static categorical "
+                         f"features but the training data has none: give each series its "
+                         f"'feat_static_cat' (a gluonts dataset) or pass a Panel with "
+                         f"static_cats")
+    cardinality = list(getattr(estimator, "cardinality", None) or [])
+    if len(cardinality) != count:
+        raise ValueError(f"cardinality={cardinality} must list one count per static "
+                         f"categorical feature (num_feat_static_cat={count})")
+    for item, row in zip(panel.item_ids, cats, strict=True):
+        if len(row) != count:
+            raise ValueError(f"series {item!r} has {len(row)} static categorical features, "
+                             f"the estimator reads num_feat_static_cat={count}")
+        for j, (value, card) in enumerate(zip(row, cardinality, strict=True)):
+            if not 0 <= int(value) < int(card):
+                raise ValueError(f"series {item!r}: feat_static_cat[{j}]={value} is outside "
+                                 f"[0, cardinality[{j}]={card})")
 
 
 def build_estimator(model: str, *, freq: str, prediction_length: int,

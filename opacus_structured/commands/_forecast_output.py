@@ -21,7 +21,8 @@ def _fmt(x, spec=".4g"):
 
 def _table(rows: list[dict]) -> str:
     head = ["method", "epsilon", "sigma", "steps", "CRPS", "MASE", "time [s]"]
-    body = [[r["method"], _fmt(r.get("epsilon"), ".3g"), _fmt(r.get("noise_multiplier"), ".3g"),
+    body = [[r["method"], "not private" if r.get("private") is False and r.get("epsilon") is None
+             else _fmt(r.get("epsilon"), ".3g"), _fmt(r.get("noise_multiplier"), ".3g"),
              _fmt(r.get("steps"), "d"), _fmt(r["crps"], ".4f"), _fmt(r["mase"], ".3f"),
              _fmt(r.get("seconds"), ".1f")] for r in rows]
     widths = [max(len(str(c)) for c in col) for col in zip(head, *body, strict=False)]
@@ -98,8 +99,10 @@ def _plot_sweep(path, sweep, baselines, model, banner=None):
                     label=f"{model} at ε=∞ (DP path)")
         for key, name, style in (("seasonal_naive", "seasonal naive", ("tab:red", "--")),
                                  ("non_private", f"{model} non-private", ("black", ":")),
-                                 ("zero_shot", "pretrained, zero-shot", ("tab:green", "-."))):
-            if key in baselines:
+                                 ("zero_shot", "pretrained, zero-shot", ("tab:green", "-.")),
+                                 ("ets", "statsmodels ETS (NOT PRIVATE)",
+                                  ("tab:purple", (0, (1, 3))))):
+            if key in baselines and metric in baselines[key]:
                 ax.axhline(baselines[key][metric], color=style[0], ls=style[1], lw=1,
                            label=name)
         ax.set_xscale("log")

@@ -180,6 +180,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sample paths per forecast")
     p.add_argument("--no-baselines", action="store_true",
                    help="skip the non-private and seasonal-naive baselines")
+    p.add_argument("--no-ets", action="store_true",
+                   help="skip the statsmodels ETS reference row (fitted per series WITHOUT "
+                        "privacy: not private; needs statsmodels, else omitted with a notice)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="torch device for training (default cpu)")
     p.add_argument("--lstm-impl", choices=("fast", "opacus"), default="fast",
@@ -577,6 +580,10 @@ def run_forecast(args, *, print_fn=print) -> dict:
             args.prediction_length, train.freq, season_length=season_length), {})
         row["seconds"] = time.perf_counter() - t0
         baselines["seasonal_naive"] = {k: row[k] for k in ("crps", "mase")}
+        if not getattr(args, "no_ets", False):
+            ets = _ets_reference_row(train, truth, args.prediction_length, season_length, rows)
+            if ets is not None:
+                baselines["ets"] = ets
 
     report = {
         "model": args.model, "private": result.private, "dp_sgd": result.dp_sgd,
@@ -673,6 +680,9 @@ def run(args) -> int:
         print(json.dumps(_finite(out), sort_keys=True))
     else:
         print(report["table"])
+        ets = report.get("baselines", {}).get("ets")
+        if ets is not None and "omitted" not in ets:
+            print(f"\n{ets['note']}.")
         eps = report["epsilon"]
         if report["dp_sgd"]:
             if report["reproducible_noise"]:
@@ -697,6 +707,33 @@ def run(args) -> int:
             print(f"report: {os.path.join(args.output, 'report.json')}"
                   + (f", plot: {report['plot']}" if "plot" in report else ""))
     return 0
+
+
+def _ets_reference_row(train, truth, prediction_length, season_length, rows):
+    """The non-private statsmodels ETS reference (:mod:`~opacus_structured.forecasting.ets`):
+    appends its row (labelled NOT PRIVATE) and returns its baseline entry; without statsmodels,
+    one notice on stderr and ``{"omitted": reason}``."""
+    from ..forecasting.ets import (  # optional: gluonts, statsmodels
+        ETS_LABEL,
+        ets_reference,
+        ets_unavailable_reason,
+    )
+
+    reason = ets_unavailable_reason()
+    if reason is not None:
+        print(f"notice: {reason}", file=sys.stderr)
+        return {"omitted": reason, "private": False}
+    ets = ets_reference(train, truth, prediction_length, season_length)
+    ets.pop("forecasts")
+    rows.append({"method": ETS_LABEL, "crps": ets["crps"], "mase": ets["mase"],
+                 "mse": ets["mse"], "nd": ets["nd"], "private": False,
+                 "seconds": ets["seconds"]})
+    if ets["fallbacks"]:
+        print(f"ETS reference: {len(ets['fallbacks'])} of {len(train)} series used the naive "
+              f"fallback ({'; '.join(f'{i}: {s}' for i, s in ets['fallbacks'][:5])}"
+              f"{'; ...' if len(ets['fallbacks']) > 5 else ''})", file=sys.stderr)
+    return {k: ets[k] for k in ("crps", "mase", "private", "note", "models", "fallbacks",
+                                "predictive", "seconds")}
 
 
 def _public_dataset_size(args, data_path, train):

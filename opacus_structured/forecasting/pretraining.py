@@ -35,6 +35,8 @@ import json
 import os
 from typing import Any, Optional
 
+import torch
+
 from .._validation import check_int
 from .estimators import default_context_length, prepare_estimator
 from .lightning_parts import _lightning
@@ -166,7 +168,11 @@ def pretrain(model: str, *, freq: str = "M", prediction_length: int = 12,
     12, ``"30min"``: 48, ``"W"``: 52, ``"Y"``: 1).
 
     Deterministic for a given geometry, recipe and torch build (fixed corpus, sampler and
-    initialisation seeds; public randomness only).
+    initialisation seeds; public randomness only). The training runs on **one** torch CPU
+    thread (restored afterwards): a multi-threaded reduction sums in another order, and over
+    DeepAR's 5000 steps those last-bit differences grow to different weights (largest
+    difference 3.6 with 2 threads), so the shipped weights are reproducible bit for bit only
+    on one thread.
 
     ``progress`` draws a bar on stderr; ``log`` (a ``str -> None`` callable, e.g. a print to
     stderr) additionally gets a plain line at every tenth of the steps, for runs whose stderr
@@ -178,13 +184,13 @@ def pretrain(model: str, *, freq: str = "M", prediction_length: int = 12,
     corpus = synthetic_panel(recipe.num_series, freq=freq, season_length=season,
                              min_length=recipe.min_length, max_length=recipe.max_length,
                              seed=recipe.corpus_seed)
-    result = train_forecaster(model, corpus, prediction_length=prediction_length,
-                              context_length=context_length, batch_size=recipe.batch_size,
-                              max_steps=recipe.steps, lr=recipe.lr, seed=recipe.sampler_seed,
-                              init_seed=recipe.init_seed, progress=progress,
-                              estimator_kwargs=estimator_kwargs,
-                              callbacks=() if log is None else (
-                                  _step_log_callback(recipe.steps, f"pretraining {model}", log),))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = _pretrain_run(model, corpus, prediction_length, context_length, recipe,
+                               progress, estimator_kwargs, log)
+    finally:
+        torch.set_num_threads(threads)
     state = {k: v.detach().cpu().clone() for k, v in
              result.prepared.module.model.state_dict().items()}
     meta = {"model": model, "freq": freq, "prediction_length": int(prediction_length),
@@ -198,6 +204,17 @@ def pretrain(model: str, *, freq: str = "M", prediction_length: int = 12,
     meta["privacy_record"] = public_record(
         state, "pretrained on the public synthetic corpus (opacus-structured pretrain)")
     return state, meta
+
+
+def _pretrain_run(model, corpus, prediction_length, context_length, recipe, progress,
+                  estimator_kwargs, log):
+    return train_forecaster(model, corpus, prediction_length=prediction_length,
+                            context_length=context_length, batch_size=recipe.batch_size,
+                            max_steps=recipe.steps, lr=recipe.lr, seed=recipe.sampler_seed,
+                            init_seed=recipe.init_seed, progress=progress,
+                            estimator_kwargs=estimator_kwargs,
+                            callbacks=() if log is None else (
+                                _step_log_callback(recipe.steps, f"pretraining {model}", log),))
 
 
 def shipped_weights_path(key: str) -> Optional[str]:

@@ -4,6 +4,7 @@ carries its privacy report through ``serialize`` / ``Predictor.deserialize``."""
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -119,15 +120,22 @@ def test_serialize_deserialize_keeps_forecasts_and_report(trained, split, tmp_pa
     predictor.serialize(path)
     assert json.loads((path / REPORT_FILE).read_text()) == predictor.privacy_report
     config = json.loads((path / "gluonts-config.json").read_text())
-    assert config["type"] == "opacus_structured.forecasting.dp_estimator.DPPyTorchPredictor"
+    assert config["type"] == "opacus_structured.forecasting.dp_predictor.DPPyTorchPredictor"
     before = _quantiles(predictor, test.to_gluonts())
-    for load in (Predictor.deserialize, PyTorchPredictor.deserialize,
-                 DPPyTorchPredictor.deserialize):
-        back = load(path)
-        assert type(back) is DPPyTorchPredictor
-        assert back.privacy_report == predictor.privacy_report
-        for a, b in zip(before, _quantiles(back, test.to_gluonts()), strict=True):
-            np.testing.assert_array_equal(a, b)
+    # a predictor saved before the class moved (dp_estimator re-exports it) loads too
+    old = tmp_path / "saved-before-the-split"
+    shutil.copytree(path, old)
+    (old / "gluonts-config.json").write_text((path / "gluonts-config.json").read_text().replace(
+        "forecasting.dp_predictor.DPPyTorchPredictor",
+        "forecasting.dp_estimator.DPPyTorchPredictor"))
+    for where in (path, old):
+        for load in (Predictor.deserialize, PyTorchPredictor.deserialize,
+                     DPPyTorchPredictor.deserialize):
+            back = load(where)
+            assert type(back) is DPPyTorchPredictor
+            assert back.privacy_report == predictor.privacy_report
+            for a, b in zip(before, _quantiles(back, test.to_gluonts()), strict=True):
+                np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("lstm_impl", ["fast", "opacus"])

@@ -101,7 +101,7 @@ from opacus_structured.schemes.poisson import PoissonScheme
 from .batch_indices import IndexSource, to_device, train_scheme
 
 __all__ = ["IndividualGDPFilter", "dp_params", "dp_settings", "step_norms", "step_inputs",
-           "check_batch_rows", "clip_step_inputs"]
+           "check_batch_rows", "clip_step_inputs", "ClipAttachedCallback"]
 
 
 def _dist_rank() -> int:
@@ -186,7 +186,20 @@ def clip_step_inputs(indices: Optional[torch.Tensor], optimizer, norms: torch.Te
     return to_device(indices, norms.device), sigma, clip
 
 
-class IndividualGDPFilter(Callback):
+class ClipAttachedCallback(Callback):
+    """A callback that may attach to the optimizer's clipping
+    (:mod:`opacus_structured.accountants.clip_factors`): it detaches when the fit ends, also
+    after an exception, so the optimizer never calls back into a finished fit."""
+
+    def teardown(self, trainer, pl_module, stage):
+        for optimizer in trainer.optimizers:
+            remove_clip_hooks(optimizer, self)
+
+    def on_exception(self, trainer, pl_module, exception):
+        self.teardown(trainer, pl_module, "fit")
+
+
+class IndividualGDPFilter(ClipAttachedCallback):
     """Algorithm 1 (individual GDP filter) for full-batch DP-GD or Poisson-subsampled DP-SGD
     with Opacus + Lightning (see the module doc for what the certificate covers).
 
@@ -297,14 +310,6 @@ class IndividualGDPFilter(Callback):
         if not self._covered:
             self.uncertified_steps += 1
         self._indices = None
-
-    def teardown(self, trainer, pl_module, stage):
-        # the optimizer must not call back into a finished fit
-        for optimizer in trainer.optimizers:
-            remove_clip_hooks(optimizer, self)
-
-    def on_exception(self, trainer, pl_module, exception):
-        self.teardown(trainer, pl_module, "fit")
 
     def attach(self, optimizer) -> bool:
         """Fold the filter into ``optimizer``'s per-sample clipping factors (hooks mode).

@@ -85,17 +85,11 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-try:
-    from lightning.pytorch import Callback
-except ImportError:  # pragma: no cover
-    from pytorch_lightning import Callback
-
 from opacus_structured._validation import check_int, check_open_unit, check_positive
 from opacus_structured.accountants.base import SchemeAccountant
 from opacus_structured.accountants.clip_factors import (
     add_norm_observer,
     install_clip_factors,
-    remove_clip_hooks,
 )
 from opacus_structured.accountants.individual_gdp import IndividualGDPAccountant
 from opacus_structured.accounting import pld as pld_lib
@@ -110,12 +104,18 @@ from opacus_structured.schemes.poisson import PoissonScheme
 
 from .batch_indices import IndexSource, train_scheme
 from .dp_callback import DPCallback
-from .gdp_filter import IndividualGDPFilter, clip_step_inputs, dp_settings, step_inputs
+from .gdp_filter import (
+    ClipAttachedCallback,
+    IndividualGDPFilter,
+    clip_step_inputs,
+    dp_settings,
+    step_inputs,
+)
 
 __all__ = ["PerSampleEpsilonTracker"]
 
 
-class PerSampleEpsilonTracker(Callback):
+class PerSampleEpsilonTracker(ClipAttachedCallback):
     """Per-example Σμ², per-example ε (with the population bound) and optional APPROXIMATE
     App. D PLD histogram.
 
@@ -237,14 +237,6 @@ class PerSampleEpsilonTracker(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._record_pending()
-
-    def teardown(self, trainer, pl_module, stage):
-        # the optimizer must not call back into a finished fit
-        for optimizer in trainer.optimizers:
-            remove_clip_hooks(optimizer, self)
-
-    def on_exception(self, trainer, pl_module, exception):
-        self.teardown(trainer, pl_module, "fit")
 
     def attach(self, optimizer) -> bool:
         """Record from ``optimizer``'s own per-sample clipping norms (hooks mode).

@@ -13,10 +13,11 @@ pytest.importorskip("gluonts")
 pytest.importorskip("lightning")
 
 from gluonts.model.predictor import Predictor  # noqa: E402
-from gluonts.torch.model.d_linear import DLinearEstimator  # noqa: E402
-from gluonts.torch.model.deepar import DeepAREstimator  # noqa: E402
 from gluonts.torch.model.predictor import PyTorchPredictor  # noqa: E402
 from gluonts.torch.model.simple_feedforward import SimpleFeedForwardEstimator  # noqa: E402
+from tiny_estimators import H  # noqa: E402
+from tiny_estimators import tiny_deepar as _deepar  # noqa: E402
+from tiny_estimators import tiny_dlinear as _dlinear  # noqa: E402
 
 from opacus_structured.forecasting.data import (  # noqa: E402
     Panel,
@@ -32,20 +33,7 @@ from opacus_structured.forecasting.estimators import build_estimator, estimator_
 from opacus_structured.forecasting.training import TrainResult, train_forecaster  # noqa: E402
 
 D = 1e-3  # coarse PLD grid (pessimistic), keeps the suite fast
-H = 6
 TARGET, DELTA = 2.0, 1e-5
-
-
-def _dlinear(**kw):
-    return DLinearEstimator(**{**dict(prediction_length=H, context_length=8, hidden_dimension=2,
-                                      kernel_size=5, batch_size=4), **kw})
-
-
-def _deepar(**kw):
-    return DeepAREstimator(**{**dict(freq="M", prediction_length=H, context_length=8,
-                                     num_layers=1, hidden_size=4, dropout_rate=0.0,
-                                     lags_seq=[1, 2, 12], num_parallel_samples=10,
-                                     batch_size=4), **kw})
 
 
 @pytest.fixture(scope="module")

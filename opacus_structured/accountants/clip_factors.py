@@ -127,7 +127,8 @@ def remove_clip_hooks(optimizer, owner) -> None:
 
 def clip_and_accumulate(optimizer) -> None:
     """Opacus' ``DPOptimizer.clip_and_accumulate`` with the masks, observers and non-finite
-    rule of the module docstring (stores the clipped sum in ``p.summed_grad``)."""
+    rule of the module docstring (stores the clipped sum in ``p.summed_grad``); installed by
+    :func:`install_clip_factors`, so the optimizer has its hooks."""
     hooks = _hooks(optimizer)
     grad_samples = optimizer.grad_samples
     bad = None
@@ -139,24 +140,23 @@ def clip_and_accumulate(optimizer) -> None:
         norms = torch.stack([n.to(device) for n in per_param], dim=1).norm(2, dim=1)
         factor = (optimizer.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
         finite = torch.isfinite(norms)
-        if hooks is not None and hooks.zero_nonfinite and not bool(finite.all()):
+        if hooks.zero_nonfinite and not bool(finite.all()):
             bad = ~finite  # (one host sync on B bools)
             factor = torch.where(finite, factor, torch.zeros_like(factor))
-        if hooks is not None and (hooks.masks or hooks.observers):
+        if hooks.masks or hooks.observers:
             norms = torch.where(finite, norms, torch.full_like(norms, float("inf")))
-    if hooks is not None:
-        for mask in list(hooks.masks.values()):
-            m = mask(optimizer, norms)
-            if m is None:
-                continue
-            if m.shape != norms.shape:
-                raise ValueError(f"a clip mask returned shape {tuple(m.shape)} for a batch of "
-                                 f"{norms.shape[0]} examples")
-            m = m.to(device=norms.device, dtype=norms.dtype)
-            factor = factor * m
-            norms = torch.where(m == 0, torch.zeros_like(norms), norms * m)  # inf·0 -> 0
-        for observer in list(hooks.observers.values()):
-            observer(optimizer, norms)
+    for mask in list(hooks.masks.values()):
+        m = mask(optimizer, norms)
+        if m is None:
+            continue
+        if m.shape != norms.shape:
+            raise ValueError(f"a clip mask returned shape {tuple(m.shape)} for a batch of "
+                             f"{norms.shape[0]} examples")
+        m = m.to(device=norms.device, dtype=norms.dtype)
+        factor = factor * m
+        norms = torch.where(m == 0, torch.zeros_like(norms), norms * m)  # inf·0 -> 0
+    for observer in list(hooks.observers.values()):
+        observer(optimizer, norms)
     for p in optimizer.params:
         _check_processed_flag(p.grad_sample)
         grad_sample = optimizer._get_flat_grad_sample(p).to(p.dtype)

@@ -118,34 +118,30 @@ the report as ``privacy_report.json`` for people and other tools.
 """
 
 # no ``from __future__ import annotations``: gluonts' @validated reads the annotations
-import dataclasses
 import math
 import os
-import sys
-from collections.abc import Mapping
 from typing import Optional
 
-import numpy as np
-import torch.nn as nn
 from gluonts.model.estimator import Estimator
 from gluonts.torch.model.estimator import TrainOutput
 
 from .._validation import check_int, check_open_unit, check_positive
 from ..accounting import pld as pld_lib
 from . import gluonts_parity as parity
-from .data import Panel
-from .dp_predictor import REPORT_FILE, REPORT_FORMAT, DPPyTorchPredictor  # noqa: F401
-from .estimators import (
-    LSTM_IMPLS,
-    _check_user_estimator,
-    build_estimator,
-    estimator_model,
+from .dp_estimator_setup import (  # noqa: F401  (the old private names: re-exported)
+    check_tail_average,
+    initial_weights,
+    privacy_report,
+    public_weights,
+    read_training_data,
+    trainer_capture,
 )
+from .dp_estimator_setup import check_tail_average as _check_tail_average  # noqa: F401
+from .dp_estimator_setup import trainer_capture as _trainer_capture  # noqa: F401
+from .dp_predictor import REPORT_FILE, REPORT_FORMAT, DPPyTorchPredictor  # noqa: F401
+from .estimators import LSTM_IMPLS, _check_user_estimator, estimator_model
 from .model_defaults import model_defaults
-from .pretraining import load_weights, pretrained_weights
-from .provenance import json_ready as _json_ready
-from .training import TrainResult, train_forecaster
-from .user_data import load_panel
+from .training import train_forecaster
 
 __all__ = ["DPEstimator", "DPPyTorchPredictor", "REPORT_FILE", "REPORT_FORMAT",
            "DEFAULT_MAX_BATCH_SIZE"]
@@ -154,28 +150,6 @@ __all__ = ["DPEstimator", "DPPyTorchPredictor", "REPORT_FILE", "REPORT_FORMAT",
 #: ``opacus-structured forecast`` (its ``DEFAULTS["batch_size"]``; a test keeps the two equal).
 #: A ``"batch_size"`` in the model's row of ``model_defaults.MODEL_DEFAULTS`` overrides it.
 DEFAULT_MAX_BATCH_SIZE = 64
-
-
-def _check_tail_average(value) -> float:
-    value = float(value)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"tail_average must be in [0, 1] (fraction of the last steps whose "
-                         f"iterates are averaged), got {value}")
-    return value
-
-
-def _trainer_capture():
-    """A Lightning callback that keeps the ``Trainer`` (for ``train_model``'s ``TrainOutput``);
-    it only stores a reference."""
-    import lightning.pytorch as pl
-
-    class _Capture(pl.Callback):
-        trainer = None
-
-        def on_fit_start(self, trainer, pl_module):
-            self.trainer = trainer
-
-    return _Capture()
 
 
 class DPEstimator(Estimator):
@@ -330,7 +304,7 @@ class DPEstimator(Estimator):
         if tail_average is None:
             tail_average = recipe["tail_average"]
             self.defaults["tail_average"] = tail_average
-        self.tail_average = _check_tail_average(tail_average)
+        self.tail_average = check_tail_average(tail_average)
         self.seed = None if seed is None else check_int("seed", seed, minimum=0)
         self.init_seed = None if init_seed is None else check_int("init_seed", init_seed,
                                                                   minimum=0)
@@ -482,9 +456,9 @@ class DPEstimator(Estimator):
         if init_public and from_predictor is None:
             raise ValueError("init_public applies to from_predictor / train_from; for "
                              "init_state pass init_public to DPEstimator")
-        panel, data_report = self._read(training_data, freq=freq, fill=fill,
-                                        min_length=min_length)
-        start = self._start(panel, from_predictor, init_public)
+        panel, data_report = read_training_data(self, training_data, freq=freq, fill=fill,
+                                                min_length=min_length)
+        start = initial_weights(self, panel, from_predictor, init_public)
         defaults = dict(self.defaults)
         batch_size = self.batch_size
         if batch_size is None:
@@ -502,7 +476,7 @@ class DPEstimator(Estimator):
         estimator = self.estimator
         if float(getattr(estimator, "lr", lr)) != float(lr):  # the same estimator, lr set
             estimator = type(estimator)(**{**estimator.__init_args__, "lr": lr})
-        capture = _trainer_capture()
+        capture = trainer_capture()
         result = train_forecaster(
             None, panel, estimator=estimator, batch_size=batch_size,
             epsilon=self.epsilon, delta=self.delta, noise_multiplier=self.noise_multiplier,
@@ -517,125 +491,10 @@ class DPEstimator(Estimator):
             trainer_options=self.trainer_settings.get("trainer_options"))
         self.last_result = result
         self.last_data_report = data_report
-        report = self._report(result, data_report, batch_size, start["describe"], estimator,
-                              defaults)
+        report = privacy_report(self, result, data_report, batch_size, start["describe"],
+                                estimator, defaults)
         predictor = DPPyTorchPredictor.from_predictor(
             result.create_predictor(), privacy_report=report, lstm_impl=self.lstm_impl)
         return TrainOutput(transformation=result.prepared.transformation,
                            trained_net=result.prepared.module, trainer=capture.trainer,
                            predictor=predictor)
-
-    # ---- pieces --------------------------------------------------------------------------------
-    def _read(self, training_data, *, freq, fill, min_length):
-        """The panel (with its static categorical features when the estimator reads them)."""
-        count = int(getattr(self.estimator, "num_feat_static_cat", 0) or 0)
-        if count == 0 or isinstance(training_data, Panel):
-            return load_panel(training_data, freq=freq, fill=fill, min_length=min_length)
-        if isinstance(training_data, (str, os.PathLike)) or hasattr(training_data, "columns"):
-            raise ValueError(f"the estimator reads num_feat_static_cat={count} static "
-                             f"categorical features, which a table does not carry: pass a "
-                             f"gluonts dataset whose entries have 'feat_static_cat' (or a "
-                             f"Panel with static_cats)")
-        entries = list(training_data)
-        cats = {}
-        for k, entry in enumerate(entries):
-            if not isinstance(entry, Mapping) or "feat_static_cat" not in entry:
-                item = entry.get("item_id", k) if isinstance(entry, Mapping) else k
-                raise ValueError(f"series {item!r} has no 'feat_static_cat' (the estimator reads "
-                                 f"num_feat_static_cat={count})")
-            values = np.asarray(entry["feat_static_cat"]).reshape(-1)
-            if not np.all(np.equal(np.mod(values, 1), 0)):
-                raise ValueError(f"series {entry.get('item_id', k)!r}: feat_static_cat must be "
-                                 f"integers, got {values.tolist()}")
-            cats[str(entry.get("item_id", k))] = tuple(int(v) for v in values)
-        panel, report = load_panel(entries, freq=freq, fill=fill, min_length=min_length)
-        panel = dataclasses.replace(panel, static_cats=tuple(cats[i] for i in panel.item_ids))
-        return panel, report
-
-    def _start(self, panel, from_predictor, init_public) -> dict:
-        """Initial weights, their record, whether declared public, and their description."""
-        if from_predictor is not None:
-            net = getattr(from_predictor, "prediction_net", None)
-            if net is None:
-                raise ValueError(f"from_predictor must be a gluonts PyTorchPredictor, got "
-                                 f"{type(from_predictor).__name__}")
-            net = net.model if isinstance(getattr(net, "model", None), nn.Module) else net
-            state = {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
-            report = getattr(from_predictor, "privacy_report", None) or {}
-            return {"state": state, "record": report.get("privacy_record"),
-                    "public": bool(init_public),
-                    "describe": {"source": "predictor", "class": type(from_predictor).__name__,
-                                 "declared_public": bool(init_public)}}
-        if self.init_state is not None:
-            return {"state": self.init_state, "record": self.init_record,
-                    "public": self.init_public,
-                    "describe": {"source": "init_state", "declared_public": self.init_public}}
-        if self.init_from == "none":
-            return {"state": None, "record": None, "public": False,
-                    "describe": {"source": "none"}}
-        if self.init_from == "public":
-            state, meta = self._public_weights(panel)  # record without runs: public
-            return {"state": state, "record": meta.get("privacy_record"), "public": False,
-                    "describe": {"source": "public", "weights": meta.get("source"),
-                                 "key": meta.get("key"), "path": meta.get("path")}}
-        if not os.path.isfile(self.init_from):
-            raise ValueError(f"init_from={self.init_from!r}: no such file (init_from is "
-                             f"'public', 'none' or the path of a weights file)")
-        state, meta = load_weights(self.init_from)
-        want = {"model": self.model, "prediction_length": self.prediction_length,
-                "context_length": int(self.estimator.context_length)}
-        for key, value in want.items():
-            if key in meta and meta[key] != value:
-                raise ValueError(f"init_from={self.init_from!r}: the weights were trained for "
-                                 f"{key}={meta[key]!r} but this estimator has {key}={value!r}")
-        return {"state": state, "record": meta.get("privacy_record"),
-                "public": self.init_public,
-                "describe": {"source": "file", "path": self.init_from,
-                             "declared_public": self.init_public}}
-
-    def _public_weights(self, panel):
-        """The package's public pretrained weights for this estimator's geometry, refused with
-        the reason when its architecture is not the one they were trained with."""
-        est = self.estimator
-        context = int(est.context_length)
-        reference = build_estimator(self.model, freq=panel.freq,
-                                    prediction_length=self.prediction_length,
-                                    context_length=context)
-        differ = parity.public_architecture_mismatch(est, reference)
-        if differ:
-            listed = "; ".join(f"{k}={a!r} (public weights: {b!r})" for k, (a, b) in
-                               differ.items())
-            raise ValueError(
-                f"the public pretrained weights (init_from='public', the default) were trained "
-                f"with build_estimator({self.model!r}, ...), whose architecture differs from "
-                f"this {type(est).__name__}: {listed}. Build the estimator with "
-                f"opacus_structured.forecasting.estimators.build_estimator({self.model!r}, "
-                f"freq=..., prediction_length=...) to fine-tune the public weights, or pass "
-                f"init_from='none' to start from a random initialisation")
-        log = (lambda m: print(m, file=sys.stderr)) if self.progress else None
-        return pretrained_weights(self.model, freq=panel.freq,
-                                  prediction_length=self.prediction_length,
-                                  context_length=context, progress=self.progress, log=log,
-                                  season_length=self.season_length)
-
-    def _report(self, result: TrainResult, data_report, batch_size, init, estimator,
-                defaults) -> dict:
-        est = type(self.estimator)
-        report = {"format": REPORT_FORMAT, "estimator": f"{est.__module__}.{est.__qualname__}",
-                  "batch_size": batch_size}
-        report.update(result.summary())
-        report["data"] = data_report.to_dict()
-        report["init_weights"] = init
-        report["lr"] = float(estimator.lr)
-        report["tail_average"] = self.tail_average
-        report["defaults"] = defaults
-        report["trainer_kwargs"] = {
-            "honoured": dict(self.trainer_settings.honoured),
-            "replaced_gluonts_defaults": parity.gluonts_default_trainer_kwargs(self.estimator)}
-        count = int(getattr(self.estimator, "num_feat_static_cat", 0) or 0)
-        report["static_features"] = None if count == 0 else {
-            "num_feat_static_cat": count,
-            "cardinality": list(getattr(self.estimator, "cardinality", None) or []),
-            "privacy": "public metadata, like the series ids: not protected (the neighbouring "
-                       "relation changes target values only)"}
-        return _json_ready(report)

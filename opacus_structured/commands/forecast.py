@@ -291,7 +291,9 @@ def run_forecast(args, *, print_fn=print) -> dict:
                   num_workers=getattr(args, "num_workers", 0),
                   top_level=getattr(args, "top_level", "wor"),
                   dataset_size=_public_dataset_size(args, data_path, train),
-                  discretization=args.discretization)
+                  discretization=args.discretization,
+                  estimator_kwargs=({"season_length": season_length} if args.model == "dlinear"
+                                    else None))
     if seeded_any:  # said up front, on stderr even with --json (stdout then holds the JSON)
         print(NOT_PRIVATE_SEEDED, file=sys.stderr)
     log(f"data: {'US employment (BLS)' if data_path is None else data_name}, {len(train)} "

@@ -71,7 +71,9 @@ forecast sampling).
 The estimator
 -------------
 
-Supported: gluonts' ``DLinearEstimator``, ``SimpleFeedForwardEstimator`` (``batch_norm=False``)
+Supported: gluonts' ``DLinearEstimator`` (and its subclass
+:class:`~opacus_structured.forecasting.baseline_skip.BaselineSkipDLinearEstimator`, the
+command's network), ``SimpleFeedForwardEstimator`` (``batch_norm=False``)
 and ``DeepAREstimator`` (static categorical features allowed, no real-valued covariates), with
 ``lead_time=0``. Its network, transformation, ``prediction_length``, ``context_length`` (and
 lags) and ``weight_decay`` are used as they are; the layers are made DP-safe (``nn.LSTM`` →

@@ -31,8 +31,11 @@ import dataclasses
 from typing import Any, Optional
 
 from .._validation import check_int
+from .baseline_skip import BaselineSkipDLinearEstimator
 from .fast_rnn import replace_lstm
 from .model_defaults import default_context_length as _table_context_length
+from .model_defaults import model_defaults
+from .seasonality import season_length as default_season_length
 
 __all__ = ["MODELS", "LSTM_IMPLS", "ESTIMATOR_CLASSES", "build_estimator", "prepare_estimator",
            "PreparedModel", "per_window_scalers", "default_context_length", "estimator_model",
@@ -134,7 +137,9 @@ def build_estimator(model: str, *, freq: str, prediction_length: int,
                     lr: float = 1e-3, weight_decay: float = 1e-8, **kwargs: Any):
     """A gluonts torch estimator with small defaults (override any estimator argument).
 
-    Defaults: DLinear hidden 20, kernel 13; SimpleFeedForward hidden [64, 64], no batch norm;
+    Defaults: DLinear hidden 20, kernel 13, with the baseline skip of
+    :mod:`~opacus_structured.forecasting.baseline_skip` (``baseline_skip=False``: gluonts'
+    plain ``DLinearEstimator``; ``season_length`` default from ``freq``); SimpleFeedForward hidden [64, 64], no batch norm;
     DeepAR 2 layers × 40, dropout 0, lags ``[1, 2, 3, 12, 13]`` (monthly seasonality) and
     ``default_scale=1.0``. All output Student-t distributions (gluonts' default).
     """
@@ -148,11 +153,22 @@ def build_estimator(model: str, *, freq: str, prediction_length: int,
     if model == "dlinear":
         from gluonts.torch.model.d_linear import DLinearEstimator
 
+        skip = kwargs.pop("baseline_skip", True)
+        season = kwargs.pop("season_length", None)
+        gain = kwargs.pop("skip_gain", None)
         params = dict(hidden_dimension=20, kernel_size=13)
         params.update(common, **kwargs)
         if params["kernel_size"] % 2 == 0:
             raise ValueError(f"kernel_size must be odd, got {params['kernel_size']}")
-        return DLinearEstimator(**params)
+        if not skip:
+            if season is not None or gain is not None:
+                raise ValueError("season_length and skip_gain are read by the baseline skip "
+                                 "only: drop them or keep baseline_skip=True")
+            return DLinearEstimator(**params)
+        season = (default_season_length(freq) if season is None
+                  else check_int("season_length", season, minimum=1))
+        gain = model_defaults("dlinear")["skip_gain"] if gain is None else gain
+        return BaselineSkipDLinearEstimator(season_length=season, skip_gain=gain, **params)
     if model == "simpleff":
         from gluonts.torch.model.simple_feedforward import SimpleFeedForwardEstimator
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from .baseline_skip import skip_parameters
 from .estimators import PreparedModel
 
 
@@ -16,10 +17,14 @@ def _lightning():
     return pl
 
 
-def _window_module(prepared: PreparedModel, *, lr: float, weight_decay: float):
+def _window_module(prepared: PreparedModel, *, lr: float, weight_decay: float,
+                   skip_lr: float | None = None):
     """A plain (non-private) LightningModule training ``prepared.module.model`` with Adam on
     window batches: one loss per window, averaged. DP-SGD is added from outside by
-    :class:`~lightning_callbacks.DPCallback`, exactly as for any user's LightningModule."""
+    :class:`~lightning_callbacks.DPCallback`, exactly as for any user's LightningModule.
+
+    The weights of a baseline skip (:mod:`~opacus_structured.forecasting.baseline_skip`) are
+    Adam's second parameter group, with step size ``skip_lr`` (default ``lr``)."""
     import torch
     from gluonts.itertools import select
 
@@ -45,7 +50,14 @@ def _window_module(prepared: PreparedModel, *, lr: float, weight_decay: float):
             return loss
 
         def configure_optimizers(self):
-            return torch.optim.Adam(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+            skip = {id(p) for p in skip_parameters(self.model)}
+            if not skip:
+                return torch.optim.Adam(self.model.parameters(), lr=lr,
+                                        weight_decay=weight_decay)
+            groups = [{"params": [p for p in self.model.parameters() if id(p) not in skip]},
+                      {"params": [p for p in self.model.parameters() if id(p) in skip],
+                       "lr": lr if skip_lr is None else skip_lr}]
+            return torch.optim.Adam(groups, lr=lr, weight_decay=weight_decay)
 
     return WindowForecastModule()
 

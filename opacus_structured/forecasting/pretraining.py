@@ -208,6 +208,8 @@ def pretrain(model: str, *, freq: str = "M", prediction_length: int = 12,
 
 def _pretrain_run(model, corpus, prediction_length, context_length, recipe, progress,
                   estimator_kwargs, log):
+    if model == "dlinear":  # public weights are DLinear's own; the skip starts at (0, 0)
+        estimator_kwargs = {"baseline_skip": False, **(estimator_kwargs or {})}
     return train_forecaster(model, corpus, prediction_length=prediction_length,
                             context_length=context_length, batch_size=recipe.batch_size,
                             max_steps=recipe.steps, lr=recipe.lr, seed=recipe.sampler_seed,

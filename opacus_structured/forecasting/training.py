@@ -61,6 +61,7 @@ from ..schemes.structured import StructuredScheme
 from . import provenance as prov
 from .data import Panel
 from .estimators import PreparedModel, check_static_cats, estimator_model, prepare_estimator
+from .model_defaults import model_defaults
 from .lightning_parts import _lightning, _progress_callback, _tail_average_callback, _window_module
 from .train_result import TrainResult  # noqa: F401  (re-exported)
 from .user_data import _period_freq as period_freq
@@ -185,6 +186,10 @@ def _quiet_lightning():
 
 
 # ---- driver ----------------------------------------------------------------------------------
+#: How the baseline skip's step size follows the noise (``train_forecaster(skip_lr_scaling=)``).
+SKIP_LR_SCALINGS = ("none", "snr")
+
+
 @known_harmless_warnings_filtered()
 def train_forecaster(model: Optional[str], train: Panel, *,
                      prediction_length: Optional[int] = None,
@@ -207,7 +212,9 @@ def train_forecaster(model: Optional[str], train: Panel, *,
                      num_workers: int = 0, estimator=None,
                      top_level: str = "wor",
                      dataset_size: Optional[int] = None,
-                     trainer_options: Optional[dict] = None) -> TrainResult:
+                     trainer_options: Optional[dict] = None,
+                     skip_lr: Optional[float] = None,
+                     skip_lr_scaling: Optional[str] = None) -> TrainResult:
     """Train a gluonts model on ``train`` with structured-subsampling DP-SGD (or without DP).
 
     Privacy modes:
@@ -293,6 +300,18 @@ def train_forecaster(model: Optional[str], train: Panel, *,
             data are reported, not composed. See :mod:`.provenance`.
         init_public: declare ``init_state`` public (never trained on this data); refused when
             its record shows a run on this data.
+        skip_lr: Adam's step size for the two weights of DLinear's baseline skip
+            (:mod:`~opacus_structured.forecasting.baseline_skip`; they must move by O(1) in
+            ``max_steps`` steps, the rest of the network by little). Default: the model's
+            recipe row (``skip_lr`` of
+            :data:`~opacus_structured.forecasting.model_defaults.MODEL_DEFAULTS`), or ``lr``
+            for a network without the skip.
+        skip_lr_scaling: ``"snr"`` (DP-SGD only) multiplies ``skip_lr`` by ``min(1, Λ/σ)``,
+            the public bound on one step's signal-to-noise ratio per coordinate (a clipped
+            mean of norm <= C against noise of standard deviation σC/Λ). Adam steps a
+            coordinate by about its step size whatever the noise, so where the noise
+            dominates, a full step only moves the skip at random; ``"none"`` keeps
+            ``skip_lr``. Default: the recipe row's ``skip_lr_scaling``, else ``"none"``.
         trainer_options: Lightning ``Trainer`` arguments that change neither the steps, the
             batches nor the update: only :data:`TRAINER_OPTIONS` (model summary,
             determinism and cudnn benchmark flags, root directory); anything else raises.
@@ -502,7 +521,17 @@ def train_forecaster(model: Optional[str], train: Panel, *,
             how="train_forecaster(..., dataset_size=N) / `opacus-structured forecast "
                 "--dataset-size N` with a public number of series N")
 
-    module = _window_module(prepared, lr=lr, weight_decay=weight_decay)
+    if skip_lr is None:
+        skip_lr = model_defaults(model).get("skip_lr", lr)
+    skip_lr = check_positive("skip_lr", skip_lr)
+    if skip_lr_scaling is None:
+        skip_lr_scaling = model_defaults(model).get("skip_lr_scaling", "none")
+    if skip_lr_scaling not in SKIP_LR_SCALINGS:
+        raise ValueError(f"skip_lr_scaling must be one of {SKIP_LR_SCALINGS}, got "
+                         f"{skip_lr_scaling!r}")
+    if dp_sgd and skip_lr_scaling == "snr":
+        skip_lr *= min(1.0, float(scheme.batch_size) / float(noise_multiplier))
+    module = _window_module(prepared, lr=lr, weight_decay=weight_decay, skip_lr=skip_lr)
     dp_callback = None
     if dp_sgd:
         # the one DP wiring every path shares: DPCallback verifies that the loader draws with

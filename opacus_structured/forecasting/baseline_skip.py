@@ -1,0 +1,164 @@
+"""DLinear with a learned skip to the free baselines (seasonal naive and naive).
+
+A DP fine-tune from public weights barely moves a network's thousands of weights: every
+coordinate gets noise ``σC/Λ`` per step, and Adam moves a noise-dominated coordinate at random.
+On panels where the public weights are poor and the baselines are good (random walks, daily
+cycles the synthetic corpus did not teach, levels after a break) the DP model then stays worse
+than seasonal naive, which costs no privacy. :class:`BaselineSkipDLinearModel` gives the model
+three more weights that can reach the baselines directly: the location of each forecast step
+``h`` (in the scaler's units, before the affine de-scaling) is
+
+.. math::
+
+    \\mu'_h = \\mu_h + w_1\\,(\\tilde y_{T-m+(h \\bmod m)} - \\mu_h) + w_2\\,(\\tilde y_T - \\mu_h),
+
+where ``μ_h`` is DLinear's own location, ``ỹ`` the scaled context, ``m`` the season length (the
+seasonal-naive forecast; the naive one when ``m = 1`` or ``m`` exceeds the context) and ``ỹ_T``
+its last value (the naive forecast). ``w = (0, 0)`` at the start, so the network forecasts
+exactly as the public weights do (the zero-shot model is unchanged), and fine-tuning learns how
+far to move towards each baseline. The inputs are *differences* to ``μ_h``: the three forecasts
+are nearly collinear (all near the series' level), and on raw inputs Adam, which steps every
+coordinate by about ``lr``, would move all weights together (a level bias) instead of learning
+the mix. ``w`` is the weight of one ``nn.Linear(2, 1, bias=False)`` (``baseline_skip``): Opacus
+has its per-window gradients, and DP-SGD prices it like any other weight. The released forecast is a
+function of the DP weights and of the series' own context only, as DLinear's is.
+
+Public weights are pretrained without the skip: :meth:`BaselineSkipDLinearModel.load_state_dict`
+accepts a plain DLinear state and starts the skip at ``(0, 0)``.
+
+:class:`BaselineSkipDLinearEstimator` is gluonts' ``DLinearEstimator`` building this network
+(``season_length`` is one more constructor argument, so gluonts' serialization of a predictor
+rebuilds the same network).
+"""
+
+# no ``from __future__ import annotations``: gluonts' @validated reads the annotations
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn as nn
+from gluonts.core.component import validated
+from gluonts.torch.distributions import DistributionOutput, StudentTOutput
+from gluonts.torch.model.d_linear import DLinearEstimator
+from gluonts.torch.model.d_linear.lightning_module import DLinearLightningModule
+from gluonts.torch.model.d_linear.module import DLinearModel
+from gluonts.transform import InstanceSampler
+
+__all__ = ["BaselineSkipDLinearModel", "BaselineSkipDLinearLightningModule",
+           "BaselineSkipDLinearEstimator", "SKIP_PARAMETER", "SKIP_FEATURES",
+           "skip_parameters"]
+
+#: The state_dict key of the skip's weight ``w`` (shape (1, 2)).
+SKIP_PARAMETER = "baseline_skip.weight"
+#: What the inputs of the skip are, in order (each minus DLinear's own location ``μ_h``).
+SKIP_FEATURES = ("seasonal_naive", "naive")
+
+
+class BaselineSkipDLinearModel(DLinearModel):
+    """gluonts' ``DLinearModel`` whose location mixes in seasonal naive and naive (module
+    docstring). ``season_length`` ``m >= 1``; the distribution must have a ``loc`` argument
+    (Student-t, normal, Laplace, ...)."""
+
+    @validated()
+    def __init__(self, prediction_length: int, context_length: int, hidden_dimension: int,
+                 distr_output: DistributionOutput = StudentTOutput(),  # noqa: B008
+                 kernel_size: int = 25, scaling: Optional[str] = "mean",
+                 season_length: int = 1, skip_gain: float = 1.0) -> None:
+        super().__init__(prediction_length=prediction_length, context_length=context_length,
+                         hidden_dimension=hidden_dimension, distr_output=distr_output,
+                         kernel_size=kernel_size, scaling=scaling)
+        if int(season_length) < 1:
+            raise ValueError(f"season_length must be >= 1, got {season_length}")
+        names = list(distr_output.args_dim)
+        if "loc" not in names:
+            raise ValueError(f"the baseline skip shifts the distribution's location, but "
+                             f"{type(distr_output).__name__} has no 'loc' argument ({names})")
+        if not float(skip_gain) > 0:
+            raise ValueError(f"skip_gain must be > 0, got {skip_gain}")
+        self.season_length = int(season_length)
+        self.skip_gain = float(skip_gain)
+        self._loc_index = names.index("loc")
+        # seasonal-naive source index of each forecast step (naive when m = 1 or m > context)
+        m = self.season_length
+        if 1 < m <= context_length:
+            index = [context_length - m + (h % m) for h in range(prediction_length)]
+        else:
+            index = [context_length - 1] * prediction_length
+        self.register_buffer("_seasonal_index", torch.tensor(index, dtype=torch.long),
+                             persistent=False)
+        self.baseline_skip = nn.Linear(len(SKIP_FEATURES), 1, bias=False)
+        nn.init.zeros_(self.baseline_skip.weight)
+
+    def forward(self, past_target: torch.Tensor, past_observed_values: torch.Tensor):
+        past_target_scaled, loc, scale = self.scaler(past_target, past_observed_values)
+        res, trend = self.decomposition(past_target_scaled.unsqueeze(-1))
+        nn_out = self.linear_seasonal(res.squeeze(-1)) + self.linear_trend(trend.squeeze(-1))
+        distr_args = list(self.args_proj(
+            nn_out.reshape(-1, self.prediction_length, self.hidden_dimension)))
+        mu = distr_args[self._loc_index]                                    # (B, H)
+        seasonal = past_target_scaled[:, self._seasonal_index]              # (B, H)
+        naive = past_target_scaled[:, -1:].expand_as(mu)                    # (B, H)
+        features = self.skip_gain * torch.stack([seasonal - mu, naive - mu], dim=-1)  # (B,H,2)
+        distr_args[self._loc_index] = mu + self.baseline_skip(features).squeeze(-1)
+        return tuple(distr_args), loc, scale
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """As ``nn.Module.load_state_dict``; a plain DLinear state (no ``baseline_skip.weight``,
+        e.g. the public weights) loads with the skip at ``(0, 0)``."""
+        if SKIP_PARAMETER not in state_dict:
+            state_dict = dict(state_dict)
+            state_dict[SKIP_PARAMETER] = torch.zeros(1, len(SKIP_FEATURES))
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+class BaselineSkipDLinearLightningModule(DLinearLightningModule):
+    """``DLinearLightningModule`` around a :class:`BaselineSkipDLinearModel`."""
+
+    @validated()
+    def __init__(self, model_kwargs: dict, lr: float = 1e-3, weight_decay: float = 1e-8):
+        plain = {k: v for k, v in model_kwargs.items()
+                 if k not in ("season_length", "skip_gain")}
+        super().__init__(model_kwargs=plain, lr=lr, weight_decay=weight_decay)
+        self.model = BaselineSkipDLinearModel(**model_kwargs)
+        self.inputs = self.model.describe_inputs()
+
+
+class BaselineSkipDLinearEstimator(DLinearEstimator):
+    """gluonts' ``DLinearEstimator`` with the baseline skip (module docstring); every
+    ``DLinearEstimator`` argument plus ``season_length`` (``m >= 1``)."""
+
+    @validated()
+    def __init__(self, prediction_length: int, season_length: int = 1, skip_gain: float = 1.0,
+                 context_length: Optional[int] = None, hidden_dimension: Optional[int] = None,
+                 lr: float = 1e-3, weight_decay: float = 1e-8, scaling: Optional[str] = "mean",
+                 distr_output: DistributionOutput = StudentTOutput(),  # noqa: B008
+                 kernel_size: int = 25, batch_size: int = 32, num_batches_per_epoch: int = 50,
+                 trainer_kwargs: Optional[Dict[str, Any]] = None,
+                 train_sampler: Optional[InstanceSampler] = None,
+                 validation_sampler: Optional[InstanceSampler] = None) -> None:
+        super().__init__(prediction_length=prediction_length, context_length=context_length,
+                         hidden_dimension=hidden_dimension, lr=lr, weight_decay=weight_decay,
+                         scaling=scaling, distr_output=distr_output, kernel_size=kernel_size,
+                         batch_size=batch_size, num_batches_per_epoch=num_batches_per_epoch,
+                         trainer_kwargs=trainer_kwargs, train_sampler=train_sampler,
+                         validation_sampler=validation_sampler)
+        if int(season_length) < 1:
+            raise ValueError(f"season_length must be >= 1, got {season_length}")
+        self.season_length = int(season_length)
+        self.skip_gain = float(skip_gain)
+
+    def create_lightning_module(self):
+        return BaselineSkipDLinearLightningModule(
+            lr=self.lr, weight_decay=self.weight_decay,
+            model_kwargs={"prediction_length": self.prediction_length,
+                          "context_length": self.context_length,
+                          "hidden_dimension": self.hidden_dimension,
+                          "distr_output": self.distr_output,
+                          "kernel_size": self.kernel_size, "scaling": self.scaling,
+                          "season_length": self.season_length,
+                          "skip_gain": self.skip_gain})
+
+
+def skip_parameters(network) -> list:
+    """The parameters of ``network``'s baseline skip (empty for a network without one)."""
+    skip = getattr(network, "baseline_skip", None)
+    return list(skip.parameters()) if isinstance(skip, nn.Module) else []

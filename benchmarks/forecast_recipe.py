@@ -62,6 +62,12 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=["dlinear"])
     ap.add_argument("--panels", nargs="+", default=list(PANELS))
     ap.add_argument("--lrs", nargs="+", type=float, default=[1e-4, 3e-4, 1e-3])
+    ap.add_argument("--skip-lrs", nargs="+", type=float, default=[None],
+                    help="Adam step sizes of DLinear's baseline skip (default: the recipe's)")
+    ap.add_argument("--skip-lr-scalings", nargs="+", default=[None],
+                    help="'none' or 'snr' (default: the recipe's)")
+    ap.add_argument("--skip-gains", nargs="+", type=float, default=[None],
+                    help="input gains of DLinear's baseline skip (default: the recipe's)")
     ap.add_argument("--steps", nargs="+", type=int, default=[100, 200])
     ap.add_argument("--tails", nargs="+", type=float, default=[0.0, 0.5])
     ap.add_argument("--clips", nargs="+", type=float, default=[1e-4],
@@ -113,8 +119,9 @@ def main(argv=None) -> int:
                 score(zero_shot_predictor(model, state, freq=train.freq,
                                           prediction_length=H)))
             sigma_of_steps: dict = {}  # σ depends on the steps only: calibrate once each
-            for lr, steps, tail, clip in itertools.product(args.lrs, args.steps, args.tails,
-                                                           args.clips):
+            for lr, steps, tail, clip, skip_lr, gain, scaling in itertools.product(
+                    args.lrs, args.steps, args.tails, args.clips, args.skip_lrs,
+                    args.skip_gains, args.skip_lr_scalings):
                 for private in (True, False) if args.nonprivate else (True,):
                     runs = []
                     for seed in args.seeds:
@@ -126,7 +133,9 @@ def main(argv=None) -> int:
                             epsilon=args.epsilon if private and sigma is None else None,
                             noise_multiplier=sigma,
                             delta=args.delta if private else None, seed=seed,
-                            init_seed=seed, init_state=state, tail_average=tail)
+                            init_seed=seed, init_state=state, tail_average=tail,
+                            skip_lr=skip_lr, skip_lr_scaling=scaling, estimator_kwargs=(
+                                None if gain is None else {"skip_gain": gain}))
                         if private:
                             if res.epsilon > args.epsilon:
                                 raise RuntimeError(f"spent {res.epsilon} > {args.epsilon}")
@@ -141,10 +150,15 @@ def main(argv=None) -> int:
                         metrics[f"{key}_std"] = statistics.pstdev(vals)
                     add({"panel": panel_name, "model": model, "private": private, "lr": lr,
                          "steps": steps, "tail_average": tail, "batch_size": batch,
-                         "max_grad_norm": clip, "sigma": runs[0]["sigma"],
+                         "max_grad_norm": clip, "sigma": runs[0]["sigma"], "skip_lr": skip_lr,
+                         "skip_gain": gain, "skip_lr_scaling": scaling,
                          "recipe": f"{'DP' if private else 'non-DP'} lr={lr:g} "
                                    f"steps={steps} tail={tail:g}"
-                                   + (f" C={clip:g}" if len(args.clips) > 1 else "")},
+                                   + (f" C={clip:g}" if len(args.clips) > 1 else "")
+                                   + (f" skip_lr={skip_lr:g}" if skip_lr is not None
+                                      else "")
+                                   + (f" gain={gain:g}" if gain is not None else "")
+                                   + (f" scaling={scaling}" if scaling is not None else "")},
                         metrics)
 
     print()

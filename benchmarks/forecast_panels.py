@@ -285,6 +285,7 @@ def run_one(name: str, model: str, seed: int, *, ets: bool) -> dict:
                  for e in rep["sweep"]},
              "non_private": {k: base["non_private"][k] for k in ("crps", "mase")},
              "zero_shot": base["zero_shot"], "seasonal_naive": base["seasonal_naive"],
+             "baseline_skip": rep.get("baseline_skip"),  # DLinear at the first ε (= 1)
              "seconds": time.perf_counter() - t0}
     if "ets" in base:
         entry["ets"] = {k: base["ets"][k] for k in ("crps", "mase", "models", "fallbacks")

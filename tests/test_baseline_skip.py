@@ -17,7 +17,8 @@ from gluonts.torch.model.d_linear import DLinearEstimator  # noqa: E402
 from gluonts.torch.model.d_linear.module import DLinearModel  # noqa: E402
 
 from opacus_structured.forecasting.baseline_skip import (  # noqa: E402
-    SKIP_PARAMETER, BaselineSkipDLinearEstimator, BaselineSkipDLinearModel, skip_parameters)
+    SKIP_PARAMETER, BaselineSkipDLinearEstimator, BaselineSkipDLinearModel, describe_skip,
+    skip_parameters)
 from opacus_structured.forecasting.data import Panel  # noqa: E402
 from opacus_structured.forecasting.estimators import build_estimator, prepare_estimator  # noqa: E402,E501
 from opacus_structured.forecasting.model_defaults import model_defaults  # noqa: E402
@@ -142,8 +143,8 @@ def test_build_options_and_bad_arguments():
     with pytest.raises(ValueError, match="no 'loc' argument"):
         BaselineSkipDLinearModel(prediction_length=H, context_length=CTX, hidden_dimension=4,
                                  distr_output=NegativeBinomialOutput())
-    assert skip_parameters(DLinearModel(prediction_length=H, context_length=CTX,
-                                        hidden_dimension=4)) == []
+    plain_net = DLinearModel(prediction_length=H, context_length=CTX, hidden_dimension=4)
+    assert skip_parameters(plain_net) == [] and describe_skip(plain_net) is None
     assert SKIP_PARAMETER in BaselineSkipDLinearModel(
         prediction_length=H, context_length=CTX, hidden_dimension=4).state_dict()
 
@@ -168,6 +169,10 @@ def test_dp_training_moves_the_skip_towards_an_exact_seasonal_naive(grad_sample_
     net = res.prepared.module.model
     w = net.skip_gain * net.baseline_skip.weight.detach()
     assert w[0, 0] > 0.3, w
+    described = describe_skip(net)
+    assert described["season_length"] == 4
+    assert described["weights"]["seasonal_naive"] == pytest.approx(float(w[0, 0]))
+    assert described["weights"]["naive"] == pytest.approx(float(w[0, 1]))
     assert res.steps == 30 and np.isfinite(res.epsilon)
 
 

@@ -292,6 +292,10 @@ def test_forecast_command_json(tmp_path, capsys):
     assert rep["baselines"]["non_private"]["crps"] > 0
     assert rep["baselines"]["seasonal_naive"]["crps"] > 0
     assert rep["bound"] == "tight"
+    # DLinear's baseline skip: season from the frequency, weights of the released DP model
+    skip = rep["baseline_skip"]
+    assert skip["season_length"] == 12 and set(skip["weights"]) == {"seasonal_naive", "naive"}
+    assert all(math.isfinite(w) for w in skip["weights"].values())
     # a default run draws its sampler and noise from OS entropy and records no seed
     assert rep["private"] is True and rep["not_private_reason"] is None
     assert "seed" not in rep and "init_seed" not in rep

@@ -33,6 +33,7 @@ import time
 
 from .. import _progress
 from ..cli import register_command
+from ..forecasting.baseline_skip import describe_skip
 from ..forecasting.model_defaults import model_defaults
 from ..forecasting.seasonality import season_length as default_season_length
 from ..forecasting.warning_filters import known_harmless_warnings_filtered
@@ -416,6 +417,7 @@ def run_forecast(args, *, print_fn=print) -> dict:
         "calibration_seconds": result.calibration_seconds,
         "context_length_with_lags": result.prepared.past_length,
         "prediction_length": args.prediction_length,
+        "baseline_skip": describe_skip(result.prepared.module.model),
         "scheme": None if result.scheme is None else result.scheme.describe(),
         "sampling_constants": result.sampling_constants,
         "dataset": {**data_report.to_dict(), "name": data_name,

@@ -45,7 +45,7 @@ from gluonts.transform import InstanceSampler
 
 __all__ = ["BaselineSkipDLinearModel", "BaselineSkipDLinearLightningModule",
            "BaselineSkipDLinearEstimator", "SKIP_PARAMETER", "SKIP_FEATURES",
-           "skip_parameters"]
+           "skip_parameters", "describe_skip"]
 
 #: The state_dict key of the skip's weight ``w`` (shape (1, 2)).
 SKIP_PARAMETER = "baseline_skip.weight"
@@ -162,3 +162,15 @@ def skip_parameters(network) -> list:
     """The parameters of ``network``'s baseline skip (empty for a network without one)."""
     skip = getattr(network, "baseline_skip", None)
     return list(skip.parameters()) if isinstance(skip, nn.Module) else []
+
+
+def describe_skip(network) -> Optional[dict]:
+    """What ``network``'s baseline skip learned, for a report (``None`` without a skip):
+    ``season_length``, ``skip_gain`` and the effective weights ``gain · w`` by name (0: the
+    location is DLinear's own; 1: it is that baseline's forecast)."""
+    if not isinstance(network, BaselineSkipDLinearModel):
+        return None
+    weights = (network.skip_gain * network.baseline_skip.weight.detach().cpu()).flatten()
+    return {"season_length": network.season_length, "skip_gain": network.skip_gain,
+            "weights": {name: float(w) for name, w in zip(SKIP_FEATURES, weights.tolist(),
+                                                          strict=True)}}

@@ -33,7 +33,6 @@ import time
 
 from .. import _progress
 from ..cli import register_command
-from ..forecasting.baseline_skip import describe_skip
 from ..forecasting.model_defaults import model_defaults
 from ..forecasting.seasonality import season_length as default_season_length
 from ..forecasting.warning_filters import known_harmless_warnings_filtered
@@ -401,6 +400,8 @@ def run_forecast(args, *, print_fn=print) -> dict:
             ets = _ets_reference_row(train, truth, args.prediction_length, season_length, rows)
             if ets is not None:
                 baselines["ets"] = ets
+
+    from ..forecasting.baseline_skip import describe_skip  # optional: gluonts
 
     report = {
         "model": args.model, "private": result.private, "dp_sgd": result.dp_sgd,

@@ -140,6 +140,8 @@ def test_build_options_and_bad_arguments():
     with pytest.raises(ValueError, match="skip_gain must be > 0"):
         BaselineSkipDLinearModel(prediction_length=H, context_length=CTX, hidden_dimension=4,
                                  skip_gain=0.0)
+    with pytest.raises(ValueError, match="skip_gain must be finite"):
+        BaselineSkipDLinearEstimator(prediction_length=H, skip_gain=float("inf"))
     with pytest.raises(ValueError, match="no 'loc' argument"):
         BaselineSkipDLinearModel(prediction_length=H, context_length=CTX, hidden_dimension=4,
                                  distr_output=NegativeBinomialOutput())

@@ -14,7 +14,8 @@ three more weights that can reach the baselines directly: the location of each f
 
 where ``μ_h`` is DLinear's own location, ``ỹ`` the scaled context, ``m`` the season length (the
 seasonal-naive forecast; the naive one when ``m = 1`` or ``m`` exceeds the context) and ``ỹ_T``
-its last value (the naive forecast). ``w = (0, 0)`` at the start, so the network forecasts
+its last value (the naive forecast); the two differences are multiplied by ``skip_gain`` before
+the weights ``w`` (below). ``w = (0, 0)`` at the start, so the network forecasts
 exactly as the public weights do (the zero-shot model is unchanged), and fine-tuning learns how
 far to move towards each baseline. The inputs are *differences* to ``μ_h``: the three forecasts
 are nearly collinear (all near the series' level), and on raw inputs Adam, which steps every
@@ -43,6 +44,8 @@ from gluonts.torch.model.d_linear.lightning_module import DLinearLightningModule
 from gluonts.torch.model.d_linear.module import DLinearModel
 from gluonts.transform import InstanceSampler
 
+from .._validation import check_int, check_positive
+
 __all__ = ["BaselineSkipDLinearModel", "BaselineSkipDLinearLightningModule",
            "BaselineSkipDLinearEstimator", "SKIP_PARAMETER", "SKIP_FEATURES",
            "skip_parameters", "describe_skip"]
@@ -66,16 +69,14 @@ class BaselineSkipDLinearModel(DLinearModel):
         super().__init__(prediction_length=prediction_length, context_length=context_length,
                          hidden_dimension=hidden_dimension, distr_output=distr_output,
                          kernel_size=kernel_size, scaling=scaling)
-        if int(season_length) < 1:
-            raise ValueError(f"season_length must be >= 1, got {season_length}")
+        season_length = check_int("season_length", season_length, minimum=1)
+        skip_gain = check_positive("skip_gain", skip_gain)
         names = list(distr_output.args_dim)
         if "loc" not in names:
             raise ValueError(f"the baseline skip shifts the distribution's location, but "
                              f"{type(distr_output).__name__} has no 'loc' argument ({names})")
-        if not float(skip_gain) > 0:
-            raise ValueError(f"skip_gain must be > 0, got {skip_gain}")
-        self.season_length = int(season_length)
-        self.skip_gain = float(skip_gain)
+        self.season_length = season_length
+        self.skip_gain = skip_gain
         self._loc_index = names.index("loc")
         # seasonal-naive source index of each forecast step (naive when m = 1 or m > context)
         m = self.season_length
@@ -141,10 +142,8 @@ class BaselineSkipDLinearEstimator(DLinearEstimator):
                          batch_size=batch_size, num_batches_per_epoch=num_batches_per_epoch,
                          trainer_kwargs=trainer_kwargs, train_sampler=train_sampler,
                          validation_sampler=validation_sampler)
-        if int(season_length) < 1:
-            raise ValueError(f"season_length must be >= 1, got {season_length}")
-        self.season_length = int(season_length)
-        self.skip_gain = float(skip_gain)
+        self.season_length = check_int("season_length", season_length, minimum=1)
+        self.skip_gain = check_positive("skip_gain", skip_gain)
 
     def create_lightning_module(self):
         return BaselineSkipDLinearLightningModule(

@@ -159,6 +159,7 @@ def _periodic_panel(n=8, length=60, m=4):
                  item_ids=tuple(f"s{i}" for i in range(n)), freq="M")
 
 
+@pytest.mark.slow  # ~35 s each on 2 cores
 @pytest.mark.parametrize("grad_sample_mode", ["hooks", "ghost"])
 def test_dp_training_moves_the_skip_towards_an_exact_seasonal_naive(grad_sample_mode):
     """On exactly periodic series seasonal naive is perfect: the skip's seasonal weight must
@@ -182,3 +183,19 @@ def test_skip_lr_is_checked():
     with pytest.raises(ValueError, match="skip_lr"):
         train_forecaster("dlinear", _periodic_panel(), prediction_length=4, context_length=12,
                          batch_size=4, max_steps=1, skip_lr=0.0)
+
+
+@pytest.mark.slow  # ~8 s
+def test_ghost_and_hooks_release_the_same_skip_network():
+    """Book-keeping (ghost) clipping and Opacus' hooks clip the same per-window gradients of the
+    skip network, so with the same coins the released weights agree."""
+    states = {}
+    for mode in ("hooks", "ghost"):
+        res = train_forecaster("dlinear", _periodic_panel(), prediction_length=4,
+                               context_length=12, batch_size=4, max_steps=4, lr=1e-3,
+                               noise_multiplier=0.5, delta=1e-5, max_grad_norm=1e-2, seed=3,
+                               grad_sample_mode=mode, estimator_kwargs={"season_length": 4})
+        states[mode] = res.prepared.module.model.state_dict()
+    assert states["hooks"][SKIP_PARAMETER].abs().sum() > 0
+    for key, value in states["hooks"].items():
+        torch.testing.assert_close(states["ghost"][key], value, rtol=1e-4, atol=1e-6, msg=key)

@@ -90,11 +90,10 @@ class BaselineSkipDLinearModel(DLinearModel):
         nn.init.zeros_(self.baseline_skip.weight)
 
     def forward(self, past_target: torch.Tensor, past_observed_values: torch.Tensor):
-        past_target_scaled, loc, scale = self.scaler(past_target, past_observed_values)
-        res, trend = self.decomposition(past_target_scaled.unsqueeze(-1))
-        nn_out = self.linear_seasonal(res.squeeze(-1)) + self.linear_trend(trend.squeeze(-1))
-        distr_args = list(self.args_proj(
-            nn_out.reshape(-1, self.prediction_length, self.hidden_dimension)))
+        args, loc, scale = super().forward(past_target, past_observed_values)
+        distr_args = list(args)
+        # the context in the scaler's units: every gluonts scaler returns (x - loc) / scale
+        past_target_scaled = (past_target - loc) / scale
         mu = distr_args[self._loc_index]                                    # (B, H)
         seasonal = past_target_scaled[:, self._seasonal_index]              # (B, H)
         naive = past_target_scaled[:, -1:].expand_as(mu)                    # (B, H)

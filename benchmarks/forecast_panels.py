@@ -286,6 +286,8 @@ def run_one(name: str, model: str, seed: int, *, ets: bool) -> dict:
              "non_private": {k: base["non_private"][k] for k in ("crps", "mase")},
              "zero_shot": base["zero_shot"], "seasonal_naive": base["seasonal_naive"],
              "baseline_skip": rep.get("baseline_skip"),  # DLinear at the first ε (= 1)
+             # the forecast's zero-shot share, and the fine-tuned weights alone at ε = 1
+             "zero_shot_mixture": rep.get("zero_shot_mixture"),
              "seconds": time.perf_counter() - t0}
     if "ets" in base:
         entry["ets"] = {k: base["ets"][k] for k in ("crps", "mase", "models", "fallbacks")
@@ -347,6 +349,9 @@ def summarize(runs: list[dict]) -> list[dict]:
                 row[f"{key}_{metric}"] = _ms([r[key][metric] for r in rs])
             row[f"ets_{metric}"] = _ms([r["ets"][metric] for r in rs
                                         if "ets" in r and metric in r["ets"]])
+            row[f"dp1_alone_{metric}"] = _ms([
+                r["zero_shot_mixture"]["model_alone"][metric] for r in rs
+                if "model_alone" in (r.get("zero_shot_mixture") or {})])
         row["dp1_epsilon"] = max(r["dp"]["1"]["epsilon"] for r in rs)
         row["dp1_sigma"] = rs[0]["dp"]["1"]["noise_multiplier"]
         row["batch_size"] = rs[0]["batch_size"]

@@ -200,7 +200,15 @@ def test_forecast_from_weights_file_reports_the_source(tmp_path, capsys):
     assert rep["init_from"] == str(path) and rep["pretrained"]["source"] == "file"
     assert rep["lr"] == 1e-4 and rep["tail_average"] == 0.5  # fine-tuning defaults
     assert rep["baselines"]["zero_shot"]["crps"] > 0
-    assert [r["method"] for r in rep["rows"]][2] == "pretrained (public, zero-shot)"
+    methods = [r["method"] for r in rep["rows"]]
+    assert methods[3] == "pretrained (public, zero-shot)"
+    # public weights: the forecast mixes in the zero-shot model at the recipe's share, and the
+    # fine-tuned weights alone are scored in the row after the main one
+    mix = rep["zero_shot_mixture"]
+    assert mix["weight"] == 0.25 and mix["public_start"] is True and mix["note"] is None
+    assert methods[1].endswith(", weights alone)") and methods[1].startswith("dlinear (DP")
+    assert rep["rows"][1]["crps"] == mix["model_alone"]["crps"]
+    assert rep["crps"] == rep["rows"][0]["crps"] != mix["model_alone"]["crps"]
 
 
 def test_epsilon_sweep_table_plot_and_infinite_budget_is_non_private(tmp_path, capsys):

@@ -296,6 +296,10 @@ def test_forecast_command_json(tmp_path, capsys):
     skip = rep["baseline_skip"]
     assert skip["season_length"] == 12 and set(skip["weights"]) == {"seasonal_naive", "naive"}
     assert all(math.isfinite(w) for w in skip["weights"].values())
+    # from random weights there is no zero-shot model to mix in: the recipe's share is off
+    mix = rep["zero_shot_mixture"]
+    assert mix["weight"] == 0.0 and mix["public_start"] is False
+    assert "does not apply" in mix["note"] and "model_alone" not in mix
     # a default run draws its sampler and noise from OS entropy and records no seed
     assert rep["private"] is True and rep["not_private_reason"] is None
     assert "seed" not in rep and "init_seed" not in rep
@@ -310,3 +314,10 @@ def test_forecast_command_rejects_bad_input(capsys):
     assert main(["forecast", "--epsilon", "-1", "--no-progress"]) == 2
     assert "epsilon" in capsys.readouterr().err
     assert main(["forecast", "--num-series", "0", "--no-progress", "--output", ""]) == 2
+    capsys.readouterr()
+    # the zero-shot share: [0, 1), and only with public initial weights (checked up front)
+    assert main(["forecast", "--zero-shot-weight", "1", "--no-progress"]) == 2
+    assert "--zero-shot-weight must be in [0, 1)" in capsys.readouterr().err
+    assert main(["forecast", "--zero-shot-weight", "0.3", "--init-from", "none",
+                 "--no-progress"]) == 2
+    assert "needs public initial weights" in capsys.readouterr().err

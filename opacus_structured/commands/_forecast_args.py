@@ -19,7 +19,7 @@ DEFAULTS = dict(model="dlinear", epsilon=1.0, delta=1e-7, batch_size=64,
 #: The recipe values a flag overrides; without the flag, the model's row of
 #: :data:`~opacus_structured.forecasting.model_defaults.MODEL_DEFAULTS` gives them.
 RECIPE_FLAGS = {"max_grad_norm": "--max-grad-norm", "lr": "--lr", "max_steps": "--max-steps",
-                "tail_average": "--tail-average"}
+                "tail_average": "--tail-average", "zero_shot_weight": "--zero-shot-weight"}
 
 
 def _recipe_help(key, fmt="{:g}"):
@@ -86,6 +86,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="release the mean of the last fraction of the iterates (post-processing:"
                         " no privacy cost; 0 = the last iterate; default: the model's, "
                         f"{_recipe_help('tail_average')})")
+    p.add_argument("--zero-shot-weight", type=float, default=None, metavar="W",
+                   help="forecast with the mixture (1 - W) x fine-tuned + W x public zero-shot "
+                        "model, W in [0, 1) (post-processing: no privacy cost; needs public "
+                        "initial weights; 0 = the fine-tuned model alone; default: the "
+                        f"model's, {_recipe_help('zero_shot_weight')})")
     p.add_argument("--epsilons", default=None, metavar="LIST",
                    help="sweep: train once per budget in this comma-separated list (e.g. "
                         "0.5,1,2,4,inf) and write sweep.png (CRPS and MASE against ε with the "

@@ -33,7 +33,7 @@ import time
 
 from .. import _progress
 from ..cli import register_command
-from ..forecasting.model_defaults import model_defaults
+from ..forecasting.model_defaults import check_zero_shot_weight, model_defaults
 from ..forecasting.seasonality import season_length as default_season_length
 from ..forecasting.warning_filters import known_harmless_warnings_filtered
 from ..samplers._generator import fresh_seed
@@ -182,6 +182,12 @@ def run_forecast(args, *, print_fn=print) -> dict:
         raise ValueError(f"--tail-average must be in [0, 1] (fraction of the last steps whose "
                          f"iterates are averaged), got {tail_average}")
     init_from = getattr(args, "init_from", "none") or "none"
+    zero_shot_weight = getattr(args, "zero_shot_weight", None)
+    if zero_shot_weight is not None:
+        zero_shot_weight = check_zero_shot_weight(zero_shot_weight, "--zero-shot-weight")
+        if zero_shot_weight > 0 and init_from == "none":
+            raise ValueError("--zero-shot-weight mixes in the public zero-shot model: it needs "
+                             "public initial weights, not --init-from none")
     if getattr(args, "init_public", False) and init_from in ("none", "public"):
         raise ValueError("--init-public declares the weights of --init-from PATH public; it "
                          f"does not apply to --init-from {init_from}")
@@ -291,7 +297,7 @@ def run_forecast(args, *, print_fn=print) -> dict:
                   num_workers=getattr(args, "num_workers", 0),
                   top_level=getattr(args, "top_level", "wor"),
                   dataset_size=_public_dataset_size(args, data_path, train),
-                  discretization=args.discretization,
+                  discretization=args.discretization, zero_shot_weight=zero_shot_weight,
                   estimator_kwargs=({"season_length": season_length} if args.model == "dlinear"
                                     else None))
     if seeded_any:  # said up front, on stderr even with --json (stdout then holds the JSON)
@@ -355,6 +361,15 @@ def run_forecast(args, *, print_fn=print) -> dict:
     main_row = evaluate(row_label(result, args.epsilon), result.create_predictor(), {
         "epsilon": result.epsilon, "noise_multiplier": result.noise_multiplier,
         "steps": result.steps, "seconds": result.train_seconds})
+    zero_shot_mixture = result.zero_shot_mixture
+    if result.zero_shot_weight > 0:  # the fine-tuned network alone, for comparison
+        alone = evaluate(row_label(result, args.epsilon).replace(")", ", weights alone)", 1),
+                         result.create_predictor(zero_shot_weight=0.0),
+                         {"epsilon": result.epsilon, "zero_shot_weight": 0.0})
+        zero_shot_mixture["model_alone"] = {k: alone[k] for k in ("crps", "mase")}
+        log(f"forecast: {1 - result.zero_shot_weight:g} × the fine-tuned model + "
+            f"{result.zero_shot_weight:g} × the public zero-shot model (post-processing, no "
+            "privacy cost; --zero-shot-weight 0 for the fine-tuned model alone)")
     inference = None
     if inference_epsilon is not None:
         inference = _private_inputs_row(args, result, test, truth, rows, seed, log)
@@ -419,6 +434,7 @@ def run_forecast(args, *, print_fn=print) -> dict:
         "context_length_with_lags": result.prepared.past_length,
         "prediction_length": args.prediction_length,
         "baseline_skip": describe_skip(result.prepared.module.model),
+        "zero_shot_mixture": zero_shot_mixture,
         "scheme": None if result.scheme is None else result.scheme.describe(),
         "sampling_constants": result.sampling_constants,
         "dataset": {**data_report.to_dict(), "name": data_name,

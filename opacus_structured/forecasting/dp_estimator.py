@@ -142,7 +142,7 @@ from .dp_estimator_setup import check_tail_average as _check_tail_average  # noq
 from .dp_estimator_setup import trainer_capture as _trainer_capture  # noqa: F401
 from .dp_predictor import REPORT_FILE, REPORT_FORMAT, DPPyTorchPredictor  # noqa: F401
 from .estimators import LSTM_IMPLS, _check_user_estimator, estimator_model
-from .model_defaults import model_defaults
+from .model_defaults import check_zero_shot_weight, model_defaults
 from .training import train_forecaster
 
 __all__ = ["DPEstimator", "DPPyTorchPredictor", "REPORT_FILE", "REPORT_FORMAT",
@@ -207,6 +207,11 @@ class DPEstimator(Estimator):
             on the training data.
         tail_average: fraction in [0, 1] of the last steps whose iterates are averaged (free
             post-processing); default the recipe's.
+        zero_shot_weight: share ``w`` in [0, 1) of the public zero-shot model in the trained
+            predictor's forecast, ``(1 − w)·fine-tuned + w·zero-shot``
+            (:mod:`~opacus_structured.forecasting.zero_shot_mixture`; post-processing, no
+            privacy cost; public initial weights only). Default: the recipe's (DLinear 0.25);
+            ``0``: the fine-tuned network alone.
         season_length: the seasonal period of the public pretraining corpus (default from the
             frequency); used only with ``init_from="public"``.
         discretization: PLD grid (> 0) for calibration and reporting (pessimistic: a coarser
@@ -238,6 +243,7 @@ class DPEstimator(Estimator):
                  init_seed: Optional[int] = None, init_from: Optional[str] = None,
                  init_state: Optional[dict] = None, init_record: Optional[dict] = None,
                  init_public: bool = False, tail_average: Optional[float] = None,
+                 zero_shot_weight: Optional[float] = None,
                  season_length: Optional[int] = None,
                  discretization: float = pld_lib.DEFAULT_DISCRETIZATION,
                  progress: Optional[bool] = None, device: Optional[str] = None,
@@ -331,6 +337,8 @@ class DPEstimator(Estimator):
         self.init_state = init_state
         self.init_record = init_record
         self.init_public = bool(init_public)
+        self.zero_shot_weight = (None if zero_shot_weight is None
+                                 else check_zero_shot_weight(zero_shot_weight))
         self.season_length = (None if season_length is None
                               else check_int("season_length", season_length, minimum=1))
         if self.season_length is not None and self.init_from != "public":
@@ -487,7 +495,7 @@ class DPEstimator(Estimator):
             progress=self.progress, discretization=self.discretization,
             init_state=start["state"], init_record=start["record"],
             init_public=start["public"], tail_average=self.tail_average,
-            lstm_impl=self.lstm_impl, grad_sample_mode=self.grad_sample_mode,
+            zero_shot_weight=self.zero_shot_weight, lstm_impl=self.lstm_impl, grad_sample_mode=self.grad_sample_mode,
             num_workers=self.num_workers, dataset_size=self.dataset_size,
             callbacks=[*self.trainer_settings.get("callbacks", []), capture],
             trainer_options=self.trainer_settings.get("trainer_options"))

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from . import provenance as prov
 from .estimators import PreparedModel
+from .zero_shot_mixture import check_zero_shot_weight, zero_shot_mixture_predictor
 
 __all__ = ["TrainResult"]
 
@@ -57,6 +58,13 @@ class TrainResult:
     #: SHA-256 of the released weights, taken when training ended (:mod:`.provenance`)
     weights_hash: Optional[str] = None
     _record: Optional[dict] = dataclasses.field(default=None, repr=False, compare=False)
+    #: share ``w`` of the public zero-shot model in the forecast mixture of
+    #: :meth:`create_predictor` (:mod:`.zero_shot_mixture`); 0: the DP model alone
+    zero_shot_weight: float = 0.0
+    #: the public initial weights the mixture forecasts with (``None``: no public start)
+    public_state: Optional[dict] = dataclasses.field(default=None, repr=False, compare=False)
+    #: why the recipe's zero-shot weight was not applied (``None`` when it was, or was 0)
+    zero_shot_note: Optional[str] = None
 
     @property
     def prior_runs(self) -> list:
@@ -144,8 +152,28 @@ class TrainResult:
     def step_seconds(self) -> float:
         return self.train_seconds / self.steps if self.steps else float("nan")
 
-    def create_predictor(self):
-        return self.prepared.create_predictor()
+    def create_predictor(self, zero_shot_weight: Optional[float] = None):
+        """gluonts predictor of the released forecast: the fine-tuned network mixed with the
+        public zero-shot model at ``zero_shot_weight`` (default: :attr:`zero_shot_weight`, the
+        recipe's; :mod:`.zero_shot_mixture`). ``zero_shot_weight=0`` gives the fine-tuned
+        network alone (gluonts' own predictor of it)."""
+        weight = (self.zero_shot_weight if zero_shot_weight is None
+                  else check_zero_shot_weight(zero_shot_weight))
+        predictor = self.prepared.create_predictor()
+        if weight == 0.0:
+            return predictor
+        if self.public_state is None:
+            raise ValueError(f"zero_shot_weight={weight:g} mixes in the public zero-shot model, "
+                             "but this run did not start from public weights: use "
+                             "zero_shot_weight=0")
+        return zero_shot_mixture_predictor(predictor, self.public_state, weight)
+
+    @property
+    def zero_shot_mixture(self) -> dict:
+        """``{"weight", "public_start", "note"}``: the forecast mixture's zero-shot share, whether
+        the run started from public weights, and why a recipe weight did not apply."""
+        return {"weight": self.zero_shot_weight, "public_start": self.public_state is not None,
+                "note": self.zero_shot_note}
 
     def summary(self) -> dict:
         """JSON-ready record (no model objects)."""
@@ -160,6 +188,7 @@ class TrainResult:
             "context_length_with_lags": self.prepared.past_length,
             "prediction_length": self.prepared.prediction_length,
             "scheme": None if self.scheme is None else self.scheme.describe(),
+            "zero_shot_mixture": self.zero_shot_mixture,
         }
         if self.init_provenance is not None:
             out.update(run_epsilon=self.run_epsilon, init=self.init_provenance.source,

@@ -72,6 +72,7 @@ from .training_scheme import (  # noqa: F401  (re-exported)
 from .user_data import _period_freq as period_freq
 from .warning_filters import known_harmless_warnings_filtered
 from .windowing import GluonTSWindowDataset
+from .zero_shot_mixture import check_zero_shot_weight
 
 __all__ = ["TrainResult", "train_forecaster", "check_window_matches_scheme", "make_scheme",
            "max_steps_within_budget", "DEFAULT_MAX_GRAD_NORM", "TRAINER_OPTIONS"]
@@ -141,7 +142,8 @@ def train_forecaster(model: Optional[str], train: Panel, *,
                      dataset_size: Optional[int] = None,
                      trainer_options: Optional[dict] = None,
                      skip_lr: Optional[float] = None,
-                     skip_lr_scaling: Optional[str] = None) -> TrainResult:
+                     skip_lr_scaling: Optional[str] = None,
+                     zero_shot_weight: Optional[float] = None) -> TrainResult:
     """Train a gluonts model on ``train`` with structured-subsampling DP-SGD (or without DP).
 
     Privacy modes:
@@ -239,6 +241,12 @@ def train_forecaster(model: Optional[str], train: Panel, *,
             coordinate by about its step size whatever the noise, so where the noise
             dominates, a full step only moves the skip at random; ``"none"`` keeps
             ``skip_lr``. Default: the recipe row's ``skip_lr_scaling``, else ``"none"``.
+        zero_shot_weight: share ``w`` in [0, 1) of the public zero-shot model in the forecast
+            of ``result.create_predictor()``: the mixture ``(1 − w)·fine-tuned + w·zero-shot``
+            (:mod:`~opacus_structured.forecasting.zero_shot_mixture`; post-processing, no
+            privacy cost). Default: the recipe row's ``zero_shot_weight``, which does not
+            apply (recorded in ``result.zero_shot_note``) unless ``init_state`` is public
+            weights; a weight given without public ``init_state`` raises.
         trainer_options: Lightning ``Trainer`` arguments that change neither the steps, the
             batches nor the update: only :data:`TRAINER_OPTIONS` (model summary,
             determinism and cudnn benchmark flags, root directory); anything else raises.
@@ -448,6 +456,8 @@ def train_forecaster(model: Optional[str], train: Panel, *,
             how="train_forecaster(..., dataset_size=N) / `opacus-structured forecast "
                 "--dataset-size N` with a public number of series N")
 
+    zero_shot_weight, public_state, zero_shot_note = _zero_shot_start(
+        model, zero_shot_weight, init_state, provenance)
     if skip_lr is None:
         skip_lr = model_defaults(model).get("skip_lr", lr)
     skip_lr = check_positive("skip_lr", skip_lr)
@@ -519,5 +529,29 @@ def train_forecaster(model: Optional[str], train: Panel, *,
                        run_epsilon=run_epsilon,
                        init_provenance=provenance, train_panel=train,
                        weights_hash=prov.weights_fingerprint(
-                           module.model.state_dict()))
+                           module.model.state_dict()),
+                       zero_shot_weight=zero_shot_weight, public_state=public_state,
+                       zero_shot_note=zero_shot_note)
+
+
+def _zero_shot_start(model: str, weight: Optional[float], init_state: Optional[dict],
+                     provenance) -> tuple:
+    """``(w, public_state, note)`` of the forecast mixture (``zero_shot_weight`` of
+    :func:`train_forecaster`): the recipe's ``w`` unless given; public weights only."""
+    given = weight is not None
+    weight = check_zero_shot_weight(
+        weight if given else model_defaults(model).get("zero_shot_weight", 0.0))
+    public = provenance is not None and provenance.source in ("public", "declared public")
+    if weight == 0.0:
+        return 0.0, None, None
+    if not public:
+        start = ("random initial weights" if init_state is None else
+                 f"initial weights with source {provenance.source!r}")
+        if given:
+            raise ValueError(f"zero_shot_weight={weight:g} mixes in the public zero-shot "
+                             f"model, but training starts from {start}: pass public "
+                             "init_state (or init_public=True), or zero_shot_weight=0")
+        return 0.0, None, (f"the recipe's zero_shot_weight {weight:g} does not apply: "
+                           f"training started from {start}, not public weights")
+    return weight, {k: v.detach().cpu().clone() for k, v in init_state.items()}, None
 

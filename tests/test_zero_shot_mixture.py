@@ -119,7 +119,12 @@ def test_weight_zero_is_gluonts_own_predictor_of_the_fine_tuned_network():
     alone = res.create_predictor(zero_shot_weight=0.0)
     assert alone.prediction_net is res.prepared.module
     assert type(alone.forecast_generator).__name__ == "DistributionForecastGenerator"
-    assert _train(0.0).create_predictor().prediction_net is not None
+    # a public start keeps the public weights at w = 0 too: a mixture can be asked for later
+    unmixed = _train(0.0)
+    assert unmixed.zero_shot_mixture == {"weight": 0.0, "public_start": True, "note": None}
+    assert unmixed.create_predictor().prediction_net is unmixed.prepared.module
+    later = unmixed.create_predictor(zero_shot_weight=0.25).prediction_net
+    assert isinstance(later, ZeroShotMixtureModule) and later.public_weight == 0.25
     with pytest.raises(ValueError, match="zero_shot_weight"):
         res.create_predictor(zero_shot_weight=1.0)
 

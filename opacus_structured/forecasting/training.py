@@ -542,16 +542,16 @@ def _zero_shot_start(model: str, weight: Optional[float], init_state: Optional[d
     weight = check_zero_shot_weight(
         weight if given else model_defaults(model).get("zero_shot_weight", 0.0))
     public = provenance is not None and provenance.source in ("public", "declared public")
+    if public:  # kept at any weight: create_predictor(zero_shot_weight=w) may ask for it
+        return weight, {k: v.detach().cpu().clone() for k, v in init_state.items()}, None
     if weight == 0.0:
         return 0.0, None, None
-    if not public:
-        start = ("random initial weights" if init_state is None else
-                 f"initial weights with source {provenance.source!r}")
-        if given:
-            raise ValueError(f"zero_shot_weight={weight:g} mixes in the public zero-shot "
-                             f"model, but training starts from {start}: pass public "
-                             "init_state (or init_public=True), or zero_shot_weight=0")
-        return 0.0, None, (f"the recipe's zero_shot_weight {weight:g} does not apply: "
-                           f"training started from {start}, not public weights")
-    return weight, {k: v.detach().cpu().clone() for k, v in init_state.items()}, None
+    start = ("random initial weights" if init_state is None else
+             f"initial weights with source {provenance.source!r}")
+    if given:
+        raise ValueError(f"zero_shot_weight={weight:g} mixes in the public zero-shot model, but "
+                         f"training starts from {start}: pass public init_state (or "
+                         "init_public=True), or zero_shot_weight=0")
+    return 0.0, None, (f"the recipe's zero_shot_weight {weight:g} does not apply: training "
+                       f"started from {start}, not public weights")
 

@@ -1,0 +1,96 @@
+"""Choose the zero-shot share ``w`` of the forecast mixture on PUBLIC panels only.
+
+The released forecast is ``(1 − w)·fine-tuned + w·zero-shot``
+(:mod:`opacus_structured.forecasting.zero_shot_mixture`). For each public study panel and seed
+this trains the model once with its recipe at ε = 1 (δ = 1e-7, from the public weights) and
+scores the released forecast at every ``w`` of ``--weights`` through
+``TrainResult.create_predictor(zero_shot_weight=w)``, the product's own path. ``w = 1`` (not a
+valid release) is scored as the zero-shot model itself. The score of a ``w`` is the mean over
+the panels of (CRPS/SN + MASE/SN)/2, as in ``forecast_recipe.py``; the recipe keeps ``w = 0``
+unless a mixture beats it by at least 1 % of the score. Panels, Λ and the test split are those
+of ``forecast_recipe.py`` (test = last 12 months, Λ = round(N·64/148))::
+
+    PYTHONPATH=. python benchmarks/zero_shot_mixture_study.py --models dlinear deepar \\
+        --seeds 0 1 2 --json mixture_study.json
+    PYTHONPATH=. python benchmarks/zero_shot_mixture_study.py --panels employment   # held out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import warnings
+
+from forecast_recipe import _panel
+
+H = 12
+WEIGHTS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["dlinear"])
+    ap.add_argument("--panels", nargs="+", default=["txhousing", "economics", "synthetic"])
+    ap.add_argument("--weights", nargs="+", type=float, default=list(WEIGHTS))
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+
+    from opacus_structured.forecasting.baselines import seasonal_naive_predictor
+    from opacus_structured.forecasting.data import train_test_split
+    from opacus_structured.forecasting.metrics import evaluate_predictor
+    from opacus_structured.forecasting.model_defaults import model_defaults
+    from opacus_structured.forecasting.pretraining import pretrained_weights, zero_shot_predictor
+    from opacus_structured.forecasting.training import train_forecaster
+
+    rows = []
+    for panel_name in args.panels:
+        train, test = train_test_split(_panel(panel_name), H)
+        test_ds = test.to_gluonts()
+        batch = max(1, round(len(train) * 64 / 148))
+
+        def score(predictor, test_ds=test_ds):
+            return evaluate_predictor(predictor, test_ds, num_samples=100)[0]
+
+        sn = score(seasonal_naive_predictor(H, train.freq))
+        for model in args.models:
+            recipe = model_defaults(model)
+            state, _ = pretrained_weights(model, freq=train.freq, prediction_length=H)
+            zero_shot = score(zero_shot_predictor(model, state, freq=train.freq,
+                                                  prediction_length=H))
+            for seed in args.seeds:
+                res = train_forecaster(
+                    model, train, prediction_length=H, batch_size=batch,
+                    max_steps=recipe["max_steps"], lr=recipe["lr"],
+                    max_grad_norm=recipe["max_grad_norm"], tail_average=recipe["tail_average"],
+                    epsilon=1.0, delta=1e-7, seed=seed, init_seed=seed, init_state=state)
+                for w in args.weights:
+                    m = zero_shot if w == 1.0 else score(res.create_predictor(zero_shot_weight=w))
+                    rows.append({"panel": panel_name, "model": model, "seed": seed, "w": w,
+                                 "crps": m["crps"], "mase": m["mase"],
+                                 "rel": (m["crps"] / sn["crps"] + m["mase"] / sn["mase"]) / 2})
+                    print(f"{panel_name:10s} {model:8s} seed {seed} w={w:<5g} CRPS "
+                          f"{m['crps']:.5f} MASE {m['mase']:.3f}", flush=True)
+
+    print()
+    for model in args.models:
+        for w in args.weights:
+            sel = [r for r in rows if r["model"] == model and r["w"] == w]
+            per_panel = {p: statistics.fmean(r["rel"] for r in sel if r["panel"] == p)
+                         for p in args.panels}
+            crps = {p: statistics.fmean(r["crps"] for r in sel if r["panel"] == p)
+                    for p in args.panels}
+            print(f"{model:8s} w={w:<5g} score {statistics.fmean(per_panel.values()):.4f}  "
+                  + "  ".join(f"{p} {c:.5f}" for p, c in crps.items()))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"machine": platform.platform(), "panels": args.panels, "rows": rows},
+                      fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

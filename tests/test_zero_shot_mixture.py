@@ -21,7 +21,7 @@ from opacus_structured.forecasting.model_defaults import (  # noqa: E402
     check_zero_shot_weight, model_defaults)
 from opacus_structured.forecasting.training import train_forecaster  # noqa: E402
 from opacus_structured.forecasting.zero_shot_mixture import (  # noqa: E402
-    ZeroShotMixtureModule, public_rows)
+    ZeroShotMixtureModule, public_rows, zero_shot_mixture_predictor)
 
 H, CTX = 4, 12
 
@@ -127,6 +127,8 @@ def test_weight_zero_is_gluonts_own_predictor_of_the_fine_tuned_network():
     assert isinstance(later, ZeroShotMixtureModule) and later.public_weight == 0.25
     with pytest.raises(ValueError, match="zero_shot_weight"):
         res.create_predictor(zero_shot_weight=1.0)
+    with pytest.raises(ValueError, match="already forecasts a zero-shot mixture"):
+        zero_shot_mixture_predictor(res.create_predictor(), _public_state(), 0.5)
 
 
 def test_recipe_weight_needs_public_weights_and_a_given_one_raises_without():
@@ -166,10 +168,11 @@ def test_sampling_models_contribute_their_own_paths_in_the_public_rows(per_call_
     assert torch.all(out[:, mask] == 1) and torch.all(out[:, ~mask] == 0)
 
 
-def test_mixture_predictor_survives_gluonts_serialization(tmp_path):
+@pytest.mark.parametrize("model", ["dlinear", "deepar"])
+def test_mixture_predictor_survives_gluonts_serialization(tmp_path, model):
     from gluonts.model.predictor import Predictor
 
-    res = _train(0.25)
+    res = _train(0.25, model=model)
     predictor = DPPyTorchPredictor.from_predictor(res.create_predictor(),
                                                   privacy_report={"epsilon": None})
     predictor.serialize(tmp_path)
@@ -184,4 +187,4 @@ def test_mixture_predictor_survives_gluonts_serialization(tmp_path):
     torch.manual_seed(3)
     b = next(iter(again.predict(ds, num_samples=50))).samples
     np.testing.assert_array_equal(a, b)
-    assert a.shape == (50, H)
+    assert a.shape == (50, H) and np.all(np.isfinite(a))

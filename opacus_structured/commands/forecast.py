@@ -485,7 +485,9 @@ def run_forecast(args, *, print_fn=print) -> dict:
                 log("matplotlib not installed: no plot written")
             else:
                 picks = sorted(set([0, len(test) // 3, (2 * len(test)) // 3, len(test) - 1]))
-                _plot(os.path.join(args.output, "forecasts.png"), test, forecasts, picks,
+                shown = {k: v for k, v in forecasts.items()  # the released forecast, not
+                         if not k.endswith(", weights alone)")}  # its unmixed half
+                _plot(os.path.join(args.output, "forecasts.png"), test, shown, picks,
                       args.prediction_length, banner=NOT_PRIVATE_SEEDED if seeded_dp else None)
                 report["plot"] = os.path.join(args.output, "forecasts.png")
                 if sweep is not None:

@@ -40,11 +40,11 @@ quantiles as accurate as :math:`n` stratified points allow). A model that sample
 (DeepAR) contributes its own paths.
 """
 
-# no "from __future__ import annotations": gluonts' @validated reads the annotations
+from __future__ import annotations
+
 import copy
 
 import torch
-from gluonts.core.component import validated
 from torch import nn
 
 from .._validation import check_int
@@ -86,10 +86,11 @@ class ZeroShotMixtureModule(nn.Module):
     ``SampleForecastGenerator``; a share ``public_weight`` of them comes from ``public``
     (:func:`public_rows`). ``num_samples`` is the number of paths per call for models with a
     predictive distribution; a sampling model (DeepAR) gives its own number per call.
-    The constructor is ``@validated``, so gluonts' predictor serialization rebuilds it.
+    ``__getnewargs_ex__`` gives the constructor's arguments, so gluonts' serde (and with it
+    the predictor's serialization) rebuilds the module from them, as it does a ``@validated``
+    class; the two networks' weights come back from the state dict.
     """
 
-    @validated()
     def __init__(self, private: nn.Module, public: nn.Module, public_weight: float,
                  num_samples: int = 100) -> None:
         super().__init__()
@@ -97,6 +98,10 @@ class ZeroShotMixtureModule(nn.Module):
         self.public = public
         self.public_weight = check_zero_shot_weight(public_weight)
         self.num_samples = check_int("num_samples", num_samples, minimum=1)
+
+    def __getnewargs_ex__(self):
+        return (), {"private": self.private, "public": self.public,
+                    "public_weight": self.public_weight, "num_samples": self.num_samples}
 
     @staticmethod
     def _draws(module: nn.Module, out, args, kwargs, count: int) -> torch.Tensor:
@@ -144,6 +149,10 @@ def zero_shot_mixture_predictor(predictor, public_state: dict, public_weight: fl
         raise ValueError(f"{type(predictor).__name__} has no recorded constructor arguments "
                          "(not a gluonts PyTorchPredictor?)")
     private = predictor.prediction_net
+    if isinstance(private, ZeroShotMixtureModule):
+        raise ValueError("predictor already forecasts a zero-shot mixture (public_weight="
+                         f"{private.public_weight:g}): pass the fine-tuned network's own "
+                         "predictor (TrainResult.create_predictor(zero_shot_weight=0))")
     public = copy.deepcopy(private)
     try:
         public.model.load_state_dict(public_state)

@@ -23,9 +23,8 @@ import platform
 import statistics
 import warnings
 
-from forecast_recipe import _panel
+from forecast_recipe import study_split
 
-H = 12
 WEIGHTS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
 
 
@@ -39,31 +38,21 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
 
-    from opacus_structured.forecasting.baselines import seasonal_naive_predictor
-    from opacus_structured.forecasting.data import train_test_split
-    from opacus_structured.forecasting.metrics import evaluate_predictor
     from opacus_structured.forecasting.model_defaults import model_defaults
     from opacus_structured.forecasting.pretraining import pretrained_weights, zero_shot_predictor
     from opacus_structured.forecasting.training import train_forecaster
 
     rows = []
     for panel_name in args.panels:
-        train, test = train_test_split(_panel(panel_name), H)
-        test_ds = test.to_gluonts()
-        batch = max(1, round(len(train) * 64 / 148))
-
-        def score(predictor, test_ds=test_ds):
-            return evaluate_predictor(predictor, test_ds, num_samples=100)[0]
-
-        sn = score(seasonal_naive_predictor(H, train.freq))
+        train, batch, score, sn = study_split(panel_name)
         for model in args.models:
             recipe = model_defaults(model)
-            state, _ = pretrained_weights(model, freq=train.freq, prediction_length=H)
+            state, _ = pretrained_weights(model, freq=train.freq, prediction_length=12)
             zero_shot = score(zero_shot_predictor(model, state, freq=train.freq,
-                                                  prediction_length=H))
+                                                  prediction_length=12))
             for seed in args.seeds:
                 res = train_forecaster(
-                    model, train, prediction_length=H, batch_size=batch,
+                    model, train, prediction_length=12, batch_size=batch,
                     max_steps=recipe["max_steps"], lr=recipe["lr"],
                     max_grad_norm=recipe["max_grad_norm"], tail_average=recipe["tail_average"],
                     epsilon=1.0, delta=1e-7, seed=seed, init_seed=seed, init_state=state)

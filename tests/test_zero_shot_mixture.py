@@ -152,7 +152,7 @@ class _Paths(torch.nn.Module):
         super().__init__()
         self.value, self.per_call = value, per_call
 
-    def forward(self, past):
+    def forward(self, past, num_parallel_samples=None):  # DeepAR's keyword, ignored here
         return torch.full((past.shape[0], self.per_call, H), float(self.value))
 
 

@@ -361,9 +361,10 @@ def run_forecast(args, *, print_fn=print) -> dict:
     main_row = evaluate(row_label(result, args.epsilon), result.create_predictor(), {
         "epsilon": result.epsilon, "noise_multiplier": result.noise_multiplier,
         "steps": result.steps, "seconds": result.train_seconds})
-    zero_shot_mixture = result.zero_shot_mixture
+    zero_shot_mixture, alone_label = result.zero_shot_mixture, None
     if result.zero_shot_weight > 0:  # the fine-tuned network alone, for comparison
-        alone = evaluate(row_label(result, args.epsilon).replace(")", ", weights alone)", 1),
+        alone_label = row_label(result, args.epsilon).replace(")", ", weights alone)", 1)
+        alone = evaluate(alone_label,
                          result.create_predictor(zero_shot_weight=0.0),
                          {"epsilon": result.epsilon, "zero_shot_weight": 0.0})
         zero_shot_mixture["model_alone"] = {k: alone[k] for k in ("crps", "mase")}
@@ -485,8 +486,8 @@ def run_forecast(args, *, print_fn=print) -> dict:
                 log("matplotlib not installed: no plot written")
             else:
                 picks = sorted(set([0, len(test) // 3, (2 * len(test)) // 3, len(test) - 1]))
-                shown = {k: v for k, v in forecasts.items()  # the released forecast, not
-                         if not k.endswith(", weights alone)")}  # its unmixed half
+                # the released forecast, not its unmixed half
+                shown = {k: v for k, v in forecasts.items() if k != alone_label}
                 _plot(os.path.join(args.output, "forecasts.png"), test, shown, picks,
                       args.prediction_length, banner=NOT_PRIVATE_SEEDED if seeded_dp else None)
                 report["plot"] = os.path.join(args.output, "forecasts.png")

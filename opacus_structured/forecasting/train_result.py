@@ -10,7 +10,8 @@ from typing import Any, Optional
 
 from . import provenance as prov
 from .estimators import PreparedModel
-from .zero_shot_mixture import check_zero_shot_weight, zero_shot_mixture_predictor
+from .model_defaults import check_zero_shot_weight
+from .zero_shot_mixture import zero_shot_mixture_predictor
 
 __all__ = ["TrainResult"]
 

@@ -61,7 +61,7 @@ from . import provenance as prov
 from .data import Panel
 from .estimators import check_static_cats, estimator_model, prepare_estimator
 from .lightning_parts import _lightning, _progress_callback, _tail_average_callback, _window_module
-from .model_defaults import model_defaults
+from .model_defaults import check_zero_shot_weight, model_defaults
 from .train_result import TrainResult  # noqa: F401  (re-exported)
 from .training_scheme import (  # noqa: F401  (re-exported)
     _epochs_to_steps,
@@ -72,7 +72,6 @@ from .training_scheme import (  # noqa: F401  (re-exported)
 from .user_data import _period_freq as period_freq
 from .warning_filters import known_harmless_warnings_filtered
 from .windowing import GluonTSWindowDataset
-from .zero_shot_mixture import check_zero_shot_weight
 
 __all__ = ["TrainResult", "train_forecaster", "check_window_matches_scheme", "make_scheme",
            "max_steps_within_budget", "DEFAULT_MAX_GRAD_NORM", "TRAINER_OPTIONS"]
@@ -357,6 +356,9 @@ def train_forecaster(model: Optional[str], train: Panel, *,
     provenance = (None if init_state is None else
                   prov.resolve_init(init_state, init_record=init_record,
                                     init_public=bool(init_public), panel=train, dp_sgd=dp_sgd))
+    # the forecast mixture's public half (refused up front, before calibration, when missing)
+    zero_shot_weight, public_state, zero_shot_note = _zero_shot_start(
+        model, zero_shot_weight, init_state, provenance)
     tail_average = float(tail_average)
     if not 0.0 <= tail_average <= 1.0:
         raise ValueError(f"tail_average must be in [0, 1] (fraction of the last steps whose "
@@ -456,8 +458,6 @@ def train_forecaster(model: Optional[str], train: Panel, *,
             how="train_forecaster(..., dataset_size=N) / `opacus-structured forecast "
                 "--dataset-size N` with a public number of series N")
 
-    zero_shot_weight, public_state, zero_shot_note = _zero_shot_start(
-        model, zero_shot_weight, init_state, provenance)
     if skip_lr is None:
         skip_lr = model_defaults(model).get("skip_lr", lr)
     skip_lr = check_positive("skip_lr", skip_lr)

@@ -124,6 +124,8 @@ class ZeroShotMixtureModule(nn.Module):
         private = self._draws(self.private, out, args, kwargs, total - n_public)
         if n_public == 0:
             return private
+        if isinstance(out, torch.Tensor):  # a sampling model draws only the paths it gives
+            kwargs = {**kwargs, "num_parallel_samples": n_public}
         public = self._draws(self.public, self.public(*args, **kwargs), args, kwargs, n_public)
         paths = torch.empty((private.shape[0], total, private.shape[2]), dtype=private.dtype,
                             device=private.device)

@@ -17,6 +17,13 @@ Examples::
     opacus-structured pretrain --model dlinear --output weights.pt
     opacus-structured forecast --init-from weights.pt
     opacus-structured pretrain --model dlinear --verify         # reproduces the shipped file
+    opacus-structured pretrain --corpus synthetic+competition --output m3.pt   # real series too
+
+``--corpus synthetic+competition`` adds the real M1/M3 competition series at yearly, quarterly
+and monthly frequencies (:mod:`~opacus_structured.forecasting.competition_corpus`, less those
+that overlap an evaluation panel of the project). It is not the default: on the public study
+panels it made the zero-shot model better but not the DP fine-tuned one
+(docs/guides/forecasting.md, "A real public corpus").
 """
 
 from __future__ import annotations
@@ -30,7 +37,11 @@ from .. import _progress
 from ..cli import register_command
 from ..forecasting.warning_filters import known_harmless_warnings_filtered
 
-__all__ = ["add_arguments", "run", "run_pretrain"]
+__all__ = ["add_arguments", "run", "run_pretrain", "CORPUS_CHOICES"]
+
+#: ``--corpus`` choices (``forecasting.pretraining.CORPORA``; not imported here: the command
+#: registers without gluonts, and a test keeps the two equal)
+CORPUS_CHOICES = ("synthetic", "synthetic+competition")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="forecast horizon L_F (default %(default)s)")
     p.add_argument("--context-length", type=int, default=None,
                    help="model context before lags (default 3·L_F, DeepAR 2·L_F)")
+    p.add_argument("--corpus", choices=CORPUS_CHOICES, default=None,
+                   help="public pretraining corpus (default: the model's recipe, synthetic); "
+                        "synthetic+competition adds the real M1/M3 series at Y, Q and M")
+    p.add_argument("--competition-series", type=int, default=None, metavar="N",
+                   help="with --corpus synthetic+competition: use N of the competition series "
+                        "(a fixed public draw; default all)")
     p.add_argument("--output", default=None, metavar="PATH",
                    help="write the weights here (default: the user cache, "
                         "$OPACUS_STRUCTURED_CACHE or ~/.cache/opacus-structured/pretrained)")
@@ -61,6 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_pretrain(args) -> dict:
     """Pretrain (or find cached) weights as ``args`` says; returns a JSON-ready record."""
     from ..forecasting.pretraining import (  # optional: gluonts
+        PRETRAIN_RECIPE,
         cache_dir,
         load_weights,
         pretrain,
@@ -76,12 +94,16 @@ def run_pretrain(args) -> dict:
     season = getattr(args, "season_length", None)
     if season is not None and season < 1:
         raise ValueError(f"--season-length must be >= 1, got {season}")
+    recipe = _recipe(args, PRETRAIN_RECIPE[args.model])
     key = weights_key(args.model, freq=args.freq, prediction_length=args.prediction_length,
-                      context_length=args.context_length, season_length=season)
+                      context_length=args.context_length, season_length=season, recipe=recipe)
     progress = _progress.enabled(args.no_progress)
     log = None if progress else (lambda m: print(m, file=sys.stderr, flush=True))
     record = {"model": args.model, "freq": args.freq, "key": key}
     if args.verify:
+        if recipe is not PRETRAIN_RECIPE[args.model]:
+            raise ValueError("--verify compares the shipped recipe's weights; drop --corpus / "
+                             "--competition-series")
         shipped = shipped_weights_path(key)
         if shipped is None:
             raise ValueError(f"no weights are shipped for {key} (only the default geometry of "
@@ -106,11 +128,28 @@ def run_pretrain(args) -> dict:
         return record
     state, meta = pretrain(args.model, freq=args.freq, prediction_length=args.prediction_length,
                            context_length=args.context_length, progress=progress,
-                           season_length=season, log=log)
+                           season_length=season, log=log, recipe=recipe)
     save_weights(path, state, meta)
     record.update(path=path, source="pretrained now", train_seconds=meta["train_seconds"],
-                  recipe=meta["recipe"], bytes=os.path.getsize(path))
+                  recipe=meta["recipe"], corpus=meta["corpus"], bytes=os.path.getsize(path))
     return record
+
+
+def _recipe(args, shipped):
+    """The model's recipe, with ``--corpus`` / ``--competition-series`` applied (the shipped
+    recipe object itself when neither is given)."""
+    import dataclasses
+
+    corpus = getattr(args, "corpus", None)
+    count = getattr(args, "competition_series", None)
+    if count is not None and (corpus or shipped.corpus) != "synthetic+competition":
+        raise ValueError("--competition-series needs --corpus synthetic+competition")
+    if count is not None and count < 1:
+        raise ValueError(f"--competition-series must be >= 1, got {count}")
+    if corpus is None and count is None:
+        return shipped
+    return dataclasses.replace(shipped, corpus=corpus or shipped.corpus,
+                               competition_series=count)
 
 
 def run(args) -> int:

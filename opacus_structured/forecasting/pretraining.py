@@ -35,9 +35,12 @@ import json
 import os
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from .._validation import check_int
+from .competition_corpus import competition_kind, competition_panel
+from .data import Panel
 from .estimators import default_context_length, prepare_estimator
 from .lightning_parts import _lightning
 from .provenance import public_record, register_public_weights
@@ -45,14 +48,27 @@ from .public_corpus import synthetic_panel
 from .seasonality import season_length as default_season_length
 from .training import train_forecaster
 
-__all__ = ["PretrainRecipe", "PRETRAIN_RECIPE", "pretrain", "pretrained_weights",
+__all__ = ["CORPORA", "PretrainRecipe", "PRETRAIN_RECIPE", "pretrain", "public_corpus", "pretrained_weights",
            "zero_shot_predictor", "shipped_weights_path",
            "weights_key", "cache_dir", "load_weights", "save_weights"]
 
 
+#: The public corpora a recipe can name (:attr:`PretrainRecipe.corpus`)
+CORPORA = ("synthetic", "synthetic+competition")
+
+
 @dataclasses.dataclass(frozen=True)
 class PretrainRecipe:
-    """How the public weights are trained (all public; fixed seeds)."""
+    """How the public weights are trained (all public; fixed seeds).
+
+    ``corpus``: ``"synthetic"`` (:func:`~.public_corpus.synthetic_panel` only) or
+    ``"synthetic+competition"``: the synthetic panel plus, at yearly, quarterly and monthly
+    frequencies, the real M1/M3 competition series
+    (:func:`~.competition_corpus.competition_panel`, less those that overlap an evaluation
+    panel); at other frequencies the two are the same corpus (:meth:`for_freq`).
+    ``competition_series``: how many of those series to use (a draw without replacement
+    seeded by ``corpus_seed``: public randomness), None for all of them.
+    """
 
     num_series: int = 2000
     min_length: int = 120
@@ -63,9 +79,33 @@ class PretrainRecipe:
     lr: float = 1e-3
     init_seed: int = 0
     sampler_seed: int = 0
+    corpus: str = "synthetic"
+    competition_series: Optional[int] = None
+
+    def __post_init__(self):
+        if self.corpus not in CORPORA:
+            raise ValueError(f"corpus must be one of {CORPORA}, got {self.corpus!r}")
+        if self.competition_series is not None:
+            check_int("competition_series", self.competition_series, minimum=1)
+
+    def uses_competition(self, freq: str) -> bool:
+        """Whether the corpus at ``freq`` includes the competition series."""
+        return self.corpus == "synthetic+competition" and competition_kind(freq) is not None
+
+    def for_freq(self, freq: str) -> "PretrainRecipe":
+        """The recipe as it runs at ``freq``: ``corpus="synthetic"`` where the competitions
+        have no series of that frequency (the same weights, so the same file key)."""
+        if self.corpus != "synthetic" and not self.uses_competition(freq):
+            return dataclasses.replace(self, corpus="synthetic", competition_series=None)
+        return self
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields; ``corpus`` and ``competition_series`` only for a corpus other than the
+        synthetic one (so the keys of weights pretrained before they existed stay valid)."""
+        d = dataclasses.asdict(self)
+        if d["corpus"] == "synthetic":
+            del d["corpus"], d["competition_series"]
+        return d
 
 
 #: The recipe of the shipped weights, per model.
@@ -90,7 +130,7 @@ def weights_key(model: str, *, freq: str, prediction_length: int,
     h = check_int("prediction_length", prediction_length, minimum=1)
     ctx = (default_context_length(model, h) if context_length is None
            else check_int("context_length", context_length, minimum=1))
-    recipe = PRETRAIN_RECIPE[model] if recipe is None else recipe
+    recipe = (PRETRAIN_RECIPE[model] if recipe is None else recipe).for_freq(freq)
     digest = hashlib.sha256(json.dumps(recipe.to_dict(), sort_keys=True).encode()).hexdigest()
     season = ""
     if season_length is not None:
@@ -178,12 +218,12 @@ def pretrain(model: str, *, freq: str = "M", prediction_length: int = 12,
     stderr) additionally gets a plain line at every tenth of the steps, for runs whose stderr
     is not a terminal.
     """
-    recipe = PRETRAIN_RECIPE[model] if recipe is None else recipe
+    recipe = (PRETRAIN_RECIPE[model] if recipe is None else recipe).for_freq(freq)
     season = (default_season_length(freq) if season_length is None
               else check_int("season_length", season_length, minimum=1))
-    corpus = synthetic_panel(recipe.num_series, freq=freq, season_length=season,
-                             min_length=recipe.min_length, max_length=recipe.max_length,
-                             seed=recipe.corpus_seed)
+    corpus, corpus_name = public_corpus(model, recipe, freq=freq, season_length=season,
+                                        prediction_length=prediction_length,
+                                        context_length=context_length)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -196,14 +236,37 @@ def pretrain(model: str, *, freq: str = "M", prediction_length: int = 12,
     meta = {"model": model, "freq": freq, "prediction_length": int(prediction_length),
             "context_length": int(default_context_length(model, prediction_length)
                                   if context_length is None else context_length),
-            "recipe": recipe.to_dict(), "corpus": "synthetic_panel", "season_length": season,
+            "recipe": recipe.to_dict(), "corpus": corpus_name, "season_length": season,
             "train_seconds": result.train_seconds,
             "key": weights_key(model, freq=freq, prediction_length=prediction_length,
                                context_length=context_length, recipe=recipe,
                                season_length=season)}
     meta["privacy_record"] = public_record(
-        state, "pretrained on the public synthetic corpus (opacus-structured pretrain)")
+        state, f"pretrained on the public corpus: {corpus_name} (opacus-structured pretrain)")
     return state, meta
+
+
+def public_corpus(model: str, recipe: PretrainRecipe, *, freq: str, season_length: int,
+                  prediction_length: int, context_length: Optional[int] = None
+                  ) -> tuple[Panel, str]:
+    """The pretraining panel of ``recipe`` at ``freq`` and its description: the synthetic
+    panel, plus (:meth:`PretrainRecipe.uses_competition`) the competition series at least one
+    model window (context + prediction length) long."""
+    synthetic = synthetic_panel(recipe.num_series, freq=freq, season_length=season_length,
+                                min_length=recipe.min_length, max_length=recipe.max_length,
+                                seed=recipe.corpus_seed)
+    if not recipe.uses_competition(freq):
+        return synthetic, "synthetic_panel"
+    ctx = (default_context_length(model, prediction_length) if context_length is None
+           else int(context_length))
+    real = competition_panel(freq, min_length=ctx + int(prediction_length))
+    if recipe.competition_series is not None and recipe.competition_series < len(real):
+        rng = np.random.default_rng(recipe.corpus_seed)
+        real = real.subset(sorted(rng.choice(len(real), recipe.competition_series,
+                                             replace=False).tolist()))
+    panel = Panel(synthetic.targets + real.targets, synthetic.starts + real.starts,
+                  synthetic.item_ids + real.item_ids, freq)
+    return panel, f"synthetic_panel + {len(real)} M1/M3 competition series"
 
 
 def _pretrain_run(model, corpus, prediction_length, context_length, recipe, progress,
@@ -248,7 +311,9 @@ def pretrained_weights(model: str, *, freq: str = "M", prediction_length: int = 
         register_public_weights(state)
         return state, {**meta, "source": "cache", "path": cached}
     recipe = PRETRAIN_RECIPE[model]
-    say(f"pretraining {model} on the public synthetic corpus ({recipe.steps} steps; once, then "
+    corpus = ("synthetic and M1/M3 competition series"
+              if recipe.uses_competition(freq) else "synthetic")
+    say(f"pretraining {model} on the public {corpus} corpus ({recipe.steps} steps; once, then "
         f"cached at {cached})")
     state, meta = pretrain(model, freq=freq, prediction_length=prediction_length,
                            context_length=context_length, progress=progress,

@@ -27,12 +27,10 @@ study harness, not a product option: it swaps the module that ``train_forecaster
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import warnings
 
-from forecast_recipe import study_split
+from forecast_recipe import study_split, write_study_json
 
 WEIGHTS = (0.0, 0.25)
 
@@ -164,10 +162,7 @@ def main(argv=None) -> int:
                                      and r["w"] == 0.25) for p in args.panels]
             print(f"| {subset} | {mult:g} | " + " | ".join(f"{s:.4f}" for s in scores) + " | "
                   + " | ".join(f"{c:.5f}" for c in crps) + " |")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"machine": platform.platform(), "panels": args.panels, "rows": rows},
-                      fh, indent=1)
+    write_study_json(args.json, args.panels, rows)
     return 0
 
 

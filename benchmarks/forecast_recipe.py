@@ -64,6 +64,17 @@ def _panel(name):
 H = 12
 
 
+def write_study_json(path, panels, rows) -> None:
+    """The rows of a study and the machine it ran on, as JSON at ``path`` (nothing if None)."""
+    import json
+    import platform
+
+    if path:
+        with open(path, "w") as fh:
+            json.dump({"machine": platform.platform(), "panels": panels, "rows": rows}, fh,
+                      indent=1)
+
+
 def study_split(panel_name):
     """``(train, batch, score, sn)`` of a study panel: the training part (test = the last
     ``H`` = 12 steps), the batch size Λ = round(N·64/148) (the series sampling rate of the main

@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import platform
 import statistics
 import warnings
 
-from forecast_recipe import study_split
+from forecast_recipe import study_split, write_study_json
 
 WEIGHTS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
 
@@ -96,12 +94,10 @@ def main(argv=None) -> int:
                          for p in args.panels}
             crps = {p: statistics.fmean(r["crps"] for r in sel if r["panel"] == p)
                     for p in args.panels}
-            print(f"{model:8s} {corpus:25s} w={w:<5g} score {statistics.fmean(per_panel.values()):.4f}  "
+            score = statistics.fmean(per_panel.values())
+            print(f"{model:8s} {corpus:25s} w={w:<5g} score {score:.4f}  "
                   + "  ".join(f"{p} {c:.5f}" for p, c in crps.items()))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"machine": platform.platform(), "panels": args.panels, "rows": rows},
-                      fh, indent=1)
+    write_study_json(args.json, args.panels, rows)
     return 0
 
 

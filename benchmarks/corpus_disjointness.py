@@ -139,7 +139,8 @@ def main(argv=None) -> int:
         cell = ", ".join(f"{k} ({v:.3f})" for k, v in sorted(best.items(), key=lambda t: -t[1]))
         print(f"| {name} | {freq} | {len(series)} | {cell or 'none'} |")
     union = sorted({h["corpus"] for hs in report.values() for h in hs})
-    print(f"\n{len(union)} corpus series overlap an evaluation panel: {union}")
+    print(f"\n{len(union)} corpus series match a stretch of an evaluation panel (chance matches "
+          f"of smooth series included; all are left out of the corpus): {union}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=1)

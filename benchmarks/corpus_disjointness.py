@@ -33,8 +33,9 @@ from opacus_structured.forecasting import data
 from opacus_structured.forecasting.competition_corpus import (EXCLUDED_SERIES, competition_panel,
                                                               shared_segments)
 
-#: (window length in differences, threshold) per frequency: long enough that chance matches
-#: of unrelated series are negligible, short enough for the shortest series of each side
+#: (window length in differences, threshold) per frequency: short enough for the shortest
+#: series of each side. Smooth series still match by chance now and then; those are left out
+#: too (erring towards a smaller corpus, never towards a shared series)
 MATCH = {"M": (24, 0.98), "Q": (16, 0.98), "Y": (12, 0.98)}
 COARSER = {"M": ("Q", 3), "Q": ("Y", 4)}
 

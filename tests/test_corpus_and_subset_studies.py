@@ -91,3 +91,23 @@ def test_disjointness_finds_a_quarterly_panel_that_is_a_summed_monthly_series():
     hits = cd.compare("Q", [other, copy], corpora)
     assert {h["corpus"] for h in hits} == {"m1"} and all(h["at"] == "Q" for h in hits)
     assert cd.compare("Q", [other], corpora) == []
+
+
+def test_lags_study_swaps_deepar_lags_and_caches_their_weights_apart(monkeypatch, tmp_path):
+    import deepar_lags_study as lags_study
+
+    from opacus_structured.forecasting import estimators, pretraining
+
+    monkeypatch.setenv("OPACUS_STRUCTURED_CACHE", str(tmp_path))
+    monkeypatch.setattr(estimators, "build_estimator", estimators.build_estimator)
+    monkeypatch.setattr(estimators, "_stock_build_estimator", estimators.build_estimator,
+                        raising=False)
+    monkeypatch.setattr(estimators, "_stock_cache", str(tmp_path), raising=False)
+    lags_study.use_lags("one-season", 24)
+    est = estimators.prepare_estimator("deepar", freq="h", prediction_length=4).estimator
+    assert list(est.lags_seq) == [1, 2, 3, 24, 25]
+    assert pretraining.cache_dir() == str(tmp_path / "lags-one-season" / "pretrained")
+    lags_study.use_lags("monthly", 24)
+    est = estimators.prepare_estimator("deepar", freq="h", prediction_length=4).estimator
+    assert list(est.lags_seq) == [1, 2, 3, 12, 13]  # the product's lags
+    assert pretraining.cache_dir() == str(tmp_path / "pretrained")

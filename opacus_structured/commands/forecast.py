@@ -298,9 +298,8 @@ def run_forecast(args, *, print_fn=print) -> dict:
                   top_level=getattr(args, "top_level", "wor"),
                   dataset_size=_public_dataset_size(args, data_path, train),
                   discretization=args.discretization, zero_shot_weight=zero_shot_weight,
-                  # DLinear's baseline skip and DeepAR's lags follow the season
-                  estimator_kwargs=({"season_length": season_length}
-                                    if args.model in ("dlinear", "deepar") else None))
+                  estimator_kwargs=({"season_length": season_length} if args.model == "dlinear"
+                                    else None))
     if seeded_any:  # said up front, on stderr even with --json (stdout then holds the JSON)
         print(NOT_PRIVATE_SEEDED, file=sys.stderr)
     log(f"data: {'US employment (BLS)' if data_path is None else data_name}, {len(train)} "
@@ -406,8 +405,7 @@ def run_forecast(args, *, print_fn=print) -> dict:
             row = evaluate("pretrained (public, zero-shot)", zero_shot_predictor(
                 args.model, init_state, freq=train.freq,
                 prediction_length=args.prediction_length,
-                context_length=args.context_length, season_length=season_length),
-                {"epsilon": 0.0, "steps": 0})
+                context_length=args.context_length), {"epsilon": 0.0, "steps": 0})
             baselines["zero_shot"] = {k: row[k] for k in ("crps", "mase")}
         t0 = time.perf_counter()
         row = evaluate("seasonal naive", seasonal_naive_predictor(

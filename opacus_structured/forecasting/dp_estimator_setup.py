@@ -127,9 +127,7 @@ def public_weights(dp, panel):
     context = int(est.context_length)
     reference = build_estimator(dp.model, freq=panel.freq,
                                 prediction_length=dp.prediction_length,
-                                context_length=context,
-                                **({"season_length": dp.season_length}
-                                   if dp.model == "deepar" and dp.season_length else {}))
+                                context_length=context)
     differ = parity.public_architecture_mismatch(est, reference)
     if differ:
         listed = "; ".join(f"{k}={a!r} (public weights: {b!r})" for k, (a, b) in

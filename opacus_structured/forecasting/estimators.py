@@ -37,8 +37,7 @@ from .model_defaults import default_context_length as _table_context_length
 from .model_defaults import model_defaults
 from .seasonality import season_length as default_season_length
 
-__all__ = ["MODELS", "LSTM_IMPLS", "ESTIMATOR_CLASSES", "build_estimator", "deepar_lags",
-           "prepare_estimator",
+__all__ = ["MODELS", "LSTM_IMPLS", "ESTIMATOR_CLASSES", "build_estimator", "prepare_estimator",
            "PreparedModel", "per_window_scalers", "default_context_length", "estimator_model",
            "dp_safe_network", "check_static_cats"]
 
@@ -141,9 +140,7 @@ def build_estimator(model: str, *, freq: str, prediction_length: int,
     Defaults: DLinear hidden 20, kernel 13, with the baseline skip of
     :mod:`~opacus_structured.forecasting.baseline_skip` (``baseline_skip=False``: gluonts'
     plain ``DLinearEstimator``; ``season_length`` default from ``freq``); SimpleFeedForward hidden [64, 64], no batch norm;
-    DeepAR 2 layers × 40, dropout 0, lags :func:`deepar_lags` of the season length
-    (``season_length``, default from ``freq``: ``[1, 2, 3, 12, 13]`` for monthly, quarterly
-    and yearly data, ``[1, 2, 3, 24, 25]`` for hourly data) and
+    DeepAR 2 layers × 40, dropout 0, lags ``[1, 2, 3, 12, 13]`` (monthly seasonality) and
     ``default_scale=1.0``. All output Student-t distributions (gluonts' default).
     """
     _check_model(model)
@@ -183,32 +180,10 @@ def build_estimator(model: str, *, freq: str, prediction_length: int,
         return SimpleFeedForwardEstimator(**params)
     from gluonts.torch.model.deepar import DeepAREstimator
 
-    season = kwargs.pop("season_length", None)
-    season = (default_season_length(freq) if season is None
-              else check_int("season_length", season, minimum=1))
     params = dict(freq=freq, num_layers=2, hidden_size=40, dropout_rate=0.0,
-                  lags_seq=deepar_lags(season), default_scale=1.0)
+                  lags_seq=[1, 2, 3, 12, 13], default_scale=1.0)
     params.update(common, **kwargs)
     return DeepAREstimator(**params)
-
-
-def deepar_lags(season_length: int) -> list[int]:
-    """DeepAR's lags for a season of ``season_length`` steps ``m``: the last three steps and a
-    lag one season back with the step before it.
-
-    * ``m`` divides 12 (monthly, quarterly, yearly data, …): ``[1, 2, 3, 12, 13]``, the lags
-      the project always used. 12 is then a whole number of seasons, and on the public
-      quarterly study panel these lags beat ``[1, 2, 3, 4, 5]`` (``benchmarks/
-      deepar_lags_study.py``).
-    * otherwise ``[1, 2, 3, m, m + 1]``: hourly data looks back 24 and 25 steps, daily 7 and
-      8, weekly 52 and 53 (lag 12 is no seasonal lag there).
-
-    The largest lag is part of the model input window L_C (``past_length``) that the
-    accountant prices."""
-    m = check_int("season_length", season_length, minimum=1)
-    if 12 % m == 0:
-        return [1, 2, 3, 12, 13]
-    return sorted({1, 2, 3, m, m + 1})
 
 
 def per_window_scalers(module) -> int:

@@ -41,7 +41,7 @@ import torch
 from .._validation import check_int
 from .competition_corpus import competition_kind, competition_panel
 from .data import Panel
-from .estimators import deepar_lags, default_context_length, prepare_estimator
+from .estimators import default_context_length, prepare_estimator
 from .lightning_parts import _lightning
 from .provenance import public_record, register_public_weights
 from .public_corpus import synthetic_panel
@@ -126,24 +126,18 @@ def weights_key(model: str, *, freq: str, prediction_length: int,
 
     A ``season_length`` other than ``freq``'s default
     (:func:`~opacus_structured.forecasting.seasonality.season_length`) is part of the key
-    (``-s<m>``): the corpus' seasonal period differs, so do the weights. DeepAR's lags follow
-    the season (:func:`~.estimators.deepar_lags`); lags other than monthly data's are part of
-    the key too (``-l1_2_3_24_25``), so weights pretrained with other lags are never loaded."""
+    (``-s<m>``): the corpus' seasonal period differs, so do the weights."""
     h = check_int("prediction_length", prediction_length, minimum=1)
     ctx = (default_context_length(model, h) if context_length is None
            else check_int("context_length", context_length, minimum=1))
     recipe = (PRETRAIN_RECIPE[model] if recipe is None else recipe).for_freq(freq)
     digest = hashlib.sha256(json.dumps(recipe.to_dict(), sort_keys=True).encode()).hexdigest()
     season = ""
-    m = default_season_length(freq)
-    if season_length is not None and check_int("season_length", season_length,
-                                               minimum=1) != m:
-        m = int(season_length)
-        season = f"-s{m}"
-    lags = ""
-    if model == "deepar" and deepar_lags(m) != deepar_lags(12):  # monthly keys as before
-        lags = "-l" + "_".join(str(k) for k in deepar_lags(m))
-    return f"{model}-{freq}-h{h}-c{ctx}{season}{lags}-{digest[:10]}"
+    if season_length is not None:
+        m = check_int("season_length", season_length, minimum=1)
+        if m != default_season_length(freq):
+            season = f"-s{m}"
+    return f"{model}-{freq}-h{h}-c{ctx}{season}-{digest[:10]}"
 
 
 def cache_dir() -> str:
@@ -234,7 +228,7 @@ def pretrain(model: str, *, freq: str = "M", prediction_length: int = 12,
     torch.set_num_threads(1)
     try:
         result = _pretrain_run(model, corpus, prediction_length, context_length, recipe,
-                               progress, estimator_kwargs, log, season)
+                               progress, estimator_kwargs, log)
     finally:
         torch.set_num_threads(threads)
     state = {k: v.detach().cpu().clone() for k, v in
@@ -243,7 +237,6 @@ def pretrain(model: str, *, freq: str = "M", prediction_length: int = 12,
             "context_length": int(default_context_length(model, prediction_length)
                                   if context_length is None else context_length),
             "recipe": recipe.to_dict(), "corpus": corpus_name, "season_length": season,
-            **({"lags_seq": deepar_lags(season)} if model == "deepar" else {}),
             "train_seconds": result.train_seconds,
             "key": weights_key(model, freq=freq, prediction_length=prediction_length,
                                context_length=context_length, recipe=recipe,
@@ -277,11 +270,9 @@ def public_corpus(model: str, recipe: PretrainRecipe, *, freq: str, season_lengt
 
 
 def _pretrain_run(model, corpus, prediction_length, context_length, recipe, progress,
-                  estimator_kwargs, log, season):
+                  estimator_kwargs, log):
     if model == "dlinear":  # public weights are DLinear's own; the skip starts at (0, 0)
         estimator_kwargs = {"baseline_skip": False, **(estimator_kwargs or {})}
-    if model == "deepar":  # the lags of the season (estimators.deepar_lags)
-        estimator_kwargs = {"season_length": season, **(estimator_kwargs or {})}
     return train_forecaster(model, corpus, prediction_length=prediction_length,
                             context_length=context_length, batch_size=recipe.batch_size,
                             max_steps=recipe.steps, lr=recipe.lr, seed=recipe.sampler_seed,
@@ -334,16 +325,11 @@ def pretrained_weights(model: str, *, freq: str = "M", prediction_length: int = 
 
 
 def zero_shot_predictor(model: str, state: dict, *, freq: str, prediction_length: int,
-                        context_length: Optional[int] = None,
-                        season_length: Optional[int] = None):
+                        context_length: Optional[int] = None):
     """A gluonts predictor of the pretrained weights as they are (no fine-tuning: it reads no
-    private data, so it costs no privacy) — the reference DP fine-tuning must improve on.
-    ``season_length`` sets DeepAR's lags (:func:`~.estimators.deepar_lags`; default from
-    ``freq``), as for the weights."""
-    kwargs = ({"season_length": season_length}
-              if model == "deepar" and season_length is not None else {})
+    private data, so it costs no privacy) — the reference DP fine-tuning must improve on."""
     prepared = prepare_estimator(model, freq=freq, prediction_length=prediction_length,
-                                 context_length=context_length, **kwargs)
+                                 context_length=context_length)
     prepared.module.model.load_state_dict(state)
     prepared.module.eval()
     return prepared.create_predictor()

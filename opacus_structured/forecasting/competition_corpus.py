@@ -10,13 +10,13 @@ run time), which ships them as released by the competitions.
 
 What is used, per frequency (:func:`competition_kind`):
 
-==========  ==========================  ===============================
-frequency   series (M1 + M3)            lengths (history + test part)
-==========  ==========================  ===============================
-yearly      181 + 645 = 826             20 to 58
-quarterly   203 + 756 = 959             24 to 72
-monthly     617 + 1428 = 2045           48 to 144
-==========  ==========================  ===============================
+==========  ==========================  =====================  ===============================
+frequency   series (M1 + M3)            kept (less excluded)   lengths (history + test part)
+==========  ==========================  =====================  ===============================
+yearly      181 + 645 = 826             812                    15 to 58
+quarterly   203 + 756 = 959             820                    18 to 114
+monthly     617 + 1428 = 2045           1989                   48 to 150
+==========  ==========================  =====================  ===============================
 
 Each series is used whole (the competitions' history and test parts: all of it is public).
 M3's 174 "other" series have no stated frequency and are left out, and so is the tourism

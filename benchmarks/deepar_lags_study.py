@@ -23,17 +23,9 @@ import argparse
 import statistics
 import warnings
 
-from forecast_recipe import write_study_json
+from forecast_recipe import synthetic_study_panel, study_score, write_study_json
 
 MONTHLY_LAGS = [1, 2, 3, 12, 13]
-
-
-def _panel(freq: str, season: int):
-    from opacus_structured.forecasting.public_corpus import synthetic_panel
-
-    return synthetic_panel(148, freq=freq, season_length=season, min_length=225,
-                           max_length=969, seed=1, seasonal_amplitude=(10 ** -2, 10 ** -0.5),
-                           noise_scale=(10 ** -2.5, 10 ** -1.2))
 
 
 def use_lags(which: str, season: int) -> None:
@@ -88,7 +80,7 @@ def main(argv=None) -> int:
     from opacus_structured.forecasting.training import train_forecaster
 
     h, season = args.prediction_length, season_length(args.freq)
-    train, test = train_test_split(_panel(args.freq, season), h)
+    train, test = train_test_split(synthetic_study_panel(args.freq), h)
     test_ds = test.to_gluonts()
 
     def score(predictor):
@@ -119,7 +111,7 @@ def main(argv=None) -> int:
                         else sorted({1, 2, 3, season, season + 1}))
             rows.append({"lags": which, "lags_seq": lags_seq,
                          "run": label, "seed": seed, "crps": m["crps"], "mase": m["mase"],
-                         "rel": (m["crps"] / sn["crps"] + m["mase"] / sn["mase"]) / 2})
+                         "rel": study_score(m, sn)})
             print(f"{which:8s} {label:9s} seed {seed} CRPS {m['crps']:.5f} MASE "
                   f"{m['mase']:.3f}", flush=True)
     print(f"\nseasonal naive: CRPS {sn['crps']:.5f} MASE {sn['mase']:.3f}")

@@ -30,7 +30,7 @@ import argparse
 import statistics
 import warnings
 
-from forecast_recipe import study_split, write_study_json
+from forecast_recipe import study_split, study_score, write_study_json
 
 WEIGHTS = (0.0, 0.25)
 
@@ -141,8 +141,7 @@ def main(argv=None) -> int:
                             rows.append({"panel": panel_name, "subset": subset, "lr_mult": mult,
                                          "seed": seed, "w": w, "crps": m["crps"],
                                          "mase": m["mase"],
-                                         "rel": (m["crps"] / sn["crps"]
-                                                 + m["mase"] / sn["mase"]) / 2})
+                                         "rel": study_score(m, sn)})
                             print(f"{panel_name:10s} {subset:7s} lr×{mult:<4g} seed {seed} "
                                   f"w={w:<4g} CRPS {m['crps']:.5f} MASE {m['mase']:.3f}",
                                   flush=True)

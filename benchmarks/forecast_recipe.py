@@ -44,11 +44,12 @@ import warnings
 PANELS = ("txhousing", "economics")
 
 
-def synthetic_study_panel():
-    """The public synthetic study panel (module docstring): 148 series, seed 1, shifted."""
+def synthetic_study_panel(freq: str = "M"):
+    """The public synthetic study panel (module docstring): 148 series, seed 1, shifted; at
+    another pandas frequency its season follows (``deepar_lags_study.py``)."""
     from opacus_structured.forecasting.public_corpus import synthetic_panel
 
-    return synthetic_panel(148, min_length=225, max_length=969, seed=1,
+    return synthetic_panel(148, freq=freq, min_length=225, max_length=969, seed=1,
                            seasonal_amplitude=(10 ** -2, 10 ** -0.5),
                            noise_scale=(10 ** -2.5, 10 ** -1.2))
 
@@ -62,6 +63,12 @@ def _panel(name):
 
 
 H = 12
+
+
+def study_score(metrics, sn) -> float:
+    """The study score of one forecast: (CRPS/SN + MASE/SN)/2 against seasonal naive's ``sn``
+    (lower is better)."""
+    return (metrics["crps"] / sn["crps"] + metrics["mase"] / sn["mase"]) / 2
 
 
 def write_study_json(path, panels, rows) -> None:

@@ -17,7 +17,7 @@ of ``forecast_recipe.py`` (test = last 12 months, Λ = round(N·64/148))::
 ``--corpora synthetic synthetic+competition synthetic+competition:500`` repeats the study from
 public weights pretrained on each corpus (:data:`~opacus_structured.forecasting.pretraining.
 CORPORA`; ``:N`` uses N of the competition series; the shipped recipe otherwise): the study of
-the real corpus (docs/guides/forecasting.md, "A real public corpus")::
+the real corpus (docs/guides/forecasting.md, "Levers studied and not taken")::
 
     PYTHONPATH=benchmarks:. python benchmarks/zero_shot_mixture_study.py \
         --corpora synthetic synthetic+competition synthetic+competition:500 \
@@ -31,7 +31,7 @@ import dataclasses
 import statistics
 import warnings
 
-from forecast_recipe import study_split, write_study_json
+from forecast_recipe import study_split, study_score, write_study_json
 
 WEIGHTS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
 
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
                     rows.append({"panel": panel_name, "model": model, "corpus": corpus,
                                  "seed": seed, "w": w,
                                  "crps": m["crps"], "mase": m["mase"],
-                                 "rel": (m["crps"] / sn["crps"] + m["mase"] / sn["mase"]) / 2})
+                                 "rel": study_score(m, sn)})
                     print(f"{panel_name:10s} {model:8s} {corpus} seed {seed} w={w:<5g} CRPS "
                           f"{m['crps']:.5f} MASE {m['mase']:.3f}", flush=True)
 
@@ -94,8 +94,8 @@ def main(argv=None) -> int:
                          for p in args.panels}
             crps = {p: statistics.fmean(r["crps"] for r in sel if r["panel"] == p)
                     for p in args.panels}
-            score = statistics.fmean(per_panel.values())
-            print(f"{model:8s} {corpus:25s} w={w:<5g} score {score:.4f}  "
+            total = statistics.fmean(per_panel.values())
+            print(f"{model:8s} {corpus:25s} w={w:<5g} score {total:.4f}  "
                   + "  ".join(f"{p} {c:.5f}" for p, c in crps.items()))
     write_study_json(args.json, args.panels, rows)
     return 0

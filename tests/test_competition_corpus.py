@@ -114,17 +114,17 @@ def test_recipe_corpus_field_keeps_the_keys_of_synthetic_weights():
 
 
 def test_public_corpus_adds_competition_series_of_at_least_one_window():
-    panel, name = pretraining.public_corpus("dlinear", TINY, freq="Q", season_length=4,
+    panel, name = pretraining.pretraining_panel("dlinear", TINY, freq="Q", season_length=4,
                                             prediction_length=4, context_length=12)
     real = [i for i in panel.item_ids if not i.startswith("synthetic-")]
     assert len(panel) == 12 + 30 and len(real) == 30 and name.endswith("30 M1/M3 competition "
                                                                         "series")
     assert min(len(panel.targets[panel.item_ids.index(i)]) for i in real) >= 16
     assert not set(real) & set(EXCLUDED_SERIES)
-    again, _ = pretraining.public_corpus("dlinear", TINY, freq="Q", season_length=4,
+    again, _ = pretraining.pretraining_panel("dlinear", TINY, freq="Q", season_length=4,
                                          prediction_length=4, context_length=12)
     assert again.item_ids == panel.item_ids  # a fixed public draw
-    synthetic, name = pretraining.public_corpus("dlinear", TINY, freq="W", season_length=52,
+    synthetic, name = pretraining.pretraining_panel("dlinear", TINY, freq="W", season_length=52,
                                                 prediction_length=4, context_length=12)
     assert len(synthetic) == 12 and name == "synthetic_panel"
 
@@ -172,3 +172,9 @@ def test_pretrain_command_refuses_bad_corpus_arguments(argv, message, capsys):
 
     assert main(["pretrain", *argv, "--no-progress"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_deepar_is_not_pretrained_on_undated_competition_series():
+    with pytest.raises(ValueError, match="no calendar dates.*DeepAR"):
+        pretraining.pretraining_panel("deepar", TINY, freq="Q", season_length=4,
+                                      prediction_length=4, context_length=8)

@@ -23,7 +23,7 @@ Examples::
 and monthly frequencies (:mod:`~opacus_structured.forecasting.competition_corpus`, less those
 that overlap an evaluation panel of the project). It is not the default: on the public study
 panels it made the zero-shot model better but not the DP fine-tuned one
-(docs/guides/forecasting.md, "A real public corpus").
+(docs/guides/forecasting.md, "Levers studied and not taken").
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ benchmark (``benchmarks/forecast_panels.py``).
 
 The series carry no calendar dates (the packages give only their order), so their ``starts``
 here are placeholders: only models without calendar features (DLinear, SimpleFeedForward) are
-pretrained on them (:data:`~.pretraining.PRETRAIN_RECIPE`).
+pretrained on them (:func:`~.pretraining.pretraining_panel` refuses DeepAR).
 
 **Disjointness.** Every evaluation panel of the project (the bundled panel, the recipe study
 panels, the held-out checks and the 8 benchmark panels) is checked against this corpus by
@@ -123,18 +123,21 @@ def competition_panel(freq: str, *, min_length: int = 1, exclude=None) -> Panel:
 def _windows(series, length: int, stride: int) -> tuple[np.ndarray, np.ndarray]:
     """z-normalised first differences of every ``length``-window (start multiple of
     ``stride``) of each series, and the series index of each row; flat windows are left out."""
+    from numpy.lib.stride_tricks import sliding_window_view
+
     rows, owner = [], []
     for i, y in enumerate(series):
         d = np.diff(np.asarray(y, float))
-        for s in range(0, len(d) - length + 1, stride):
-            w = d[s:s + length]
-            sd = w.std()
-            if sd > 1e-12 * max(1.0, np.abs(w).max()):
-                rows.append((w - w.mean()) / sd)
-                owner.append(i)
+        if len(d) < length:
+            continue
+        w = sliding_window_view(d, length)[::stride]
+        sd = w.std(axis=1)
+        keep = sd > 1e-12 * np.maximum(1.0, np.abs(w).max(axis=1))
+        rows.append((w[keep] - w[keep].mean(axis=1, keepdims=True)) / sd[keep, None])
+        owner.append(np.full(int(keep.sum()), i))
     if not rows:
         return np.zeros((0, length)), np.zeros(0, int)
-    return np.asarray(rows), np.asarray(owner)
+    return np.concatenate(rows), np.concatenate(owner)
 
 
 def shared_segments(corpus, panel, *, length: int, stride: Optional[int] = None,

@@ -495,7 +495,8 @@ class DPEstimator(Estimator):
             progress=self.progress, discretization=self.discretization,
             init_state=start["state"], init_record=start["record"],
             init_public=start["public"], tail_average=self.tail_average,
-            zero_shot_weight=self.zero_shot_weight, lstm_impl=self.lstm_impl, grad_sample_mode=self.grad_sample_mode,
+            zero_shot_weight=self.zero_shot_weight, lstm_impl=self.lstm_impl,
+            grad_sample_mode=self.grad_sample_mode,
             num_workers=self.num_workers, dataset_size=self.dataset_size,
             callbacks=[*self.trainer_settings.get("callbacks", []), capture],
             trainer_options=self.trainer_settings.get("trainer_options"))

@@ -48,8 +48,8 @@ from .public_corpus import synthetic_panel
 from .seasonality import season_length as default_season_length
 from .training import train_forecaster
 
-__all__ = ["CORPORA", "PretrainRecipe", "PRETRAIN_RECIPE", "pretrain", "public_corpus", "pretrained_weights",
-           "zero_shot_predictor", "shipped_weights_path",
+__all__ = ["CORPORA", "PretrainRecipe", "PRETRAIN_RECIPE", "pretrain", "pretraining_panel",
+           "pretrained_weights", "zero_shot_predictor", "shipped_weights_path",
            "weights_key", "cache_dir", "load_weights", "save_weights"]
 
 
@@ -221,9 +221,9 @@ def pretrain(model: str, *, freq: str = "M", prediction_length: int = 12,
     recipe = (PRETRAIN_RECIPE[model] if recipe is None else recipe).for_freq(freq)
     season = (default_season_length(freq) if season_length is None
               else check_int("season_length", season_length, minimum=1))
-    corpus, corpus_name = public_corpus(model, recipe, freq=freq, season_length=season,
-                                        prediction_length=prediction_length,
-                                        context_length=context_length)
+    corpus, corpus_name = pretraining_panel(model, recipe, freq=freq, season_length=season,
+                                            prediction_length=prediction_length,
+                                            context_length=context_length)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -246,12 +246,20 @@ def pretrain(model: str, *, freq: str = "M", prediction_length: int = 12,
     return state, meta
 
 
-def public_corpus(model: str, recipe: PretrainRecipe, *, freq: str, season_length: int,
-                  prediction_length: int, context_length: Optional[int] = None
-                  ) -> tuple[Panel, str]:
+def pretraining_panel(model: str, recipe: PretrainRecipe, *, freq: str, season_length: int,
+                      prediction_length: int, context_length: Optional[int] = None
+                      ) -> tuple[Panel, str]:
     """The pretraining panel of ``recipe`` at ``freq`` and its description: the synthetic
     panel, plus (:meth:`PretrainRecipe.uses_competition`) the competition series at least one
-    model window (context + prediction length) long."""
+    model window (context + prediction length) long.
+
+    Raises:
+        ValueError: DeepAR with the competition series: they carry no calendar dates
+            (:mod:`.competition_corpus`), and DeepAR reads calendar features.
+    """
+    if model == "deepar" and recipe.uses_competition(freq):
+        raise ValueError("the M1/M3 competition series have no calendar dates, and DeepAR "
+                         "reads calendar features: pretrain DeepAR on the synthetic corpus")
     synthetic = synthetic_panel(recipe.num_series, freq=freq, season_length=season_length,
                                 min_length=recipe.min_length, max_length=recipe.max_length,
                                 seed=recipe.corpus_seed)

@@ -61,18 +61,17 @@ def public_rows(num_samples: int, weight: float) -> torch.Tensor:
     return torch.floor((k + 1) * weight) > torch.floor(k * weight)
 
 
-def _stratified_draws(distribution, num_samples: int) -> torch.Tensor:
+def _stratified_draws(distribution, num_samples: int, like: torch.Tensor) -> torch.Tensor:
     """``num_samples`` draws per batch element and step, stratified in probability:
-    shape ``(batch, num_samples, steps)``."""
+    shape ``(batch, num_samples, steps)``; the uniforms take ``like``'s dtype and device."""
     shape = distribution.batch_shape  # (batch, steps)
     strata = torch.arange(num_samples, dtype=torch.float64).view(-1, *([1] * len(shape)))
     u = (strata + torch.rand((num_samples, *shape), dtype=torch.float64)) / num_samples
     # shuffle the strata across paths, independently for each (series, step)
     order = torch.rand(u.shape).argsort(dim=0)
     u = torch.gather(u, 0, order).clamp(1e-9, 1 - 1e-9)
-    mean = distribution.mean
     try:
-        draws = distribution.icdf(u.to(mean.dtype).to(mean.device))
+        draws = distribution.icdf(u.to(dtype=like.dtype, device=like.device))
     except NotImplementedError:
         draws = distribution.sample((num_samples,))
     return draws.movedim(0, 1)
@@ -114,7 +113,7 @@ class ZeroShotMixtureModule(nn.Module):
             return torch.cat(chunks, dim=1)[:, :count]
         distr_args, loc, scale = out
         distribution = module.model.distr_output.distribution(distr_args, loc, scale)
-        return _stratified_draws(distribution, count)
+        return _stratified_draws(distribution, count, like=loc)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         out = self.private(*args, **kwargs)

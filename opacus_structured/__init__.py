@@ -42,13 +42,14 @@ __version__ = "0.1.0"
 
 __all__ = ["__version__", "accounting", "accountants", "schemes", "PoissonAccountant",
            "SchemeAccountant", "register_scheme_accountant", "PoissonScheme", "Scheme",
-           "make_private", "make_private_with_epsilon"]
+           "make_private", "make_private_with_epsilon", "public", "public_rows"]
 
 #: Public names defined in a layer -> that layer (imported on first access).
 _LAZY_NAMES = {"PoissonAccountant": "accountants", "SchemeAccountant": "accountants",
                "register_scheme_accountant": "accountants", "make_private": "engine",
                "make_private_with_epsilon": "engine", "PoissonScheme": "schemes",
-               "Scheme": "schemes"}
+               "Scheme": "schemes", "public": "samplers.row_provenance",
+               "public_rows": "samplers.row_provenance"}
 #: Submodules an eager ``import opacus_structured`` used to bind as attributes.
 _LAZY_SUBMODULES = ("accounting", "accountants", "advisor", "distributed", "engine", "optim",
                     "runners", "samplers", "schemes")

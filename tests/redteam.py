@@ -91,7 +91,7 @@ REFUSED_BY_DESIGN = {("random-allocation-identity", "noise_schedule"),
                      ("random-allocation-bandmf", "noise_schedule")}
 #: Shapes whose run no ε describes: they must raise (a batch released twice, batches that did
 #: not come from the scheme's loader, private training outside the DP optimizer, a stale state).
-MUST_RAISE = {"double_step", "rewrap", "stale_reload", "other_loader", "detached_step"}
+MUST_RAISE = {"double_step", "rewrap", "other_loader", "detached_step"}
 
 
 @dataclasses.dataclass

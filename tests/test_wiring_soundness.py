@@ -8,6 +8,8 @@ and reports the ε of the same accountant fed by hand.
 
 from __future__ import annotations
 
+import math
+
 import re
 from pathlib import Path
 
@@ -113,10 +115,16 @@ def test_training_on_another_loader_than_make_private_returned_raises():
                loop_loader=other)
 
 
-def test_gradient_accumulation_raises_at_the_first_step():
+def test_gradient_accumulation_is_priced_from_the_rows_each_step_summed():
+    """Issue 39: two bins summed into one noisy step (two backward passes, one step) are
+    observed from the rows and priced by noise splitting (each bin at σ/√2), at least the
+    exact mechanism's own pricing (balls-in-bins with 5 merged bins at σ)."""
     loader = DataLoader(_dataset(), batch_sampler=BIB.sampler(N, seed=1))
-    with pytest.raises(ValueError, match="gradient accumulation"):
-        _train(loader, accountant=SchemeAccountant(BIB), poisson_sampling=False, accumulate=2)
+    engine = _train(loader, accountant=SchemeAccountant(BIB, discretization=D),
+                    poisson_sampling=False, accumulate=2, steps=5)
+    assert engine.accountant.history == [(1.0 / math.sqrt(2), 0.1, 10)]
+    merged = BallsInBinsScheme(num_bins=5, epochs=1).epsilon(1.0, 5, 1e-5, discretization=D)
+    assert engine.get_epsilon(1e-5) >= merged > BIB.epsilon(1.0, 10, 1e-5, discretization=D)
 
 
 def test_whole_run_scheme_raises_beyond_the_planned_run():

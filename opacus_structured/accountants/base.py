@@ -71,10 +71,13 @@ from ..accounting import pld as pld_lib
 from ..accounting.numerics import NumericalPrecisionError
 from ..accounting.resource_guard import ResourceBudgetError
 from ..samplers import verification
+from ..samplers.ledger_loader import track_deliveries
 from ..schemes import registry
 from ..schemes.base import Scheme, below_precision, best_route
 from .ledger import LedgerError, ReleaseLedger
+from .observed_release import ObservedReleaseMixin
 from .release_guard import ClipNormLedger, guard_optimizer
+from .release_rows import recorder_of
 
 __all__ = ["SchemeAccountant", "register_scheme_accountant",
            "accountant_class_for", "AccountantNotAttachedError", "UnboundAccountantError",
@@ -148,7 +151,7 @@ def accountant_class_for(scheme: Scheme) -> type:
     return registry.accountant_class_for(scheme) or SchemeAccountant
 
 
-class SchemeAccountant(IAccountant):
+class SchemeAccountant(ObservedReleaseMixin, IAccountant):
     """Prices the steps Opacus reports with a batching scheme's dominating pairs.
 
     Args:
@@ -205,6 +208,7 @@ class SchemeAccountant(IAccountant):
         self._ledger = ReleaseLedger()  # which draw each released step trained on
         self._exact_cursor = True   # the ledger sees the batch each step trains on
         self._clip_norms = ClipNormLedger()  # one clip norm for clipping and noise (issue 29.9)
+        self._init_observed()  # steps priced from the rows they summed (issue 39)
 
     # ---- unbound accountants (built by name by Opacus' registry) --------------------------
     @property
@@ -278,32 +282,50 @@ class SchemeAccountant(IAccountant):
         if data_loader is None:
             data_loader = data_loader_of_make_private()
         self.attach(data_loader)
+        if data_loader is not None:  # its batches then carry row tokens (release_rows)
+            track_deliveries(data_loader)
         optimizer, module = _optimizer_and_module_of_make_private()
         if optimizer is not None:  # Opacus' make_private: guard before the first step
             guard_optimizer(optimizer, module)
 
         def hook_fn(optim):
             self.release(optim, sample_rate=sample_rate * optim.accumulated_iterations,
-                         batches=optim.accumulated_iterations)
+                         batches=optim.accumulated_iterations, base_rate=sample_rate)
 
         return hook_fn
 
-    def release(self, optimizer, *, sample_rate: float, batches: int = 1) -> None:
+    def release(self, optimizer, *, sample_rate: float, batches: int = 1,
+                base_rate: Optional[float] = None) -> None:
         """Price one noisy step the optimizer is about to apply (the step hook's body).
 
-        The step is matched to the sampler draw it trained on by the privacy ledger
+        Where the rows the step summed were observed
+        (:mod:`~opacus_structured.accountants.release_rows`: the private module's forwards and
+        the optimizer's clipping) and carry draw tokens, the step is priced from them
+        (:mod:`~opacus_structured.accountants.observed_release`: the draws, rows per example,
+        untraceable rows) at the scheme's rate ``base_rate``. Otherwise the step is matched to
+        the sampler draw it trained on by the privacy ledger
         (:mod:`~opacus_structured.accountants.ledger`), which raises :class:`LedgerError` when
         the released sequence is not one the scheme prices and, for schemes priced by the draws
-        (``release_policy == "span"``), prices skipped draws as released.
+        (``release_policy == "span"``), prices skipped draws as released; observed rows
+        without tokens must then fit in that one draw.
         """
         padding = 0
         self._clip_norms.check(optimizer, step=len(self) + 1)
+        recorder = recorder_of(optimizer)
+        rows = recorder.take() if recorder is not None else None
+        if rows is not None and base_rate is not None:
+            if rows.tracked and self._exact_cursor and self._ledger.source is not None:
+                self._release_observed(optimizer, rows, base_rate)
+                return
+            sample_rate, batches = base_rate, 1  # the rows say what was summed
         checked = self._discover or not (self._exact_cursor and self._ledger.source is not None)
         if checked:
             self.check_draws()  # finds the sampler (discovery), or counts draws
         if self._exact_cursor and self._ledger.source is not None:
             padding = self._ledger.take(self.scheme, batches=batches, priced_steps=len(self),
                                         optimizer=optimizer)
+            if rows is not None:
+                self._check_untracked_rows(rows)
         else:  # Opacus' own sampler, or a prefetching loader: the draw count is checked
             self._ledger.count_release(optimizer)
         sigma = optimizer.noise_multiplier
@@ -314,6 +336,26 @@ class SchemeAccountant(IAccountant):
         self.step(noise_multiplier=sigma, sample_rate=sample_rate)
         self._ledger.note_priced()
         self._hooked_steps += 1
+
+    def _check_untracked_rows(self, rows) -> None:
+        """Rows without draw tokens (a loader that does not tag its batches): they must fit in
+        the one draw the ledger matched the step to, else the step summed several batches or
+        several rows per example, which cannot be told apart here."""
+        source = self._ledger.source
+        index = source.current_draw()
+        size = source.size_of(index) if hasattr(source, "size_of") else None
+        if size is None or rows.private_rows <= size:
+            return
+        raise LedgerError(
+            f"noisy step {len(self) + 1} summed {rows.private_rows} private rows in "
+            f"{rows.clippings} clipping pass(es), but the batch it trained on (draw {index}) "
+            f"has {size}: the step sums several batches (accumulation across "
+            f"optimizer.signal_skip_step, concatenated batches) or several rows per example "
+            f"(augmented views), and this DataLoader does not mark which example each row "
+            f"is. Fix: train on the DataLoader opacus_structured.make_private returns (it "
+            f"tracks rows, and such steps are priced), or one optimizer.step() per batch with "
+            f"one row per example; declare generated or public rows with "
+            f"opacus_structured.public(x) or `with opacus_structured.public_rows():`")
 
     def check_draws(self) -> None:
         """Before pricing a hooked step: the scheme's sampler must have drawn a batch for it.
@@ -440,7 +482,7 @@ class SchemeAccountant(IAccountant):
         self._require_observed()
         d = self.discretization if discretization is None else check_positive(
             "discretization", discretization)
-        return self._composed(d)
+        return self._with_unamplified(self._composed(d), d)
 
     def get_epsilon(self, delta: float, *, discretization: Optional[float] = None,
                     **kwargs) -> float:
@@ -452,6 +494,8 @@ class SchemeAccountant(IAccountant):
         delta = check_open_unit("delta", delta)
         d = self.discretization if discretization is None else check_positive(
             "discretization", discretization)
+        if self.unamplified:
+            return self._epsilon_with_unamplified(delta, d)
         try:
             if self.scheme.unit == "step":  # before composing: a floor no grid can beat
                 numerics.check_a_priori(len(self), delta)
@@ -461,6 +505,8 @@ class SchemeAccountant(IAccountant):
                 return self._epsilon_over_budget(exc, delta, d)
         except NumericalPrecisionError as exc:
             return self._epsilon_below_precision(exc, delta, d)
+        if self.unamplified:  # the scheme's other routes price its history alone
+            return value
         # the smallest certified route (monotone in δ across the PLD's round-off floor)
         return best_route(value, self.scheme.certified_alternatives(self.history, delta))
 
@@ -470,6 +516,8 @@ class SchemeAccountant(IAccountant):
         numerics`): the scheme's best certified route for the whole history
         (:meth:`Scheme.certified_alternatives`, the RDP bound for Poisson), with a warning
         naming it; otherwise ``error`` (names δ, the floor and the fixes)."""
+        if self.unamplified:
+            raise error
         value = below_precision(error, self.scheme.certified_alternatives(self.history, delta))
         warnings.warn(f"{type(self).__name__}: epsilon priced by route {value.route!r}: "
                       f"{value.note}", stacklevel=3)
@@ -482,7 +530,7 @@ class SchemeAccountant(IAccountant):
         history has one noise multiplier and rate, with a warning naming the route and its
         looseness; otherwise (or when no route fits) ``error``, one line naming the budget."""
         settings = {(sigma, q) for sigma, q, n in self.history if n}
-        if len(settings) != 1:
+        if len(settings) != 1 or self.unamplified:
             raise error
         ((sigma, q),) = settings
         value = self.scheme.epsilon_over_budget(error, sigma, len(self), delta,
@@ -497,7 +545,8 @@ class SchemeAccountant(IAccountant):
         if math.isnan(epsilon):
             raise ValueError("epsilon must not be NaN")
         d = self.discretization if discretization is None else discretization
-        return float(pld_lib.delta_for_epsilon(self._composed(d), float(epsilon)))
+        return float(pld_lib.delta_for_epsilon(self._with_unamplified(self._composed(d), d),
+                                               float(epsilon)))
 
     def get_privacy_spent(self, *, delta: float, alphas=None) -> tuple[float, str]:
         """``(epsilon, bound_kind)``: Opacus' ``RDPAccountant.get_privacy_spent`` call and
@@ -516,6 +565,9 @@ class SchemeAccountant(IAccountant):
         destination["discretization"] = self.discretization
         destination["ledger"] = self._ledger.state_dict()
         destination["clip_norm"] = self._clip_norms.state_dict()
+        observed = self._observed_state()
+        if observed is not None:
+            destination["observed"] = observed
         if self.sampling_constants is not None:
             destination["sampling_constants"] = dict(self.sampling_constants)
         return destination
@@ -526,11 +578,8 @@ class SchemeAccountant(IAccountant):
         saved = Scheme.from_dict(state_dict["scheme"]) if "scheme" in state_dict else None
         saved_steps = sum(int(n) for _, _, n in state_dict.get("history", []))
         if self._hooked_steps and saved_steps < len(self):
-            raise ValueError(
-                f"the state holds {saved_steps} priced step(s) but this accountant has already "
-                f"priced {len(self)} step(s) of a live run: loading it would drop "
-                f"{len(self) - saved_steps} released step(s) from the epsilon. Load a state only "
-                f"into a fresh accountant (a resumed run), or one taken at this step or later")
+            self._keep_live_history(state_dict, saved_steps)
+            return
         if self.scheme is None:
             if saved is None:
                 raise UnboundAccountantError(
@@ -552,6 +601,7 @@ class SchemeAccountant(IAccountant):
         self.scheme = resolved
         self.discretization = float(state_dict.get("discretization", self.discretization))
         self._clip_norms.load_state_dict(state_dict.get("clip_norm"))
+        self._load_observed_state(state_dict.get("observed"))
         if state_dict.get("sampling_constants") is not None:
             self.sampling_constants = dict(state_dict["sampling_constants"])
         self.history = [tuple(h) for h in self.history]
@@ -560,6 +610,28 @@ class SchemeAccountant(IAccountant):
             self._ledger.load_state_dict(state_dict["ledger"])
         else:
             self._ledger.unverified_history = saved_steps > 0
+
+    def _keep_live_history(self, state_dict, saved_steps: int) -> None:
+        """A state older than this live run (Opacus' ``load_checkpoint`` of the best epoch's
+        checkpoint at the end of training): the weights it comes with may be loaded, but the
+        releases since it happened, and choosing that checkpoint looked at all of them. The
+        live history is kept (nothing is dropped from ε); a state of another run raises."""
+        saved = state_dict.get("ledger") or {}
+        live = self._ledger
+        same = (saved.get("fingerprint") is None or live.fingerprint is None
+                or saved.get("fingerprint") == live.fingerprint)
+        if not same:
+            raise ValueError(
+                f"the state holds {saved_steps} priced step(s) of another run (sampler stream "
+                f"{saved.get('fingerprint')}, this run {live.fingerprint}) but this accountant "
+                f"has already priced {len(self)} step(s): loading it would drop released steps "
+                f"from the epsilon. Load it into a fresh accountant")
+        warnings.warn(
+            f"{type(self).__name__}: a state of step {saved_steps} was loaded after "
+            f"{len(self)} priced steps (an earlier checkpoint, e.g. the best epoch): the "
+            f"accountant keeps its {len(self)} steps, since every one of them was released "
+            f"and choosing the checkpoint looked at them; training continues on new draws",
+            stacklevel=3)
 
     def __repr__(self):
         return (f"{type(self).__name__}(scheme={self.scheme!r}, steps={len(self)}, "

@@ -117,6 +117,8 @@ class ReleaseLedger:
         self._optimizer = None           # weakref to the torch optimizer under the DPOptimizer
         self._optimizer_steps_at_watch = 0
         self._releases_at_watch = 0
+        self._released: set[int] = set()   # draws released (observed rows, "independent")
+        self._floor: Optional[int] = None  # draws <= floor were released before a restore
 
     # ---- binding ---------------------------------------------------------------------------
     @property
@@ -134,6 +136,8 @@ class ReleaseLedger:
         if source is not None and self._pending_sampler is not None:
             state, self._pending_sampler = self._pending_sampler, None
             self._restore_sampler(source, state)
+        if source is not None:  # a run that released nothing may replay its draws
+            source.__dict__["_rewind_ok"] = self.releases == 0 and self.last_draw is None
 
     def _restore_sampler(self, source, state: dict) -> None:
         """Load a checkpoint's sampler state into ``source``; a sampler that keeps no state
@@ -145,10 +149,13 @@ class ReleaseLedger:
             self._new_stream = True
 
     # ---- the invariant ---------------------------------------------------------------------
-    def take(self, scheme, *, batches: int = 1, priced_steps: int = 0, optimizer=None) -> int:
+    def take(self, scheme, *, batches: int = 1, priced_steps: int = 0, optimizer=None,
+             draws: Optional[list[int]] = None) -> int:
         """Record one released noisy step that trained on the last ``batches`` draws up to the
-        source's current draw; return the number of skipped draws the scheme prices as released
-        (``"span"`` policy), else 0. Raises :class:`LedgerError` (module docstring).
+        source's current draw, or on exactly ``draws`` (observed from the rows of the step,
+        :mod:`~opacus_structured.accountants.release_rows`); return the number of skipped draws
+        the scheme prices as released (``"span"`` policy), else 0. Raises
+        :class:`LedgerError` (module docstring).
 
         ``priced_steps`` is the number of steps the accountant priced before this one (the
         noise position of an ``"exact"`` scheme when the ledger has no release yet).
@@ -157,6 +164,7 @@ class ReleaseLedger:
         source = self.source
         if source is None:
             return 0
+        source.__dict__["_rewind_ok"] = False
         policy = scheme.release_policy
         step_no = priced_steps + 1
         if self.unverified_history and self.last_draw is None:
@@ -184,17 +192,21 @@ class ReleaseLedger:
                     f"{scheme.name!r} prices one stream of draws for the whole run. Fix: "
                     f"{_RESTORE_FIX}")
             self.last_draw = None  # a fresh, independent stream (new randomness)
+            self._released, self._floor = set(), None
             fresh = True
         else:
             self._new_stream = False
             fresh = False
-        index = source.current_draw()
+        index = source.current_draw() if not draws else int(max(draws))
+        if draws and policy == "independent":
+            return self._take_observed(draws, step_no, source)
         if index is None:
             raise LedgerError(
                 f"noisy step {step_no} is being priced but the scheme's sampler has drawn no "
                 f"batch: the loop trains on another DataLoader than the one that was checked "
                 f"(use the loader make_private returns)")
-        first = int(index) - int(batches) + 1
+        first = int(index) - int(batches) + 1 if not draws else int(min(draws))
+        inner_gaps = 0 if not draws else (int(max(draws)) - int(min(draws)) + 1 - len(draws))
         if self.last_draw is not None and first <= self.last_draw:
             if index == self.last_draw:
                 cause = ("no new batch was drawn since the previous noisy step: two optimizer "
@@ -218,6 +230,7 @@ class ReleaseLedger:
                 f"noisy step {step_no} trains on draw {index} of the sampler, but {priced_steps} "
                 f"steps were already priced for this run: the sampler was restarted (a resume "
                 f"that did not restore it). Fix: {_RESTORE_FIX}")
+        skipped += inner_gaps
         padding = 0
         if skipped > 0:
             if policy == "exact":
@@ -239,6 +252,27 @@ class ReleaseLedger:
         if source.fingerprint is not None:
             self.fingerprint = source.fingerprint
         return padding
+
+    def _take_observed(self, draws: list[int], step_no: int, source) -> int:
+        """``"independent"`` policy with the draws observed from the rows: any order (a cached
+        epoch, a prefetcher, a rebuilt loader), but every draw at most once. A draw at or below
+        the last release of a restored state counts as released."""
+        again = [int(d) for d in draws
+                 if int(d) in self._released or (self._floor is not None and d <= self._floor)]
+        if again:
+            raise LedgerError(
+                f"noisy step {step_no} sums rows of draw {again[0]} of the sampler, which an "
+                f"earlier noisy step already released: a batch trained on twice (kept from an "
+                f"earlier step, or a second optimizer.step() on the same batch). Two releases "
+                f"of one subsample are not two independent subsampled steps. Fix: train on each "
+                f"batch the loader yields once")
+        self._released.update(int(d) for d in draws)
+        top = int(max(draws))
+        self.last_draw = top if self.last_draw is None else max(self.last_draw, top)
+        self.releases += 1
+        if source.fingerprint is not None:
+            self.fingerprint = source.fingerprint
+        return 0
 
     def count_release(self, optimizer=None) -> None:
         """Record a released step whose draw cannot be seen (Opacus' own sampler behind a
@@ -322,6 +356,8 @@ class ReleaseLedger:
         sampler (now, or when one is bound)."""
         last = state.get("last_draw")
         self.last_draw = None if last is None else int(last)
+        self._released = set()
+        self._floor = self.last_draw
         self.unverified_history = False
         self.releases = int(state.get("releases", 0))
         self.skipped = int(state.get("skipped", 0))

@@ -88,6 +88,7 @@ from opacus import optimizers as opacus_optimizers
 from opacus.optimizers import DPOptimizerFastGradientClipping
 
 from .clip_factors import install_clip_factors
+from .release_rows import install_recorder, recorder_of, rows_in_grad_samples
 
 __all__ = ["guard_optimizer", "guard_of", "ClipNormLedger", "clipping_norm", "refuse_adaptive",
            "is_adaptive", "adds_correlated_noise", "zero_nonfinite_grad_samples",
@@ -221,6 +222,10 @@ def guard_optimizer(optimizer, module=None):
             plain_clip = optimizer.clip_and_accumulate
 
             def clip_and_accumulate():
+                rec = recorder_of(optimizer)
+                if rec is not None:  # the rows this pass sums (release_rows)
+                    rows, fresh = rows_in_grad_samples(optimizer)
+                    rec.on_clip(rows, fresh=fresh)
                 if not fused:
                     zero_nonfinite_grad_samples(optimizer)
                 guard.record(clipping_norm(optimizer))
@@ -229,6 +234,8 @@ def guard_optimizer(optimizer, module=None):
             optimizer.clip_and_accumulate = clip_and_accumulate
     if module is not None and guard.module is None:
         _guard_ghost_module(guard, optimizer, module)
+    if module is not None:
+        install_recorder(optimizer, module)
     return guard
 
 
@@ -246,6 +253,9 @@ def _guard_ghost_module(guard: _Guard, optimizer, module) -> None:
         norm = clipping_norm(optimizer)
         module.max_grad_norm = norm
         coef = plain()
+        rec = recorder_of(optimizer)
+        if rec is not None:
+            rec.on_clip(len(coef), fresh=not getattr(optimizer, "_is_last_step_skipped", False))
         guard.record(norm)
         return torch.where(torch.isfinite(coef), coef, torch.zeros_like(coef))
 

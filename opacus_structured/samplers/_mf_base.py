@@ -52,7 +52,7 @@ class MFBatchSampler(DrawLedger, Sampler[list[int]]):
         while True:
             batch = self._draw()
             self.step += 1
-            self._count_draw(self.step - 1)
+            self._count_draw(self.step - 1, len(batch))
             yield batch
             if self.step % self.steps == 0:
                 return

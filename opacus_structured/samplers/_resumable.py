@@ -60,7 +60,7 @@ class EpochResumableSampler(DrawLedger):
             self._position = 0
             self._restore_extra(None)
 
-    def _advance(self) -> None:
+    def _advance(self, size: Optional[int] = None) -> None:
         """Count one draw (global index ``epoch · steps + position``); at the end of the epoch
         bump ``epoch``. The draw is recorded once the state is the state after it."""
         index = self.epoch * self.steps + self._position
@@ -68,7 +68,7 @@ class EpochResumableSampler(DrawLedger):
         if self._position == self.steps:
             self.epoch += 1
             self._end_epoch()
-        self._count_draw(index)
+        self._count_draw(index, size)
 
     def _restore_extra(self, state: Optional[dict[str, Any]]) -> None:
         """Restore per-epoch state from a staged ``state`` (``None``: a fresh epoch)."""

@@ -58,7 +58,7 @@ class FullBatchSampler(DrawLedger, Sampler[list[int]]):
     def __iter__(self):
         self._begin_draws()
         self.draws += 1
-        self._count_draw(self.draws - 1)
+        self._count_draw(self.draws - 1, self.num_samples)
         yield list(range(self.num_samples))
 
     def state_dict(self) -> dict:

@@ -19,9 +19,10 @@ from typing import Optional
 
 from torch.utils.data import DataLoader
 
+from .row_provenance import tag_batch
 from .verification import DrawLedger, innermost_sampler
 
-__all__ = ["LedgerDataLoader", "ledger_source"]
+__all__ = ["LedgerDataLoader", "ledger_source", "track_deliveries"]
 
 
 def ledger_source(loader) -> Optional[DrawLedger]:
@@ -33,6 +34,8 @@ def ledger_source(loader) -> Optional[DrawLedger]:
 
 class _Delivery:
     """The cursor of a sampler served by a :class:`LedgerDataLoader` iterator."""
+
+    from_ledger_loader = True
 
     def __init__(self):
         self.index: Optional[int] = None
@@ -66,10 +69,29 @@ class _LedgerIterator:
                     del states[index]
         else:  # drawn synchronously and already taken (cannot happen in order): latest draw
             self._delivery.index = self._source.last_draw_index
-        return batch
+        return tag_batch(batch, self._delivery.index)
 
     def __getattr__(self, name):
         return getattr(self._it, name)
+
+
+def _replay_unreleased_draws(source: DrawLedger) -> None:
+    """A new iteration before any noisy step was released (``next(iter(loader))`` to look at a
+    batch, an aborted first epoch): the sampler goes back to its state before its first draw,
+    so training replays the same draws and the released run is the scheme's own run, draw 0 at
+    noise position 0. Looking at private data releases nothing. The ledger allows it only
+    while its accountant has released nothing (``_rewind_ok``); the state is taken before the
+    first draw."""
+    state = source.__dict__.get("_state_before_draws", False)
+    if state is False and source.batches_drawn == 0:
+        try:
+            state = source.state_dict() if callable(getattr(source, "state_dict", None)) \
+                else None
+        except (AttributeError, TypeError, ValueError):
+            state = None
+        source._state_before_draws = state
+    elif source.__dict__.get("_rewind_ok") and source.batches_drawn > 0 and state:
+        source.load_state_dict(state)
 
 
 class LedgerDataLoader(DataLoader):
@@ -89,4 +111,29 @@ class LedgerDataLoader(DataLoader):
             source._undelivered = deque()  # before the iterator prefetches
         if self.num_workers > 0 and source.__dict__.get("_states_after") is None:
             source._states_after = {}      # states after prefetched draws, for checkpoints
+        _replay_unreleased_draws(source)
+        source._ledger_started = True      # read by the sampler's next iteration
         return _LedgerIterator(super().__iter__(), source, source.cursor)
+
+
+def track_deliveries(loader) -> bool:
+    """Make ``loader`` (a DataLoader whose sampler keeps draw records, e.g. the one Opacus'
+    ``make_private`` returns, or a user's DataLoader over a scheme's sampler) deliver as a
+    :class:`LedgerDataLoader`: its class becomes a subclass of both (``isinstance`` checks
+    still hold, nothing else changes), so its batches carry row tokens
+    (:mod:`~opacus_structured.samplers.row_provenance`). Returns whether it does now."""
+    if isinstance(loader, LedgerDataLoader):
+        return True
+    if not isinstance(loader, DataLoader) or ledger_source(loader) is None:
+        return False
+    base = type(loader)
+    tracked = _TRACKED.get(base)
+    if tracked is None:
+        tracked = _TRACKED[base] = type(f"Ledger{base.__name__}", (LedgerDataLoader, base),
+                                        {"__module__": base.__module__})
+    loader.__class__ = tracked
+    return True
+
+
+_TRACKED: dict = {}
+

@@ -99,8 +99,9 @@ class PoissonBatchSampler(EpochResumableSampler, Sampler[list[int]]):
         self._resume()
         while self._position < self.steps:
             mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
-            self._advance()
-            yield mask.nonzero(as_tuple=False).reshape(-1).tolist()
+            batch = mask.nonzero(as_tuple=False).reshape(-1).tolist()
+            self._advance(len(batch))
+            yield batch
 
     # ---- state ---------------------------------------------------------------------------
     _KEYS = ("num_samples", "sample_rate", "steps")

@@ -102,7 +102,7 @@ class ShuffleBatchSampler(EpochResumableSampler, Sampler[list[int]]):
                 self.permutations_drawn += 1
             start = self._position * self.batch_size
             batch = self._perm[start:start + self.batch_size].tolist()
-            self._advance()
+            self._advance(len(batch))
             yield batch
 
     def _restore_extra(self, state: Optional[dict[str, Any]]) -> None:

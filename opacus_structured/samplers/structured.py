@@ -150,7 +150,7 @@ class StructuredWindowSampler(EpochResumableSampler, Sampler[list]):
         self._resume()
         while self._position < self.steps:
             series, starts = self._bottom(self._top(self._position))
-            self._advance()
+            self._advance(len(series))
             yield list(zip(series.tolist(), starts.tolist(), strict=True))
 
     def _restore_extra(self, state) -> None:

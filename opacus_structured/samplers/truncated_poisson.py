@@ -108,7 +108,7 @@ class TruncatedPoissonSampler(EpochResumableSampler, Sampler[list[int]]):
         self._resume()
         while self._position < self.steps:
             batch = self.draw()
-            self._advance()
+            self._advance(len(batch))
             yield batch
 
     # ---- state -------------------------------------------------------------------------------

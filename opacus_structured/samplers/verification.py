@@ -81,11 +81,17 @@ class DrawLedger:
     cursor = None
     fingerprint: Optional[str] = None
 
-    def _count_draw(self, index: Optional[int] = None) -> None:
+    def _count_draw(self, index: Optional[int] = None, size: Optional[int] = None) -> None:
         """Record one yielded batch whose global draw index is ``index`` (default: the number
-        of batches this object yielded before it)."""
+        of batches this object yielded before it) and, when known, its number of rows."""
         global _LAST_TICK
         index = self.batches_drawn if index is None else int(index)
+        if size is not None:
+            sizes = self.__dict__.setdefault("_draw_sizes", {})
+            sizes[index] = int(size)
+            if len(sizes) > 512:  # keep the recent draws only
+                for old in sorted(sizes)[:256]:
+                    del sizes[old]
         self.batches_drawn = self.batches_drawn + 1
         self.last_draw_index = index
         self.last_draw_tick = _LAST_TICK = next(_CLOCK)
@@ -97,9 +103,17 @@ class DrawLedger:
             states[index] = self.state_dict()
         _DRAWN.add(self)
 
+    def size_of(self, index: Optional[int]) -> Optional[int]:
+        """The number of rows of draw ``index`` (``None``: not known or no longer kept)."""
+        return None if index is None else self.__dict__.get("_draw_sizes", {}).get(int(index))
+
     def _begin_draws(self) -> None:
         """A new iteration over the sampler starts: draws of an abandoned iterator that were
-        never delivered (prefetched) are dropped from the delivery queue."""
+        never delivered (prefetched) are dropped from the delivery queue. Whether a
+        :class:`~opacus_structured.samplers.ledger_loader.LedgerDataLoader` started it is
+        kept: a plain DataLoader rebuilt over the same sampler draws synchronously, so its
+        batches are the sampler's latest draws, not the ledger loader's deliveries."""
+        self._ledger_iteration = bool(self.__dict__.pop("_ledger_started", False))
         pending = self.__dict__.get("_undelivered")
         if pending is not None:
             pending.clear()
@@ -118,7 +132,10 @@ class DrawLedger:
     def current_draw(self) -> Optional[int]:
         """Global draw index of the batch being trained on now (see ``cursor``)."""
         cursor = self.cursor
-        return cursor() if cursor is not None else self.last_draw_index
+        if cursor is None or (getattr(cursor, "from_ledger_loader", False)
+                              and not self.__dict__.get("_ledger_iteration", True)):
+            return self.last_draw_index
+        return cursor()
 
     def _stamp_fingerprint(self, *parts) -> None:
         """Set :attr:`fingerprint` from the class, ``parts`` (public parameters) and the
@@ -334,7 +351,7 @@ class _CountingPoissonSampler(DrawLedger):
 
     def __iter__(self):
         for batch in self._opacus_class.__iter__(self):
-            self._count_draw()
+            self._count_draw(size=len(batch))
             yield batch
 
 
@@ -449,10 +466,10 @@ class PermutationCounter(DrawLedger, Sampler[int]):
         for index in self.sampler:
             pulled += 1
             if pulled % self.batch_size == 0:
-                self._count_draw()
+                self._count_draw(size=self.batch_size)
             yield index
         if pulled % self.batch_size and not self.drop_last:
-            self._count_draw()
+            self._count_draw(size=pulled % self.batch_size)
 
     def __repr__(self) -> str:
         return f"PermutationCounter({self.sampler!r})"

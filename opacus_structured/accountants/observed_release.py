@@ -1,0 +1,210 @@
+r"""Pricing a noisy step from what it actually summed (issue 39).
+
+:mod:`~opacus_structured.accountants.release_rows` observes, for every noisy step, which draws
+of the scheme's sampler its rows come from, how many rows each sampled example gave
+(``k_d`` for draw ``d``), and how many rows have no traceable example (untracked, or mixed by
+an operation across rows). This module turns that into a price that never under-reports.
+
+**Noise splitting.** A step releases ``S + N(0, σ²C²)`` with ``S = Σ_{i=1..m} S_i`` a sum of
+``m`` parts (the rows of draw ``d_1``, of ``d_2``, …, and the untraceable rows). Since
+``N(0, σ²C²)`` has the law of ``Σ_i N(0, σ²C²/m)``, the step is post-processing of the ``m``
+releases ``S_i + N(0, (σ/√m)²C²)``, which compose (adaptively). So
+
+* a part that is the rows of draw ``d`` with at most ``k_d`` rows per example (sensitivity
+  ``k_d C``) is the scheme's own step on draw ``d`` at noise multiplier ``σ / (√m · k_d)``:
+  the scheme's amplification by sampling still applies (the example is in the part only if
+  the draw sampled it). One draw with one row per example (``m = 1``, ``k = 1``) is the
+  scheme's step at ``σ``, unchanged: a loop that follows the scheme is priced exactly as
+  before;
+* the part of ``u`` untraceable rows is priced **without amplification**: changing one
+  example can change each of those rows by at most ``2C`` (each is clipped to ``C``), so the
+  part is a Gaussian mechanism of sensitivity ``2uC``, multiplier ``σ / (√m · 2u)``, applied
+  whether or not the example was sampled. It is recorded apart from the scheme's history
+  (``unamplified``) and composed with it; the accountant warns once, naming the cause and the
+  fix (declare public rows with :func:`~opacus_structured.public` /
+  :func:`~opacus_structured.public_rows`, keep the batch a torch tensor).
+
+Manual accumulation across skipped steps, concatenated batches and several augmented views
+per example are therefore priced, not refused. Correlated noise (``release_policy ==
+"exact"``) ties each noise position to one draw, so a step that sums several draws or
+untraceable rows raises :class:`~opacus_structured.accountants.ledger.LedgerError` there
+(``k_d > 1`` is priced: the run at ``σ/k``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional
+
+from ..accounting import pld as pld_lib
+from ..accounting.numerics import NumericalPrecisionError
+from ..accounting.profiles import PairProfile
+from ..accounting.resource_guard import ResourceBudgetError
+from ..schemes.poisson import poisson_pair
+from .ledger import LedgerError
+from .release_rows import ReleaseRows
+
+__all__ = ["ObservedReleaseMixin", "UnamplifiedRowsWarning", "gaussian_pld",
+           "gaussian_epsilon"]
+
+
+class UnamplifiedRowsWarning(UserWarning):
+    """Some noisy steps summed rows whose examples could not be traced; they were priced
+    without amplification by sampling (sound, and much larger)."""
+
+
+def gaussian_pld(noise_multiplier: float, count: int, discretization: float):
+    """The pessimistic PLD of ``count`` Gaussian mechanisms of sensitivity 1 and noise
+    multiplier ``noise_multiplier``, composed (no subsampling)."""
+    pair = poisson_pair(noise_multiplier, 1.0)
+    one = pld_lib.pld_from_profile(PairProfile(pair), PairProfile(pair.reversed()),
+                                   discretization=discretization)
+    return pld_lib.self_compose(one, int(count))
+
+
+def gaussian_epsilon(mu: float, delta: float) -> float:
+    r"""The exact ε(δ) of the Gaussian mechanism with ``μ = Δ/σ`` (Balle & Wang 2018):
+    the root of :math:`\delta(\varepsilon) = \Phi(-\varepsilon/\mu + \mu/2) -
+    e^{\varepsilon}\Phi(-\varepsilon/\mu - \mu/2)`, found by bisection in log space
+    (rounded up)."""
+    from scipy.special import log_ndtr
+
+    if mu <= 0:
+        return 0.0
+
+    def log_delta(eps: float) -> float:
+        a = log_ndtr(-eps / mu + mu / 2)
+        b = eps + log_ndtr(-eps / mu - mu / 2)
+        return a + math.log1p(-math.exp(min(b - a, 0.0))) if b < a else -math.inf
+
+    target = math.log(delta)
+    lo, hi = 0.0, mu * mu / 2 + mu * math.sqrt(2 * math.log(1 / delta)) + 1.0
+    while log_delta(hi) > target:
+        hi *= 2
+    if log_delta(lo) <= target:
+        return 0.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if log_delta(mid) > target:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+class ObservedReleaseMixin:
+    """The part of :class:`~opacus_structured.accountants.base.SchemeAccountant` that prices
+    observed releases (module docstring). ``unamplified`` maps a noise multiplier to the
+    number of Gaussian parts priced at it."""
+
+    unamplified: dict
+
+    def _init_observed(self) -> None:
+        self.unamplified = {}
+        self._warned_unamplified = False
+
+    def _release_observed(self, optimizer, rows: ReleaseRows, sample_rate: float) -> None:
+        """Price one noisy step from its :class:`ReleaseRows` (module docstring)."""
+        sigma = float(optimizer.noise_multiplier)
+        step_no = len(self) + 1
+        loose = rows.untracked + rows.mixed
+        parts = len(rows.multiplicity) + (1 if loose else 0)
+        if self.scheme.release_policy == "exact" and (parts > 1 or loose):
+            raise LedgerError(self._exact_message(rows, step_no))
+        if self._discover:
+            self.check_draws()
+        padding = self._ledger.take(self.scheme, priced_steps=len(self), optimizer=optimizer,
+                                    draws=rows.draws)
+        scale = math.sqrt(max(parts, 1))
+        if padding:
+            self.step(noise_multiplier=sigma, sample_rate=sample_rate, num_steps=padding)
+        for draw in rows.draws:
+            k = rows.multiplicity.get(draw, 1)
+            self.step(noise_multiplier=sigma / (scale * k), sample_rate=sample_rate)
+        if loose:
+            self._add_unamplified(sigma / (scale * 2 * loose), rows, step_no)
+        self._ledger.note_priced()
+        self._hooked_steps += 1
+
+    def _exact_message(self, rows: ReleaseRows, step_no: int) -> str:
+        what = []
+        if len(rows.multiplicity) > 1:
+            what.append(f"rows of {len(rows.multiplicity)} draws ({rows.draws})")
+        if rows.untracked:
+            what.append(f"{rows.untracked} row(s) that do not come from the private "
+                        f"DataLoader's batches")
+        if rows.mixed:
+            what.append(f"{rows.mixed} row(s) whose examples were mixed by "
+                        f"{rows.lost_at!r}")
+        return (f"noisy step {step_no} sums {' and '.join(what)}, but scheme "
+                f"{self.scheme.name!r} adds correlated noise priced for one draw per noise "
+                f"position. Fix: one optimizer.step() per batch of the loader make_private "
+                f"returned (no accumulation across skipped steps, no concatenated batches); "
+                f"declare generated or public rows with opacus_structured.public(x) or "
+                f"`with opacus_structured.public_rows():`")
+
+    def _add_unamplified(self, noise_multiplier: float, rows: ReleaseRows,
+                         step_no: int) -> None:
+        self.unamplified[noise_multiplier] = self.unamplified.get(noise_multiplier, 0) + 1
+        self._cache.clear()
+        if self._warned_unamplified:
+            return
+        self._warned_unamplified = True
+        cause = []
+        if rows.untracked:
+            cause.append(f"{rows.untracked} row(s) without a private draw token (rows built "
+                         f"outside torch from the batch, e.g. through NumPy, or rows that are "
+                         f"not from the private DataLoader, e.g. generated samples)")
+        if rows.mixed:
+            cause.append(f"{rows.mixed} row(s) whose examples were mixed across the batch by "
+                         f"{rows.lost_at!r}")
+        warnings.warn(
+            f"{type(self).__name__}: noisy step {step_no} summed {' and '.join(cause)}; they "
+            f"are priced without amplification by sampling (sensitivity 2C per such row), a "
+            f"sound but much larger epsilon. If the rows hold no private data, declare them: "
+            f"opacus_structured.public(x) for a tensor, or `with "
+            f"opacus_structured.public_rows():` around the forward; if they do, keep the "
+            f"batch a torch tensor from the loader to the model, and apply operations that "
+            f"mix examples (batch statistics) inside the model", UnamplifiedRowsWarning,
+            stacklevel=4)
+
+    def _unamplified_pld(self, discretization: float):
+        """The composed PLD of the unamplified parts (``None``: none)."""
+        return pld_lib.compose((gaussian_pld(s, 1, discretization), n)
+                               for s, n in sorted(self.unamplified.items()))
+
+    def _with_unamplified(self, composed, discretization: float):
+        extra = self._unamplified_pld(discretization) if self.unamplified else None
+        if extra is None:
+            return composed
+        return extra if composed is None else composed.compose(extra)
+
+    def _unamplified_mu(self) -> float:
+        """The unamplified parts compose to a Gaussian mechanism: ``μ = √(Σ n/σ²)``."""
+        return math.sqrt(sum(n / s ** 2 for s, n in self.unamplified.items()))
+
+    def _epsilon_with_unamplified(self, delta: float, discretization: float) -> float:
+        """ε(δ) of the scheme's history composed with the unamplified parts: the smaller of
+        the PLD composition (when its grid fits) and basic composition at ``δ/2 + δ/2`` with
+        the exact Gaussian (μ-GDP) curve of the unamplified parts; both are upper bounds."""
+        mu = self._unamplified_mu()
+        candidates = []
+        if mu <= 12.0:
+            try:
+                composed = self._with_unamplified(self._composed(discretization), discretization)
+                candidates.append(pld_lib.epsilon_for_delta(composed, delta))
+            except (ValueError, ResourceBudgetError, NumericalPrecisionError):
+                pass
+        base = self._composed(discretization)
+        scheme_eps = 0.0 if base is None else pld_lib.epsilon_for_delta(base, delta / 2)
+        candidates.append(scheme_eps + gaussian_epsilon(mu, delta / 2))
+        return float(min(candidates))
+
+    def _observed_state(self) -> Optional[dict]:
+        if not self.unamplified:
+            return None
+        return {"unamplified": [[s, n] for s, n in sorted(self.unamplified.items())]}
+
+    def _load_observed_state(self, state: Optional[dict]) -> None:
+        self.unamplified = {float(s): int(n) for s, n in (state or {}).get("unamplified", [])}

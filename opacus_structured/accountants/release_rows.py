@@ -1,0 +1,255 @@
+r"""What one noisy step summed, observed: the rows clipped into it and where each came from.
+
+A noisy step of DP-SGD releases ``Σ_rows clip_C(g_row) + N(0, σ²C²)``. Its price depends on
+which examples the rows belong to, and this module records that for every release, on the
+optimizer that clips (installed by
+:func:`~opacus_structured.accountants.release_guard.guard_optimizer` with the private module):
+
+* a **forward pre-hook** on the private module reads the row tokens of the model input
+  (:mod:`~opacus_structured.samplers.row_provenance`), hands the model plain tensors, and
+  keeps a :class:`ForwardRecord` per forward with gradients enabled;
+* every **clipping** (Opacus' ``clip_and_accumulate`` in hooks mode, the clipping coefficients
+  in ghost mode) moves the forwards since the previous clipping into the running **sum record**
+  and counts the rows it clipped. The sum record lives as long as Opacus' clipped sum
+  (``p.summed_grad``): a step skipped with ``optimizer.signal_skip_step(True)`` (manual
+  accumulation, ``BatchMemoryManager``) carries both into the next noisy step;
+* ``zero_grad`` drops the forwards whose per-sample gradients it drops (a generator step that
+  backpropagated through the private module, say), and the sum unless the last step was skipped;
+* at the noisy step the accountant :meth:`RowRecorder.take`\ s the sum as a
+  :class:`ReleaseRows`: the draws whose rows are in it, how many rows each example gave
+  (``multiplicity``), untracked rows, rows whose examples are mixed, and declared public rows.
+
+How the accountant prices a :class:`ReleaseRows` is in
+:meth:`~opacus_structured.accountants.base.SchemeAccountant.release` (noise splitting: a sum
+of ``m`` independent parts under one noise ``N(0, σ²C²)`` is post-processing of ``m`` releases
+at noise ``σ/√m`` each).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..samplers import row_provenance as rp
+
+__all__ = ["ForwardRecord", "ReleaseRows", "RowRecorder", "recorder_of", "install_recorder",
+           "PublicRowsError"]
+
+
+class PublicRowsError(ValueError):
+    """Rows of the private DataLoader were declared public."""
+
+
+@dataclass
+class ForwardRecord:
+    """One forward of the private module with gradients enabled."""
+
+    rows: int
+    tokens: Optional[np.ndarray] = None   # per-row tokens (exact provenance), if any
+    mixed: Optional[rp.Provenance] = None  # rows whose examples are mixed
+    public: bool = False                   # inside opacus_structured.public_rows()
+
+
+@dataclass
+class ReleaseRows:
+    """What one noisy step summed (module docstring).
+
+    Attributes:
+        multiplicity: draw -> the largest number of rows one row of that draw gave this sum
+            (1: every sampled example once; 2: e.g. two augmented views of each example).
+        untracked: rows without provenance (built outside torch, generated, or rows the
+            clipping saw that no recorded forward explains).
+        mixed: rows each of which may depend on every example of ``mixed_draws``.
+        mixed_draws: the draws behind the mixed rows; ``lost_at`` the operation that mixed them.
+        public: declared public rows (cost nothing).
+        clipped: rows the clipping summed (``None`` when it was not observed).
+        clippings: clipping passes summed into this release (> 1 after skipped steps).
+    """
+
+    multiplicity: dict = field(default_factory=dict)
+    untracked: int = 0
+    mixed: int = 0
+    mixed_draws: frozenset = frozenset()
+    lost_at: Optional[str] = None
+    public: int = 0
+    clipped: Optional[int] = None
+    clippings: int = 0
+
+    @property
+    def tracked(self) -> bool:
+        """Whether any row carries a private draw token (exact or mixed)."""
+        return bool(self.multiplicity) or self.mixed > 0
+
+    @property
+    def draws(self) -> list[int]:
+        """The draws whose rows are in the sum, in order."""
+        return sorted(set(self.multiplicity) | set(self.mixed_draws))
+
+    @property
+    def private_rows(self) -> int:
+        """Rows that are not declared public."""
+        exact = sum(self._row_counts.values()) if self._row_counts else 0
+        return exact + self.untracked + self.mixed
+
+    _row_counts: dict = field(default_factory=dict, repr=False)
+
+    @staticmethod
+    def of(records: list[ForwardRecord], clipped: Optional[int],
+           clippings: int) -> "ReleaseRows":
+        out = ReleaseRows(clipped=clipped, clippings=clippings)
+        tokens = []
+        recorded = 0
+        for rec in records:
+            recorded += rec.rows
+            if rec.public:
+                out.public += rec.rows
+            elif rec.mixed is not None:
+                out.mixed += rec.rows
+                out.mixed_draws = out.mixed_draws | rec.mixed.draws
+                out.lost_at = out.lost_at or rec.mixed.lost_at
+            elif rec.tokens is not None:
+                tokens.append(rec.tokens)
+            else:
+                out.untracked += rec.rows
+        if tokens:
+            allt = np.concatenate(tokens)
+            out.public += int((allt == rp.PUBLIC).sum())
+            out.untracked += int((allt == rp.UNTRACKED).sum())
+            valid = allt[allt >= 0]
+            if len(valid):
+                values, counts = np.unique(valid, return_counts=True)
+                draws = values >> rp.POSITION_BITS
+                for d in np.unique(draws):
+                    sel = draws == d
+                    out.multiplicity[int(d)] = int(counts[sel].max())
+                    out._row_counts[int(d)] = int(counts[sel].sum())
+        if clipped is not None and clipped > recorded:
+            out.untracked += clipped - recorded  # rows no recorded forward explains
+        return out
+
+
+class RowRecorder:
+    """The forwards and clippings of one DP optimizer's private module (module docstring)."""
+
+    def __init__(self, batch_first: bool = True):
+        self.batch_dim = 0 if batch_first else 1
+        self.forwards: list[ForwardRecord] = []
+        self.summed: list[ForwardRecord] = []
+        self.clipped = 0
+        self.clippings = 0
+        self.observed = False  # a clipping was seen (the optimizer reports its rows)
+        self._handles: list = []
+
+    # ---- the module ------------------------------------------------------------------------
+    def forward_pre_hook(self, module, args, kwargs):
+        """Unwrap the row tokens of the input; record the forward (gradients enabled)."""
+        plain, found = rp.untag((args, kwargs))
+        if torch.is_grad_enabled():
+            self.forwards.append(self._record(found))
+        return plain
+
+    def _record(self, found) -> ForwardRecord:
+        n = rp.row_count(found, self.batch_dim)
+        tokens, mixed = rp.forward_tokens(found, self.batch_dim)
+        if rp.in_public_block():
+            private = mixed is not None or (tokens is not None and bool((tokens >= 0).any()))
+            if private:
+                raise PublicRowsError(
+                    "a forward inside opacus_structured.public_rows() trains on rows of the "
+                    "private DataLoader (they carry draw tokens): they are private whatever the "
+                    "block says. Run only public rows (e.g. generated samples) inside the block")
+            return ForwardRecord(rows=n, public=True)
+        if mixed is not None:
+            return ForwardRecord(rows=n, mixed=mixed)
+        if tokens is not None and len(tokens) < n:
+            tokens = np.concatenate([tokens, np.full(n - len(tokens), rp.UNTRACKED)])
+        return ForwardRecord(rows=n, tokens=tokens)
+
+    # ---- the optimizer ---------------------------------------------------------------------
+    def on_clip(self, rows: int, *, fresh: bool) -> None:
+        """A clipping pass summed ``rows`` rows; ``fresh``: it starts a new clipped sum."""
+        if fresh:
+            self.summed, self.clipped, self.clippings = [], 0, 0
+        self.summed.extend(self.forwards)
+        self.forwards = []
+        self.clipped += int(rows)
+        self.clippings += 1
+        self.observed = True
+
+    def on_zero_grad(self, *, keeps_sum: bool) -> None:
+        """``zero_grad`` drops the per-sample gradients of the forwards since the last
+        clipping, and the clipped sum unless the last step was skipped."""
+        self.forwards = []
+        if not keeps_sum:
+            self.summed, self.clipped, self.clippings = [], 0, 0
+
+    def take(self) -> Optional[ReleaseRows]:
+        """The sum record of the noisy step being released (``None`` when no forward of the
+        private module was seen since the last release: nothing observed)."""
+        if not self.observed:
+            records, clipped, clippings = self.forwards, None, 1
+        else:
+            records, clipped, clippings = self.summed, self.clipped, self.clippings
+        self.summed, self.forwards, self.clipped, self.clippings = [], [], 0, 0
+        if not records:
+            return None
+        return ReleaseRows.of(records, clipped, clippings)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+_KEY = "_row_recorder"
+
+
+def recorder_of(optimizer) -> Optional[RowRecorder]:
+    """The :class:`RowRecorder` installed on ``optimizer`` (``None`` if none)."""
+    return getattr(optimizer, "__dict__", {}).get(_KEY)
+
+
+_MODULES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def install_recorder(optimizer, module) -> Optional[RowRecorder]:
+    """Install (once) a :class:`RowRecorder` on ``optimizer`` observing ``module`` (the
+    private model Opacus wrapped). Returns it, or ``None`` without a module."""
+    if module is None or not isinstance(module, torch.nn.Module):
+        return None
+    rec = recorder_of(optimizer)
+    if rec is not None:
+        return rec
+    previous = _MODULES.get(module)
+    if previous is not None:  # make_private again on the same module: one recorder
+        previous.remove()
+    rec = RowRecorder(batch_first=bool(getattr(module, "batch_first", True)))
+    rec._handles.append(module.register_forward_pre_hook(rec.forward_pre_hook,
+                                                         with_kwargs=True))
+    optimizer.__dict__[_KEY] = rec
+    _MODULES[module] = rec
+    plain_zero_grad = optimizer.zero_grad
+
+    def zero_grad(*args, **kwargs):
+        rec.on_zero_grad(keeps_sum=bool(getattr(optimizer, "_is_last_step_skipped", False)))
+        return plain_zero_grad(*args, **kwargs)
+
+    optimizer.zero_grad = zero_grad
+    return rec
+
+
+def rows_in_grad_samples(optimizer) -> tuple[int, bool]:
+    """``(rows, fresh)`` of a hooks-mode clipping about to run: the per-sample rows of the
+    first parameter (all backward passes since the last clipping) and whether the clipped sum
+    starts anew (``p.summed_grad`` is ``None``). No pass over the gradients."""
+    for p in optimizer.params:
+        gs = getattr(p, "grad_sample", None)
+        if gs is None:
+            continue
+        rows = sum(len(g) for g in gs) if isinstance(gs, list) else len(gs)
+        return int(rows), getattr(p, "summed_grad", None) is None
+    return 0, True

@@ -25,10 +25,14 @@ from .verification import DrawLedger
 __all__ = ["MFBatchSampler"]
 
 
-
 class MFBatchSampler(DrawLedger, Sampler[list[int]]):
     """Base class: subclasses implement :meth:`_draw` (one batch at ``self.step``) and list
-    their tensor state in ``_state_tensors`` and their constructor parameters in ``_params``."""
+    their tensor state in ``_state_tensors`` and their constructor parameters in ``_params``.
+
+    ``num_samples``, ``steps``, the ``_params`` and any further attribute a subclass lists in
+    ``_LAW`` define the law and are fixed once built: subclasses call :meth:`_freeze_law` at
+    the end of their constructor, and a draw after one was changed raises
+    :class:`~.verification.SamplerParametersChangedError`."""
 
     _state_tensors: tuple[str, ...] = ()
     _params: tuple[str, ...] = ()
@@ -44,12 +48,16 @@ class MFBatchSampler(DrawLedger, Sampler[list[int]]):
     def __len__(self) -> int:
         return self.steps
 
+    def _law_names(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(("num_samples", "steps", *self._params, *self._LAW)))
+
     def _draw(self) -> list[int]:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def __iter__(self) -> Iterator[list[int]]:
         self._begin_draws()
         while True:
+            self._check_law()
             batch = self._draw()
             self.step += 1
             self._count_draw(self.step - 1, len(batch))

@@ -33,15 +33,21 @@ class EpochResumableSampler(DrawLedger):
     """Mixin: ``__iter__`` calls :meth:`_resume` once and :meth:`_advance` after each draw.
 
     Subclasses set ``generator``, ``steps`` (draws per epoch), ``epoch`` and
-    ``_pending = None``, list the parameters a state must match in ``_KEYS``, and may override
-    :meth:`_restore_extra` / :meth:`_end_epoch` for per-epoch state (e.g. a permutation).
+    ``_pending = None``, list the parameters a state must match in ``_KEYS`` and the parameters
+    that define their law in ``_LAW`` (frozen at the end of construction by
+    :meth:`~.verification.FrozenParameters._freeze_law`, checked by :meth:`_resume` and by the
+    subclass before every draw), and may override :meth:`_restore_extra` / :meth:`_end_epoch`
+    for per-epoch state (e.g. a permutation).
     """
 
     _KEYS: tuple[str, ...] = ()
     _pending: Optional[dict[str, Any]] = None
 
     def _resume(self) -> None:
-        """Start an epoch: from the staged state if any, else at position 0."""
+        """Start an epoch: from the staged state if any, else at position 0. Raises
+        :class:`~.verification.SamplerParametersChangedError` first if a parameter of the law
+        changed since construction."""
+        self._check_law()
         self._begin_draws()
         if self.fingerprint is None and self._pending is None:
             self._stamp_fingerprint(*(getattr(self, k) for k in self._KEYS))

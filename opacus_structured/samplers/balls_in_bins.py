@@ -48,6 +48,7 @@ class BallsInBinsBatchSampler(MFBatchSampler):
                                    "BallsInBinsBatchSampler")
         super().__init__(num_samples, steps=self.num_bins, generator=generator, seed=seed)
         self.bins = torch.randint(0, self.num_bins, (self.num_samples,), generator=self.generator)
+        self._freeze_law()
 
     def _draw(self) -> list[int]:
         if self.step >= self.num_bins * self.epochs:

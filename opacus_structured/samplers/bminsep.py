@@ -106,6 +106,7 @@ class BMinSepBatchSampler(MFBatchSampler):
             in_history = self._bernoulli(n, (b - 1) * self.p / (1 + (b - 1) * self.p))
             s = torch.randint(1, b, (n,), generator=self.generator)  # virtual batch -s
             self.next_available = torch.where(in_history, b - s, torch.zeros_like(s))
+        self._freeze_law()
 
     @classmethod
     def from_expected_batch_size(cls, num_samples: int, expected_batch_size: float,

@@ -35,6 +35,7 @@ class CyclicPoissonBatchSampler(MFBatchSampler):
     """Cyclic Poisson sampling over ``cycle_length`` groups (see module docstring)."""
 
     _params = ("num_samples", "batch_size", "cycle_length", "partition", "steps")
+    _LAW = ("sample_rate",)  # the rate each draw uses (q = b·B/N), frozen with _params
     _state_tensors = ("groups",)
 
     def __init__(self, num_samples: int, batch_size: float, cycle_length: int, *,
@@ -60,6 +61,7 @@ class CyclicPoissonBatchSampler(MFBatchSampler):
             groups = torch.randint(0, self.cycle_length, (self.num_samples,),
                                    generator=self.generator)
         self.groups = groups
+        self._freeze_law()
 
     def _draw(self) -> list[int]:
         members = (self.groups == self.step % self.cycle_length).nonzero().reshape(-1)

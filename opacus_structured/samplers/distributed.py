@@ -32,6 +32,11 @@ Exact semantics (``W`` = ``num_replicas`` processes, this one has rank ``r``):
 ``sample_rate``, ``expected_batch_size``, ``generator``, ``padding_index``, …) are the wrapped
 sampler's: a checkpoint of the global stream is the same for every rank and every world size, so
 a run saved under DDP resumes on one process (or another ``W``) with the same global batches.
+The wrapped sampler, ``num_replicas`` and ``rank`` are fixed once built, and a parameter of the
+wrapped sampler's law (``sample_rate``, …) assigned on the wrapper (where it would shadow the
+wrapped sampler's value without changing a draw) is refused: the next draw raises
+:class:`~opacus_structured.samplers.verification.SamplerParametersChangedError`, as the wrapped
+sampler itself does when its own parameters change.
 :attr:`local_expected_batch_size` is ``expected_batch_size / W``, the value each rank passes to
 ``DistributedDPOptimizer(expected_batch_size=...)`` for ``loss_reduction="mean"`` (Opacus'
 ``make_private`` divides by the world size the same way), so the averaged update equals the
@@ -45,6 +50,7 @@ from typing import Any, Iterator, Optional
 from torch.utils.data import Sampler
 
 from .. import distributed as _dist
+from .verification import FrozenParameters, _same, parameters_changed_error
 
 __all__ = ["DistributedBatchSampler", "shard", "empty_safe_collate", "distributed_data_loader"]
 
@@ -54,7 +60,7 @@ def shard(batch, num_replicas: int, rank: int) -> list:
     return list(batch)[rank::num_replicas]
 
 
-class DistributedBatchSampler(Sampler[list]):
+class DistributedBatchSampler(FrozenParameters, Sampler[list]):
     """Draws the global batch of ``batch_sampler`` and yields this rank's shard (see module).
 
     Args:
@@ -92,10 +98,33 @@ class DistributedBatchSampler(Sampler[list]):
                 state = _dist.broadcast_object(batch_sampler.state_dict(), src=0)
                 if self.rank != 0:
                     batch_sampler.load_state_dict(state)
+        self._freeze_law()
+
+    #: frozen at construction, checked before every draw
+    _LAW = ("inner", "num_replicas", "rank")
+
+    def _check_law(self) -> None:
+        """Also refuse a law parameter of the wrapped sampler set on the wrapper itself."""
+        super()._check_law()
+        names = getattr(self.inner, "_law_names", None)
+        for name in (names() if callable(names) else ()):
+            if name in self.__dict__:
+                inner_value = getattr(self.inner, name, None)
+                if not _same(inner_value, self.__dict__[name]):
+                    raise parameters_changed_error(
+                        type(self).__name__, name, inner_value, self.__dict__[name],
+                        note=f" It was set on the wrapper, which does not change the wrapped "
+                             f"{type(self.inner).__name__}'s draws but shadows its value.")
 
     # ---- sampling ------------------------------------------------------------------------
     def __iter__(self) -> Iterator[list]:
-        for batch in self.inner:
+        batches = iter(self.inner)  # the wrapped sampler checks its own parameters per draw
+        while True:
+            self._check_law()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
             yield shard(batch, self.num_replicas, self.rank)
 
     def __len__(self) -> int:

@@ -51,11 +51,16 @@ class FullBatchSampler(DrawLedger, Sampler[list[int]]):
         self.expected_batch_size = self.num_samples
         self.scheme = adopt_scheme(scheme, GDPScheme(), "FullBatchSampler")
         self.draws = 0  # batches drawn so far in the run (the next draw's global index)
+        self._freeze_law()
+
+    #: frozen at construction, checked before every draw
+    _LAW = ("num_samples",)
 
     def __len__(self) -> int:
         return 1
 
     def __iter__(self):
+        self._check_law()
         self._begin_draws()
         self.draws += 1
         self._count_draw(self.draws - 1, self.num_samples)

@@ -9,7 +9,10 @@ sampler's ``cursor``. The torch iterator yields batches in the order their indic
 (``in_order=True``, the default), so the delivered record is exact with any number of workers.
 
 ``opacus_structured.make_private`` returns one; nothing else about the loader changes (same
-dataset, batch sampler, collate, workers, pin memory).
+dataset, batch sampler, collate, workers, pin memory), except that ``iter(loader)`` first checks
+that the sampler's parameters are those it was built with
+(:class:`~opacus_structured.samplers.verification.SamplerParametersChangedError` otherwise), so
+a refused epoch raises before worker processes start.
 """
 
 from __future__ import annotations
@@ -19,8 +22,12 @@ from typing import Optional
 
 from torch.utils.data import DataLoader
 
+<<<<<<< HEAD
 from .row_provenance import tag_batch
 from .verification import DrawLedger, innermost_sampler
+=======
+from .verification import DrawLedger, FrozenParameters, innermost_sampler
+>>>>>>> issue39-mutation
 
 __all__ = ["LedgerDataLoader", "ledger_source", "track_deliveries"]
 
@@ -30,6 +37,18 @@ def ledger_source(loader) -> Optional[DrawLedger]:
     ``None``."""
     inner = innermost_sampler(getattr(loader, "batch_sampler", None))
     return inner if isinstance(inner, DrawLedger) else None
+
+
+def _check_parameters(batch_sampler) -> None:
+    """Raise :class:`~.verification.SamplerParametersChangedError` now if the batch sampler
+    (or a sampler it wraps) had a law-defining parameter changed: a new iteration refuses
+    before it starts worker processes, not from inside their start-up."""
+    seen = 0
+    while batch_sampler is not None and seen < 8:
+        if isinstance(batch_sampler, FrozenParameters):
+            batch_sampler._check_law()
+        batch_sampler = getattr(batch_sampler, "inner", None)
+        seen += 1
 
 
 class _Delivery:
@@ -102,6 +121,7 @@ class LedgerDataLoader(DataLoader):
     reports_deliveries = True
 
     def __iter__(self):
+        _check_parameters(self.batch_sampler)  # before any worker starts or prefetches
         source = ledger_source(self)
         if source is None:
             return super().__iter__()

@@ -101,6 +101,7 @@ class MultiAttributionBMinSepBatchSampler(MFBatchSampler):
         if self.burn_in:
             # re-base the exclusion horizon so step 0 follows the burn-in
             self.next_available = torch.clamp(self.next_available - self.burn_in, min=0)
+        self._freeze_law()
 
     def _draw(self) -> list[int]:
         interim = self._bernoulli(self.num_samples, self.p)

@@ -61,6 +61,10 @@ class PoissonBatchSampler(EpochResumableSampler, Sampler[list[int]]):
 
     Attributes:
         scheme: ``PoissonScheme(sample_rate=q)``, the scheme whose accountant is valid.
+
+    ``num_samples``, ``sample_rate`` and ``steps`` are fixed once built: a draw after one was
+    changed raises :class:`~.verification.SamplerParametersChangedError` (build a new sampler
+    for a new rate).
     """
 
     def __init__(self, num_samples: int, sample_rate: float, *, steps: Optional[int] = None,
@@ -76,6 +80,7 @@ class PoissonBatchSampler(EpochResumableSampler, Sampler[list[int]]):
         self.epoch = 0            # completed epochs
         self._position = 0        # batches drawn in the current epoch
         self._pending: Optional[dict] = None  # loaded state not yet resumed from
+        self._freeze_law()
 
     @classmethod
     def from_scheme(cls, scheme: PoissonScheme, num_samples: int, *,
@@ -98,6 +103,7 @@ class PoissonBatchSampler(EpochResumableSampler, Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         self._resume()
         while self._position < self.steps:
+            self._check_law()
             mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
             batch = mask.nonzero(as_tuple=False).reshape(-1).tolist()
             self._advance(len(batch))
@@ -105,6 +111,7 @@ class PoissonBatchSampler(EpochResumableSampler, Sampler[list[int]]):
 
     # ---- state ---------------------------------------------------------------------------
     _KEYS = ("num_samples", "sample_rate", "steps")
+    _LAW = _KEYS  # frozen at construction, checked before every draw
 
     def state_dict(self) -> dict[str, Any]:
         """State *between* draws: generator state, position in the epoch, completed epochs.

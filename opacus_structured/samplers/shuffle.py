@@ -61,9 +61,13 @@ class ShuffleBatchSampler(EpochResumableSampler, Sampler[list[int]]):
         generator / seed: a dedicated ``torch.Generator`` or a seed (default OS entropy).
         scheme: the scheme carried (default ``ShuffleScheme(n, B, drop_last)``); any scheme
             given must draw the same batches (its relation / bound are pricing choices).
+
+    ``num_samples``, ``batch_size``, ``drop_last`` and ``steps`` are fixed once built: a draw
+    after one was changed raises :class:`~.verification.SamplerParametersChangedError`.
     """
 
     _KEYS = ("num_samples", "batch_size", "drop_last")
+    _LAW = (*_KEYS, "steps")  # frozen at construction, checked before every draw
 
     def __init__(self, num_samples: int, batch_size: int, *, drop_last: bool = False,
                  generator: Optional[torch.Generator] = None, seed: Optional[int] = None,
@@ -86,6 +90,7 @@ class ShuffleBatchSampler(EpochResumableSampler, Sampler[list[int]]):
         self._pending: Optional[dict] = None
         self._perm: Optional[torch.Tensor] = None
         self._perm_state: Optional[torch.Tensor] = None
+        self._freeze_law()
 
     def __len__(self) -> int:
         return self.steps
@@ -97,6 +102,7 @@ class ShuffleBatchSampler(EpochResumableSampler, Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         self._resume()
         while self._position < self.steps:
+            self._check_law()
             if self._perm is None:
                 self._draw_permutation()
                 self.permutations_drawn += 1

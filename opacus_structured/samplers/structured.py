@@ -61,6 +61,9 @@ class StructuredWindowSampler(EpochResumableSampler, Sampler[list]):
 
     Attributes:
         scheme: the scheme whose accountant is valid for the batches drawn.
+
+    ``scheme``, ``lengths``, ``steps`` and ``series_per_step`` are fixed once built: a draw
+    after one was changed raises :class:`~.verification.SamplerParametersChangedError`.
     """
 
     def __init__(self, scheme: StructuredScheme, series_lengths: Sequence[int], *,
@@ -109,6 +112,11 @@ class StructuredWindowSampler(EpochResumableSampler, Sampler[list]):
         self._position = 0
         self._perm: Optional[torch.Tensor] = None
         self._pending: Optional[dict] = None
+        self._freeze_law()
+
+    #: frozen at construction, checked before every draw (the draws read the scheme's levels,
+    #: rates and batch size, and the series lengths)
+    _LAW = ("scheme", "lengths", "steps", "series_per_step")
 
     # ---- properties ----------------------------------------------------------------------
     @property
@@ -149,6 +157,7 @@ class StructuredWindowSampler(EpochResumableSampler, Sampler[list]):
     def __iter__(self) -> Iterator[list]:
         self._resume()
         while self._position < self.steps:
+            self._check_law()
             series, starts = self._bottom(self._top(self._position))
             self._advance(len(series))
             yield list(zip(series.tolist(), starts.tolist(), strict=True))

@@ -60,6 +60,10 @@ class TruncatedPoissonSampler(EpochResumableSampler, Sampler[list[int]]):
     Attributes:
         scheme: the :class:`TruncatedPoissonScheme` (add/remove, tight) this sampler implements;
             build the accountant from it (``TruncatedPoissonAccountant(sampler.scheme)``).
+
+    ``num_samples``, ``sample_rate``, ``max_batch_size``, ``steps`` and ``pad`` are fixed once
+    built: a draw after one was changed raises
+    :class:`~.verification.SamplerParametersChangedError`.
     """
 
     def __init__(self, num_samples: int, sample_rate: float, max_batch_size: int, *,
@@ -78,6 +82,7 @@ class TruncatedPoissonSampler(EpochResumableSampler, Sampler[list[int]]):
         self.epoch = 0
         self._position = 0
         self._pending: Optional[dict] = None
+        self._freeze_law()
 
     @property
     def padding_index(self) -> int:
@@ -107,12 +112,14 @@ class TruncatedPoissonSampler(EpochResumableSampler, Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         self._resume()
         while self._position < self.steps:
+            self._check_law()
             batch = self.draw()
             self._advance(len(batch))
             yield batch
 
     # ---- state -------------------------------------------------------------------------------
     _KEYS = ("num_samples", "sample_rate", "max_batch_size", "steps", "pad")
+    _LAW = _KEYS  # frozen at construction, checked before every draw
 
     def state_dict(self) -> dict[str, Any]:
         """State *between* draws: generator state, position in the epoch, completed epochs."""

@@ -14,6 +14,11 @@ run print an ε that does not describe it, and each is checked here:
 3. **Gradient accumulation** (several batches per noisy step) changes the sampling rate; it is
    caught by the rate Opacus reports (``sample_rate · accumulated_iterations``, see
    :meth:`~opacus_structured.schemes.base.Scheme.check_sample_rate`).
+4. **The sampler's parameters are changed after it was built** (``loader.batch_sampler.
+   sample_rate = 3 * q`` after an epoch, a batch-size ramp-up): the accountant prices the
+   parameters the sampler had when it was attached. Every sampler records the parameters that
+   define its law at construction (:class:`FrozenParameters`) and raises
+   :class:`SamplerParametersChangedError` before its next draw when one of them changed.
 
 :func:`scheme_of_batch_sampler` answers "which scheme does this batch sampler implement" for
 our samplers (their ``scheme`` attribute), wrappers (``inner``) and Opacus' Poisson samplers.
@@ -21,11 +26,15 @@ our samplers (their ``scheme`` attribute), wrappers (``inner``) and Opacus' Pois
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 import itertools
 import weakref
 from typing import Any, Iterator, Optional
 
+import numpy as np
+import torch
 from opacus.data_loader import DPDataLoader
 from opacus.utils.uniform_sampler import (
     DistributedUniformWithReplacementSampler,
@@ -37,7 +46,8 @@ from ..schemes.base import Scheme
 from ..schemes.poisson import PoissonScheme
 from ..schemes.shuffle import ShuffleScheme
 
-__all__ = ["DrawLedger", "scheme_of_batch_sampler", "stock_shuffle_scheme", "innermost_sampler",
+__all__ = ["DrawLedger", "FrozenParameters", "SamplerParametersChangedError",
+           "scheme_of_batch_sampler", "stock_shuffle_scheme", "innermost_sampler",
            "check_data_loader", "describe_loader", "live_samplers_drawn_since", "draw_clock",
            "adopt_scheme", "check_replaceable_sampler", "PermutationCounter",
            "instrument_batch_sampler"]
@@ -53,7 +63,133 @@ def draw_clock() -> int:
     return _LAST_TICK
 
 
-class DrawLedger:
+class SamplerParametersChangedError(ValueError):
+    """A parameter that defines a batch sampler's law (``sample_rate``, ``num_samples``, the
+    batch size, ``steps``, …) differs from its value when the sampler was built, so the
+    accountant, which prices the parameters the sampler had when it was attached, would report
+    an ε that does not describe the batches drawn. Raised before the next draw; the message
+    names the attribute, its old and new value and the fix.
+
+    Attributes:
+        owner: the sampler's class name (or the object whose attribute changed).
+        attribute: the attribute's name.
+        old: its value when the sampler was built.
+        new: its value now.
+    """
+
+    owner: Optional[str] = None
+    attribute: Optional[str] = None
+    old: Any = None
+    new: Any = None
+
+
+def _short_repr(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def parameters_changed_error(owner: str, attribute: str, old: Any, new: Any,
+                             note: str = "") -> SamplerParametersChangedError:
+    """The :class:`SamplerParametersChangedError` for ``owner.attribute`` changed from ``old``
+    to ``new`` (``note``: an extra sentence on what the change does)."""
+    name = f"{owner}.{attribute}"
+    if (dataclasses.is_dataclass(old) and not isinstance(old, type)
+            and type(old) is type(new)):  # a scheme: name the fields that differ
+        fields = [f"{f.name} {getattr(old, f.name)!r} -> {getattr(new, f.name)!r}"
+                  for f in dataclasses.fields(old)
+                  if not _same(getattr(old, f.name), getattr(new, f.name))]
+        if fields:
+            note = f" Fields changed: {', '.join(fields)}.{note}"
+    error = SamplerParametersChangedError(
+        f"{name} was changed from {_short_repr(old)} to {_short_repr(new)} after the sampler "
+        f"was built.{note} The accountant prices the parameters the sampler had when it was "
+        f"attached ({attribute}={_short_repr(old)}): drawing batches with "
+        f"{attribute}={_short_repr(new)} would print an epsilon that does not describe them "
+        f"(an under-report for a larger rate or batch, e.g. a batch-size ramp-up). Fix: for new "
+        f"sampling parameters build a new scheme and sampler (scheme.sampler(...)) and a new "
+        f"make_private run with its own accountant, or use a noise / batch schedule the scheme "
+        f"supports; to continue this run, set {attribute} back to {_short_repr(old)}.")
+    error.owner, error.attribute, error.old, error.new = owner, attribute, old, new
+    return error
+
+
+def _same(old: Any, new: Any) -> bool:
+    """Whether a recorded parameter value ``old`` equals the current value ``new`` (arrays and
+    tensors elementwise; anything whose ``==`` fails counts as changed unless identical)."""
+    if old is new:
+        return True
+    if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
+        return (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)
+                and old.shape == new.shape and bool(torch.equal(old, new)))
+    if isinstance(old, np.ndarray) or isinstance(new, np.ndarray):
+        return (isinstance(old, np.ndarray) and isinstance(new, np.ndarray)
+                and bool(np.array_equal(old, new)))
+    try:
+        return bool(old == new)
+    except Exception:  # noqa: BLE001 - an uncomparable value is a changed one
+        return False
+
+
+def _record(value: Any) -> Any:
+    """A copy of ``value`` that later in-place edits of it do not reach (containers, arrays)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, (list, dict, set)):
+        return copy.deepcopy(value)
+    return value
+
+
+class FrozenParameters:
+    """Mixin: the parameters that define a sampler's law are fixed once it is built.
+
+    A sampler's scheme, and the accountant attached to it, describe the sampler's parameters
+    when it was built (``sample_rate``, ``num_samples``, the batch size, ``steps``, the bands
+    or bins, …). :meth:`_freeze_law` (called at the end of construction) records their values;
+    :meth:`_check_law`, called before every draw, raises
+    :class:`SamplerParametersChangedError` when one differs. Assigning the attribute itself is
+    allowed (``load_state_dict`` and internal code set attributes; setting it back to the
+    recorded value continues the run); only drawing with a changed value is refused. State that
+    legitimately moves (generator state, position, epoch, step counters, participation state,
+    the ledger's cursor) is not recorded.
+
+    Subclasses list the attribute names in ``_LAW`` (or override :meth:`_law_values`).
+    """
+
+    _LAW: tuple[str, ...] = ()
+    _law: Optional[dict] = None
+
+    def _law_owner(self) -> str:
+        """The name the error message gives the object whose attributes are checked."""
+        return type(self).__name__
+
+    def _law_names(self) -> tuple[str, ...]:
+        """The attributes that define the law (default ``_LAW``)."""
+        return self._LAW
+
+    def _law_values(self) -> dict[str, Any]:
+        """The current values of the law's parameters, by name."""
+        return {name: getattr(self, name, None) for name in self._law_names()}
+
+    def _freeze_law(self) -> None:
+        """Record the law's parameters (the values every later draw must use)."""
+        self._law = {name: _record(value) for name, value in self._law_values().items()}
+
+    def _check_law(self) -> None:
+        """Raise :class:`SamplerParametersChangedError` if a recorded parameter changed (a
+        sampler never frozen is frozen now: its first draw defines the law)."""
+        frozen = self.__dict__.get("_law")
+        if frozen is None:
+            self._freeze_law()
+            return
+        for name, new in self._law_values().items():
+            old = frozen.get(name, new)
+            if not _same(old, new):
+                raise parameters_changed_error(self._law_owner(), name, old, new)
+
+
+class DrawLedger(FrozenParameters):
     """Mixin giving a sampler a ledger of the batches it yields (the *draw records*).
 
     Every batch a sampler yields has a **global draw index**: its position in the sampler's
@@ -73,6 +209,9 @@ class DrawLedger:
     * ``fingerprint``: identifies the sampler's stream (class, public parameters and the
       generator state it started from); kept in ``state_dict`` so a restored sampler keeps the
       fingerprint of the run it continues.
+
+    The public parameters are frozen (:class:`FrozenParameters`): a sampler whose law-defining
+    attributes changed after it was built raises before its next draw.
     """
 
     batches_drawn: int = 0
@@ -345,27 +484,49 @@ class _CountingPoissonSampler(DrawLedger):
     ``DPDataLoader`` when our accountant is attached to it, so the stock path checks at every
     step that the loader trained on is the one ``make_private`` returned. It is an instance of
     the Opacus class (``isinstance`` checks in Opacus, e.g. ``BatchMemoryManager``, still hold)
-    and draws exactly what that class draws."""
+    and draws exactly what that class draws. Its parameters (``sample_rate``, ``num_samples``,
+    ``steps``; for the distributed variant also the sharding) are frozen at that point: a
+    change raises :class:`SamplerParametersChangedError` before the next draw."""
 
     _opacus_class: type = UniformWithReplacementSampler
 
+    def _law_owner(self) -> str:
+        return self._opacus_class.__name__
+
     def __iter__(self):
-        for batch in self._opacus_class.__iter__(self):
+        batches = self._opacus_class.__iter__(self)
+        while True:
+            self._check_law()  # Opacus' loop reads sample_rate afresh at every draw
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
             self._count_draw(size=len(batch))
             yield batch
 
 
+#: The attributes that define the law of Opacus' Poisson samplers.
+_OPACUS_LAW = {
+    UniformWithReplacementSampler: ("num_samples", "sample_rate", "steps"),
+    DistributedUniformWithReplacementSampler: ("total_size", "sample_rate", "num_batches",
+                                               "num_samples", "num_replicas", "rank",
+                                               "shuffle", "shuffle_seed"),
+}
+
+
 def _counting(sampler) -> DrawLedger:
     """A copy of ``sampler`` (an Opacus Poisson sampler, same attributes and generator) that
-    counts its draws."""
+    counts its draws, with its law-defining parameters frozen."""
     if isinstance(sampler, DrawLedger):
         return sampler
     base = type(sampler)
+    law = next((names for cls, names in _OPACUS_LAW.items() if isinstance(sampler, cls)), ())
     counting = type(f"Counting{base.__name__}", (_CountingPoissonSampler, base),
-                    {"_opacus_class": base})
-    copy = counting.__new__(counting)
-    copy.__dict__.update(sampler.__dict__)
-    return copy
+                    {"_opacus_class": base, "_LAW": law})
+    counted = counting.__new__(counting)
+    counted.__dict__.update(sampler.__dict__)
+    counted._freeze_law()
+    return counted
 
 
 def sees_trained_batch(loader, source: Optional[DrawLedger]) -> bool:
@@ -448,19 +609,43 @@ class PermutationCounter(DrawLedger, Sampler[int]):
     """Wraps the index sampler of a stock ``BatchSampler``: yields its indices unchanged,
     counts passes begun (``permutations_drawn``: one per ``iter()`` of the batch sampler) and
     batches completed (``batches_drawn``: every ``batch_size`` indices, plus the last partial
-    batch unless ``drop_last``)."""
+    batch unless ``drop_last``).
 
-    def __init__(self, sampler, batch_size: int, drop_last: bool, scheme: ShuffleScheme):
+    The shuffle scheme it carries is the batch sampler's at construction: ``batch_size``,
+    ``drop_last`` (its own and, given ``owner``, the ``BatchSampler``'s) and the number of
+    indices per pass (``len(sampler)``) are frozen, and a pass started after one of them
+    changed raises :class:`SamplerParametersChangedError` before its first index."""
+
+    def __init__(self, sampler, batch_size: int, drop_last: bool, scheme: ShuffleScheme,
+                 owner: Optional[BatchSampler] = None):
         self.sampler = sampler
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.scheme = scheme
         self.permutations_drawn = 0
+        self._owner = owner  # the BatchSampler whose index sampler this is (a plain reference)
+        self._freeze_law()
+
+    def _law_owner(self) -> str:
+        return type(self._owner if self._owner is not None else self).__name__
+
+    def _law_values(self) -> dict[str, Any]:
+        owner = self._owner
+        source = owner if owner is not None else self
+        values = {"batch_size": source.batch_size, "drop_last": bool(source.drop_last),
+                  "sampler.num_samples": len(self.sampler)}
+        if owner is not None:  # the counter's own copies must not drift either
+            values["counter.batch_size"] = self.batch_size
+            values["counter.drop_last"] = bool(self.drop_last)
+        if isinstance(self.sampler, RandomSampler):
+            values["sampler.replacement"] = bool(self.sampler.replacement)
+        return values
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[int]:
+        self._check_law()
         self.permutations_drawn += 1
         pulled = 0
         for index in self.sampler:
@@ -484,5 +669,6 @@ def instrument_batch_sampler(batch_sampler) -> Optional[PermutationCounter]:
     if not isinstance(batch_sampler.sampler, PermutationCounter):
         batch_sampler.sampler = PermutationCounter(batch_sampler.sampler,
                                                    batch_sampler.batch_size,
-                                                   bool(batch_sampler.drop_last), scheme)
+                                                   bool(batch_sampler.drop_last), scheme,
+                                                   owner=batch_sampler)
     return batch_sampler.sampler

@@ -22,12 +22,8 @@ from typing import Optional
 
 from torch.utils.data import DataLoader
 
-<<<<<<< HEAD
 from .row_provenance import tag_batch
-from .verification import DrawLedger, innermost_sampler
-=======
 from .verification import DrawLedger, FrozenParameters, innermost_sampler
->>>>>>> issue39-mutation
 
 __all__ = ["LedgerDataLoader", "ledger_source", "track_deliveries"]
 

@@ -11,7 +11,12 @@ with Opacus' ``DPOptimizer``, in these variants, each built once with its own mo
 * ``filter``: guarded + ``IndividualGDPFilter.attach`` (the mask folded into the clip factors);
 * ``tracker``: guarded + ``PerSampleEpsilonTracker.attach`` on ``--num-examples`` examples, and
   ``tracker-small`` on ``--small-examples`` (10³): the step's work must not depend on N;
-* ``both`` (filter + tracker) and ``tracker+pld`` (the approximate App. D state as well).
+* ``both`` (filter + tracker) and ``tracker+pld`` (the approximate App. D state as well);
+* ``rows``: guarded + the release-row record of issue 39 (what ``make_private`` installs: the
+  batch arrives as :class:`~opacus_structured.samplers.row_provenance.PrivateRows` with its
+  row tokens, the module's forward pre-hook reads them, the clipping counts its rows, and the
+  step's :class:`~opacus_structured.accountants.release_rows.ReleaseRows` is taken as the
+  accountant does). Its overhead is ``O(B)`` host work, no pass over ``grad_sample``.
 
 The callbacks run exactly as under Lightning (``attach`` + ``set_batch_indices``). The variants
 are **interleaved**: each round times ``--steps`` consecutive steps of every variant in turn
@@ -50,9 +55,12 @@ from torch import nn
 from lightning_callbacks.gdp_filter import IndividualGDPFilter
 from lightning_callbacks.per_sample_epsilon import PerSampleEpsilonTracker
 from opacus_structured.accountants.release_guard import guard_optimizer
+from opacus_structured.accountants.release_rows import install_recorder
+from opacus_structured.samplers.row_provenance import tag_batch
 from opacus_structured.accounting.individual_gdp import ApproximateIndividualPLDAccountant
 
-VARIANTS = ("stock", "guarded", "filter", "tracker", "tracker-small", "both", "tracker+pld")
+VARIANTS = ("stock", "guarded", "filter", "tracker", "tracker-small", "both", "tracker+pld",
+            "rows")
 #: Extra bytes per example and step of the callbacks' state updates (model, see docstring):
 #: index (8) + gather of the filter's spent μ² (8) + two index_add_ read/write of float64 (32)
 STATE_BYTES_PER_EXAMPLE = {"filter": 48 + 16, "tracker": 48, "tracker-small": 48,
@@ -88,13 +96,18 @@ def _variant(name: str, args, device):
             raise RuntimeError(f"{type(cb).__name__} could not be folded into the clipping")
     x = torch.randn(args.batch_size, args.dim, device=device)
     y = torch.randint(0, 10, (args.batch_size,), device=device)
+    recorder = install_recorder(opt, gsm) if name == "rows" else None
+    draws = iter(range(1 << 30))
 
     def step(indices):
         for cb in cbs:
             cb.set_batch_indices(indices)
+        xb, yb = (x, y) if recorder is None else tag_batch((x, y), next(draws))
         opt.zero_grad()
-        nn.functional.cross_entropy(gsm(x), y).backward()
+        nn.functional.cross_entropy(gsm(xb), yb).backward()
         opt.step()
+        if recorder is not None:  # what the accountant's step hook takes
+            recorder.take()
 
     return step, n, sum(p.numel() for p in net.parameters())
 

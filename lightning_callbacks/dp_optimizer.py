@@ -177,7 +177,7 @@ class OptimizerWrapper:
             trainer.strategy.optimizers = [opt]
         # one clip norm for clipping and noise, GradScaler refused, non-finite per-sample
         # gradients zeroed (opacus_structured.accountants.release_guard); refuses AdaClip
-        guard_optimizer(opt)
+        guard_optimizer(opt, trainer.lightning_module)  # + the rows each step sums (issue 39)
         coefficients = getattr(opt, "noise_coefficients", None)
         scheme.check_noise_correlation([1.0] if coefficients is None else coefficients)
         previous = opt.step_hook

@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_structured.engine import make_private
+from redteam_rows import MERGING, ROW_MUST_RAISE, ROW_SHAPES
 from opacus_structured.optim.privacy_engine import CorrelatedNoisePrivacyEngine
 from opacus_structured.schemes.balls_in_bins import BallsInBinsScheme
 from opacus_structured.schemes.bandmf_cyclic_poisson import BandMFCyclicPoissonScheme
@@ -83,15 +84,16 @@ NUM_SERIES, SERIES_LENGTH, WINDOWS_PER_STEP = 12, 20, 2
 #: in MAY_RAISE are ones where refusing is always an acceptable answer.
 SHAPES = ("plain", "skip2", "skip3", "break", "eval_draw", "early_stop", "noise_schedule",
           "batch_memory_manager", "double_step", "accumulate", "rewrap", "stale_reload",
-          "resume_checkpoint", "resume_history_only", "other_loader", "detached_step")
-MAY_RAISE = {"double_step", "accumulate", "rewrap", "stale_reload", "resume_history_only",
-             "other_loader", "detached_step"}
+          "resume_checkpoint", "resume_history_only", "other_loader", "detached_step",
+          *ROW_SHAPES)
+MAY_RAISE = {"double_step", "rewrap", "resume_history_only", "other_loader", "detached_step",
+             *ROW_MUST_RAISE}
 #: Priceable runs a scheme refuses on purpose (random allocation prices one σ for the run).
 REFUSED_BY_DESIGN = {("random-allocation-identity", "noise_schedule"),
                      ("random-allocation-bandmf", "noise_schedule")}
 #: Shapes whose run no ε describes: they must raise (a batch released twice, batches that did
 #: not come from the scheme's loader, private training outside the DP optimizer, a stale state).
-MUST_RAISE = {"double_step", "rewrap", "other_loader", "detached_step"}
+MUST_RAISE = {"double_step", "rewrap", "other_loader", "detached_step", *ROW_MUST_RAISE}
 
 
 @dataclasses.dataclass
@@ -100,6 +102,7 @@ class Outcome:
 
     released: list
     sigmas: list
+    parts: Optional[list] = None  # per release: [(batch keys, rows per example), ...]
     scheme: object = None
     epsilon: Optional[float] = None
     error: Optional[BaseException] = None
@@ -158,21 +161,38 @@ class _Loop:
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
         self.released: list = []
+        self.parts: list = []     # per release: [(batch keys, rows per example), ...]
         self.sigmas: list = []
         self._accumulated: list = []
+        self._parts: list = []
 
-    def backward(self, batch) -> None:
+    @staticmethod
+    def keys(batch) -> list:
         if isinstance(batch, dict):  # windows: keys (series, start)
-            x, y = batch["context"], batch["target"]
-            keys = list(zip(batch["window_series"].tolist(), batch["window_start"].tolist()))
-            if len(x):
-                nn.functional.mse_loss(self.model(x), y).backward()
-            self._accumulated.extend(keys)
-            return
-        x, y, idx = batch
+            return list(zip(batch["window_series"].tolist(), batch["window_start"].tolist()))
+        return batch[2].tolist()
+
+    def backward(self, batch, views: int = 1) -> None:
+        """One forward/backward on ``batch`` (``views`` augmented copies of each row)."""
+        self.forward_backward([batch], views=views)
+
+    def forward_backward(self, batches: list, views: int = 1) -> None:
+        """One forward/backward on the concatenation of ``batches``, each row ``views``
+        times (noisy copies: two augmented views per example)."""
+        windows = isinstance(batches[0], dict)
+        xs = [b["context"] if windows else b[0] for b in batches]
+        ys = [b["target"] if windows else b[1] for b in batches]
+        x, y = torch.cat(xs), torch.cat(ys)
+        if views > 1:
+            x = torch.cat([x + 0.01 * torch.randn_like(x) for _ in range(views)])
+            y = torch.cat([y] * views)
         if len(x):
-            nn.functional.cross_entropy(self.model(x), y).backward()
-        self._accumulated.extend(idx.tolist())
+            loss = nn.functional.mse_loss if windows else nn.functional.cross_entropy
+            loss(self.model(x), y).backward()
+        for b in batches:
+            keys = self.keys(b)
+            self._accumulated.extend(keys * views)
+            self._parts.append((tuple(sorted(keys)), views))
 
     def step(self, batch=None) -> None:
         if batch is not None:
@@ -184,8 +204,9 @@ class _Loop:
             return
         # recorded before the step: a step the accountant refuses was still attempted
         self.released.append(tuple(sorted(self._accumulated)))
+        self.parts.append(list(self._parts))
         self.sigmas.append(self.optimizer.noise_multiplier)
-        self._accumulated = []
+        self._accumulated, self._parts = [], []
         self.optimizer.step()
 
 
@@ -210,7 +231,7 @@ def _drive(out: Outcome, engine, loop: "_Loop", loader, scheme, epochs: int,
     except (RuntimeError, ValueError) as err:
         out.error = err
     # what the loop trained on (its model / optimizer may have been swapped by a re-wrap)
-    out.released, out.sigmas = loop.released, loop.sigmas
+    out.released, out.sigmas, out.parts = loop.released, loop.sigmas, loop.parts
     return out
 
 
@@ -371,7 +392,7 @@ def _detached_step(loop, engine, loader, scheme, epochs, workers):
     for batch in loader:  # "fine-tune the head without DP" on private data
         loop.optimizer.zero_grad()
         loop.backward(batch)
-        loop._accumulated = []
+        loop._accumulated, loop._parts = [], []
         for p in loop.model.parameters():
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad
         loop.optimizer.original_optimizer.step()
@@ -383,7 +404,7 @@ _SHAPES = {
     "batch_memory_manager": _batch_memory_manager, "double_step": _double_step,
     "accumulate": _accumulate, "rewrap": _rewrap, "stale_reload": _stale_reload,
     "resume_checkpoint": _resume(True), "resume_history_only": _resume(False),
-    "other_loader": _other_loader, "detached_step": _detached_step,
+    "other_loader": _other_loader, "detached_step": _detached_step, **ROW_SHAPES,
 }
 
 
@@ -460,52 +481,138 @@ def _poisson_dp_accounting(q: float, sigma: float, steps: int) -> float:
     return acc.get_epsilon(DELTA)
 
 
+def _release_structure(out: Outcome) -> list:
+    """Per release, the list of ``(batch keys, rows per example)`` it summed; a release whose
+    parts are slices of one batch (``BatchMemoryManager``'s physical batches) is one part."""
+    if out.parts is None:
+        return [[(b, 1)] for b in out.released]
+    return [list(p) if p else [(b, 1)] for b, p in zip(out.released, out.parts)]
+
+
+def _match_parts(structure: list, stream: list) -> Optional[list]:
+    """Per release, the stream positions of its parts (each a later unused draw, in order),
+    trying first the union of its parts as one draw; ``None`` if some part is no draw."""
+    positions, at = [], 0
+    for parts in structure:
+        union = tuple(sorted(k for keys, _ in parts for k in keys))
+        found = None
+        for candidate in ([union], [keys for keys, _ in parts]):
+            trial, pos = [], at
+            for keys in candidate:
+                while pos < len(stream) and stream[pos] != keys:
+                    pos += 1
+                if pos == len(stream):
+                    break
+                trial.append(pos)
+                pos += 1
+            else:
+                found = (trial, pos)
+                break
+        if found is None:
+            return None
+        positions.append(found[0])
+        at = found[1]
+    return positions
+
+
+@functools.lru_cache(maxsize=None)
+def _poisson_mixture_lower(q: float, sigma: float, releases: tuple) -> float:
+    """dp_accounting's optimistic PLD (a lower bound of the true ε) of Poisson releases, each
+    summing parts ``(k, …)``: an example's rows in a release are ``Σ_i k_i·Bernoulli(q)``
+    (independent draws), a mixture of Gaussians against ``N(0, σ²)``."""
+    from dp_accounting.pld import privacy_loss_distribution as pld_mod
+
+    total = None
+    for ks, count in releases:
+        dist = {0: 1.0}
+        for k in ks:
+            nxt: dict = {}
+            for shift, p in dist.items():
+                nxt[shift] = nxt.get(shift, 0.0) + p * (1 - q)
+                nxt[shift + k] = nxt.get(shift + k, 0.0) + p * q
+            dist = nxt
+        # optimistic at a coarse grid: still a lower bound, and fast
+        one = pld_mod.from_mixture_gaussian_mechanism(
+            sigma, [float(x) for x in dist], list(dist.values()), pessimistic_estimate=False,
+            value_discretization_interval=1e-2, use_connect_dots=False)
+        part = one.self_compose(count)
+        total = part if total is None else total.compose(part)
+    return float(total.get_epsilon_for_delta(DELTA))
+
+
+def _grouped(structure: list) -> tuple:
+    counts: dict = {}
+    for parts in structure:
+        ks = tuple(sorted(k for _, k in parts))
+        counts[ks] = counts.get(ks, 0) + 1
+    return tuple(sorted(counts.items()))
+
+
 def oracle(scheme_name: str, out: Outcome) -> Optional[float]:
     """The independent ε of the pattern that ran (module docstring), or ``None`` if the
-    pattern is not one the scheme describes (then only an error is acceptable)."""
+    pattern is not one the scheme describes (then only an error is acceptable). A release
+    that sums ``K`` draws, or ``k`` rows of each example, is priced by its exact mechanism
+    for Poisson (a Gaussian mixture, dp_accounting's optimistic PLD), by the scheme at
+    ``σ/k`` for ``k`` rows per example, and for ``K`` draws of other schemes at least as one
+    draw (the merged release reveals at least what one of its draws does)."""
     scheme = out.scheme
     released = out.released
     if not released:
         return 0.0
     sigma = max(out.sigmas)  # a lower bound of the true ε when σ varied
+    structure = _release_structure(out)
+    k_max = max(k for parts in structure for _, k in parts)
+    merged = any(len(parts) > 1 for parts in structure)
     policy = scheme.release_policy
     if isinstance(scheme, GDPScheme):
-        return _scheme_epsilon(scheme, sigma, len(released))
+        return _scheme_epsilon(scheme, sigma / k_max, len(released) * (2 if merged else 1))
+    if out.shape in MUST_RAISE:
+        return None
     if out.stock and isinstance(scheme, ShuffleScheme):
-        if out.shape in MUST_RAISE:
-            return None
         # at least this many permutations were used: a new one starts at the first batch
         # holding an example already released in the current one
         permutations, seen = 1, set()
-        for batch in released:
-            if seen & set(batch):
+        for parts in structure:
+            batch = {k for keys, _ in parts for k in keys}
+            if seen & batch:
                 permutations, seen = permutations + 1, set()
-            seen |= set(batch)
-        return _scheme_epsilon(scheme, sigma, permutations * scheme.steps_per_epoch())
+            seen |= batch
+        return _scheme_epsilon(scheme, sigma / k_max, permutations * scheme.steps_per_epoch())
     if out.stock:  # Poisson at the loader's rate; a batch released twice is not Poisson
-        if len(set(released)) < len(released) or out.shape in MUST_RAISE:
+        if len(set(released)) < len(released):
             return None
-        return max(_scheme_epsilon(scheme, sigma, len(released)),
-                   _poisson_dp_accounting(scheme.sample_rate, sigma, len(released)))
+        value = _scheme_epsilon(scheme, sigma / k_max, len(released))
+        return max(value, _poisson_mixture_lower(scheme.sample_rate, sigma, _grouped(structure)))
     stream = reference_stream(scheme, 4 * EPOCHS * (N // B) + 8)
-    positions = match_positions(released, stream)
-    if positions is None and getattr(scheme, "top_level", None) == "deterministic":
-        positions = _deterministic_positions(scheme, released)
+    positions = _match_parts(structure, stream)
+    if positions is None and getattr(scheme, "top_level", None) == "deterministic" \
+            and not merged:
+        flat = _deterministic_positions(scheme, released)
+        positions = None if flat is None else [[p] for p in flat]
     if positions is None:
         return None
+    if len(positions) > 1 or any(len(p) > 1 for p in positions):
+        structure = [parts if len(pos) == len(parts) else [(None, max(k for _, k in parts))]
+                     for parts, pos in zip(structure, positions)]
+    merged = any(len(p) > 1 for p in positions)
     if policy == "independent":
-        value = _scheme_epsilon(scheme, sigma, len(released))
+        value = _scheme_epsilon(scheme, sigma / k_max, len(released))
         if isinstance(scheme, PoissonScheme):
-            value = max(value, _poisson_dp_accounting(scheme.sample_rate, sigma, len(released)))
+            value = max(value, _poisson_mixture_lower(scheme.sample_rate, sigma,
+                                                      _grouped(structure)))
+            if not merged and k_max == 1:
+                value = max(value, _poisson_dp_accounting(scheme.sample_rate, sigma,
+                                                          len(released)))
         return value
-    if policy == "exact" and positions != list(range(len(released))):
+    flat = [p for pos in positions for p in pos]
+    if policy == "exact" and (merged or flat != list(range(len(flat)))):
         return None
-    span = positions[-1] + 1 if policy == "span" else len(released)
+    span = flat[-1] + 1 if policy == "span" else len(released)
     try:
         scheme.compositions(span)
     except ValueError:
         return None  # beyond the planned run
-    return _scheme_epsilon(scheme, sigma, span)
+    return _scheme_epsilon(scheme, sigma / k_max, span)
 
 
 def judge(scheme_name: str, shape: str, out: Outcome) -> None:
@@ -516,6 +623,8 @@ def judge(scheme_name: str, shape: str, out: Outcome) -> None:
         assert str(out.error), "an error must say what went wrong"
         if truth is None or shape in MAY_RAISE or (scheme_name, shape) in REFUSED_BY_DESIGN:
             return
+        if shape in MERGING and out.scheme.release_policy == "exact":
+            return  # correlated noise: one draw per noise position (observed_release)
         raise AssertionError(f"{scheme_name}/{shape}: refused a priceable run "
                              f"(oracle ε={truth:.4f}): {out.error}")
     if shape in MUST_RAISE and not isinstance(out.scheme, GDPScheme):

@@ -57,9 +57,7 @@ raises :class:`AccountantNotAttachedError` before (see above). The Monte Carlo a
 from __future__ import annotations
 
 import math
-import sys
 import warnings
-import weakref
 from typing import ClassVar, Optional
 
 from opacus.accountants.accountant import IAccountant
@@ -70,14 +68,16 @@ from ..accounting import numerics
 from ..accounting import pld as pld_lib
 from ..accounting.numerics import NumericalPrecisionError
 from ..accounting.resource_guard import ResourceBudgetError
-from ..samplers import verification
-from ..samplers.ledger_loader import track_deliveries
 from ..schemes import registry
 from ..schemes.base import Scheme, below_precision, best_route
+from .attachment import (  # noqa: F401  (re-exported: their historical home)
+    AttachmentMixin,
+    _optimizer_and_module_of_make_private,
+    data_loader_of_make_private,
+)
 from .ledger import LedgerError, ReleaseLedger
 from .observed_release import ObservedReleaseMixin
-from .release_guard import ClipNormLedger, guard_optimizer
-from .release_rows import recorder_of
+from .release_guard import ClipNormLedger
 
 __all__ = ["SchemeAccountant", "register_scheme_accountant",
            "accountant_class_for", "AccountantNotAttachedError", "UnboundAccountantError",
@@ -102,48 +102,6 @@ class UnboundAccountantError(ValueError):
     to price, or to be attached to an optimizer."""
 
 
-def data_loader_of_make_private(max_depth: int = 4):
-    """The DataLoader that Opacus' ``PrivacyEngine.make_private`` is about to return, when the
-    caller (up to ``max_depth`` frames up) is ``make_private``; else ``None``.
-
-    Opacus builds the accountant's step hook inside ``make_private`` right after preparing the
-    DataLoader (``data_loader = self._prepare_data_loader(...)``; ``optimizer.attach_step_hook(
-    self.accountant.get_optimizer_hook_fn(sample_rate=...))``) but passes the hook factory only
-    the rate. Reading that local is how a stock ``PrivacyEngine`` lets the accountant check the
-    sampler; ``tests/test_wiring_soundness.py`` pins the Opacus behaviour it relies on.
-    """
-    from torch.utils.data import DataLoader
-
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        frame = frame.f_back
-        if frame is None:
-            return None
-        if frame.f_code.co_name == "make_private":
-            loader = frame.f_locals.get("data_loader")
-            return loader if isinstance(loader, DataLoader) else None
-    return None
-
-
-def _optimizer_and_module_of_make_private(max_depth: int = 4):
-    """``(optimizer, module)`` of the enclosing Opacus ``make_private`` (its locals right
-    before ``attach_step_hook``: the DP optimizer and the wrapped module), else ``(None, None)``.
-    Used to install :func:`~opacus_structured.accountants.release_guard.guard_optimizer`."""
-    from opacus.optimizers import DPOptimizer
-
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        frame = frame.f_back
-        if frame is None:
-            break
-        if frame.f_code.co_name == "make_private":
-            optimizer = frame.f_locals.get("optimizer")
-            if isinstance(optimizer, DPOptimizer):
-                return optimizer, frame.f_locals.get("module")
-            break
-    return None, None
-
-
 def accountant_class_for(scheme: Scheme) -> type:
     """The :class:`SchemeAccountant` subclass registered for ``type(scheme)`` (or a base class
     of it) in :mod:`opacus_structured.schemes.registry`; :class:`SchemeAccountant` itself when
@@ -151,7 +109,7 @@ def accountant_class_for(scheme: Scheme) -> type:
     return registry.accountant_class_for(scheme) or SchemeAccountant
 
 
-class SchemeAccountant(ObservedReleaseMixin, IAccountant):
+class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, IAccountant):
     """Prices the steps Opacus reports with a batching scheme's dominating pairs.
 
     Args:
@@ -232,162 +190,6 @@ class SchemeAccountant(ObservedReleaseMixin, IAccountant):
             f"install a bound {type(self).__name__}. Or set engine.accountant = "
             f"{type(self).__name__}(scheme) before engine.make_private(..., "
             f"poisson_sampling=False)")
-
-    # ---- attachment to a training run ----------------------------------------------------
-    @property
-    def attached(self) -> bool:
-        """Whether an optimizer step hook (or ``DPCallback``) feeds this accountant."""
-        return self._attached
-
-    def attach(self, data_loader=None) -> None:
-        """Declare that an optimizer's steps will be recorded here, drawn from ``data_loader``.
-
-        With a loader, its batch sampler must implement :attr:`scheme` (see
-        :func:`~opacus_structured.samplers.verification.check_data_loader`; raises
-        ``ValueError`` naming the fix otherwise) and its draws are checked at every hooked step.
-        Without one, the first hooked step looks for the sampler of this scheme that drew since
-        now and raises if none did. Called by :meth:`get_optimizer_hook_fn` (with the loader of
-        Opacus' ``make_private``), ``CorrelatedNoisePrivacyEngine`` and ``DPCallback``.
-        """
-        self._require_bound("be attached to an optimizer")
-        source = None
-        exact = True
-        if data_loader is not None:
-            source = verification.check_data_loader(self.scheme, data_loader)
-            exact = verification.sees_trained_batch(data_loader, source)
-            if not exact and not self.scheme.accepts_new_stream:
-                raise ValueError(
-                    f"the DataLoader has num_workers={data_loader.num_workers}: it draws batches "
-                    f"ahead of training, so the accountant cannot see which draw each noisy step "
-                    f"trains on, and scheme {self.scheme.name!r} "
-                    f"(release policy {self.scheme.release_policy!r}) is priced by the draws "
-                    f"released. Train on the DataLoader opacus_structured.make_private returns "
-                    f"(a LedgerDataLoader, exact with any num_workers) or use num_workers=0")
-        self._attached = True
-        self._hooked_steps = 0
-        self._attach_tick = verification.draw_clock()
-        self._discover = data_loader is None
-        self._draw_source = None if source is None else weakref.ref(source)
-        self._draws_at_attach = 0 if source is None else source.batches_drawn
-        self._exact_cursor = exact
-        self._ledger.bind(source)
-
-    def get_optimizer_hook_fn(self, sample_rate: float, *, data_loader=None):
-        """Opacus' step hook, plus the DataLoader checks of :meth:`attach`.
-
-        ``data_loader`` defaults to the loader of the enclosing Opacus ``make_private`` call.
-        Raises :class:`UnboundAccountantError` for an unbound accountant.
-        """
-        self._require_bound("be attached to an optimizer")
-        if data_loader is None:
-            data_loader = data_loader_of_make_private()
-        self.attach(data_loader)
-        if data_loader is not None:  # its batches then carry row tokens (release_rows)
-            track_deliveries(data_loader)
-        optimizer, module = _optimizer_and_module_of_make_private()
-        if optimizer is not None:  # Opacus' make_private: guard before the first step
-            guard_optimizer(optimizer, module)
-
-        def hook_fn(optim):
-            self.release(optim, sample_rate=sample_rate * optim.accumulated_iterations,
-                         batches=optim.accumulated_iterations, base_rate=sample_rate)
-
-        return hook_fn
-
-    def release(self, optimizer, *, sample_rate: float, batches: int = 1,
-                base_rate: Optional[float] = None) -> None:
-        """Price one noisy step the optimizer is about to apply (the step hook's body).
-
-        Where the rows the step summed were observed
-        (:mod:`~opacus_structured.accountants.release_rows`: the private module's forwards and
-        the optimizer's clipping) and carry draw tokens, the step is priced from them
-        (:mod:`~opacus_structured.accountants.observed_release`: the draws, rows per example,
-        untraceable rows) at the scheme's rate ``base_rate``. Otherwise the step is matched to
-        the sampler draw it trained on by the privacy ledger
-        (:mod:`~opacus_structured.accountants.ledger`), which raises :class:`LedgerError` when
-        the released sequence is not one the scheme prices and, for schemes priced by the draws
-        (``release_policy == "span"``), prices skipped draws as released; observed rows
-        without tokens must then fit in that one draw.
-        """
-        padding = 0
-        self._clip_norms.check(optimizer, step=len(self) + 1)
-        recorder = recorder_of(optimizer)
-        rows = recorder.take() if recorder is not None else None
-        if rows is not None and base_rate is not None:
-            if rows.tracked and self._exact_cursor and self._ledger.source is not None:
-                self._release_observed(optimizer, rows, base_rate)
-                return
-            sample_rate, batches = base_rate, 1  # the rows say what was summed
-        checked = self._discover or not (self._exact_cursor and self._ledger.source is not None)
-        if checked:
-            self.check_draws()  # finds the sampler (discovery), or counts draws
-        if self._exact_cursor and self._ledger.source is not None:
-            padding = self._ledger.take(self.scheme, batches=batches, priced_steps=len(self),
-                                        optimizer=optimizer)
-            if rows is not None:
-                self._check_untracked_rows(rows)
-        else:  # Opacus' own sampler, or a prefetching loader: the draw count is checked
-            self._ledger.count_release(optimizer)
-        sigma = optimizer.noise_multiplier
-        if padding:
-            self.step(noise_multiplier=sigma, sample_rate=sample_rate, num_steps=padding)
-        if not checked:  # after the ledger's finer checks; subclasses' bookkeeping runs here
-            self.check_draws()
-        self.step(noise_multiplier=sigma, sample_rate=sample_rate)
-        self._ledger.note_priced()
-        self._hooked_steps += 1
-
-    def _check_untracked_rows(self, rows) -> None:
-        """Rows without draw tokens (a loader that does not tag its batches): they must fit in
-        the one draw the ledger matched the step to, else the step summed several batches or
-        several rows per example, which cannot be told apart here."""
-        source = self._ledger.source
-        index = source.current_draw()
-        size = source.size_of(index) if hasattr(source, "size_of") else None
-        if size is None or rows.private_rows <= size:
-            return
-        raise LedgerError(
-            f"noisy step {len(self) + 1} summed {rows.private_rows} private rows in "
-            f"{rows.clippings} clipping pass(es), but the batch it trained on (draw {index}) "
-            f"has {size}: the step sums several batches (accumulation across "
-            f"optimizer.signal_skip_step, concatenated batches) or several rows per example "
-            f"(augmented views), and this DataLoader does not mark which example each row "
-            f"is. Fix: train on the DataLoader opacus_structured.make_private returns (it "
-            f"tracks rows, and such steps are priced), or one optimizer.step() per batch with "
-            f"one row per example; declare generated or public rows with "
-            f"opacus_structured.public(x) or `with opacus_structured.public_rows():`")
-
-    def check_draws(self) -> None:
-        """Before pricing a hooked step: the scheme's sampler must have drawn a batch for it.
-
-        Raises ``RuntimeError`` when no sampler of this scheme drew since :meth:`attach` (the
-        loader trained on is not the scheme's) or fewer batches than steps were drawn (the
-        loader checked at ``make_private`` is not the loader trained on).
-        """
-        if self._discover:
-            drawn = [s for s in verification.live_samplers_drawn_since(self._attach_tick)
-                     if verification.scheme_accepts(self.scheme, getattr(s, "scheme", None))]
-            if not drawn:
-                raise RuntimeError(
-                    f"the optimizer is stepping, but no sampler of scheme {self.scheme.name!r} "
-                    f"({self.scheme!r}) drew a batch since the accountant was attached: the "
-                    f"DataLoader trained on does not use scheme.sampler(...), so the epsilon "
-                    f"would not describe this training. Build the DataLoader with "
-                    f"batch_sampler=scheme.sampler(...) (and poisson_sampling=False in "
-                    f"make_private), or pass data_loader= to get_optimizer_hook_fn")
-            self._discover = False
-            self._draw_source = weakref.ref(drawn[0])
-            self._draws_at_attach = 0  # it had not drawn for this run before attach
-            self._ledger.bind(drawn[0])
-        source = self._draw_source() if self._draw_source is not None else None
-        if source is None:
-            return
-        drawn = source.batches_drawn - self._draws_at_attach
-        if drawn < self._hooked_steps + 1:
-            raise RuntimeError(
-                f"step {self._hooked_steps + 1} is being priced but the scheme's sampler drew "
-                f"only {drawn} batch(es) since make_private: the training loop iterates another "
-                f"DataLoader than the one make_private returned (use the returned loader)")
 
     @classmethod
     def mechanism(cls) -> str:

@@ -195,7 +195,7 @@ class RowRecorder:
         else:
             records, clipped, clippings = self.summed, self.clipped, self.clippings
         self.summed, self.forwards, self.clipped, self.clippings = [], [], 0, 0
-        if not records:
+        if not records and not clipped:
             return None
         return ReleaseRows.of(records, clipped, clippings)
 

@@ -140,8 +140,12 @@ def track_deliveries(loader) -> bool:
     (:mod:`~opacus_structured.samplers.row_provenance`). Returns whether it does now."""
     if isinstance(loader, LedgerDataLoader):
         return True
-    if not isinstance(loader, DataLoader) or ledger_source(loader) is None:
+    source = ledger_source(loader)
+    if not isinstance(loader, DataLoader) or source is None:
         return False
+    cursor = getattr(source, "cursor", None)
+    if cursor is not None and not getattr(cursor, "from_ledger_loader", False):
+        return False  # someone who knows which batch trains (DPCallback) keeps the cursor
     base = type(loader)
     tracked = _TRACKED.get(base)
     if tracked is None:

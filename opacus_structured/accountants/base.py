@@ -73,6 +73,7 @@ from ..accounting.resource_guard import ResourceBudgetError
 from ..samplers import verification
 from ..schemes import registry
 from ..schemes.base import Scheme, below_precision, best_route
+from . import parameter_guard
 from .ledger import LedgerError, ReleaseLedger
 from .release_guard import ClipNormLedger, guard_optimizer
 
@@ -139,6 +140,19 @@ def _optimizer_and_module_of_make_private(max_depth: int = 4):
                 return optimizer, frame.f_locals.get("module")
             break
     return None, None
+
+
+def _check_covered(module, optimizer) -> None:
+    """:func:`~opacus_structured.accountants.parameter_guard.check_coverage` inside Opacus'
+    ``make_private``, which has already hooked the module for per-sample gradients: on a
+    refusal the hooks are removed again, so the user's module is left as it was given."""
+    try:
+        parameter_guard.check_coverage(module, optimizer, where="make_private")
+    except parameter_guard.UncoveredParametersError:
+        close = getattr(module, "_close", None)
+        if callable(close) and module is not parameter_guard.unwrap_module(module):
+            close()
+        raise
 
 
 def accountant_class_for(scheme: Scheme) -> type:
@@ -272,15 +286,23 @@ class SchemeAccountant(IAccountant):
         """Opacus' step hook, plus the DataLoader checks of :meth:`attach`.
 
         ``data_loader`` defaults to the loader of the enclosing Opacus ``make_private`` call.
-        Raises :class:`UnboundAccountantError` for an unbound accountant.
+        Raises :class:`UnboundAccountantError` for an unbound accountant. Inside Opacus'
+        ``make_private`` it also refuses a module with trainable parameters that the DP
+        optimizer does not step (:class:`~opacus_structured.accountants.parameter_guard.
+        UncoveredParametersError`) and guards the module's parameters against other optimizers
+        (:mod:`~opacus_structured.accountants.parameter_guard`).
         """
         self._require_bound("be attached to an optimizer")
         if data_loader is None:
             data_loader = data_loader_of_make_private()
-        self.attach(data_loader)
         optimizer, module = _optimizer_and_module_of_make_private()
+        if optimizer is not None and module is not None:  # every trainable parameter is in it
+            _check_covered(module, optimizer)
+        self.attach(data_loader)
         if optimizer is not None:  # Opacus' make_private: guard before the first step
             guard_optimizer(optimizer, module)
+            if module is not None:  # no other optimizer steps the module's parameters
+                parameter_guard.guard_parameters(module, optimizer, where="make_private")
 
         def hook_fn(optim):
             self.release(optim, sample_rate=sample_rate * optim.accumulated_iterations,

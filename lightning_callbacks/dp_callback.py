@@ -18,7 +18,9 @@ one part (a class in its own module) that the callback composes:
 3. **the optimizer** (:class:`~lightning_callbacks.dp_optimizer.OptimizerWrapper`): exactly one
    optimizer, which is (or is wrapped into) an Opacus ``DPOptimizer`` or a supplied subclass
    such as a correlated-noise optimizer, in the variant for ``(ghost, distributed)``; no
-   gradient accumulation;
+   gradient accumulation; it must step every trainable parameter of the LightningModule not
+   declared public (``public_parameters=``), and no other optimizer may step them during the
+   fit (:mod:`opacus_structured.accountants.parameter_guard`);
 4. **the accounting** (:class:`~lightning_callbacks.dp_budget.PrivacyBudget`): attaches the
    accountant (``SchemeAccountant(scheme)`` or the one you pass) to the installed DataLoader,
    which checks it with the rules of Opacus' ``make_private`` path, and prices every optimizer
@@ -91,6 +93,7 @@ except ImportError:  # pragma: no cover
 from opacus.optimizers import DPOptimizer
 
 from opacus_structured._validation import check_int, check_open_unit, check_positive
+from opacus_structured.accountants import parameter_guard
 from opacus_structured.accountants.base import AccountantNotAttachedError, SchemeAccountant
 from opacus_structured.accounting import pld as pld_lib
 from opacus_structured.samplers import public_sizes
@@ -115,6 +118,14 @@ __all__ = ["DPCallback", "scheme_of_batch_sampler", "build_sampler",
            "loader_with_batch_sampler"]
 
 log = logging.getLogger(__name__)
+
+
+def _public_list(public_parameters) -> Any:
+    """``public_parameters`` kept as a list (a generator is read once, at construction)."""
+    if public_parameters is None or isinstance(public_parameters,
+                                               (str, torch.Tensor, torch.nn.Module)):
+        return public_parameters
+    return list(public_parameters)
 
 
 class DPCallback(pl.Callback):
@@ -175,6 +186,14 @@ class DPCallback(pl.Callback):
             :class:`~opacus_structured.samplers.public_sizes.DatasetSizeFromDataWarning` says
             so once, and :attr:`sampling_constants` (also ``accountant.sampling_constants``)
             records ``dataset_size_source="data"``.
+        public_parameters: parameters of the LightningModule (an iterable of parameters or
+            of names from ``named_parameters()``, or a sub-module) declared **public**:
+            trained only on public data, or not moved from private gradients. Your claim, not
+            checked. Every other trainable parameter (``requires_grad=True``) must be in the
+            optimizer ``configure_optimizers`` returns, else fit start raises
+            :class:`~opacus_structured.accountants.parameter_guard.UncoveredParametersError`
+            naming them; during the fit no other optimizer may step them
+            (:mod:`~opacus_structured.accountants.parameter_guard`).
     """
 
     #: Its batch sampler records each batch's dataset indices (``batch_indices``).
@@ -193,8 +212,10 @@ class DPCallback(pl.Callback):
                  grad_sample_mode: str = "hooks", allow_estimate: bool = False,
                  stop_on_estimate: bool = False, log_every_n_steps: int = 1,
                  dataset_size: Optional[int] = None,
-                 expected_batch_size: Optional[float] = None):
+                 expected_batch_size: Optional[float] = None, public_parameters=None):
         super().__init__()
+        #: Parameters (or names in ``pl_module.named_parameters()``) declared public.
+        self.public_parameters = _public_list(public_parameters)
         self.dataset_size, _, self.expected_batch_size = public_sizes.check_declared(
             dataset_size=dataset_size, expected_batch_size=expected_batch_size)
         #: Where the rate and the normaliser came from (set at fit start; module
@@ -300,6 +321,11 @@ class DPCallback(pl.Callback):
         if self.optimizer.generator is not None:  # a module's DPOptimizer keeps its own
             self.noise_generator = self.optimizer.generator
         self._record_sampling_constants(loader, normaliser)
+        if self.public_parameters is not None:
+            parameter_guard.declare_public_parameters(pl_module, self.public_parameters)
+        # every trainable parameter is stepped by the DP optimizer, no other optimizer steps
+        # them during the fit
+        parameter_guard.guard_parameters(pl_module, self.optimizer, where="DPCallback")
         self._module_part.attach(pl_module)
         if self.grad_sample_mode == "ghost":
             self.optimizer.attach_bookkeeper(self._module_part.hooks)
@@ -434,9 +460,11 @@ class DPCallback(pl.Callback):
 
     def on_fit_end(self, trainer, pl_module) -> None:
         self._module_part.remove()
+        parameter_guard.release_parameters(pl_module)
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         self._module_part.remove()
+        parameter_guard.release_parameters(pl_module)
 
     # ---- checkpoint state ---------------------------------------------------------------
     def _live_parts(self) -> dict[str, Any]:

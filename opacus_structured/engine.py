@@ -43,6 +43,11 @@ scheme named by the engine's accountant:
    ``random-allocation-mf`` with more than one band) the engine must be a
    :class:`~opacus_structured.optim.privacy_engine.CorrelatedNoisePrivacyEngine` and the
    strategy's ``noise_correlation`` is passed to its optimizer.
+5. **Every trainable parameter is moved only by the noisy step**: a parameter of ``module``
+   with ``requires_grad=True`` that ``optimizer`` does not step is refused before anything is
+   wrapped, unless declared public (``public_parameters=``), and no other optimizer may step
+   the module's parameters while the DP optimizer lives
+   (:mod:`opacus_structured.accountants.parameter_guard`).
 
 :func:`make_private_with_epsilon` calibrates σ with the scheme's own accountant (bisection on σ
 until ε is within ``epsilon_tolerance`` = 1% *below* the target, never above) over
@@ -88,8 +93,10 @@ in ``engine.accountant.sampling_constants`` (``dataset_size_source="data"``) wit
 
 Also accepted by both: ``sampler_generator`` (a ``torch.Generator`` for the batch sampler; by
 default OS entropy; a seeded generator makes the batches reproducible by whoever knows the
-seed — tests only) and ``discretization`` (of the
-accountant; default: the engine's accountant's, else 1e-4).
+seed — tests only), ``discretization`` (of the
+accountant; default: the engine's accountant's, else 1e-4) and ``public_parameters`` (item 5:
+parameters or names of ``module`` trained only on public data, your claim; the coverage check
+and the run-time guard leave them out).
 
 Truncated Poisson's default B: without ``max_batch_size`` (tight analysis, the scheme built
 from the DataLoader) B is :func:`default_max_batch_size`, the smallest
@@ -130,6 +137,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from ._validation import check_int, check_open_unit, check_positive
+from .accountants import parameter_guard
 from .accountants.base import SchemeAccountant, accountant_class_for
 from .accountants.release_guard import refuse_adaptive
 from .accounting import pld as pld_lib
@@ -403,6 +411,15 @@ def _refuse_adaptive_clipping(engine, clipping) -> None:
         refuse_adaptive(clipping="adaptive")
 
 
+def _check_parameters(module, optimizer, public_parameters, where: str) -> None:
+    """Declare ``public_parameters`` public (if given) and refuse trainable parameters of
+    ``module`` that ``optimizer`` does not step, before the module is hooked
+    (:mod:`~opacus_structured.accountants.parameter_guard`)."""
+    if public_parameters is not None:
+        parameter_guard.declare_public_parameters(module, public_parameters)
+    parameter_guard.check_coverage(module, optimizer, where=where)
+
+
 def _is_distributed(module) -> bool:
     return isinstance(module, (DPDDP, DDP))
 
@@ -417,7 +434,8 @@ def make_private(engine: PrivacyEngine, *, module: nn.Module, optimizer: torch.o
                  sampler_generator: Optional[torch.Generator] = None,
                  discretization: Optional[float] = None, dataset_size: Optional[int] = None,
                  sample_rate: Optional[float] = None,
-                 expected_batch_size: Optional[float] = None, **kwargs):
+                 expected_batch_size: Optional[float] = None, public_parameters=None,
+                 **kwargs):
     """``engine.make_private(...)`` for the scheme of ``engine``'s accountant (module docstring).
 
     ``module``, ``optimizer``, ``data_loader``, ``noise_multiplier``, ``max_grad_norm``,
@@ -450,6 +468,16 @@ def make_private(engine: PrivacyEngine, *, module: nn.Module, optimizer: torch.o
             :class:`~opacus_structured.samplers.public_sizes.DatasetSizeFromDataWarning` says
             so once and ``engine.accountant.sampling_constants`` records
             ``dataset_size_source="data"``.
+        public_parameters: parameters of ``module`` (an iterable of parameters or of names
+            from ``module.named_parameters()``, or a sub-module) declared **public**: trained
+            only on public data, or not moved from private gradients. Your claim, not checked.
+            Every other trainable parameter (``requires_grad=True``) must be in ``optimizer``
+            (else :class:`~opacus_structured.accountants.parameter_guard.
+            UncoveredParametersError`, naming them), and while the returned optimizer lives no
+            other optimizer may step them
+            (:class:`~opacus_structured.accountants.parameter_guard.ForeignOptimizerStepError`;
+            :mod:`~opacus_structured.accountants.parameter_guard`). ``None`` keeps an earlier
+            :func:`~opacus_structured.accountants.parameter_guard.declare_public_parameters`.
         **kwargs: the scheme's options (module table), the rest go to Opacus (e.g.
             ``noise_correlation`` to override the strategy's).
 
@@ -459,6 +487,7 @@ def make_private(engine: PrivacyEngine, *, module: nn.Module, optimizer: torch.o
         accountant is the scheme's (``engine.get_epsilon(delta)``).
     """
     _refuse_adaptive_clipping(engine, clipping)
+    _check_parameters(module, optimizer, public_parameters, "make_private")
     kwargs = dict(kwargs)
     if poisson_sampling:
         check_replaceable_sampler(data_loader, "make_private")
@@ -491,6 +520,9 @@ def _finish(engine, plan: _Plan, *, criterion, **make_private_kwargs):
         criterion = nn.CrossEntropyLoss()  # Opacus' default
     out = engine.make_private(data_loader=plan.loader, poisson_sampling=False,
                               criterion=criterion, **make_private_kwargs, **plan.opacus_kwargs)
+    # no other optimizer steps the module's parameters while this DP optimizer lives (also
+    # installed by the accountant's hook inside Opacus' make_private; idempotent)
+    parameter_guard.guard_parameters(make_private_kwargs["module"], out[1])
     if plan.normaliser is not None:
         # Opacus' make_private passes expected_batch_size=int(len(dataset) * sample_rate) to
         # the DPOptimizer itself (a second expected_batch_size= would be a duplicate keyword);
@@ -512,7 +544,8 @@ def make_private_with_epsilon(engine: PrivacyEngine, *, module: nn.Module,
                               epsilon_tolerance: float = 0.01,
                               dataset_size: Optional[int] = None,
                               sample_rate: Optional[float] = None,
-                              expected_batch_size: Optional[float] = None, **kwargs):
+                              expected_batch_size: Optional[float] = None,
+                              public_parameters=None, **kwargs):
     """``engine.make_private_with_epsilon(...)`` priced by the scheme's own accountant.
 
     Builds the scheme and its DataLoader as :func:`make_private` does, then finds the noise
@@ -527,12 +560,14 @@ def make_private_with_epsilon(engine: PrivacyEngine, *, module: nn.Module,
     Carlo estimate: certify σ with Algorithm 5, ``opacus-structured bminsep-mc certify``, and
     pass it to :func:`make_private`), and
     :class:`~opacus_structured.accounting.calibration.CalibrationError` if no σ ≤ 10⁴ meets the
-    target.
+    target. ``public_parameters``: as in :func:`make_private` (trainable parameters that
+    ``optimizer`` does not step are refused unless declared public).
     """
     target_epsilon = check_positive("target_epsilon", target_epsilon)
     target_delta = check_open_unit("target_delta", target_delta)
     epochs = check_int("epochs", epochs, minimum=1)
     _refuse_adaptive_clipping(engine, clipping)
+    _check_parameters(module, optimizer, public_parameters, "make_private_with_epsilon")
     kwargs = dict(kwargs)
     if poisson_sampling:
         check_replaceable_sampler(data_loader, "make_private_with_epsilon")

@@ -16,6 +16,7 @@ import weakref
 from typing import Optional
 
 from ..samplers import verification
+from . import parameter_guard
 from .ledger import LedgerError
 from .release_guard import guard_optimizer
 from .release_rows import recorder_of
@@ -65,6 +66,19 @@ def _optimizer_and_module_of_make_private(max_depth: int = 4):
     return None, None
 
 
+def _check_covered(module, optimizer) -> None:
+    """:func:`~opacus_structured.accountants.parameter_guard.check_coverage` inside Opacus'
+    ``make_private``, which has already hooked the module for per-sample gradients: on a
+    refusal the hooks are removed again, so the user's module is left as it was given."""
+    try:
+        parameter_guard.check_coverage(module, optimizer, where="make_private")
+    except parameter_guard.UncoveredParametersError:
+        close = getattr(module, "_close", None)
+        if callable(close) and module is not parameter_guard.unwrap_module(module):
+            close()
+        raise
+
+
 class AttachmentMixin:
     """Attachment to a training run (module docstring)."""
 
@@ -111,19 +125,27 @@ class AttachmentMixin:
         """Opacus' step hook, plus the DataLoader checks of :meth:`attach`.
 
         ``data_loader`` defaults to the loader of the enclosing Opacus ``make_private`` call.
-        Raises :class:`UnboundAccountantError` for an unbound accountant.
+        Raises :class:`UnboundAccountantError` for an unbound accountant. Inside Opacus'
+        ``make_private`` it also refuses a module with trainable parameters that the DP
+        optimizer does not step (:class:`~opacus_structured.accountants.parameter_guard.
+        UncoveredParametersError`) and guards the module's parameters against other optimizers
+        (:mod:`~opacus_structured.accountants.parameter_guard`).
         """
         self._require_bound("be attached to an optimizer")
         if data_loader is None:
             data_loader = data_loader_of_make_private()
+        optimizer, module = _optimizer_and_module_of_make_private()
+        if optimizer is not None and module is not None:  # every trainable parameter is in it
+            _check_covered(module, optimizer)
         self.attach(data_loader)
         if data_loader is not None:  # its batches then carry row tokens (release_rows)
             from ..samplers.ledger_loader import track_deliveries  # (import cycle via opacus)
 
             track_deliveries(data_loader)
-        optimizer, module = _optimizer_and_module_of_make_private()
         if optimizer is not None:  # Opacus' make_private: guard before the first step
             guard_optimizer(optimizer, module)
+            if module is not None:  # no other optimizer steps the module's parameters
+                parameter_guard.guard_parameters(module, optimizer, where="make_private")
 
         def hook_fn(optim):
             self.release(optim, sample_rate=sample_rate * optim.accumulated_iterations,

@@ -32,6 +32,7 @@ from opacus import PrivacyEngine
 from opacus.optimizers import get_optimizer_class
 from opacus.optimizers.optimizer import DPOptimizer
 
+from ..accountants import parameter_guard
 from ..accountants.base import SchemeAccountant
 from ..schemes.base import noise_bands
 from .correlated_noise import correlated_optimizer_class
@@ -55,10 +56,25 @@ class CorrelatedNoisePrivacyEngine(PrivacyEngine):
         if scheme is not None:
             self.accountant = SchemeAccountant(scheme)
 
-    def make_private(self, *args, **kwargs):
+    def make_private(self, *args, public_parameters=None, **kwargs):
         """Opacus' ``make_private``; in ghost mode the returned criterion also refuses a
-        per-sample loss that is not 1-d (see :class:`CheckedGhostLoss`)."""
+        per-sample loss that is not 1-d (see :class:`CheckedGhostLoss`).
+
+        Whatever the accountant, every trainable parameter of ``module`` must be in
+        ``optimizer`` unless declared public (``public_parameters=``: parameters or names,
+        your claim that they are trained only on public data); refused before the module is
+        wrapped (:class:`~opacus_structured.accountants.parameter_guard.
+        UncoveredParametersError`), and no other optimizer may step the module's parameters
+        while the returned optimizer lives (:mod:`~opacus_structured.accountants.
+        parameter_guard`)."""
+        module, optimizer = kwargs.get("module"), kwargs.get("optimizer")
+        if module is not None and public_parameters is not None:
+            parameter_guard.declare_public_parameters(module, public_parameters)
+        if module is not None and optimizer is not None:
+            parameter_guard.check_coverage(module, optimizer, where="make_private")
         out = super().make_private(*args, **kwargs)
+        if module is not None:
+            parameter_guard.guard_parameters(module, out[1], where="make_private")
         if len(out) == 4:
             module, optimizer, criterion, loader = out
             return module, optimizer, CheckedGhostLoss(criterion), loader

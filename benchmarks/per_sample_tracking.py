@@ -56,8 +56,8 @@ from lightning_callbacks.gdp_filter import IndividualGDPFilter
 from lightning_callbacks.per_sample_epsilon import PerSampleEpsilonTracker
 from opacus_structured.accountants.release_guard import guard_optimizer
 from opacus_structured.accountants.release_rows import install_recorder
-from opacus_structured.samplers.row_provenance import tag_batch
 from opacus_structured.accounting.individual_gdp import ApproximateIndividualPLDAccountant
+from opacus_structured.samplers.row_provenance import tag_batch
 
 VARIANTS = ("stock", "guarded", "filter", "tracker", "tracker-small", "both", "tracker+pld",
             "rows")

@@ -8,28 +8,29 @@ from __future__ import annotations
 import itertools
 
 import pytest
-
-from opacus_structured.schemes import registry
-
 from redteam import (
     LIGHTNING_SHAPES,
     MAY_RAISE,
     MUST_RAISE,
-    STOCK_SHAPES,
-    run_stock_case,
     SCHEMES,
     SHAPES,
+    STOCK_SHAPES,
     judge,
     run_case,
     run_lightning_case,
+    run_stock_case,
 )
 
+from opacus_structured.schemes import registry
+
 FAST_SHAPES = ("plain", "skip2", "break", "double_step", "rewrap", "stale_reload",
-               "resume_checkpoint")
+               "resume_checkpoint", "skip_accumulate2", "two_views", "cached", "prefetched",
+               "peek", "public_fakes", "reuse_cached", "sampler_mutation")
 
 #: Shapes also run with 2 workers (where prefetching could hide which batch a step used).
 WORKER_SHAPES = ("plain", "skip2", "break", "eval_draw", "early_stop", "double_step",
-                 "resume_checkpoint")
+                 "resume_checkpoint", "skip_accumulate2", "concat2", "two_views", "cached",
+                 "prefetched", "rebuilt", "peek", "reuse_cached")
 CASES = [(s, sh, w) for s, sh, w in itertools.product(SCHEMES, SHAPES, (0, 2))
          if w == 0 or sh in WORKER_SHAPES]
 
@@ -46,8 +47,12 @@ def test_loop_never_under_reports(scheme, shape, workers):
 
 
 def test_grid_size():
+    """Issue 39 grew the grid: draws per release (1, 2, 3), rows per example (1, 2),
+    delivery (live, cached, prefetched, rebuilt, a look first), public rows, a batch trained
+    twice and sampler mutation, on every scheme and both paths (and DPCallback where the
+    shape applies)."""
     total = len(CASES) + len(LIGHTNING_CASES) + len(STOCK_CASES)
-    assert total >= 200
+    assert total >= 600
     assert MUST_RAISE <= MAY_RAISE <= set(SHAPES)
 
 
@@ -61,9 +66,17 @@ def test_every_registered_scheme_is_in_the_grid():
     assert not missing, f"add an instance of {sorted(missing)} to tests/redteam.py SCHEMES"
 
 
-STOCK_CASES = list(itertools.product(("poisson", "shuffle"), STOCK_SHAPES, (0, 2)))
+STOCK_ROW_SHAPES = ("skip_accumulate2", "concat2", "two_views", "cached", "prefetched",
+                    "public_fakes", "reuse_cached", "accumulate", "stale_reload", "peek",
+                    "sampler_mutation")
+STOCK_CASES = list(itertools.product(("poisson", "shuffle"), STOCK_SHAPES + STOCK_ROW_SHAPES,
+                                     (0, 2)))
 STOCK_FAST = {("poisson", "plain", 0), ("poisson", "other_loader", 0),
-              ("poisson", "double_step", 0), ("shuffle", "break", 0)}
+              ("poisson", "double_step", 0), ("shuffle", "break", 0),
+              ("poisson", "skip_accumulate2", 0), ("poisson", "two_views", 0),
+              ("poisson", "cached", 2), ("shuffle", "concat2", 0),
+              ("shuffle", "prefetched", 0), ("shuffle", "public_fakes", 0),
+              ("poisson", "sampler_mutation", 0)}
 
 
 @pytest.mark.parametrize("accountant,shape,workers", [
@@ -77,7 +90,8 @@ LIGHTNING_CASES = [(s, sh, w) for s, sh, w in itertools.product(
     [s for s in SCHEMES if not isinstance(SCHEMES[s], str)], LIGHTNING_SHAPES, (0, 2))
     if w == 0 or sh in ("plain", "skip2")]
 LIGHTNING_FAST = {("poisson", "skip2"), ("bandmf-banded", "limit_train_batches"),
-                  ("balls-in-bins", "max_steps")}
+                  ("balls-in-bins", "max_steps"), ("shuffle", "two_views"),
+                  ("balls-in-bins", "public_fakes")}
 
 
 @pytest.mark.parametrize("scheme,shape,workers", [

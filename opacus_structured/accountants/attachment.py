@@ -95,7 +95,10 @@ class AttachmentMixin:
         :func:`~opacus_structured.samplers.verification.check_data_loader`; raises
         ``ValueError`` naming the fix otherwise) and its draws are checked at every hooked step.
         Without one, the first hooked step looks for the sampler of this scheme that drew since
-        now and raises if none did. Called by :meth:`get_optimizer_hook_fn` (with the loader of
+        now and raises if none did. The loader is made to deliver as a
+        :class:`~opacus_structured.samplers.ledger_loader.LedgerDataLoader` (its batches carry
+        row tokens; :func:`~opacus_structured.samplers.ledger_loader.track_deliveries`) unless
+        someone who knows which batch trains (``DPCallback``) holds the sampler's cursor. Called by :meth:`get_optimizer_hook_fn` (with the loader of
         Opacus' ``make_private``), ``CorrelatedNoisePrivacyEngine`` and ``DPCallback``.
         """
         self._require_bound("be attached to an optimizer")
@@ -103,6 +106,8 @@ class AttachmentMixin:
         exact = True
         if data_loader is not None:
             source = verification.check_data_loader(self.scheme, data_loader)
+            # its batches then carry row tokens and report their draws (release_rows)
+            verification.track_deliveries(data_loader)
             exact = verification.sees_trained_batch(data_loader, source)
             if not exact and not self.scheme.accepts_new_stream:
                 raise ValueError(
@@ -138,10 +143,6 @@ class AttachmentMixin:
         if optimizer is not None and module is not None:  # every trainable parameter is in it
             _check_covered(module, optimizer)
         self.attach(data_loader)
-        if data_loader is not None:  # its batches then carry row tokens (release_rows)
-            from ..samplers.ledger_loader import track_deliveries  # (import cycle via opacus)
-
-            track_deliveries(data_loader)
         if optimizer is not None:  # Opacus' make_private: guard before the first step
             guard_optimizer(optimizer, module)
             if module is not None:  # no other optimizer steps the module's parameters
@@ -187,6 +188,8 @@ class AttachmentMixin:
                 self._check_untracked_rows(rows)
         else:  # Opacus' own sampler, or a prefetching loader: the draw count is checked
             self._ledger.count_release(optimizer)
+            if rows is not None:
+                self._check_untracked_rows(rows)
         sigma = optimizer.noise_multiplier
         if padding:
             self.step(noise_multiplier=sigma, sample_rate=sample_rate, num_steps=padding)
@@ -200,9 +203,16 @@ class AttachmentMixin:
         """Rows without draw tokens (a loader that does not tag its batches): they must fit in
         the one draw the ledger matched the step to, else the step summed several batches or
         several rows per example, which cannot be told apart here."""
-        source = self._ledger.source
-        index = source.current_draw()
-        size = source.size_of(index) if hasattr(source, "size_of") else None
+        source = self._ledger.source if self._ledger.source is not None else (
+            self._draw_source() if self._draw_source is not None else None)
+        if source is None or not hasattr(source, "size_of"):
+            return
+        if self._exact_cursor:
+            index = source.current_draw()
+            size = source.size_of(index)
+        else:  # a prefetching loader: the step's batch is one of the recent draws
+            index, sizes = "unknown", source.__dict__.get("_draw_sizes", {})
+            size = max(sizes.values()) if sizes else None
         if size is None or rows.private_rows <= size:
             return
         raise LedgerError(

@@ -23,7 +23,12 @@ from typing import Optional
 from torch.utils.data import DataLoader
 
 from .row_provenance import tag_batch
-from .verification import DrawLedger, FrozenParameters, innermost_sampler
+from .verification import (
+    DrawLedger,
+    FrozenParameters,
+    innermost_sampler,
+    register_delivery_tracker,
+)
 
 __all__ = ["LedgerDataLoader", "ledger_source", "track_deliveries"]
 
@@ -32,7 +37,10 @@ def ledger_source(loader) -> Optional[DrawLedger]:
     """The sampler of ``loader`` that keeps draw records (innermost wrapped sampler), or
     ``None``."""
     inner = innermost_sampler(getattr(loader, "batch_sampler", None))
-    return inner if isinstance(inner, DrawLedger) else None
+    if isinstance(inner, DrawLedger):
+        return inner
+    counter = getattr(inner, "sampler", None)  # a stock BatchSampler's counted index sampler
+    return counter if isinstance(counter, DrawLedger) else None
 
 
 def _check_parameters(batch_sampler) -> None:
@@ -125,7 +133,8 @@ class LedgerDataLoader(DataLoader):
             source.cursor = _Delivery()
         if source.__dict__.get("_undelivered") is None:
             source._undelivered = deque()  # before the iterator prefetches
-        if self.num_workers > 0 and source.__dict__.get("_states_after") is None:
+        if self.num_workers > 0 and source.__dict__.get("_states_after") is None \
+                and callable(getattr(source, "state_dict", None)):
             source._states_after = {}      # states after prefetched draws, for checkpoints
         _replay_unreleased_draws(source)
         source._ledger_started = True      # read by the sampler's next iteration
@@ -157,3 +166,4 @@ def track_deliveries(loader) -> bool:
 
 _TRACKED: dict = {}
 
+register_delivery_tracker(track_deliveries)

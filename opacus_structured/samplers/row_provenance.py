@@ -340,11 +340,102 @@ def _result_provenance(name, args, kwargs, out, tracked) -> Optional[Provenance]
         if common.dim == 0 and out.shape[0] == rows:
             return common
         return None
-    if name in ("unsqueeze", "squeeze", "transpose", "swapaxes", "swapdims", "permute",
-                "movedim", "t", "T", "mT"):
-        for d in range(out.dim()):
-            if out.shape[d] == rows and sum(1 for s in out.shape if s == rows) == 1:
-                return Provenance.exact(common.tokens, d)
+    moved = _moved_row_dim(name, args, kwargs, common.dim, args[0].dim()
+                           if isinstance(args[0], torch.Tensor) else 0)
+    if moved is not None:
+        return Provenance.exact(common.tokens, moved) if out.dim() > moved \
+            and out.shape[moved] == rows else None
+    if name in _PER_ROW_DIMS and args and isinstance(args[0], PrivateRows):
+        dims = _dims_touched(name, args, kwargs, args[0].dim())
+        if dims is not None and common.dim not in dims and out.dim() > common.dim \
+                and out.shape[common.dim] == rows:
+            return common
+    return None
+
+
+#: Operations that act along the dimensions they are given (``dim`` / ``dims`` / ``axis``) or,
+#: for padding, interpolation, normalisation and ``x @ W``, along the trailing dimensions:
+#: their rows are their input's rows when the row dimension is not among those dimensions.
+_PER_ROW_DIMS = _names(
+    "sum", "mean", "nansum", "nanmean", "std", "var", "amax", "amin", "max", "min", "norm",
+    "logsumexp", "prod", "cumsum", "cumprod", "argmax", "argmin", "softmax", "log_softmax",
+    "flip", "roll", "rot90", "normalize", "pad", "interpolate", "layer_norm", "matmul",
+    "__matmul__", "mm", "linear", "unfold", "diff", "sort", "topk", "median")
+
+
+def _axis(value, ndim: int):
+    if isinstance(value, (list, tuple)):
+        return {int(v) % ndim for v in value}
+    return {int(value) % ndim}
+
+
+def _dims_touched(name, args, kwargs, ndim: int) -> Optional[set]:
+    """The dimensions ``name`` reduces, mixes or moves data along (``None``: unknown or all)."""
+    if ndim == 0:
+        return None
+    if name in ("pad",):
+        pad = args[1] if len(args) > 1 else kwargs.get("pad")
+        return None if pad is None else set(range(ndim - len(pad) // 2, ndim))
+    if name in ("interpolate",):
+        return set(range(2, ndim))
+    if name in ("layer_norm",):
+        shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
+        return None if shape is None else set(range(ndim - len(tuple(shape)), ndim))
+    if name in ("matmul", "__matmul__", "mm", "linear"):
+        other = args[1] if len(args) > 1 else kwargs.get("weight", kwargs.get("other"))
+        return None if isinstance(other, PrivateRows) or ndim < 2 else {ndim - 1}
+    if name == "normalize":
+        return _axis(kwargs.get("dim", args[2] if len(args) > 2 else 1), ndim)
+    if name == "rot90":
+        return _axis(kwargs.get("dims", args[2] if len(args) > 2 else (0, 1)), ndim)
+    if name in ("flip", "roll"):
+        key = "dims"
+        position = 1 if name == "flip" else 2
+        value = kwargs.get(key, args[position] if len(args) > position else None)
+        return None if value is None else _axis(value, ndim)
+    for key in ("dim", "axis"):
+        if key in kwargs and kwargs[key] is not None:
+            return _axis(kwargs[key], ndim)
+    if len(args) > 1 and isinstance(args[1], (int, list, tuple)) and not isinstance(args[1],
+                                                                                      bool):
+        return _axis(args[1], ndim)
+    return None  # a reduction over every dimension
+
+
+def _moved_row_dim(name, args, kwargs, dim: int, ndim: int) -> Optional[int]:
+    """Where the row dimension ``dim`` goes under a dimension-moving operation (``None``: not
+    such an operation, or the rows cannot be followed)."""
+    def arg(i, key, default=None):
+        return kwargs.get(key, args[i] if len(args) > i else default)
+
+    try:
+        if name == "unsqueeze":
+            d = int(arg(1, "dim"))
+            d = d % (ndim + 1)
+            return dim + 1 if d <= dim else dim
+        if name == "squeeze":
+            d = arg(1, "dim")
+            if d is None:
+                shape = args[0].shape
+                return dim - sum(1 for i in range(dim) if shape[i] == 1)
+            ds = _axis(d, ndim)
+            return None if dim in ds else dim - sum(1 for i in ds if i < dim)
+        if name in ("transpose", "swapaxes", "swapdims"):
+            a, b = int(arg(1, "dim0")) % ndim, int(arg(2, "dim1")) % ndim
+            return b if dim == a else a if dim == b else dim
+        if name in ("t", "T") and ndim == 2:
+            return 1 - dim
+        if name == "permute":
+            order = args[1:] if len(args) > 2 else arg(1, "dims")
+            order = [int(o) % ndim for o in (order if isinstance(order, (list, tuple))
+                                              else [order])]
+            return order.index(dim)
+        if name == "movedim":
+            src, dst = _axis(arg(1, "source"), ndim), arg(2, "destination")
+            if dim in src and len(src) == 1:
+                return int(dst) % ndim
+            return None
+    except (TypeError, ValueError, IndexError):
         return None
     return None
 
@@ -359,7 +450,7 @@ def _concat_provenance(args, kwargs) -> Optional[Provenance]:
     dim = dim + ndim if isinstance(dim, int) and dim < 0 else dim
     if dim == 0:
         parts = []
-        for t, p in zip(tensors, provs):
+        for t, p in zip(tensors, provs, strict=True):
             if p is None:
                 parts.append(np.full(t.shape[0] if t.dim() else 1, UNTRACKED, dtype=np.int64))
             elif not p.is_exact or p.dim != 0:
@@ -424,7 +515,7 @@ class PrivateRows(torch.Tensor):
             provs = _split_provenances(name, args, kwargs, out)
             if provs is not None:
                 return type(out)(_wrap(o, p) if isinstance(o, torch.Tensor) else o
-                                 for o, p in zip(out, provs))
+                                 for o, p in zip(out, provs, strict=True))
         if name in _OWN_ROWS and isinstance(args[0], PrivateRows):
             others = [t for t in tracked if t is not args[0]]
             if others and _same_rows([args[0], *others]) is None:

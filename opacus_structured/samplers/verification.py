@@ -296,6 +296,22 @@ class DrawLedger(FrozenParameters):
             self.fingerprint = str(state["fingerprint"])
 
 
+_DELIVERY_TRACKERS: list = []
+
+
+def register_delivery_tracker(tracker) -> None:
+    """Register ``tracker(loader) -> bool`` (:func:`~opacus_structured.samplers.ledger_loader.
+    track_deliveries`, registered when that module is imported: it needs this one)."""
+    if tracker not in _DELIVERY_TRACKERS:
+        _DELIVERY_TRACKERS.append(tracker)
+
+
+def track_deliveries(loader) -> bool:
+    """Make ``loader``'s batches carry row tokens (see the registered tracker); ``False``
+    when it cannot."""
+    return any(tracker(loader) for tracker in _DELIVERY_TRACKERS)
+
+
 def adopt_scheme(given: Optional[Scheme], own: Scheme, owner: str) -> Scheme:
     """The scheme a sampler carries: ``given`` if it draws the batches ``own`` (the scheme the
     sampler's parameters describe) draws — same :meth:`~Scheme.batch_distribution` — else

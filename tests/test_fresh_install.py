@@ -55,6 +55,7 @@ EXAMPLE_ARGS = {
     "swap_accountant_opacus.py": ["--scheme", "all", "--epochs", "1", "--steps-per-epoch", "5",
                                   "--discretization", "1e-2"],
     "truncated_poisson.py": [],
+    "what_a_step_sums.py": [],
 }
 
 

@@ -82,6 +82,12 @@ def _check_covered(module, optimizer) -> None:
 class AttachmentMixin:
     """Attachment to a training run (module docstring)."""
 
+    @property
+    def released_steps(self) -> int:
+        """Noisy steps released through the step hook (a step that summed ``K`` draws counts
+        once here and ``K`` times in ``len(accountant)``, the scheme steps priced)."""
+        return self._ledger.releases
+
     # ---- attachment to a training run ----------------------------------------------------
     @property
     def attached(self) -> bool:

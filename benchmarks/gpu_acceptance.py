@@ -28,7 +28,8 @@ issue     check                   target
 8         ``per_sample_tracking`` ``benchmarks/per_sample_tracking.py`` (10⁶ tracked
                                   examples): step-time overhead of the per-sample ε tracker
                                   and of the individual GDP filter each ≤ 3 % of a plain
-                                  DP-SGD step (``both`` and ``tracker+pld`` are reported).
+                                  DP-SGD step (``both`` and ``tracker+pld`` are reported);
+                                  issue 39: the release-row record (``rows``) ≤ 3 % too.
 9         ``distributed_one_gpu`` the CUDA-marked DDP test of ``tests/test_distributed.py``
                                   with two gloo ranks sharing one GPU (correlated noise;
                                   parameters equal the single-process CUDA run).
@@ -307,7 +308,8 @@ def eval_per_sample_tracking(data: dict) -> list[Result]:
         note += f" (issue: {TRACKING_EXAMPLES:,})"
     plain = _num(steps.get("plain"))
     out = []
-    for mode, what in (("tracker", "per-sample ε tracker"), ("filter", "individual GDP filter")):
+    for mode, what in (("tracker", "per-sample ε tracker"), ("filter", "individual GDP filter"),
+                       ("rows", "release-row record (issue 39)")):
         pct = _num(over.get(mode))
         if pct is None:
             out.append(_err(iss, chk, what, target, f"no overhead_pct[{mode!r}]"))

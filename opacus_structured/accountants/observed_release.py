@@ -112,10 +112,13 @@ class ObservedReleaseMixin:
         parts = len(rows.multiplicity) + (1 if loose else 0)
         if self.scheme.release_policy == "exact" and (parts > 1 or loose):
             raise LedgerError(self._exact_message(rows, step_no))
-        if self._discover:
+        discovered = self._discover
+        if discovered:
             self.check_draws()
         padding = self._ledger.take(self.scheme, priced_steps=len(self), optimizer=optimizer,
                                     draws=rows.draws)
+        if not discovered:  # after the ledger; subclasses' bookkeeping runs here (shuffle)
+            self.check_draws()
         scale = math.sqrt(max(parts, 1))
         if padding:
             self.step(noise_multiplier=sigma, sample_rate=sample_rate, num_steps=padding)

@@ -48,7 +48,8 @@ def _data():
                          torch.arange(N))
 
 
-def _run(loop, *, accountant="poisson", passes=3, engine_cls=PrivacyEngine, **kwargs):
+def _private(accountant="poisson", engine_cls=PrivacyEngine, **kwargs):
+    """``(engine, model, optimizer, loader)`` of a fresh run through ``make_private``."""
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -57,6 +58,11 @@ def _run(loop, *, accountant="poisson", passes=3, engine_cls=PrivacyEngine, **kw
         engine, module=model, optimizer=opt, data_loader=DataLoader(_data(), batch_size=B),
         noise_multiplier=SIGMA, max_grad_norm=1.0, dataset_size=N,
         sampler_generator=torch.Generator().manual_seed(7), **kwargs)
+    return engine, model, opt, loader
+
+
+def _run(loop, *, accountant="poisson", passes=3, engine_cls=PrivacyEngine, **kwargs):
+    engine, model, opt, loader = _private(accountant, engine_cls, **kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(passes):
@@ -201,14 +207,7 @@ def test_declared_public_rows_cost_nothing_and_undeclared_ones_are_priced_unampl
 
 
 def _run_warned(loop):
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    engine = PrivacyEngine(accountant="poisson")
-    model, opt, loader = opacus_structured.make_private(
-        engine, module=model, optimizer=opt, data_loader=DataLoader(_data(), batch_size=B),
-        noise_multiplier=SIGMA, max_grad_norm=1.0, dataset_size=N,
-        sampler_generator=torch.Generator().manual_seed(7))
+    engine, model, opt, loader = _private()
     for _ in range(3):
         loop(model, opt, loader)
     return engine
@@ -294,14 +293,8 @@ def test_a_look_before_training_is_replayed_under_correlated_noise():
     from opacus_structured.optim.privacy_engine import CorrelatedNoisePrivacyEngine
 
     def run(peek):
-        torch.manual_seed(0)
-        model = nn.Linear(4, 2)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        engine = CorrelatedNoisePrivacyEngine(accountant="bandmf-cyclic-poisson")
-        model, opt, loader = opacus_structured.make_private(
-            engine, module=model, optimizer=opt, data_loader=DataLoader(_data(), batch_size=B),
-            noise_multiplier=SIGMA, max_grad_norm=1.0, bands=2, epochs=2, dataset_size=N,
-            sampler_generator=torch.Generator().manual_seed(7))
+        engine, model, opt, loader = _private("bandmf-cyclic-poisson",
+                                              CorrelatedNoisePrivacyEngine, bands=2, epochs=2)
         seen = []
         if peek:
             next(iter(loader))
@@ -319,14 +312,7 @@ def test_a_look_before_training_is_replayed_under_correlated_noise():
 
 def test_reloading_the_best_epoch_keeps_every_released_step():
     """The best-checkpoint pattern: save at epoch 1, train to epoch 3, load_checkpoint."""
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    engine = PrivacyEngine(accountant="poisson")
-    model, opt, loader = opacus_structured.make_private(
-        engine, module=model, optimizer=opt, data_loader=DataLoader(_data(), batch_size=B),
-        noise_multiplier=SIGMA, max_grad_norm=1.0, dataset_size=N,
-        sampler_generator=torch.Generator().manual_seed(7))
+    engine, model, opt, loader = _private()
     with tempfile.TemporaryDirectory() as tmp:
         for epoch in range(3):
             for x, y, _ in loader:

@@ -97,6 +97,19 @@ class ReleaseRows:
 
     _row_counts: dict = field(default_factory=dict, repr=False)
 
+    def _count_tokens(self, allt: np.ndarray) -> None:
+        self.public += int((allt == rp.PUBLIC).sum())
+        self.untracked += int((allt == rp.UNTRACKED).sum())
+        valid = allt[allt >= 0]
+        if not len(valid):
+            return
+        values, counts = np.unique(valid, return_counts=True)
+        draws = values >> rp.POSITION_BITS
+        for d in np.unique(draws):
+            sel = draws == d
+            self.multiplicity[int(d)] = int(counts[sel].max())
+            self._row_counts[int(d)] = int(counts[sel].sum())
+
     @staticmethod
     def of(records: list[ForwardRecord], clipped: Optional[int],
            clippings: int) -> "ReleaseRows":
@@ -116,17 +129,15 @@ class ReleaseRows:
             else:
                 out.untracked += rec.rows
         if tokens:
-            allt = np.concatenate(tokens)
-            out.public += int((allt == rp.PUBLIC).sum())
-            out.untracked += int((allt == rp.UNTRACKED).sum())
-            valid = allt[allt >= 0]
-            if len(valid):
-                values, counts = np.unique(valid, return_counts=True)
-                draws = values >> rp.POSITION_BITS
-                for d in np.unique(draws):
-                    sel = draws == d
-                    out.multiplicity[int(d)] = int(counts[sel].max())
-                    out._row_counts[int(d)] = int(counts[sel].sum())
+            allt = tokens[0] if len(tokens) == 1 else np.concatenate(tokens)
+            if len(allt) and allt[0] >= 0 and bool((allt[1:] > allt[:-1]).all()) \
+                    and allt[0] >> rp.POSITION_BITS == allt[-1] >> rp.POSITION_BITS:
+                # the common step: rows of one draw, each once, in order (no sort needed)
+                draw = int(allt[0] >> rp.POSITION_BITS)
+                out.multiplicity[draw] = 1
+                out._row_counts[draw] = len(allt)
+            else:
+                out._count_tokens(allt)
         if clipped is not None and clipped > recorded:
             out.untracked += clipped - recorded  # rows no recorded forward explains
         return out

@@ -176,8 +176,9 @@ def tag_batch(batch, draw: int, rows: Optional[int] = None):
     rows = _first_rows(batch) if rows is None else int(rows)
     if rows is None or rows >= _POSITIONS:
         return batch
-    exact = Provenance.exact(int(draw) * _POSITIONS + np.arange(rows, dtype=np.int64))
-    mixed = Provenance.mixed({int(draw)}, "a batch leaf of another size")
+    draws = frozenset((int(draw),))  # known: no pass over the tokens
+    exact = Provenance(int(draw) * _POSITIONS + np.arange(rows, dtype=np.int64), draws)
+    mixed = Provenance(None, draws, 0, "a batch leaf of another size")
 
     def tag(t):
         if isinstance(t, PrivateRows):

@@ -157,6 +157,12 @@ def test_per_sample_tracking_overhead():
     data = tracking()
     del data["overhead_pct"]["filter"]
     assert statuses("per_sample_tracking", data)[:2] == ["PASS", "ERROR"]
+    # issue 39: the release-row record is judged when the JSON has it (≤ 3 %)
+    data = tracking()
+    data["overhead_pct"]["rows"] = 1.2
+    assert statuses("per_sample_tracking", data)[:3] == ["PASS", "PASS", "PASS"]
+    data["overhead_pct"]["rows"] = 3.5
+    assert statuses("per_sample_tracking", data)[:3] == ["PASS", "PASS", "FAIL"]
 
 
 # ---- issue 9 and the cuda tests ---------------------------------------------------------------

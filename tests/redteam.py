@@ -209,7 +209,11 @@ class _Loop:
         peek = getattr(self.optimizer, "_check_skip_next_step", None)
         if peek is not None and peek(pop_next=False):
             self.optimizer.step()  # BatchMemoryManager: a physical batch, not a noisy step
+            self._physical = True
             return
+        if getattr(self, "_physical", False):  # the physical batches of one logical batch
+            self._parts = [(tuple(sorted(k for keys, _ in self._parts for k in keys)), 1)]
+            self._physical = False
         # recorded before the step: a step the accountant refuses was still attempted
         self.released.append(tuple(sorted(self._accumulated)))
         self.parts.append(list(self._parts))

@@ -130,6 +130,7 @@ class AttachmentMixin:
         self._draw_source = None if source is None else weakref.ref(source)
         self._draws_at_attach = 0 if source is None else source.batches_drawn
         self._exact_cursor = exact
+        self._loader_workers = int(getattr(data_loader, "num_workers", 0) or 0)
         self._ledger.bind(source)
 
     def get_optimizer_hook_fn(self, sample_rate: float, *, data_loader=None):
@@ -184,10 +185,11 @@ class AttachmentMixin:
                 self._release_observed(optimizer, rows, base_rate)
                 return
             sample_rate, batches = base_rate, 1  # the rows say what was summed
-        checked = self._discover or not (self._exact_cursor and self._ledger.source is not None)
+        exact = self._exact_cursor and not self._prefetched_elsewhere()
+        checked = self._discover or not (exact and self._ledger.source is not None)
         if checked:
             self.check_draws()  # finds the sampler (discovery), or counts draws
-        if self._exact_cursor and self._ledger.source is not None:
+        if exact and self._ledger.source is not None:
             padding = self._ledger.take(self.scheme, batches=batches, priced_steps=len(self),
                                         optimizer=optimizer)
             if rows is not None:
@@ -205,6 +207,17 @@ class AttachmentMixin:
         self._ledger.note_priced()
         self._hooked_steps += 1
 
+    def _prefetched_elsewhere(self) -> bool:
+        """The sampler is iterated by a DataLoader other than the tagging one (e.g. Opacus'
+        ``BatchMemoryManager`` wraps the loader in its own) that prefetches with workers: its
+        latest draw is not the batch being trained on, so only the draw count is checked."""
+        source = self._ledger.source
+        if source is None or source.__dict__.get("_ledger_iteration", True):
+            return False
+        cursor = source.cursor  # None, or the tagging loader's: nobody else knows the batch
+        return (cursor is None or getattr(cursor, "from_ledger_loader", False)) \
+            and self._loader_workers > 0
+
     def _check_untracked_rows(self, rows) -> None:
         """Rows without draw tokens (a loader that does not tag its batches): they must fit in
         the one draw the ledger matched the step to, else the step summed several batches or
@@ -213,7 +226,7 @@ class AttachmentMixin:
             self._draw_source() if self._draw_source is not None else None)
         if source is None or not hasattr(source, "size_of"):
             return
-        if self._exact_cursor:
+        if self._exact_cursor and not self._prefetched_elsewhere():
             index = source.current_draw()
             size = source.size_of(index)
         else:  # a prefetching loader: the step's batch is one of the recent draws

@@ -165,6 +165,7 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, IAccountant):
         self._discover = False      # find the drawing sampler at the first step
         self._ledger = ReleaseLedger()  # which draw each released step trained on
         self._exact_cursor = True   # the ledger sees the batch each step trains on
+        self._loader_workers = 0    # num_workers of the loader attached
         self._clip_norms = ClipNormLedger()  # one clip norm for clipping and noise (issue 29.9)
         self._init_observed()  # steps priced from the rows they summed (issue 39)
 

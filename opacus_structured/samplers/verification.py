@@ -510,6 +510,7 @@ class _CountingPoissonSampler(DrawLedger):
         return self._opacus_class.__name__
 
     def __iter__(self):
+        self._begin_draws()
         batches = self._opacus_class.__iter__(self)
         while True:
             self._check_law()  # Opacus' loop reads sample_rate afresh at every draw
@@ -661,6 +662,7 @@ class PermutationCounter(DrawLedger, Sampler[int]):
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[int]:
+        self._begin_draws()
         self._check_law()
         self.permutations_drawn += 1
         pulled = 0

@@ -22,11 +22,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import opacus_structured
 from opacus_structured.accountants.ledger import LedgerError
-from opacus_structured.accountants.observed_release import (
-    UnamplifiedRowsWarning,
-    gaussian_epsilon,
-)
+from opacus_structured.accountants.observed_release import UnamplifiedRowsWarning
 from opacus_structured.accountants.release_rows import PublicRowsError
+from opacus_structured.accounting.gaussian import gdp_epsilon
 from opacus_structured.samplers.row_provenance import (
     POSITION_BITS,
     PUBLIC,
@@ -203,7 +201,7 @@ def test_declared_public_rows_cost_nothing_and_undeclared_ones_are_priced_unampl
     assert acc.unamplified == {SIGMA / math.sqrt(2) / 8: 18}
     mu = math.sqrt(18) * 8 * math.sqrt(2) / SIGMA
     eps = undeclared.get_epsilon(DELTA)
-    assert eps >= gaussian_epsilon(mu, DELTA) > 100   # at least the unamplified part alone
+    assert eps >= gdp_epsilon(DELTA, mu) > 100   # at least the unamplified part alone
 
 
 def _run_warned(loop):
@@ -332,7 +330,7 @@ def test_reloading_the_best_epoch_keeps_every_released_step():
 # ---- the closed-form Gaussian curve ---------------------------------------------------------
 @pytest.mark.parametrize("mu", [0.3, 1.0, 4.0])
 def test_gaussian_curve_matches_dp_accounting(mu):
-    exact = gaussian_epsilon(mu, DELTA)
+    exact = gdp_epsilon(DELTA, mu)
     upper = pld_mod.from_gaussian_mechanism(1 / mu, value_discretization_interval=D)
     lower = pld_mod.from_gaussian_mechanism(1 / mu, value_discretization_interval=D,
                                             pessimistic_estimate=False)

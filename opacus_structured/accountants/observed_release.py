@@ -38,59 +38,19 @@ import warnings
 from typing import Optional
 
 from ..accounting import pld as pld_lib
+from ..accounting.bandmf import gaussian_pld
+from ..accounting.gaussian import gdp_epsilon
 from ..accounting.numerics import NumericalPrecisionError
-from ..accounting.profiles import PairProfile
 from ..accounting.resource_guard import ResourceBudgetError
-from ..schemes.poisson import poisson_pair
 from .ledger import LedgerError
 from .release_rows import ReleaseRows
 
-__all__ = ["ObservedReleaseMixin", "UnamplifiedRowsWarning", "gaussian_pld",
-           "gaussian_epsilon"]
+__all__ = ["ObservedReleaseMixin", "UnamplifiedRowsWarning"]
 
 
 class UnamplifiedRowsWarning(UserWarning):
     """Some noisy steps summed rows whose examples could not be traced; they were priced
     without amplification by sampling (sound, and much larger)."""
-
-
-def gaussian_pld(noise_multiplier: float, count: int, discretization: float):
-    """The pessimistic PLD of ``count`` Gaussian mechanisms of sensitivity 1 and noise
-    multiplier ``noise_multiplier``, composed (no subsampling)."""
-    pair = poisson_pair(noise_multiplier, 1.0)
-    one = pld_lib.pld_from_profile(PairProfile(pair), PairProfile(pair.reversed()),
-                                   discretization=discretization)
-    return pld_lib.self_compose(one, int(count))
-
-
-def gaussian_epsilon(mu: float, delta: float) -> float:
-    r"""The exact ε(δ) of the Gaussian mechanism with ``μ = Δ/σ`` (Balle & Wang 2018):
-    the root of :math:`\delta(\varepsilon) = \Phi(-\varepsilon/\mu + \mu/2) -
-    e^{\varepsilon}\Phi(-\varepsilon/\mu - \mu/2)`, found by bisection in log space
-    (rounded up)."""
-    from scipy.special import log_ndtr
-
-    if mu <= 0:
-        return 0.0
-
-    def log_delta(eps: float) -> float:
-        a = log_ndtr(-eps / mu + mu / 2)
-        b = eps + log_ndtr(-eps / mu - mu / 2)
-        return a + math.log1p(-math.exp(min(b - a, 0.0))) if b < a else -math.inf
-
-    target = math.log(delta)
-    lo, hi = 0.0, mu * mu / 2 + mu * math.sqrt(2 * math.log(1 / delta)) + 1.0
-    while log_delta(hi) > target:
-        hi *= 2
-    if log_delta(lo) <= target:
-        return 0.0
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if log_delta(mid) > target:
-            lo = mid
-        else:
-            hi = mid
-    return hi
 
 
 class ObservedReleaseMixin:
@@ -174,7 +134,7 @@ class ObservedReleaseMixin:
 
     def _unamplified_pld(self, discretization: float):
         """The composed PLD of the unamplified parts (``None``: none)."""
-        return pld_lib.compose((gaussian_pld(s, 1, discretization), n)
+        return pld_lib.compose((gaussian_pld(s, discretization=discretization), n)
                                for s, n in sorted(self.unamplified.items()))
 
     def _with_unamplified(self, composed, discretization: float):
@@ -201,7 +161,7 @@ class ObservedReleaseMixin:
                 pass
         base = self._composed(discretization)
         scheme_eps = 0.0 if base is None else pld_lib.epsilon_for_delta(base, delta / 2)
-        candidates.append(scheme_eps + gaussian_epsilon(mu, delta / 2))
+        candidates.append(scheme_eps + gdp_epsilon(delta / 2, mu))
         return float(min(candidates))
 
     def _observed_state(self) -> Optional[dict]:

@@ -25,7 +25,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorData
 
 import opacus_structured
 from opacus_structured import samplers as samplers_pkg
-from opacus_structured.samplers import SamplerParametersChangedError
+from opacus_structured.samplers import SamplerParametersChangedError, draw_ledger
 from opacus_structured.samplers import verification as ver
 from opacus_structured.samplers._mf_base import MFBatchSampler
 from opacus_structured.samplers._resumable import EpochResumableSampler
@@ -148,7 +148,7 @@ def test_a_changed_parameter_raises_before_the_next_draw(case):
     assert isinstance(err, ValueError)
     assert (err.owner, err.attribute, err.old, err.new) == (owner, attribute, old, new)
     message = str(err)
-    old_text, new_text = ver._short_repr(old), ver._short_repr(new)
+    old_text, new_text = draw_ledger._short_repr(old), draw_ledger._short_repr(new)
     assert message.startswith(f"{owner}.{attribute} was changed from {old_text} to {new_text} "
                               f"after the sampler was built.")
     assert (f"prices the parameters the sampler had when it was attached "

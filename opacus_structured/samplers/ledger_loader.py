@@ -23,12 +23,8 @@ from typing import Optional
 from torch.utils.data import DataLoader
 
 from .row_provenance import tag_batch
-from .verification import (
-    DrawLedger,
-    FrozenParameters,
-    innermost_sampler,
-    register_delivery_tracker,
-)
+from .draw_ledger import DrawLedger, FrozenParameters, register_delivery_tracker
+from .verification import innermost_sampler
 
 __all__ = ["LedgerDataLoader", "ledger_source", "track_deliveries"]
 

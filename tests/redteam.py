@@ -35,7 +35,7 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from opacus import PrivacyEngine
 from opacus.utils.batch_memory_manager import BatchMemoryManager
-from redteam_rows import MERGING, ROW_MUST_RAISE, ROW_SHAPES
+from redteam_rows import MERGING, ROW_MUST_RAISE, ROW_SHAPES, accumulate_shape
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -315,19 +315,6 @@ def _double_step(loop, engine, loader, scheme, epochs, workers):
                 loop.step(batch)  # a second noisy step on the same batch
 
 
-def _accumulate(loop, engine, loader, scheme, epochs, workers):
-    for _ in range(epochs):
-        pending = 0
-        loop.optimizer.zero_grad()
-        for batch in loader:
-            loop.backward(batch)
-            pending += 1
-            if pending == 2:
-                loop.step()
-                loop.optimizer.zero_grad()
-                pending = 0
-
-
 def _rewrap(loop, engine, loader, scheme, epochs, workers):
     for batch in loader:
         loop.step(batch)
@@ -414,7 +401,7 @@ _SHAPES = {
     "plain": _plain, "skip2": _skip(2, 1), "skip3": _skip(3, 1), "break": _break,
     "eval_draw": _eval_draw, "early_stop": _early_stop, "noise_schedule": _noise_schedule,
     "batch_memory_manager": _batch_memory_manager, "double_step": _double_step,
-    "accumulate": _accumulate, "rewrap": _rewrap, "stale_reload": _stale_reload,
+    "accumulate": accumulate_shape(2, skip=False), "rewrap": _rewrap, "stale_reload": _stale_reload,
     "resume_checkpoint": _resume(True), "resume_history_only": _resume(False),
     "other_loader": _other_loader, "detached_step": _detached_step, **ROW_SHAPES,
 }

@@ -24,7 +24,10 @@ from torch.utils.data import DataLoader
 import opacus_structured
 
 
-def _skip_accumulate(k: int):
+def accumulate_shape(k: int, *, skip: bool):
+    """``k`` loader batches per noisy step: ``k`` backward passes then one step, or (``skip``)
+    a skipped ``optimizer.step()`` after each of the first ``k - 1`` (manual accumulation with
+    ``signal_skip_step``, Opacus keeping the clipped sum)."""
     def shape(loop, engine, loader, scheme, epochs, workers):
         for _ in range(epochs):
             pending = 0
@@ -33,9 +36,10 @@ def _skip_accumulate(k: int):
                 loop.backward(batch)
                 pending += 1
                 if pending < k:
-                    loop.optimizer.signal_skip_step(do_skip=True)
-                    loop.optimizer.step()       # clips and keeps the sum, no noise
-                    loop.optimizer.zero_grad()  # keeps summed_grad after a skipped step
+                    if skip:
+                        loop.optimizer.signal_skip_step(do_skip=True)
+                        loop.optimizer.step()       # clips and keeps the sum, no noise
+                        loop.optimizer.zero_grad()  # keeps summed_grad after a skipped step
                     continue
                 loop.step()
                 loop.optimizer.zero_grad()
@@ -133,7 +137,8 @@ def _sampler_mutation(loop, engine, loader, scheme, epochs, workers):
 
 
 ROW_SHAPES = {
-    "skip_accumulate2": _skip_accumulate(2), "skip_accumulate3": _skip_accumulate(3),
+    "skip_accumulate2": accumulate_shape(2, skip=True),
+    "skip_accumulate3": accumulate_shape(3, skip=True),
     "concat2": _concat(2), "concat3": _concat(3), "two_views": _two_views,
     "cached": _cached, "reuse_cached": _reuse_cached, "prefetched": _prefetched,
     "rebuilt": _rebuilt, "peek": _peek, "public_fakes": _public_fakes,

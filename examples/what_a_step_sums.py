@@ -20,11 +20,12 @@ prints), and what the accountant recorded (``history``: noise multiplier, rate, 
 observed (docs/guides/what_the_accountant_checks.md); nothing here is declared except the
 public rows of loop 4.
 
-Run: ``python examples/what_a_step_sums.py``
+Run: ``python examples/what_a_step_sums.py`` (``--loop gan`` for one loop, ``--epochs 1``).
 """
 
 from __future__ import annotations
 
+import argparse
 import warnings
 
 warnings.filterwarnings("ignore", message="Secure RNG turned off")
@@ -103,14 +104,24 @@ LOOPS = {"plain": plain, "accumulate": accumulate, "two views": two_views,
          "gan": _gan(True), "gan, undeclared": _gan(False)}
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--loop", action="append", choices=sorted(LOOPS),
+                        help="run only this loop (repeatable; default: all five)")
+    parser.add_argument("--epochs", type=int, default=EPOCHS,
+                        help=f"passes over the data per loop (default {EPOCHS})")
+    args = parser.parse_args(argv)
+    if args.epochs < 1:
+        parser.error(f"--epochs must be >= 1, got {args.epochs}")
     naive_scheme = PoissonScheme(sample_rate=B / N)
     print(f"{'loop':18s} {'epsilon':>10s} {'as plain steps':>15s}  recorded")
     for name, loop in LOOPS.items():
+        if args.loop and name not in args.loop:
+            continue
         engine, model, optimizer, loader = _setup()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for _ in range(EPOCHS):
+            for _ in range(args.epochs):
                 loop(model, optimizer, loader)
             eps = float(engine.get_epsilon(DELTA))
         acc = engine.accountant

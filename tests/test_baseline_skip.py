@@ -159,7 +159,8 @@ def _periodic_panel(n=8, length=60, m=4):
                  item_ids=tuple(f"s{i}" for i in range(n)), freq="M")
 
 
-@pytest.mark.slow  # ~35 s each on 2 cores
+@pytest.mark.slow  # ~35 s each on an idle 2-core VM, 75-80 s in CI next to other tests
+@pytest.mark.long
 @pytest.mark.parametrize("grad_sample_mode", ["hooks", "ghost"])
 def test_dp_training_moves_the_skip_towards_an_exact_seasonal_naive(grad_sample_mode):
     """On exactly periodic series seasonal naive is perfect: the skip's seasonal weight must

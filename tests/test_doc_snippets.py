@@ -6,8 +6,10 @@ the line right before its fence (invisible in the rendered docs)::
 
     <!-- snippet: skip (needs a CUDA device) -->
     <!-- snippet: slow (trains DeepAR, ~1 min) -->
+    <!-- snippet: long (a Lightning run of several minutes) -->
 
-Skipped blocks must say why; slow blocks run with ``-m slow``. Blocks in one file do not share
+Skipped blocks must say why; slow blocks run with ``-m slow``; long blocks are slow and also
+marked ``long`` (left out of ``.ci/run``'s budget; ``-m long`` runs them). Blocks in one file do not share
 names: each must be complete on its own (imports included).
 """
 
@@ -24,7 +26,7 @@ DOC_FILES = [ROOT / "README.md", ROOT / "docs" / "index.md",
              *sorted((ROOT / "docs" / "guides").glob("*.md"))]
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)```python[ \t]*$")
-_MARK = re.compile(r"<!--\s*snippet:\s*(?P<kind>skip|slow)\s*(?:\((?P<reason>[^)]*)\))?\s*-->")
+_MARK = re.compile(r"<!--\s*snippet:\s*(?P<kind>skip|slow|long)\s*(?:\((?P<reason>[^)]*)\))?\s*-->")
 
 
 def extract_snippets(path: Path) -> list[dict]:
@@ -63,6 +65,8 @@ def _param(snippet: dict):
         marks.append(pytest.mark.skip(reason=snippet["reason"] or "marked skip without reason"))
     elif snippet["kind"] == "slow":
         marks.append(pytest.mark.slow)
+    elif snippet["kind"] == "long":  # slow, and left out of .ci/run's budget (run: -m long)
+        marks += [pytest.mark.slow, pytest.mark.long]
     return pytest.param(snippet, marks=marks, id=f"{snippet['file']}:{snippet['line']}")
 
 

@@ -110,6 +110,7 @@ def test_a_loader_builds_a_complete_panel(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~1 min: a real forecast run through the benchmark
 def test_one_real_run_goes_through_the_forecast_command(tmp_path, monkeypatch):
     """``run_one`` on a real panel with test-only knobs (2 steps, a 2-step public pretraining
     in a temporary cache): the entry has every row, ETS fitted once, ε within the budgets."""

@@ -114,6 +114,7 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~6 min: a fresh venv and every example end to end (-m long)
 def test_readme_command_1_installs_what_the_docs_use(tmp_path):
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)

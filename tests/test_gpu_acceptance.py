@@ -294,6 +294,7 @@ def test_refuses_without_cuda(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~1 min: the GPU acceptance script end to end on the CPU
 def test_allow_cpu_end_to_end_issue_10(tmp_path):
     out = tmp_path / "o"
     proc = subprocess.run([sys.executable, SCRIPT, "--out", str(out), "--allow-cpu",

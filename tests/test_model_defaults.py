@@ -124,9 +124,14 @@ def test_deepar_public_weights_of_the_default_geometry_ship():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_pretrain_command_reproduces_the_shipped_deepar_weights(capsys):
-    """5000 DeepAR steps (5–6 minutes on a loaded 2-core CPU): bit-identical on the machine
-    that wrote the file (2026-11-27: max |difference| 0.0)."""
+    """5000 DeepAR steps (5–8 minutes on a 2-core CPU): bit-identical on the machine that
+    wrote the file (2026-11-27: max |difference| 0.0). Not on every CPU: on an AMD EPYC of
+    family 23 (torch's CPU capability AVX2) CI got max |difference| 3.1 on 2026-11-28, where
+    40 steps still agree bit for bit between processes and commits
+    (tests/test_pretraining_determinism.py): other vector kernels round differently and
+    5000 steps amplify it. ``long``: ``-m long`` runs it."""
     assert main(["pretrain", "--model", "deepar", "--verify", "--json", "--no-progress"]) == 0
     rec = json.loads(capsys.readouterr().out)
     assert rec["reproduced"] is True and rec["max_abs_difference"] <= 1e-5

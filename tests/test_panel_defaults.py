@@ -378,9 +378,10 @@ def _check_report(rep, n, freq, length):
 
 
 FAST_CELLS = [(3, "30min", SHORT), (10, "B", LONG)]
-#: One cell per frequency, every N and both lengths among them, run in CI's slow step.
+#: One cell per frequency, both lengths among them, run in CI's slow step. N = 1000 (~3 min a
+#: cell) is left to the full matrix (FORECAST_PANEL_MATRIX=1) for CI's 30-minute budget.
 CI_CELLS = [(3, "15min", LONG), (10, "30min", LONG), (28, "h", SHORT), (100, "D", LONG),
-            (1000, "B", SHORT), (3, "W", SHORT), (10, "M", LONG), (28, "Q", SHORT),
+            (100, "B", SHORT), (3, "W", SHORT), (10, "M", LONG), (28, "Q", SHORT),
             (100, "Y", SHORT)]
 
 

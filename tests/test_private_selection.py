@@ -342,3 +342,14 @@ def test_search_argument_errors():
         PrivateSelection([1], _train_and_score, mean_trials=3, eta=-2, delta=DELTA)
     with pytest.raises(ValueError, match=r"delta must be in \(0, 1\)"):
         PrivateSelection([1], _train_and_score, mean_trials=3, eta=1, delta=2.0)
+
+
+def test_poisson_accountant_trial_is_the_same_mechanism_as_its_event():
+    """expected_trial as an event and trials from PoissonAccountant runs compare equal."""
+    from opacus_structured.tuning import trial_signature
+
+    acc = PoissonAccountant(PoissonScheme(None), discretization=1e-3)
+    acc.step(noise_multiplier=1.0, sample_rate=0.25, num_steps=2)
+    event = E.ComposedDpEvent([_dpsgd_event(q=0.25, steps=2), E.GaussianDpEvent(SCORE_SIGMA)])
+    assert trial_signature(TrialCost(acc, (SCORE_SIGMA,))) == trial_signature(event)
+    assert trial_signature(TrialCost(acc, (SCORE_SIGMA + 1,))) != trial_signature(event)

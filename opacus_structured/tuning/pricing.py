@@ -31,9 +31,13 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as _rdp
+from opacus.accountants import RDPAccountant
 
 from .._validation import check_open_unit, check_positive
+from ..accountants.base import SchemeAccountant
 from ..accounting import private_selection as ps
+from ..accounting.bounds import BoundKind
+from ..schemes.poisson import PoissonScheme, _quiet_rdp_orders
 
 __all__ = ["TrialCost", "PureDpTrial", "selection_epsilon", "calibrate_selection", "trial_signature",
            "SelectionCalibrationError"]
@@ -76,7 +80,8 @@ def _event_rdp(event, orders) -> np.ndarray:
         raise ValueError(f"dp_accounting's RdpAccountant cannot price the trial event "
                          f"{event!r}; describe the trial with an event it supports or with "
                          f"one of our accountants")
-    acc.compose(event)
+    with _quiet_rdp_orders():  # an order whose series fails is left out (stays an upper bound)
+        acc.compose(event)
     return np.asarray(acc._rdp, dtype=np.float64)
 
 
@@ -89,7 +94,8 @@ def _event_selection_epsilon(event, mean_trials, eta, delta, orders) -> float:
             raise ValueError(f"dp_accounting's RdpAccountant cannot price the trial event "
                              f"{event!r}; describe the trial with an event it supports or "
                              f"with one of our accountants")
-        return float(acc.compose(wrapped).get_epsilon(delta))
+        with _quiet_rdp_orders():
+            return float(acc.compose(wrapped).get_epsilon(delta))
     # eta in (-1, 0): the theorem holds, dp_accounting does not take it; same formula here.
     rdp = ps.repeat_and_select_rdp(orders, _event_rdp(event, orders), mean_trials=mean_trials,
                                    eta=eta)
@@ -114,10 +120,6 @@ def _unpack(trial):
 def _as_event(run, extras) -> Optional[dp_event.DpEvent]:
     """The dp_accounting event of a Poisson run (our accountant or Opacus' RDPAccountant),
     with the score's Gaussian releases; ``None`` for any other accountant."""
-    from opacus.accountants import RDPAccountant
-
-    from ..schemes.poisson import PoissonScheme
-
     if isinstance(run, RDPAccountant):
         rate = None
     elif (type(getattr(run, "scheme", None)) is PoissonScheme
@@ -129,7 +131,7 @@ def _as_event(run, extras) -> Optional[dp_event.DpEvent]:
         raise ValueError("the trial's accountant has recorded no step: pass the accountant "
                          "of a finished training run")
     gauss = [dp_event.GaussianDpEvent(s) for s in extras]
-    return dp_event.ComposedDpEvent([_history_event(run.history, rate), *gauss])
+    return dp_event.ComposedDpEvent([*_history_event(run.history, rate).events, *gauss])
 
 
 #: Tail masses cut from each unit's PMF (each a valid decomposition; the smallest ε is kept).
@@ -159,9 +161,6 @@ def _unit_parts(acc, discretization: float):
 
 def _accountant_worlds(run, extras, orders, discretization) -> list[tuple[np.ndarray, float]]:
     """RDP worlds ``[(rdp, tail_mass)]`` of one trial priced by our accountant."""
-    from ..accountants.base import SchemeAccountant
-    from ..accounting.bounds import BoundKind
-
     gaussian = sum(orders / (2 * s ** 2) for s in extras) if extras else np.zeros_like(orders)
     if not isinstance(run, SchemeAccountant):
         raise ValueError(f"a trial must be a dp_accounting DpEvent, one of opacus_structured's "
@@ -260,13 +259,23 @@ def selection_epsilon(trial, *, mean_trials: float, eta: Optional[float], delta:
     return float(min(values))
 
 
+def _flat(event) -> tuple:
+    """An event's leaves in order, nested compositions flattened (one mechanism, one key)."""
+    if isinstance(event, dp_event.ComposedDpEvent):
+        return tuple(leaf for e in event.events for leaf in _flat(e))
+    return (repr(event),)
+
+
 def trial_signature(trial) -> tuple:
     """What makes two trials the same base mechanism (the theorem needs one): the event
     itself, or the accountant's class, scheme, history and unpriced Gaussian parts, plus the
     score's noise multipliers."""
     if isinstance(trial, (dp_event.DpEvent, PureDpTrial)):
-        return ("event", repr(trial))
+        return ("event", _flat(trial))
     run, extras = _unpack(trial)
+    event = _as_event(run, extras)
+    if event is not None:  # a Poisson run is its dp_accounting event
+        return ("event", _flat(event))
     scheme = getattr(run, "scheme", None)
     scheme_repr = repr(scheme.to_dict()) if hasattr(scheme, "to_dict") else repr(scheme)
     history = tuple(tuple(float(v) for v in h) for h in getattr(run, "history", ()) if h[2])

@@ -353,3 +353,16 @@ def test_poisson_accountant_trial_is_the_same_mechanism_as_its_event():
     event = E.ComposedDpEvent([_dpsgd_event(q=0.25, steps=2), E.GaussianDpEvent(SCORE_SIGMA)])
     assert trial_signature(TrialCost(acc, (SCORE_SIGMA,))) == trial_signature(event)
     assert trial_signature(TrialCost(acc, (SCORE_SIGMA + 1,))) != trial_signature(event)
+
+
+def test_plain_progress_lines_are_throttled(capsys):
+    """Off a terminal: one plain line at the first trial, then at most one per ~10 s; the line
+    names trials done and the search's budget, never K."""
+    event = E.ComposedDpEvent([_dpsgd_event(steps=10), E.GaussianDpEvent(SCORE_SIGMA)])
+    search = PrivateSelection([1, 2, 3], lambda c: (float(c), event), mean_trials=30, eta=1,
+                              delta=DELTA, rng=np.random.default_rng(1), progress=None)
+    result = search.run()
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "private selection" in ln]
+    assert result.trials_run > 3 and len(lines) == 1
+    assert "1 trial(s) done" in lines[0] and "epsilon=" in lines[0]
+    assert result.config == 1 and result.score == 1.0  # lowest score wins by default

@@ -307,7 +307,7 @@ class PrivateSelection:
                 if plain and (time.monotonic() - last >= 10.0):
                     print(f"private selection: {self.trials_done} trial(s) done; {note}",
                           file=sys.stderr, flush=True)
-                    last = time.monotonic() - 10.0  # the first trial prints a line
+                    last = time.monotonic()
         best = self._best()
         epsilon = self._epsilon
         if epsilon is None:  # K = 0 under Poisson needs expected_trial, checked at init

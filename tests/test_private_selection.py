@@ -366,3 +366,29 @@ def test_plain_progress_lines_are_throttled(capsys):
     assert result.trials_run > 3 and len(lines) == 1
     assert "1 trial(s) done" in lines[0] and "epsilon=" in lines[0]
     assert result.config == 1 and result.score == 1.0  # lowest score wins by default
+
+
+def test_full_batch_gdp_accountant_is_its_gaussian_event():
+    """μ-GDP accountants price by λμ²/2: T full-batch steps at σ are one Gaussian mechanism
+    at σ/√T, which dp_accounting prices through its own RepeatAndSelectDpEvent."""
+    from opacus_structured.accountants.gdp import GDPFullBatchAccountant
+
+    acc = GDPFullBatchAccountant()
+    acc.step(noise_multiplier=4.0, sample_rate=1.0, num_steps=16)
+    for eta in (0.0, 1.0, None):
+        assert selection_epsilon(acc, mean_trials=5, eta=eta, delta=DELTA) == pytest.approx(
+            selection_epsilon(E.GaussianDpEvent(1.0), mean_trials=5, eta=eta, delta=DELTA),
+            rel=1e-9)
+
+
+def test_poisson_law_with_zero_trials_releases_nothing_but_reports_the_price():
+    event = E.ComposedDpEvent([_dpsgd_event(steps=10), E.GaussianDpEvent(SCORE_SIGMA)])
+    for seed in range(50):
+        search = PrivateSelection([1, 2], lambda c: (float(c), event), mean_trials=1.0, eta=None,
+                                  delta=DELTA, expected_trial=event,
+                                  rng=np.random.default_rng(seed), progress=False)
+        if search.state_dict()["num_trials"] == 0:
+            break
+    result = search.run()
+    assert result.trials_run == 0 and result.config is None and result.score is None
+    assert result.epsilon == selection_epsilon(event, mean_trials=1.0, eta=None, delta=DELTA)

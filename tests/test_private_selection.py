@@ -392,3 +392,20 @@ def test_poisson_law_with_zero_trials_releases_nothing_but_reports_the_price():
     result = search.run()
     assert result.trials_run == 0 and result.config is None and result.score is None
     assert result.epsilon == selection_epsilon(event, mean_trials=1.0, eta=None, delta=DELTA)
+
+
+@pytest.mark.slow
+def test_balls_in_bins_is_priced_by_its_renyi_accountant():
+    """The pld-accounting PLD of balls-in-bins is not a pair's PLD (its lower tail is cut), so
+    the Rényi accountant of the whole run carries the price: >= one run, < 10 runs composed."""
+    from opacus_structured.schemes.balls_in_bins import BallsInBinsScheme
+
+    scheme = BallsInBinsScheme(num_bins=20, epochs=3)
+    acc = SchemeAccountant(scheme, discretization=1e-3)
+    acc.step(noise_multiplier=1.0, sample_rate=scheme.expected_sample_rate(), num_steps=60)
+    bound = scheme.renyi_scheme().renyi(1.0)
+    single = float(acc.get_epsilon(DELTA))
+    composed = ps.rdp_epsilon(bound.orders, 10 * bound.rdp, DELTA)
+    eps = selection_epsilon(acc, mean_trials=10, eta=1, delta=DELTA)
+    assert single <= eps < composed
+    assert eps == pytest.approx(10.60, abs=0.02)  # pinned

@@ -14,7 +14,8 @@ One *trial* is one DP training run plus its DP score. It is described by
   (an accountant plus the score's Gaussian releases). Its RDP curve comes from the scheme's
   own pricing: Poisson subsampling (and Opacus' ``RDPAccountant``) as the dp_accounting event
   of its history (an exact RDP curve); μ-GDP accountants (full-batch, shuffle) as the Gaussian
-  curve :math:`\lambda\mu^2/2`; every other scheme from the pessimistic PLD of each accounting
+  curve :math:`\lambda\mu^2/2`; random allocation and balls-in-bins also by their whole-run
+  Rényi accountant; every other scheme from the pessimistic PLD of each accounting
   unit (:func:`~opacus_structured.accounting.private_selection.pld_renyi`, which explains why
   that is an upper bound and how the grid's tail mass is charged to δ).
 
@@ -159,16 +160,44 @@ def _unit_parts(acc, discretization: float):
             for (s, q), n in parts.items()]
 
 
-def _accountant_worlds(run, extras, orders, discretization) -> list[tuple[np.ndarray, float]]:
-    """RDP worlds ``[(rdp, tail_mass)]`` of one trial priced by our accountant."""
-    gaussian = sum(orders / (2 * s ** 2) for s in extras) if extras else np.zeros_like(orders)
+def _gaussian_rdp(orders, extras, unamplified) -> np.ndarray:
+    """RDP of the score's Gaussian releases and the unamplified parts: λ/(2σ²) each."""
+    out = np.zeros_like(orders)
+    for s in extras:
+        out = out + orders / (2 * s ** 2)
+    for s, n in unamplified.items():
+        out = out + n * orders / (2 * s ** 2)
+    return out
+
+
+def _renyi_routes(run) -> list[tuple[np.ndarray, np.ndarray, float]]:
+    """A whole-run Rényi accountant where the scheme has one (random allocation, and
+    balls-in-bins through it): its RDP bound of both directions of the Lemma 2.8 pair at its
+    own orders, at the run's smallest σ (more noise is post-processing)."""
+    scheme = run.scheme
+    if hasattr(scheme, "renyi_scheme"):
+        scheme = scheme.renyi_scheme()
+    if not callable(getattr(scheme, "renyi", None)):
+        return []
+    sigma = min(s for s, _, n in run.history if n)
+    bound = scheme.renyi(sigma)
+    orders = np.asarray(bound.orders, dtype=np.float64)
+    keep = orders > 1
+    units = run.scheme.compositions(len(run))
+    return [(orders[keep], units * np.asarray(bound.rdp, dtype=np.float64)[keep], 0.0)]
+
+
+def _accountant_worlds(run, extras, orders, discretization
+                       ) -> list[tuple[np.ndarray, np.ndarray, float]]:
+    """Routes ``[(orders, rdp, tail_mass)]`` of one trial priced by our accountant; each is a
+    valid bound on its own (the smallest final ε is kept)."""
     if not isinstance(run, SchemeAccountant):
         raise ValueError(f"a trial must be a dp_accounting DpEvent, one of opacus_structured's "
                          f"scheme accountants, or a TrialCost; got {type(run).__name__}")
-    name = getattr(run.scheme, "name", type(run).__name__)
     if run.scheme is None:
         raise ValueError(f"the trial's {type(run).__name__} is unbound (no scheme): pass the "
                          f"accountant of a finished run")
+    name = run.scheme.name
     if not run.history:
         raise ValueError("the trial's accountant has recorded no step: pass the accountant of a "
                          "finished training run")
@@ -181,23 +210,25 @@ def _accountant_worlds(run, extras, orders, discretization) -> list[tuple[np.nda
                          f"dominating pair (an (epsilon, delta) bound only); use "
                          f"analysis='tight' for a selected trial")
     unamplified = getattr(run, "unamplified", {}) or {}
-    for s, n in unamplified.items():
-        gaussian = gaussian + n * orders / (2 * s ** 2)
     if hasattr(run, "mu") and callable(run.mu):  # μ-GDP accountants: Gaussian RDP, exact
         mu = float(run.mu())
         if not math.isfinite(mu):
             raise ValueError(f"scheme {name!r}: the run's mu-GDP parameter is infinite")
-        return [(orders * mu ** 2 / 2 + gaussian, 0.0)]
+        return [(orders, orders * mu ** 2 / 2 + _gaussian_rdp(orders, extras, unamplified),
+                 0.0)]
+    routes = [(o, r + _gaussian_rdp(o, extras, unamplified), t)
+              for o, r, t in _renyi_routes(run)]
     try:
         parts = _unit_parts(run, discretization)
     except NotImplementedError as err:
+        if routes:
+            return routes
         raise ValueError(f"scheme {name!r} has no privacy loss distribution to derive an RDP "
                          f"curve from ({err}); it cannot be priced for private selection") \
             from None
-    units = []
-    for pld, count in parts:
-        units.append([(count, ps.pld_renyi(pld, orders, cut=cut)) for cut in CUTS])
-    worlds: list[tuple[np.ndarray, float]] = []
+    gaussian = _gaussian_rdp(orders, extras, unamplified)
+    units = [[(count, ps.pld_renyi(pld, orders, cut=cut)) for cut in CUTS]
+             for pld, count in parts]
     for c in range(len(CUTS)):
         for k in range(2):
             rdp, tail = gaussian.copy(), 0.0
@@ -205,8 +236,8 @@ def _accountant_worlds(run, extras, orders, discretization) -> list[tuple[np.nda
                 count, unit = per_cut[c]
                 r, t = unit[min(k, len(unit) - 1)]
                 rdp, tail = rdp + count * r, tail + count * t
-            worlds.append((rdp, tail))
-    return worlds
+            routes.append((orders, rdp, tail))
+    return routes
 
 
 def selection_epsilon(trial, *, mean_trials: float, eta: Optional[float], delta: float,
@@ -245,12 +276,13 @@ def selection_epsilon(trial, *, mean_trials: float, eta: Optional[float], delta:
         return _event_selection_epsilon(event, mean_trials, eta, delta, orders)
     d = getattr(run, "discretization", None) if discretization is None else \
         check_positive("discretization", discretization)
-    worlds = _accountant_worlds(run, extras, orders, d if d is not None else 1e-4)
+    routes = _accountant_worlds(run, extras, orders, d if d is not None else 1e-4)
     values, errors = [], []
-    for rdp, tail in worlds:
-        selected = ps.repeat_and_select_rdp(orders, rdp, mean_trials=mean_trials, eta=eta)
+    for route_orders, rdp, tail in routes:
+        selected = ps.repeat_and_select_rdp(route_orders, rdp, mean_trials=mean_trials,
+                                            eta=eta)
         try:
-            values.append(ps.epsilon_with_tail(orders, selected, delta, tail_mass=tail,
+            values.append(ps.epsilon_with_tail(route_orders, selected, delta, tail_mass=tail,
                                                mean_trials=mean_trials))
         except ValueError as err:
             errors.append(err)

@@ -409,3 +409,18 @@ def test_balls_in_bins_is_priced_by_its_renyi_accountant():
     eps = selection_epsilon(acc, mean_trials=10, eta=1, delta=DELTA)
     assert single <= eps < composed
     assert eps == pytest.approx(10.60, abs=0.02)  # pinned
+
+
+def test_grid_and_sampler_candidate_spaces():
+    from opacus_structured.tuning import candidate_list
+
+    assert candidate_list({"a": [1, 2], "b": ["x"]}) == [{"a": 1, "b": "x"}, {"a": 2, "b": "x"}]
+    with pytest.raises(ValueError, match=r"candidates\['a'\] must be a list"):
+        candidate_list({"a": 3})
+    event = E.GaussianDpEvent(2.0)
+    search = PrivateSelection(lambda rng: float(rng.uniform()), lambda c: (c, event),
+                              mean_trials=5, eta=0, delta=DELTA, maximize=True,
+                              rng=np.random.default_rng(2), progress=False)
+    result = search.run()
+    assert 0 <= result.config <= 1 and result.candidate_index is None
+    assert result.score == max(r[2] for r in search.state_dict()["results"])

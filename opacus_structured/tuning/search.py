@@ -154,7 +154,8 @@ class PrivateSelection:
         expected_trial: the trial every run must equal; needed for the Poisson law (which
             may draw :math:`K = 0`, so no trial may run), optional otherwise.
         checkpoint: a file path: the state is saved there after every trial and loaded at
-            construction if it exists (a resumed search keeps its :math:`K`).
+            construction if it exists (a resumed search keeps its :math:`K`). It is a pickle
+            (configurations may be any object): load only your own checkpoints.
         progress: ``True``/``False`` to force progress output; default a tqdm bar on a
             terminal and plain lines (at most every ~10 s) otherwise.
         rng: a numpy ``Generator`` for tests only (:math:`K` must be secret: the default

@@ -1,0 +1,324 @@
+r"""Private hyperparameter selection over a candidate space: :class:`PrivateSelection`.
+
+The procedure of Papernot & Steinke (ICLR 2022), which :func:`~opacus_structured.tuning.
+selection_epsilon` prices:
+
+1. draw the number of trials :math:`K` *secretly* (OS entropy) from the chosen law
+   (truncated negative binomial of shape ``eta``, or Poisson for ``eta=None``);
+2. run :math:`K` trials; each picks a candidate **uniformly at random, with replacement**
+   (what the theorem covers: the trials are i.i.d. runs of one randomized mechanism), trains
+   it and scores it privately (``train_and_score(config) -> (score, trial)``);
+3. release only the best (configuration, score): the highest score (``maximize=True``) or the
+   lowest (``maximize=False``, a loss), ties broken by the candidate's index, so the outputs
+   are totally ordered as the theorem assumes.
+
+Every trial must be the same base mechanism (same privacy parameters): the first trial's
+:func:`~opacus_structured.tuning.pricing.trial_signature` is kept and every later one is
+checked against it (or against ``expected_trial`` when given).
+
+**What may be published**: the winner's configuration, its private score and the ε of the
+whole search (:attr:`SelectionResult.epsilon`). :math:`K` (``trials_run``), the other trials'
+scores and the progress lines are for the operator only: releasing them voids the theorem
+(given :math:`K` the output is the best of a known number of runs).
+
+**Checkpointing**: :meth:`PrivateSelection.state_dict` holds :math:`K`, the trials done and
+their results; :meth:`PrivateSelection.load_state_dict` (or ``checkpoint=path``, saved after
+each trial) resumes without drawing :math:`K` again. The checkpoint file holds :math:`K`: keep
+it private.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+import pickle
+import secrets
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from .. import _progress
+from .._validation import check_open_unit
+from ..accounting import private_selection as ps
+from .pricing import selection_epsilon, trial_signature
+
+__all__ = ["PrivateSelection", "SelectionResult", "draw_num_trials", "candidate_list"]
+
+_STATE_VERSION = 1
+
+
+def _secret_rng() -> np.random.Generator:
+    return np.random.default_rng(secrets.randbits(128))
+
+
+def draw_num_trials(mean_trials: float, eta: Optional[float],
+                    rng: Optional[np.random.Generator] = None) -> int:
+    r"""One draw of :math:`K`. Poisson(:math:`\mu`) for ``eta=None`` (may be 0: then nothing
+    is released); otherwise the truncated negative binomial on :math:`\{1, 2, \dots\}`,
+    :math:`P[K=k] \propto \binom{k+\eta-1}{k}(1-\gamma)^k` (logarithmic
+    :math:`\propto (1-\gamma)^k/k` at :math:`\eta=0`), by inverse CDF with the ratio
+    :math:`p_k/p_{k-1} = (1-\gamma)(k+\eta-1)/k`. ``rng`` defaults to OS entropy."""
+    mean_trials, eta = ps.check_mean_trials(mean_trials), ps.check_eta(eta)
+    rng = _secret_rng() if rng is None else rng
+    if eta is None:
+        return int(rng.poisson(mean_trials))
+    gamma = ps.tnb_gamma(mean_trials, eta)
+    if gamma >= 1:
+        return 1
+    if eta == 0:
+        p = (1 - gamma) / -math.log(gamma)
+    else:
+        p = eta * (1 - gamma) / math.expm1(-eta * math.log(gamma))
+    u, k, cum = rng.random(), 1, p
+    while cum < u and p > 0:
+        k += 1
+        p *= (1 - gamma) * (k + eta - 1) / k
+        cum += p
+    return k
+
+
+def candidate_list(candidates) -> Optional[list]:
+    """A list of configurations from a list/tuple, or a grid dict (``{name: [values]}`` →
+    every combination, as dicts); ``None`` for a callable sampler."""
+    if callable(candidates):
+        return None
+    if isinstance(candidates, dict):
+        names = list(candidates)
+        for name in names:
+            values = candidates[name]
+            if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+                raise ValueError(f"candidates[{name!r}] must be a list of values, got "
+                                 f"{values!r}")
+        grid = [dict(zip(names, combo, strict=True))
+                for combo in itertools.product(*(list(candidates[n]) for n in names))]
+        if not grid:
+            raise ValueError("candidates: the grid is empty (a parameter has no value)")
+        return grid
+    if isinstance(candidates, (list, tuple)):
+        if not candidates:
+            raise ValueError("candidates must not be empty")
+        return list(candidates)
+    raise ValueError(f"candidates must be a list of configurations, a grid dict or a callable "
+                     f"sampler(rng) -> config; got {type(candidates).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionResult:
+    """Outcome of a private selection.
+
+    ``config`` / ``score``: the winner and its private score (``None`` when the Poisson law
+    drew :math:`K = 0`: nothing is released). ``epsilon``: the ε at ``delta`` of the *whole*
+    search, the one to report. ``trials_run`` is :math:`K`: for the operator, never to be
+    published (module docstring).
+    """
+
+    config: Any
+    score: Optional[float]
+    epsilon: float
+    delta: float
+    mean_trials: float
+    eta: Optional[float]
+    trials_run: int
+    candidate_index: Optional[int]
+
+    @property
+    def law(self) -> str:
+        return ps.law_name(self.eta)
+
+    def __str__(self) -> str:
+        return (f"winner {self.config!r} (private score {self.score}); epsilon of the whole "
+                f"search = {self.epsilon:.4g} at delta = {self.delta:g} "
+                f"({self.law} law, mean {self.mean_trials:g} trials)")
+
+
+class PrivateSelection:
+    r"""Private selection (Papernot & Steinke 2022) over ``candidates``.
+
+    Args:
+        candidates: a list of configurations, a grid dict ``{name: [values, ...]}`` (every
+            combination), or a callable ``sampler(rng) -> config`` (``rng`` a numpy
+            ``Generator``).
+        train_and_score: ``config -> (score, trial)``: one DP training run and its *private*
+            score (e.g. :func:`~opacus_structured.tuning.private_score`), and the trial's cost
+            (a ``DpEvent``, our accountant, or a :class:`~opacus_structured.tuning.TrialCost`)
+            including the score's release.
+        mean_trials: :math:`\mathbb E[K] \ge 1`.
+        eta: shape of the truncated negative binomial (> -1; 0 logarithmic, 1 geometric), or
+            ``None`` for the Poisson law.
+        delta: δ of the reported ε, in (0, 1).
+        maximize: ``True`` if a higher score is better (accuracy), ``False`` for a loss.
+        expected_trial: the trial every run must equal; needed for the Poisson law (which
+            may draw :math:`K = 0`, so no trial may run), optional otherwise.
+        checkpoint: a file path: the state is saved there after every trial and loaded at
+            construction if it exists (a resumed search keeps its :math:`K`). It is a pickle
+            (configurations may be any object): load only your own checkpoints.
+        progress: ``True``/``False`` to force progress output; default a tqdm bar on a
+            terminal and plain lines (at most every ~10 s) otherwise.
+        rng: a numpy ``Generator`` for tests only (:math:`K` must be secret: the default
+            draws from OS entropy).
+        pricing: keyword arguments of :func:`selection_epsilon` (``orders``,
+            ``discretization``).
+    """
+
+    def __init__(self, candidates, train_and_score: Callable[[Any], tuple], *,
+                 mean_trials: float, eta: Optional[float] = 1.0, delta: float,
+                 maximize: bool = False, expected_trial=None,
+                 checkpoint: Optional[str | os.PathLike] = None,
+                 progress: Optional[bool] = None, rng: Optional[np.random.Generator] = None,
+                 **pricing):
+        self.mean_trials = ps.check_mean_trials(mean_trials)
+        self.eta = ps.check_eta(eta)
+        self.delta = check_open_unit("delta", delta)
+        if not callable(train_and_score):
+            raise ValueError("train_and_score must be a callable config -> (score, trial)")
+        self.candidates = candidates
+        self._list = candidate_list(candidates)
+        self.train_and_score = train_and_score
+        self.maximize = bool(maximize)
+        self.pricing = pricing
+        self._rng = _secret_rng() if rng is None else rng
+        self._signature = None if expected_trial is None else trial_signature(expected_trial)
+        self._epsilon = None if expected_trial is None else self._price(expected_trial)
+        if self.eta is None and expected_trial is None:
+            raise ValueError("eta=None (the Poisson law) can draw K = 0 trials: pass "
+                             "expected_trial= (the trial every run will be) so the search's "
+                             "epsilon is known before any trial runs")
+        self._progress = progress
+        self._k: Optional[int] = None
+        self._results: list[tuple[int, Any, float]] = []
+        self.checkpoint = None if checkpoint is None else os.fspath(checkpoint)
+        if self.checkpoint is not None and os.path.exists(self.checkpoint):
+            with open(self.checkpoint, "rb") as f:
+                self.load_state_dict(pickle.load(f))
+        if self._k is None:
+            self._k = draw_num_trials(self.mean_trials, self.eta, self._rng)
+
+    # ---- pricing ----------------------------------------------------------------------
+    def _price(self, trial) -> float:
+        return selection_epsilon(trial, mean_trials=self.mean_trials, eta=self.eta,
+                                 delta=self.delta, **self.pricing)
+
+    @property
+    def epsilon(self) -> Optional[float]:
+        """ε of the whole search (known once the trial is: ``expected_trial`` or the first
+        trial run)."""
+        return self._epsilon
+
+    @property
+    def trials_done(self) -> int:
+        return len(self._results)
+
+    def __repr__(self) -> str:  # never shows K
+        return (f"PrivateSelection(law={ps.law_name(self.eta)!r}, mean_trials="
+                f"{self.mean_trials:g}, trials_done={self.trials_done}, delta={self.delta:g})")
+
+    # ---- state ------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """:math:`K`, the trials done and their results (keep it private: it holds K)."""
+        return {"version": _STATE_VERSION, "num_trials": self._k,
+                "results": [list(r) for r in self._results], "signature": self._signature,
+                "epsilon": self._epsilon, "mean_trials": self.mean_trials, "eta": self.eta,
+                "delta": self.delta, "maximize": self.maximize,
+                "candidates": None if self._list is None else repr(self._list)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: keep the saved :math:`K` and results; raises if the search differs."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"state version {state.get('version')!r} is not "
+                             f"{_STATE_VERSION}")
+        for key in ("mean_trials", "eta", "delta", "maximize"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"the saved search has {key}={state[key]!r}, this one "
+                                 f"{getattr(self, key)!r}: resume with the same settings")
+        saved_candidates = state.get("candidates")
+        if self._list is not None and saved_candidates != repr(self._list):
+            raise ValueError("the saved search ran over other candidates: resume with the same "
+                             "candidate space")
+        if (self._signature is not None and state.get("signature") is not None
+                and state["signature"] != self._signature):
+            raise ValueError("the saved search's trials differ from expected_trial")
+        self._k = int(state["num_trials"])
+        self._results = [(int(i), c, float(s)) for i, c, s in state["results"]]
+        self._signature = state.get("signature") or self._signature
+        self._epsilon = state.get("epsilon") if self._epsilon is None else self._epsilon
+
+    def _save(self) -> None:
+        if self.checkpoint is None:
+            return
+        tmp = f"{self.checkpoint}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(self.state_dict(), f)
+        os.replace(tmp, self.checkpoint)
+
+    # ---- running ----------------------------------------------------------------------
+    def _draw_candidate(self) -> tuple[int, Any]:
+        if self._list is None:
+            return -1, self.candidates(self._rng)
+        index = int(self._rng.integers(len(self._list)))
+        return index, self._list[index]
+
+    def _check_trial(self, trial) -> None:
+        signature = trial_signature(trial)
+        if self._signature is None:
+            self._signature = signature
+        elif signature != self._signature:
+            raise ValueError(
+                f"trial {self.trials_done + 1} has other privacy parameters than the first "
+                f"(or expected_trial): {signature} != {self._signature}. Private selection "
+                f"needs every trial to be the same mechanism: same noise, sampling, steps and "
+                f"score noise for every candidate")
+        if self._epsilon is None:
+            self._epsilon = self._price(trial)
+
+    def _run_one(self) -> None:
+        index, config = self._draw_candidate()
+        out = self.train_and_score(config)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError("train_and_score must return (score, trial)")
+        score, trial = out
+        score = float(score)
+        if not math.isfinite(score):
+            raise ValueError(f"train_and_score returned a non-finite score {score!r}")
+        self._check_trial(trial)
+        self._results.append((index, config, score))
+        self._save()
+
+    def _best(self) -> Optional[tuple[int, Any, float]]:
+        if not self._results:
+            return None
+        sign = -1.0 if self.maximize else 1.0
+        return min(self._results, key=lambda r: (sign * r[2], r[0]))
+
+    def run(self) -> SelectionResult:
+        """Run the remaining trials (resuming a checkpoint) and return the winner."""
+        show_bar = _progress.enabled(self._progress is False)
+        plain = self._progress is not False and not show_bar
+        last = time.monotonic() - 10.0  # the first trial prints a line
+        with _progress.bar(desc="private selection", show=show_bar, unit="trial",
+                           initial=self.trials_done) as bar:
+            while self.trials_done < self._k:
+                self._run_one()
+                bar.update(1)
+                note = self._progress_note()
+                bar.set_postfix_str(note, refresh=False)
+                if plain and (time.monotonic() - last >= 10.0):
+                    print(f"private selection: {self.trials_done} trial(s) done; {note}",
+                          file=sys.stderr, flush=True)
+                    last = time.monotonic()
+        best = self._best()
+        epsilon = self._epsilon
+        if epsilon is None:  # K = 0 under Poisson needs expected_trial, checked at init
+            raise RuntimeError("no trial ran and no expected_trial prices the search")
+        return SelectionResult(
+            config=None if best is None else best[1], score=None if best is None else best[2],
+            epsilon=float(epsilon), delta=self.delta, mean_trials=self.mean_trials,
+            eta=self.eta, trials_run=self.trials_done,
+            candidate_index=None if best is None or best[0] < 0 else best[0])
+
+    def _progress_note(self) -> str:
+        eps = "?" if self._epsilon is None else f"{self._epsilon:.3g}"
+        return f"budget: epsilon={eps} at delta={self.delta:g} for the whole search"

@@ -49,6 +49,8 @@ LAYERS = {
     # Opacus engine, and needs CorrelatedNoisePrivacyEngine (optim)
     "opacus_structured.engine": 5,
     "opacus_structured.engine_schemes": 5,
+    # private selection: prices a trial through the accountants; the forecast job tunes with it
+    "opacus_structured.tuning": 5,
     # the scheme advisor prices schemes (accounting, schemes) only; commands use it
     "opacus_structured.advisor": 3,
     "opacus_structured.advisor_results": 3,

@@ -128,6 +128,15 @@ def test_the_check_names_the_flag_when_called_without_the_console(capsys, tmp_pa
     assert "--prediction-length must be >= 1, got -3" in capsys.readouterr().err
 
 
+def test_device_cuda_without_cuda_names_the_flag(capsys, tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is available")
+    assert cli.main(["forecast", "--device", "cuda", "--num-series", "3", "--output",
+                     str(tmp_path / "out")]) == 2  # torch knows: checked first in the run
+    assert "--device cuda: no CUDA device is available" in capsys.readouterr().err
+
+
 def test_a_value_argparse_cannot_read_is_a_usage_error_naming_the_flag(capsys):
     with pytest.raises(SystemExit) as stop:
         console.main(["forecast", "--prediction-length", "abc"])

@@ -163,6 +163,12 @@ def run_forecast(args, *, print_fn=print) -> dict:
     checked = getattr(args, CHECKED_ATTRIBUTE, None)
     if checked is None:
         checked = check_forecast(args)
+    if getattr(args, "device", "cpu") == "cuda":  # needs torch to know: checked here
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available to torch; use "
+                             "--device cpu")
     budgets = checked.budgets
     if budgets is not None:
         args.epsilon = budgets[0]

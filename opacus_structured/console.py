@@ -10,9 +10,10 @@ the ``register_command("name", "help", ...)`` call of each ``opacus_structured/c
   pandas only) run before torch, gluonts, Lightning, opacus or matplotlib is imported; only a
   run that passes them imports the training code (``commands/forecast.py``).
 * ``schemes``: printed from ``data/schemes_index.json`` when the digest of the sources that
-  define the schemes' names, summaries and flags (:func:`schemes_sources_digest`) matches the
-  one stored with it; otherwise (an edited scheme) from the schemes themselves, the same rows,
-  seconds slower (importing the schemes imports dp_accounting and scipy).
+  define the schemes' names, summaries and flags (:func:`schemes_sources_digest`: ``schemes/``
+  and the ``accounting/`` modules that add flags) matches the one stored with it; otherwise
+  (an edited scheme) from the schemes themselves, the same rows, seconds slower (importing the
+  schemes imports dp_accounting and scipy).
 
 Any other command hands over to :func:`opacus_structured.cli.main`, which imports the layers
 that command needs (``epsilon`` needs the accounting core, not torch). docs/architecture.md,
@@ -145,19 +146,24 @@ def _run_checked_forecast(args) -> int:
 # ---- schemes: the shipped index ------------------------------------------------------------
 #: The rows of ``opacus-structured schemes`` with the digest of the sources they come from.
 SCHEMES_INDEX = Path(__file__).parent / "data" / "schemes_index.json"
-#: Sources that define the schemes' names, summaries and flags (relative to the package).
-_SCHEMES_SOURCES = ("schemes", "accounting")
+def _schemes_sources(root: Path) -> list[Path]:
+    """The sources the ``schemes`` rows come from: every ``.py`` under ``schemes/`` and the
+    ``accounting/`` modules that add command-line flags (``def add_cli_arguments``, e.g. the
+    Monte Carlo settings); an edit elsewhere in the accounting core leaves the index valid."""
+    paths = sorted((root / "schemes").rglob("*.py"))
+    paths += [path for path in sorted((root / "accounting").rglob("*.py"))
+              if b"def add_cli_arguments" in path.read_bytes()]
+    return paths
 
 
 def schemes_sources_digest() -> str:
-    """sha256 of the package version and of every ``.py`` file under ``schemes/`` and
-    ``accounting/`` (path and bytes): what the ``schemes`` rows are computed from."""
+    """sha256 of the package version and of the sources of the ``schemes`` rows (path and
+    bytes of each file of :func:`_schemes_sources`)."""
     root = Path(__file__).parent
     digest = hashlib.sha256(__version__.encode())
-    for top in _SCHEMES_SOURCES:
-        for path in sorted((root / top).rglob("*.py")):
-            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-            digest.update(path.read_bytes() + b"\0")
+    for path in _schemes_sources(root):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 

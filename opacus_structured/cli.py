@@ -21,7 +21,7 @@ import sys
 import warnings
 from typing import Callable
 
-from . import __version__, _progress
+from . import __version__, _progress, console
 from ._discovery import import_submodules
 from .accounting import pld as pld_lib
 from .accounting import resource_guard
@@ -266,20 +266,34 @@ def _run_calibrate(args) -> int:
     return 0
 
 
-def _run_schemes(args) -> int:
+def scheme_rows() -> list[dict]:
+    """The rows of ``schemes``, from the schemes themselves: name, summary and flags."""
     rows = []
     for name, cls in sorted(SCHEMES.items()):
         p = argparse.ArgumentParser(prog=name, add_help=False)
         cls.add_cli_arguments(p)
         flags = [a.option_strings[0] for a in p._actions if a.option_strings]
         rows.append({"scheme": name, "summary": cls.summary, "flags": flags})
-    if args.json:
-        print(json.dumps(rows))
-    else:
-        for r in rows:
-            print(f"{r['scheme']:<24} {r['summary']}")
-            if r["flags"]:
-                print(f"{'':<24} flags: {' '.join(r['flags'])}")
+    return rows
+
+
+def write_schemes_index(path=None) -> str:
+    """Write the ``schemes`` rows with the digest of their sources to the shipped index
+    (``console.SCHEMES_INDEX``; the console prints the command from it while the digest
+    matches); returns the path. Run after editing a scheme::
+
+        python -c "from opacus_structured import cli; cli.write_schemes_index()"
+    """
+    path = console.SCHEMES_INDEX if path is None else path
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump({"digest": console.schemes_sources_digest(), "rows": scheme_rows()}, fh,
+                  indent=1, ensure_ascii=False)
+        fh.write("\n")
+    return str(path)
+
+
+def _run_schemes(args) -> int:
+    console.print_scheme_rows(scheme_rows(), args.json)
     return 0
 
 
@@ -328,20 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     _load_plugins(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except ValueError as exc:
-        print(f"opacus-structured: error: {exc}", file=sys.stderr)
-        return 2
-    except ImportError as exc:  # a missing optional package: one line naming the extra
-        from ._optional import install_hint
-
-        hint = install_hint(exc)
-        if hint is None:
-            raise
-        print(f"opacus-structured: error: {hint}", file=sys.stderr)
-        return 2
+    return console.run_command(args.func, args)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m opacus_structured.cli` is the console command
+    sys.exit(console.main())

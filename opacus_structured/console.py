@@ -3,21 +3,37 @@
 Top-level ``--help`` / ``--version`` (and a missing command) are answered here from the command
 names and help strings alone: the built-in commands below, and the plugin commands read from
 the ``register_command("name", "help", ...)`` call of each ``opacus_structured/commands/*.py``
-*source* (:func:`plugin_commands`, no import). Any command hands over to
-:func:`opacus_structured.cli.main`, which imports the layers that command needs (``epsilon``
-needs the accounting core, not torch). docs/architecture.md, "Lazy loading".
+*source* (:func:`plugin_commands`, no import). Two commands start here too:
+
+* ``forecast``: check first, import later. Its parser (``commands/_forecast_args.py``) and its
+  checks of every flag and of the ``--data`` file (``commands/_forecast_check.py``, numpy and
+  pandas only) run before torch, gluonts, Lightning, opacus or matplotlib is imported; only a
+  run that passes them imports the training code (``commands/forecast.py``).
+* ``schemes``: printed from ``data/schemes_index.json`` when the digest of the sources that
+  define the schemes' names, summaries and flags (:func:`schemes_sources_digest`: ``schemes/``
+  and the ``accounting/`` modules that add flags) matches the one stored with it; otherwise
+  (an edited scheme) from the schemes themselves, the same rows, seconds slower (importing the
+  schemes imports dp_accounting and scipy).
+
+Any other command hands over to :func:`opacus_structured.cli.main`, which imports the layers
+that command needs (``epsilon`` needs the accounting core, not torch). docs/architecture.md,
+"Lazy loading".
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
+import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 from . import __version__
 
-__all__ = ["main", "plugin_commands", "BUILTIN_COMMANDS"]
+__all__ = ["main", "plugin_commands", "BUILTIN_COMMANDS", "run_command", "print_scheme_rows",
+           "schemes_sources_digest", "read_schemes_index", "SCHEMES_INDEX"]
 
 PROG = "opacus-structured"
 DESCRIPTION = "Sound and tight DP-SGD accounting for structured batching."
@@ -74,12 +90,138 @@ def top_level_parser(plugins: list[tuple[str, str]]) -> argparse.ArgumentParser:
     return parser
 
 
+def run_command(func: Callable, args) -> int:
+    """``func(args)`` as a command: a ``ValueError`` (bad input) is one line ``opacus-structured:
+    error: ...`` on stderr and exit status 2, as argparse's own errors; so is a missing optional
+    package (the line names the package and the extra that installs it)."""
+    try:
+        return int(func(args) or 0)
+    except ValueError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        from ._optional import install_hint
+
+        hint = install_hint(exc)
+        if hint is None:
+            raise
+        print(f"{PROG}: error: {hint}", file=sys.stderr)
+        return 2
+
+
+# ---- forecast: check first, import later -----------------------------------------------------
+def forecast_parser() -> argparse.ArgumentParser:
+    """The ``forecast`` command's parser, the same as its sub-parser in the full parser."""
+    from .commands._forecast_args import add_arguments  # lazy: no torch, no gluonts
+
+    parser = argparse.ArgumentParser(prog=f"{PROG} forecast")
+    add_arguments(parser)
+    return parser
+
+
+def _forecast(argv: list[str]) -> int:
+    """``forecast``: parse, check every flag and the data, and only then import the training
+    code and run (docs/architecture.md, "Lazy loading")."""
+    args = forecast_parser().parse_args(argv)
+    from .commands import _forecast_check  # lazy: numpy / pandas only
+
+    def check(parsed) -> int:
+        _forecast_check.check_forecast(parsed)  # leaves the checked data on ``parsed``
+        return 0
+
+    status = run_command(check, args)
+    if status:
+        return status
+    return _run_checked_forecast(args)
+
+
+def _run_checked_forecast(args) -> int:
+    """Run a forecast whose flags and data passed the checks (imports the training code)."""
+    from .commands import forecast  # lazy: torch, gluonts, Lightning (the checks passed)
+
+    args.command, args.func = "forecast", forecast.run
+    return run_command(forecast.run, args)
+
+
+# ---- schemes: the shipped index ------------------------------------------------------------
+#: The rows of ``opacus-structured schemes`` with the digest of the sources they come from.
+SCHEMES_INDEX = Path(__file__).parent / "data" / "schemes_index.json"
+def _schemes_sources(root: Path) -> list[Path]:
+    """The sources the ``schemes`` rows come from: every ``.py`` under ``schemes/`` and the
+    ``accounting/`` modules that add command-line flags (``def add_cli_arguments``, e.g. the
+    Monte Carlo settings); an edit elsewhere in the accounting core leaves the index valid."""
+    paths = sorted((root / "schemes").rglob("*.py"))
+    paths += [path for path in sorted((root / "accounting").rglob("*.py"))
+              if b"def add_cli_arguments" in path.read_bytes()]
+    return paths
+
+
+def schemes_sources_digest() -> str:
+    """sha256 of the package version and of the sources of the ``schemes`` rows (path and
+    bytes of each file of :func:`_schemes_sources`)."""
+    root = Path(__file__).parent
+    digest = hashlib.sha256(__version__.encode())
+    for path in _schemes_sources(root):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def read_schemes_index() -> list[dict] | None:
+    """The shipped rows of ``schemes``, or ``None`` if the index is missing or its digest is
+    not the one of the sources here (then :func:`opacus_structured.cli.scheme_rows` computes
+    them from the schemes)."""
+    try:
+        index = json.loads(SCHEMES_INDEX.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if index.get("digest") != schemes_sources_digest():
+        return None
+    return index["rows"]
+
+
+def print_scheme_rows(rows: list[dict], as_json: bool) -> None:
+    """Print the ``schemes`` rows: one JSON list, or a name / summary / flags table."""
+    if as_json:
+        print(json.dumps(rows))
+        return
+    for r in rows:
+        print(f"{r['scheme']:<24} {r['summary']}")
+        if r["flags"]:
+            print(f"{'':<24} flags: {' '.join(r['flags'])}")
+
+
+def schemes_parser() -> argparse.ArgumentParser:
+    """The ``schemes`` command's parser, the same as its sub-parser in the full parser."""
+    parser = argparse.ArgumentParser(prog=f"{PROG} schemes")
+    parser.add_argument("--json", action="store_true", help="print one JSON list")
+    return parser
+
+
+def _schemes(argv: list[str]) -> int | None:
+    """``schemes`` from the shipped index; ``None`` when the index does not match (the full
+    command line then computes the rows)."""
+    args = schemes_parser().parse_args(argv)
+    rows = read_schemes_index()
+    if rows is None:
+        return None
+    print_scheme_rows(rows, args.json)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if _command_word(argv) is None:
+    word = _command_word(argv)
+    if word is None:
         plugins = plugin_commands()
         if plugins is not None:
             top_level_parser(plugins).parse_args(argv)  # prints help/version/usage and exits
+    elif argv[0] == "forecast":
+        return _forecast(argv[1:])
+    elif argv[0] == "schemes":
+        status = _schemes(argv[1:])
+        if status is not None:
+            return status
     from . import cli  # lazy: a command imports the layers it needs, --help none
 
     return cli.main(argv)

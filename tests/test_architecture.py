@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = {
     "opacus_structured._validation": 0, "opacus_structured._discovery": 0,
+    "opacus_structured._defaults": 0,
     # the lazy-loading hook the package facade sets and the registry calls (no imports)
     "opacus_structured._lazy": 0,
     "opacus_structured.accounting": 1,

@@ -213,6 +213,22 @@ def test_unparseable_timestamps_name_line_and_value(tmp_path):
     assert "line 12" in msg and "'2019-13-45'" in msg and "column 'timestamp'" in msg
 
 
+def test_a_mix_with_a_value_in_no_format_lists_both():
+    frame = pd.DataFrame({"item_id": "a", "timestamp": ["2020-01-01", "01/02/2020", "garbage",
+                                                       "2020-04-01"], "target": 1.0})
+    with pytest.raises(ValueError) as err:
+        load_panel(frame)
+    msg = str(err.value)
+    assert "mixed timestamp formats" in msg and "in no format: row 2: 'garbage'" in msg
+
+
+def test_one_format_per_column_still_loads():
+    frame = pd.DataFrame({"item_id": "a", "target": 1.0,
+                          "timestamp": ["01/02/2020", "02/02/2020", "03/02/2020"]})
+    panel, report = load_panel(frame)  # one (month-first) format: no mix
+    assert report.freq == "M" and str(panel.starts[0]) == "2020-01"
+
+
 def test_duplicate_timestamp_names_series_and_timestamp():
     frame = _long(_series([8, 8]))
     frame = pd.concat([frame, frame.iloc[[11]]], ignore_index=True)

@@ -25,6 +25,7 @@ import numpy as np
 from dp_accounting.pld import pld_pmf
 from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 
+from .._defaults import DEFAULT_DISCRETIZATION
 from .._validation import check_finite, check_int, check_open_unit, check_positive
 from . import numerics, resource_guard
 from .profiles import PrivacyProfile
@@ -40,7 +41,6 @@ __all__ = [
     "privacy_profile_curve",
 ]
 
-DEFAULT_DISCRETIZATION = 1e-4
 TAIL_MASS_TRUNCATION = resource_guard.TAIL_MASS_TRUNCATION
 _GRID_TAIL = 1e-18  # delta below which the grid stops; the rest is kept as infinity mass
 _MAX_GRID = 5_000_000

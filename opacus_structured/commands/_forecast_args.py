@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..accounting import pld as pld_lib
+from .._defaults import DEFAULT_DISCRETIZATION
 from ..forecasting.model_defaults import MODEL_DEFAULTS
 
 __all__ = ["DEFAULTS", "RECIPE_FLAGS", "add_arguments", "parse_epsilons"]
@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="privacy budget ε > 0, or 'inf' for non-private (default %(default)g)")
     p.add_argument("--delta", type=float, default=DEFAULTS["delta"],
                    help="δ in (0, 1) (default %(default)g, as in the paper)")
-    p.add_argument("--discretization", type=float, default=pld_lib.DEFAULT_DISCRETIZATION,
+    p.add_argument("--discretization", type=float, default=DEFAULT_DISCRETIZATION,
                    help="pessimistic PLD discretisation used to calibrate σ and report ε "
                         "(default %(default)g, as every other command)")
     p.add_argument("--noise-multiplier", type=float, default=None,

@@ -33,7 +33,7 @@ import time
 
 from .. import _progress
 from ..cli import register_command
-from ..forecasting.model_defaults import check_zero_shot_weight, model_defaults
+from ..forecasting.model_defaults import model_defaults
 from ..forecasting.seasonality import season_length as default_season_length
 from ..forecasting.warning_filters import known_harmless_warnings_filtered
 from ..samplers._generator import fresh_seed
@@ -41,6 +41,7 @@ from ..samplers._generator import fresh_seed
 __all__ = ["add_arguments", "run", "run_forecast", "NOT_PRIVATE_SEEDED"]
 
 from ._forecast_args import DEFAULTS, RECIPE_FLAGS, add_arguments, parse_epsilons  # noqa: F401
+from ._forecast_check import CHECKED_ATTRIBUTE, check_forecast
 from ._forecast_output import (  # noqa: F401  (check_paths, _plot_title: re-exported)
     _fmt,
     _plot,
@@ -148,20 +149,28 @@ def _private_inputs_row(args, result, test, truth, rows, seed, log) -> dict:
 
 
 def run_forecast(args, *, print_fn=print) -> dict:
-    """Run the forecast job described by ``args`` and return the report dictionary."""
+    """Run the forecast job described by ``args`` and return the report dictionary.
+
+    The flags and the data are checked first (:func:`~._forecast_check.check_forecast`; the
+    console has already done so before importing this module, and left the result on
+    ``args``)."""
     # deferred so that the other commands work without the [forecast] extra
     from ..forecasting.baselines import seasonal_naive_predictor  # optional: gluonts
-    from ..forecasting.data import load_us_employment, train_test_split  # optional: gluonts
     from ..forecasting.metrics import evaluate_predictor  # optional: gluonts
     from ..forecasting.training import train_forecaster  # optional: gluonts
 
-    if args.epsilon is None or not args.epsilon > 0:
-        raise ValueError(f"--epsilon must be > 0 (or inf), got {args.epsilon}")
-    budgets = parse_epsilons(getattr(args, "epsilons", None))
+    t_start = time.perf_counter()
+    checked = getattr(args, CHECKED_ATTRIBUTE, None)
+    if checked is None:
+        checked = check_forecast(args)
+    if getattr(args, "device", "cpu") == "cuda":  # needs torch to know: checked here
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available to torch; use "
+                             "--device cpu")
+    budgets = checked.budgets
     if budgets is not None:
-        if args.noise_multiplier is not None:
-            raise ValueError("--epsilons calibrates σ per budget; it cannot be combined with "
-                             "--noise-multiplier")
         args.epsilon = budgets[0]
     recipe = model_defaults(args.model)  # the model's own recipe (model_defaults.py)
     recipe_given = {}  # which recipe values the user set
@@ -176,52 +185,12 @@ def run_forecast(args, *, print_fn=print) -> dict:
     tail_average = getattr(args, "tail_average", None)
     if tail_average is None:
         tail_average = recipe["tail_average"]
-    if not args.max_grad_norm > 0:
-        raise ValueError(f"--max-grad-norm must be > 0, got {args.max_grad_norm}")
-    if not 0.0 <= tail_average <= 1.0:
-        raise ValueError(f"--tail-average must be in [0, 1] (fraction of the last steps whose "
-                         f"iterates are averaged), got {tail_average}")
     init_from = getattr(args, "init_from", "none") or "none"
     zero_shot_weight = getattr(args, "zero_shot_weight", None)
-    if zero_shot_weight is not None:
-        zero_shot_weight = check_zero_shot_weight(zero_shot_weight, "--zero-shot-weight")
-        if zero_shot_weight > 0 and init_from == "none":
-            raise ValueError("--zero-shot-weight mixes in the public zero-shot model: it needs "
-                             "public initial weights, not --init-from none")
-    if getattr(args, "init_public", False) and init_from in ("none", "public"):
-        raise ValueError("--init-public declares the weights of --init-from PATH public; it "
-                         f"does not apply to --init-from {init_from}")
     inference_epsilon = getattr(args, "inference_epsilon", None)
-    if inference_epsilon is not None:
-        if not (inference_epsilon > 0 and math.isfinite(inference_epsilon)):
-            raise ValueError(f"--inference-epsilon must be finite and > 0, got "
-                             f"{inference_epsilon}")
-        if getattr(args, "inference_sensitivity", None) is None:
-            raise ValueError("--inference-epsilon needs --inference-sensitivity V (the largest "
-                             "change of one protected time step, in the data's units)")
-        if not args.inference_sensitivity > 0:
-            raise ValueError(f"--inference-sensitivity must be > 0, got "
-                             f"{args.inference_sensitivity}")
-        if not 0 < args.inference_rate <= 1:
-            raise ValueError(f"--inference-rate must be in (0, 1], got {args.inference_rate}")
-    elif getattr(args, "inference_sensitivity", None) is not None:
-        raise ValueError("--inference-sensitivity applies to --inference-epsilon only")
-    if not 0 < args.delta < 1:
-        raise ValueError(f"--delta must be in (0, 1), got {args.delta}")
     season_length = getattr(args, "season_length", None)
-    if season_length is not None and season_length < 1:
-        raise ValueError(f"--season-length must be >= 1 (steps per seasonal cycle), got "
-                         f"{season_length}")
-    if getattr(args, "batch_size", None) is not None and args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    check_paths(args)  # before any data is read or any training runs
-    if args.num_samples < 1:
-        raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
     seed = getattr(args, "seed", None)
     given_init = getattr(args, "init_seed", None)
-    for flag, value in (("--seed", seed), ("--init-seed", given_init)):
-        if value is not None and value < 0:
-            raise ValueError(f"{flag} must be >= 0, got {value}")
     dp_sgd = math.isfinite(args.epsilon) or args.noise_multiplier is not None
     # public init seed shared by the DP model and its non-private baseline (same weights at
     # step 0); written to the report only when the user chose it (--init-seed or --seed)
@@ -231,44 +200,9 @@ def run_forecast(args, *, print_fn=print) -> dict:
     # a seeded sweep with any finite budget releases NOT-private models: say so up front
     seeded_any = seed is not None and (dp_sgd or any(math.isfinite(b) for b in budgets or ()))
 
-    t_start = time.perf_counter()
-    from ..forecasting.user_data import load_panel  # optional: gluonts
-
-    # a series needs a training part as long as the forecast window plus the held-out part
-    min_length = max(args.min_length, 2 * args.prediction_length)
-    data_path = getattr(args, "data", None)
-    data_flags = {"layout": "auto", "item_id_column": "item_id",
-                  "timestamp_column": "timestamp", "target_column": "target", "freq": None,
-                  "fill": "error"}
-    given = {k: getattr(args, k, None) for k in data_flags}
-    if data_path is None:
-        stray = ["--" + k.replace("_", "-") for k, v in given.items() if v is not None]
-        if stray:
-            raise ValueError(f"{', '.join(stray)} appl{'ies' if len(stray) == 1 else 'y'} to "
-                             "--data PATH (your own CSV) only")
-        data_name = "us_employment"
-        panel, data_report = load_panel(load_us_employment(), min_length=min_length)
-    else:
-        data_name = str(data_path)
-        options = {k: (v if v is not None else data_flags[k]) for k, v in given.items()}
-        panel, data_report = load_panel(data_path, min_length=min_length, **options)
-    if args.num_series is not None:
-        if not 1 <= args.num_series <= len(panel):
-            raise ValueError(f"--num-series must be in [1, {len(panel)}], got {args.num_series}")
-        panel = panel.subset(range(args.num_series))
-    train, test = train_test_split(panel, args.prediction_length)
-    batch_size_source = "given"
-    if getattr(args, "batch_size", None) is None:  # fits the panel (N is public here, as in
-        # the accountant: dataset_size_source says where N came from)
-        declared = getattr(args, "dataset_size", None)
-        args.batch_size = min(DEFAULTS["batch_size"], declared or len(train))
-        batch_size_source = (f"default min({DEFAULTS['batch_size']}, N = "
-                             f"{declared or len(train)})")
-    if args.batch_size > len(train):
-        raise ValueError(f"fewer series than the batch size: {len(train)} training series "
-                         f"(after exclusions) but --batch-size {args.batch_size}; each step "
-                         f"draws --batch-size distinct series: use --batch-size {len(train)} "
-                         "or smaller")
+    data_path, data_name, data_report = checked.path, checked.name, checked.report
+    train, test = checked.train, checked.test
+    args.batch_size, batch_size_source = checked.batch_size, checked.batch_size_source
     test_ds = test.to_gluonts()
     progress = _progress.enabled(args.no_progress)
     log = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
@@ -438,11 +372,7 @@ def run_forecast(args, *, print_fn=print) -> dict:
         "zero_shot_mixture": zero_shot_mixture,
         "scheme": None if result.scheme is None else result.scheme.describe(),
         "sampling_constants": result.sampling_constants,
-        "dataset": {**data_report.to_dict(), "name": data_name,
-                    "min_length_rule": "max(--min-length, 2 × --prediction-length)",
-                    "num_series_loaded": data_report.num_series, "num_series": len(train),
-                    "min_train_length": train.min_length, "test_steps": args.prediction_length,
-                    "test_months": args.prediction_length},
+        "dataset": checked.dataset_record(),
         "init_from": init_from, "pretrained": init_meta, "lr": lr,
         "tail_average": tail_average,
         "recipe": {"source": recipe["source"], "model": args.model,

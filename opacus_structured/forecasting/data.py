@@ -11,7 +11,7 @@ series are held out. The training panel is every series without its last ``predi
 steps; the test panel is the full series, and evaluation forecasts its last
 ``prediction_length`` steps from what precedes them (the gluonts convention). Only the training
 panel is touched by DP training; the privacy guarantee covers the training panel (the test
-months are used only to *score* the released model).
+steps are used only to *score* the released model).
 
 The bundled panel is the BLS US employment data (public domain; see
 ``opacus_structured/data/README.md``): 148 monthly series, 1939-01 to 2019-09, lengths 225–969.

@@ -125,6 +125,10 @@ def _parse_times(values, where, what: str):
                 parsed = pd.to_datetime(text, errors="coerce")
             except (ValueError, TypeError):
                 parsed = pd.to_datetime(text, errors="coerce", format="mixed")
+    bad = np.flatnonzero((parsed.isna() & series.notna()).to_numpy())
+    if bad.size and not isinstance(values, pd.DatetimeIndex) and not \
+            pd.api.types.is_datetime64_any_dtype(series.dtype):
+        _raise_if_mixed(text, bad, where, what)
     bad = np.flatnonzero(parsed.isna().to_numpy())
     if bad.size:
         shown = ", ".join(f"{where(int(p))}: {series.iloc[p]!r}" for p in bad[:_MAX_LISTED])
@@ -134,6 +138,62 @@ def _parse_times(values, where, what: str):
     if getattr(parsed.dt, "tz", None) is not None:
         parsed = parsed.dt.tz_localize(None)
     return pd.DatetimeIndex(parsed)
+
+
+def _format_of(text: str) -> str:
+    """A timestamp's format for a message: pandas' guess (``%Y-%m-%d``, ``%m/%d/%Y``, ...),
+    else its shape with every digit written ``9`` (``99.99.9999``)."""
+    from pandas.tseries.api import guess_datetime_format
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        guessed = guess_datetime_format(text)
+    return guessed or "".join("9" if c.isdigit() else c for c in text)
+
+
+def _parses_alone(text: str) -> bool:
+    import pandas as pd
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return not pd.isna(pd.to_datetime(text))
+        except (ValueError, TypeError, OverflowError):
+            return False
+
+
+def _raise_if_mixed(text, bad, where, what: str) -> None:
+    """Raise naming the mix if timestamps that failed to parse with the column's format
+    (pandas infers one format per column, from its first value) parse on their own: the column
+    mixes formats. Lists each format with its count and first row (of the first 200 failed
+    values); a value that parses in no format is listed too."""
+    examined = [int(p) for p in bad[:200]]
+    alone = [p for p in examined if _parses_alone(str(text.iloc[p]))]
+    if not alone:
+        return
+    good = np.flatnonzero(text.notna().to_numpy())
+    good = good[~np.isin(good, bad)]
+    groups: dict[str, list[int]] = {}
+    if good.size:  # read in the column's format
+        groups[_format_of(str(text.iloc[good[0]]))] = [int(p) for p in good]
+    for p in alone:
+        groups.setdefault(_format_of(str(text.iloc[p])), []).append(p)
+    listed = "; ".join(f"{fmt} ({len(rows)} value(s), e.g. {where(rows[0])}: "
+                       f"{str(text.iloc[rows[0]])!r})"
+                       for fmt, rows in list(groups.items())[:_MAX_LISTED])
+    never = [p for p in examined if p not in alone]
+    tail = ("" if not never else "; in no format: " + ", ".join(
+        f"{where(p)}: {str(text.iloc[p])!r}" for p in never[:_MAX_LISTED]))
+    more = (f"; {len(bad) - len(examined)} more value(s) not in the column's format"
+            if len(bad) > len(examined) else "")
+    ambiguous = any(f"{a}/{b}" in fmt for fmt in groups for a, b in (("%m", "%d"), ("%d", "%m")))
+    raise ValueError(
+        f"mixed timestamp formats in {what}: {len(groups)} formats ({listed}){tail}{more}. "
+        "The values of each format parse on their own, but a column is read in one format "
+        "(its first value's)"
+        + (", and day and month cannot be told apart in a mix (01/02/2020 is 2 January or "
+           "1 February)" if ambiguous else "")
+        + "; write every timestamp in one format, e.g. ISO 2020-01-31")
 
 
 #: The timestamp forms :func:`load_panel` reads (named in its error for an unparseable one).

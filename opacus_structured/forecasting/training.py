@@ -34,7 +34,7 @@ randomness — weight initialisation, dropout and the process RNGs later used to
 forecasts — which DP-SGD does not need to hide (the guarantee holds for every fixed
 initialisation and dropout mask).
 
-Not covered by the guarantee (documented limits): the *test* months (used only for scoring),
+Not covered by the guarantee (documented limits): the *test* steps (used only for scoring),
 hyper-parameter choices, and the train-loss values shown on the progress bar (visible to the
 operator only; nothing selects a checkpoint by them and no learning-rate schedule uses them).
 """

@@ -44,6 +44,7 @@ from ._forecast_args import DEFAULTS, RECIPE_FLAGS, add_arguments, parse_epsilon
 from ._forecast_output import (  # noqa: F401  (check_paths, _plot_title: re-exported)
     _fmt,
     _plot,
+    _plot_privacy,
     _plot_sweep,
     _plot_title,
     _sweep_entry,
@@ -413,11 +414,18 @@ def run_forecast(args, *, print_fn=print) -> dict:
         row["seconds"] = time.perf_counter() - t0
         baselines["seasonal_naive"] = {k: row[k] for k in ("crps", "mase")}
         if not getattr(args, "no_ets", False):
-            ets = _ets_reference_row(train, truth, args.prediction_length, season_length, rows)
+            ets = _ets_reference_row(train, truth, args.prediction_length, season_length, rows,
+                                     forecasts)
             if ets is not None:
                 baselines["ets"] = ets
 
     from ..forecasting.baseline_skip import describe_skip  # optional: gluonts
+    from ._forecast_verdict import add_verdicts, mase_exclusion
+
+    mase_excluded = mase_exclusion(test, truth, args.prediction_length, season_length)
+    if mase_excluded is not None:  # constant (or exactly periodic) training parts
+        warnings_out.append(mase_excluded.pop("warning"))
+        print("warning: " + warnings_out[-1], file=sys.stderr)
 
     report = {
         "model": args.model, "private": result.private, "dp_sgd": result.dp_sgd,
@@ -460,8 +468,11 @@ def run_forecast(args, *, print_fn=print) -> dict:
         report["notice"] = NOT_PRIVATE_SEEDED
     if warnings_out:
         report["warnings"] = warnings_out
+    if mase_excluded is not None:
+        report["mase_excluded"] = mase_excluded
     if sweep is not None:
         report["sweep"] = sweep
+    verdict_lines = add_verdicts(report, args, rows, len(train))
     if inference is not None:
         report["inference_privacy"] = inference
     if seed is not None or given_init is not None:
@@ -489,13 +500,14 @@ def run_forecast(args, *, print_fn=print) -> dict:
                 # the released forecast, not its unmixed half
                 shown = {k: v for k, v in forecasts.items() if k != alone_label}
                 _plot(os.path.join(args.output, "forecasts.png"), test, shown, picks,
-                      args.prediction_length, banner=NOT_PRIVATE_SEEDED if seeded_dp else None)
+                      args.prediction_length, banner=NOT_PRIVATE_SEEDED if seeded_dp else None,
+                      privacy=_plot_privacy(report))
                 report["plot"] = os.path.join(args.output, "forecasts.png")
                 if sweep is not None:
                     report["sweep_plot"] = os.path.join(args.output, "sweep.png")
                     _plot_sweep(report["sweep_plot"], sweep, baselines, args.model,
                                 banner=NOT_PRIVATE_SEEDED if seeded_any else None)
-    report["table"] = _table(rows)
+    report["table"] = _table(rows) + "\n\n" + verdict_lines
     return report
 
 
@@ -547,10 +559,10 @@ def run(args) -> int:
     return 0
 
 
-def _ets_reference_row(train, truth, prediction_length, season_length, rows):
+def _ets_reference_row(train, truth, prediction_length, season_length, rows, forecasts):
     """The non-private statsmodels ETS reference (:mod:`~opacus_structured.forecasting.ets`):
-    appends its row (labelled NOT PRIVATE) and returns its baseline entry; without statsmodels,
-    one notice on stderr and ``{"omitted": reason}``."""
+    appends its row (labelled NOT PRIVATE) and its forecasts (for the plot) and returns its
+    baseline entry; without statsmodels, one notice on stderr and ``{"omitted": reason}``."""
     from ..forecasting.ets import (  # optional: gluonts, statsmodels
         ETS_LABEL,
         ets_reference,
@@ -562,7 +574,7 @@ def _ets_reference_row(train, truth, prediction_length, season_length, rows):
         print(f"notice: {reason}", file=sys.stderr)
         return {"omitted": reason, "private": False}
     ets = ets_reference(train, truth, prediction_length, season_length)
-    ets.pop("forecasts")
+    forecasts[ETS_LABEL] = ets.pop("forecasts")
     rows.append({"method": ETS_LABEL, "crps": ets["crps"], "mase": ets["mase"],
                  "mse": ets["mse"], "nd": ets["nd"], "private": False,
                  "seconds": ets["seconds"]})

@@ -134,10 +134,14 @@ def add_verdicts(report: dict, args, rows: list[dict], num_series: int) -> str:
     return "\n".join(lines)
 
 
-def mase_exclusion(test, truth, prediction_length: int, season_length: int) -> dict | None:
-    """``{"series": [item ids], "reason", "mase_series", "warning"}`` for the test series left
-    out of every row's MASE (:func:`~opacus_structured.forecasting.metrics.
-    mase_undefined_series`), or ``None`` when every series has a MASE."""
+def mase_exclusion(test, truth, prediction_length: int, season_length: int,
+                   warnings_out: list | None = None) -> dict | None:
+    """``{"series": [item ids], "reason", "mase_series"}`` for the test series left out of every
+    row's MASE (:func:`~opacus_structured.forecasting.metrics.mase_undefined_series`), or
+    ``None`` when every series has a MASE. With ``warnings_out``, the warning is appended to
+    it and printed on stderr (``warning: MASE leaves out ...``)."""
+    import sys
+
     from ..forecasting.metrics import MASE_UNDEFINED_REASON, mase_undefined_series
 
     idx = mase_undefined_series(truth, prediction_length, season_length)
@@ -146,8 +150,10 @@ def mase_exclusion(test, truth, prediction_length: int, season_length: int) -> d
     ids = [str(test.item_ids[i]) for i in idx]
     shown = ", ".join(ids[:5]) + (", ..." if len(ids) > 5 else "")
     kept = len(truth) - len(idx)
-    warning = (f"MASE leaves out {len(ids)} of {len(truth)} series ({shown}): "
-               f"{MASE_UNDEFINED_REASON}; they still count in the CRPS"
-               + ("" if kept else "; no series has a MASE, so the MASE column is empty"))
-    return {"series": ids, "reason": MASE_UNDEFINED_REASON, "mase_series": kept,
-            "warning": warning}
+    if warnings_out is not None:
+        warnings_out.append(f"MASE leaves out {len(ids)} of {len(truth)} series ({shown}): "
+                            f"{MASE_UNDEFINED_REASON}; they still count in the CRPS"
+                            + ("" if kept else "; no series has a MASE, so the MASE column "
+                               "is empty"))
+        print("warning: " + warnings_out[-1], file=sys.stderr)
+    return {"series": ids, "reason": MASE_UNDEFINED_REASON, "mase_series": kept}

@@ -422,10 +422,9 @@ def run_forecast(args, *, print_fn=print) -> dict:
     from ..forecasting.baseline_skip import describe_skip  # optional: gluonts
     from ._forecast_verdict import add_verdicts, mase_exclusion
 
-    mase_excluded = mase_exclusion(test, truth, args.prediction_length, season_length)
-    if mase_excluded is not None:  # constant (or exactly periodic) training parts
-        warnings_out.append(mase_excluded.pop("warning"))
-        print("warning: " + warnings_out[-1], file=sys.stderr)
+    # constant (or exactly periodic) training parts: named, warned, left out of the MASE
+    mase_excluded = mase_exclusion(test, truth, args.prediction_length, season_length,
+                                   warnings_out)
 
     report = {
         "model": args.model, "private": result.private, "dp_sgd": result.dp_sgd,
@@ -583,7 +582,7 @@ def _ets_reference_row(train, truth, prediction_length, season_length, rows, for
               f"fallback ({'; '.join(f'{i}: {s}' for i, s in ets['fallbacks'][:5])}"
               f"{'; ...' if len(ets['fallbacks']) > 5 else ''})", file=sys.stderr)
     return {k: ets[k] for k in ("crps", "mase", "private", "note", "models", "fallbacks",
-                                "predictive", "seconds")}
+                                "predictive", "seconds", "workers")}
 
 
 def _public_dataset_size(args, data_path, train):

@@ -100,9 +100,14 @@ def test_a_sweep_gets_one_verdict_per_budget():
                  (math.inf, 0.0070, 0.45, None, "dlinear (non-private, DP path at ε=∞)"))]
     report = {"model": "dlinear", "dp_sgd": True, "epsilon": 0.5, "noise_multiplier": 30.0,
               "batch_size": 12, "baselines": {"seasonal_naive": SN, "zero_shot": ZS},
-              "sweep": sweep}
+              "sweep": sweep, "prediction_length": 6, "season_length": 12}
     rows = [{"method": "dlinear (DP, ε=0.5)", "crps": 0.0120, "mase": 0.70}]
-    text = add_verdicts(report, types.SimpleNamespace(), rows, 12)
+    panel, _ = _panel_with_constant()
+    _, test = train_test_split(panel, 6)
+    one = test.subset(range(1))  # one series, with a MASE scale: nothing left out
+    warned = []
+    text = add_verdicts(report, types.SimpleNamespace(), rows, one, [one.targets[0]], warned)
+    assert warned == [] and "mase_excluded" not in report and "warnings" not in report
     verdicts = [e["verdict"] for e in sweep]
     assert verdicts[0] is report["verdict"]
     assert [v["beats_zero_shot"] for v in verdicts] == [False, True, True]

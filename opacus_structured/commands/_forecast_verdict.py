@@ -105,12 +105,20 @@ def dp_verdict(*, label: str, crps: float, mase, dp_sgd: bool, epsilon, noise_mu
             "comparisons": comparisons, "text": text, "advice": advice}
 
 
-def add_verdicts(report: dict, args, rows: list[dict], num_series: int) -> str:
+def add_verdicts(report: dict, args, rows: list[dict], test, truth,
+                 warnings_out: list) -> str:
     """Add ``report["verdict"]`` (the first row: the released forecast) and, in a sweep, a
     ``"verdict"`` to every budget of ``report["sweep"]``; return the lines printed under the
-    table."""
+    table. First, :func:`mase_exclusion` on the test panel ``test`` and its ground truth
+    ``truth``: where series have no MASE, ``report["mase_excluded"]`` and a warning (appended
+    to ``warnings_out``, which becomes ``report["warnings"]``, and printed on stderr)."""
+    excluded = mase_exclusion(test, truth, report["prediction_length"],
+                              report["season_length"], warnings_out)
+    if excluded is not None:
+        report["mase_excluded"] = excluded
+        report["warnings"] = warnings_out
     common = dict(dp_sgd=report["dp_sgd"], batch_size=report["batch_size"],
-                  num_series=num_series, baselines=report["baselines"],
+                  num_series=len(test), baselines=report["baselines"],
                   tune_available=hasattr(args, "tune"))
     main = rows[0]
     report["verdict"] = dp_verdict(label=main["method"], crps=main["crps"], mase=main["mase"],

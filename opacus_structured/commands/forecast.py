@@ -420,11 +420,7 @@ def run_forecast(args, *, print_fn=print) -> dict:
                 baselines["ets"] = ets
 
     from ..forecasting.baseline_skip import describe_skip  # optional: gluonts
-    from ._forecast_verdict import add_verdicts, mase_exclusion
-
-    # constant (or exactly periodic) training parts: named, warned, left out of the MASE
-    mase_excluded = mase_exclusion(test, truth, args.prediction_length, season_length,
-                                   warnings_out)
+    from ._forecast_verdict import add_verdicts
 
     report = {
         "model": args.model, "private": result.private, "dp_sgd": result.dp_sgd,
@@ -467,11 +463,10 @@ def run_forecast(args, *, print_fn=print) -> dict:
         report["notice"] = NOT_PRIVATE_SEEDED
     if warnings_out:
         report["warnings"] = warnings_out
-    if mase_excluded is not None:
-        report["mase_excluded"] = mase_excluded
     if sweep is not None:
         report["sweep"] = sweep
-    verdict_lines = add_verdicts(report, args, rows, len(train))
+    # the verdict lines; series without a MASE scale named (report["mase_excluded"]), warned
+    verdict_lines = add_verdicts(report, args, rows, test, truth, warnings_out)
     if inference is not None:
         report["inference_privacy"] = inference
     if seed is not None or given_init is not None:
@@ -496,8 +491,9 @@ def run_forecast(args, *, print_fn=print) -> dict:
                 log("matplotlib not installed: no plot written")
             else:
                 picks = sorted(set([0, len(test) // 3, (2 * len(test)) // 3, len(test) - 1]))
-                # the released forecast, not its unmixed half
-                shown = {k: v for k, v in forecasts.items() if k != alone_label}
+                # the released forecast (not its unmixed half, nor the sweep's other budgets)
+                hidden = {alone_label, *(e["method"] for e in (sweep or [])[1:])}
+                shown = {k: v for k, v in forecasts.items() if k not in hidden}
                 _plot(os.path.join(args.output, "forecasts.png"), test, shown, picks,
                       args.prediction_length, banner=NOT_PRIVATE_SEEDED if seeded_dp else None,
                       privacy=_plot_privacy(report))

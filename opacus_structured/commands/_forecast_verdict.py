@@ -14,8 +14,9 @@ added to the *average* clipped gradient has standard deviation ``σ·C/B`` per c
 ``C`` (the clipping norm) bounds the norm of that average itself. When ``σ/B >=``
 :data:`NOISE_DOMINATED` (= 1), the noise in every single coordinate is as large as the whole
 gradient can be: the steps mostly follow the noise, and fine-tuning cannot be expected to help.
-This is the case on small panels, where the batch is the whole panel (6–12 series: σ = 17–54,
-σ/B = 1.4–4.5), and not on the bundled 148-series panel (σ ≈ 10 with B = 64: σ/B ≈ 0.16).
+This is the case on small panels, where the batch is the whole panel (issue 41's runs with
+6–12 series: σ = 17–54, so σ/B >= 17/12 ≈ 1.4), and not on the bundled 148-series panel
+(σ ≈ 10 with B = 64: σ/B ≈ 0.16).
 
 **Advice.** When the release loses to a baseline, or σ/B >= 1, the verdict lists what to do:
 private hyperparameter selection (``--tune``; named "when available" while the command has no

@@ -33,7 +33,11 @@ scored by the same ``Evaluator`` and on the same test windows as every other row
 is the same mean weighted quantile loss, computed here from the exact Gaussian quantiles with
 no sampling noise.
 
-**Speed.** The series are fitted independently, so with more than one CPU
+**Speed.** The fits run with one BLAS / OpenMP thread (``threadpoolctl``): their linear
+algebra is tiny, and in the ``forecast`` command, after torch has trained, the default thread
+pools made them 3.4 times slower (41 s against 12 s for the bundled panel at load 6–9; that
+is where the issue's 52.6 s came from). The series are fitted independently, so with more
+than one CPU
 (:func:`ets_workers`: the CPUs this process may use, at most :data:`MAX_WORKERS`) and at least
 :data:`MIN_SERIES_PER_WORKER` series per process they are fitted in forked worker processes
 (``multiprocessing``'s ``fork`` start method; the parent imports statsmodels first, so the
@@ -187,11 +191,23 @@ def _fit_task(task):
     return ets_series_forecast(*task)
 
 
+def _one_blas_thread():
+    """Pool initializer: one BLAS / OpenMP thread per worker (the workers are the parallelism;
+    a forked worker otherwise starts the parent's BLAS thread count, and workers × threads
+    spinning on the same cores made the fits twice as slow as one process)."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(1)
+
+
 def _fit_all(targets, h: int, m: int, workers: int) -> list:
+    from threadpoolctl import threadpool_limits
+
     tasks = [(y, h, m) for y in targets]
     if workers == 1:
-        return [_fit_task(t) for t in tasks]
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        with threadpool_limits(1):  # the fits' linear algebra is tiny: threads only cost
+            return [_fit_task(t) for t in tasks]
+    with multiprocessing.get_context("fork").Pool(workers, initializer=_one_blas_thread) as pool:
         return pool.map(_fit_task, tasks, chunksize=max(1, len(tasks) // (4 * workers)))
 
 

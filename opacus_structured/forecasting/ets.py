@@ -36,7 +36,7 @@ no sampling noise.
 **Speed.** The fits run with one BLAS / OpenMP thread (``threadpoolctl``): their linear
 algebra is tiny, and in the ``forecast`` command, after torch has trained, the default thread
 pools made them 3.4 times slower (41 s against 12 s for the bundled panel at load 6–9; that
-is where the issue's 52.6 s came from). The series are fitted independently, so with more
+is the likely cause of the issue's 52.6 s). The series are fitted independently, so with more
 than one CPU
 (:func:`ets_workers`: the CPUs this process may use, at most :data:`MAX_WORKERS`) and at least
 :data:`MIN_SERIES_PER_WORKER` series per process they are fitted in forked worker processes

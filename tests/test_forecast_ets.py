@@ -255,3 +255,13 @@ def test_forked_workers_give_the_same_forecasts_as_one_process():
     assert ets_workers(3, 8) == 3
     with pytest.raises(ValueError, match="workers"):
         ets_workers(10, 0)
+
+
+def test_without_threadpoolctl_the_reason_names_it(monkeypatch):
+    pytest.importorskip("statsmodels")
+    from opacus_structured.forecasting.ets import ets_unavailable_reason
+
+    assert ets_unavailable_reason() is None
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)
+    reason = ets_unavailable_reason()
+    assert reason.startswith("threadpoolctl is not installed") and "threadpoolctl>=3" in reason

@@ -104,8 +104,8 @@ def ets_workers(num_series: int, workers: Optional[int] = None) -> int:
 
 
 def ets_unavailable_reason() -> Optional[str]:
-    """``None`` when statsmodels (with ``ETSModel``) can be imported, else a one-line reason
-    with the install command."""
+    """``None`` when statsmodels (with ``ETSModel``) and threadpoolctl can be imported, else a
+    one-line reason with the install command."""
     try:
         from statsmodels.tsa.exponential_smoothing.ets import ETSModel  # noqa: F401
     except ImportError as exc:
@@ -113,6 +113,12 @@ def ets_unavailable_reason() -> Optional[str]:
                 "non-private ETS reference row is omitted; pip install "
                 "\"opacus-structured[forecast]\" (or pip install \"statsmodels>=0.14\") to "
                 "add it")
+    try:
+        import threadpoolctl  # noqa: F401  (one BLAS thread for the fits)
+    except ImportError as exc:
+        return (f"threadpoolctl is not installed ({exc.__class__.__name__}: {exc}): the "
+                "non-private ETS reference row is omitted; pip install "
+                "\"opacus-structured[forecast]\" (or pip install \"threadpoolctl>=3\") to add it")
     return None
 
 

@@ -217,3 +217,51 @@ def test_without_statsmodels_the_row_is_omitted_with_one_notice(tmp_path, capsys
     captured = capsys.readouterr()
     assert captured.err.count("statsmodels is not installed") == 1
     assert ETS_LABEL not in captured.out
+
+
+def test_forked_workers_give_the_same_forecasts_as_one_process():
+    """Issue 41, item 6: the series are fitted in forked worker processes where there are CPUs
+    for them; each runs the same code, so the forecasts agree with one process (exactly; the
+    tolerance only guards the comparison). No wall time is asserted."""
+    pytest.importorskip("statsmodels")
+    import multiprocessing
+
+    import pandas as pd
+
+    from opacus_structured.forecasting.ets import (
+        MAX_WORKERS,
+        MIN_SERIES_PER_WORKER,
+        ets_forecasts,
+        ets_workers,
+    )
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        assert ets_workers(100, 4) == 1
+        pytest.skip("no fork start method on this platform: one process only")
+    rng = np.random.default_rng(3)
+    targets = tuple((np.tile(PATTERN, 4) * (1 + k) + rng.normal(0, 1, 48)).astype(np.float32)
+                    for k in range(6))
+    starts = tuple(pd.Period("2001-01", freq="M") for _ in targets)
+    train, _ = train_test_split(Panel(targets, starts, tuple("abcdef"), "M"), 6)
+    one, s1 = ets_forecasts(train, 6, 12, workers=1)
+    two, s2 = ets_forecasts(train, 6, 12, workers=2)
+    assert (s1["workers"], s2["workers"]) == (1, 2) and s1["models"] == s2["models"]
+    for a, b in zip(one, two, strict=True):
+        np.testing.assert_allclose(a.forecast_array, b.forecast_array, rtol=1e-12, atol=0)
+        assert a.start_date == b.start_date and a.item_id == b.item_id
+    # the default count: CPUs, at most MAX_WORKERS, at least MIN_SERIES_PER_WORKER series each
+    assert ets_workers(MIN_SERIES_PER_WORKER - 1) == 1
+    assert 1 <= ets_workers(1000) <= MAX_WORKERS
+    assert ets_workers(3, 8) == 3
+    with pytest.raises(ValueError, match="workers"):
+        ets_workers(10, 0)
+
+
+def test_without_threadpoolctl_the_reason_names_it(monkeypatch):
+    pytest.importorskip("statsmodels")
+    from opacus_structured.forecasting.ets import ets_unavailable_reason
+
+    assert ets_unavailable_reason() is None
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)
+    reason = ets_unavailable_reason()
+    assert reason.startswith("threadpoolctl is not installed") and "threadpoolctl>=3" in reason

@@ -30,14 +30,37 @@ def _table(rows: list[dict]) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
 
 
+#: Line styles of the plotted methods after the first (the released forecast, drawn in blue
+#: with its 10–90 % band): (colour, line style) in the order of the table's rows.
+_PLOT_STYLES = (("tab:orange", "-"), ("tab:green", "-."), ("tab:red", "--"),
+                ("tab:purple", ":"), ("tab:brown", "-"), ("tab:gray", "-"))
+
+
+def _plot_privacy(report) -> str:
+    """The released forecast's privacy for the plot: ``"ε = 0.997, δ = 1e-07"`` (DP),
+    ``"ε = ∞ (non-private)"``, or the NOT-private mechanism's ε of a seeded run."""
+    if not report.get("dp_sgd"):
+        return "ε = ∞ (non-private)"
+    eps = report.get("epsilon")
+    text = (f"ε = {_fmt(eps, '.3g')}, δ = {report['delta']:g}, "
+            f"σ = {_fmt(report.get('noise_multiplier'), '.3g')}")
+    return text if report.get("private") else f"{text} (mechanism; NOT private: seeded)"
+
+
 def _plot(path, panel_test, forecasts_by_method: dict, series_idx, prediction_length,
-          banner=None):
+          banner=None, privacy=None):
+    """Four test series with the median forecast of every method (the first, the released
+    forecast, with its 10–90 % band; ``privacy``, e.g. ``"ε = 1, δ = 1e-07"``, in its legend
+    label and the figure title). Saves to ``path`` and returns the (closed) figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import pandas as pd
 
+    if len(forecasts_by_method) > 1 + len(_PLOT_STYLES):
+        raise ValueError(f"at most {1 + len(_PLOT_STYLES)} methods can be plotted, got "
+                         f"{len(forecasts_by_method)}")
     n = len(series_idx)
     fig, axes = plt.subplots(n, 1, figsize=(9, 2.6 * n), squeeze=False)
     for ax, i in zip(axes[:, 0], series_idx, strict=False):
@@ -48,21 +71,33 @@ def _plot(path, panel_test, forecasts_by_method: dict, series_idx, prediction_le
         xs = dates[len(y) - hist:]
         ax.plot(xs, y[-hist:], color="black", lw=1.2, label="observed")
         x_f = dates[len(y) - prediction_length:]
-        for (name, fcs), color in zip(forecasts_by_method.items(),
-                                      ("tab:blue", "tab:orange", "tab:green"), strict=False):
+        for k, (name, fcs) in enumerate(forecasts_by_method.items()):
             f = fcs[i]
-            ax.plot(x_f, f.quantile(0.5), color=color, lw=1.2, label=f"{name} median")
-            ax.fill_between(x_f, f.quantile(0.1), f.quantile(0.9), color=color, alpha=0.2)
+            if k == 0:  # the released forecast
+                label = f"{name} median" + (f" ({privacy})" if privacy else "")
+                ax.plot(x_f, f.quantile(0.5), color="tab:blue", lw=1.6, label=label)
+                ax.fill_between(x_f, f.quantile(0.1), f.quantile(0.9), color="tab:blue",
+                                alpha=0.2)
+            else:
+                color, ls = _PLOT_STYLES[k - 1]
+                ax.plot(x_f, f.quantile(0.5), color=color, ls=ls, lw=1.1,
+                        label=f"{name} median")
         ax.set_title(_plot_title(panel_test, i), fontsize=9)
         ax.axvline(dates[len(y) - prediction_length], color="grey", ls=":", lw=0.8)
         ax.set_ylabel("value")
     axes[0, 0].legend(fontsize=7, loc="upper left")
-    axes[-1, 0].set_xlabel("date (shaded: 10–90% band; from the dotted line on: test)")
+    axes[-1, 0].set_xlabel("date (shaded: 10–90% band of the released forecast; from the "
+                           "dotted line on: test)")
+    title = f"released forecast: {privacy}" if privacy else None
     if banner:  # e.g. NOT_PRIVATE_SEEDED
-        fig.suptitle(banner, color="tab:red", fontsize=10, fontweight="bold")
+        fig.suptitle(banner + (f"\n{title}" if title else ""), color="tab:red", fontsize=10,
+                     fontweight="bold")
+    elif title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return fig
 
 
 def _plot_title(panel, i) -> str:
@@ -73,7 +108,8 @@ def _plot_title(panel, i) -> str:
 
 
 def _sweep_entry(budget, res, row) -> dict:
-    return {"target_epsilon": budget, "epsilon": res.epsilon, "private": res.private,
+    return {"target_epsilon": budget, "method": row["method"], "epsilon": res.epsilon,
+            "private": res.private,
             "dp_sgd": res.dp_sgd, "noise_multiplier": res.noise_multiplier,
             "steps": res.steps, "crps": row["crps"], "mase": row["mase"],
             "train_seconds": res.train_seconds}

@@ -45,6 +45,7 @@ from ._forecast_check import CHECKED_ATTRIBUTE, check_forecast
 from ._forecast_output import (  # noqa: F401  (check_paths, _plot_title: re-exported)
     _fmt,
     _plot,
+    _plot_privacy,
     _plot_sweep,
     _plot_title,
     _sweep_entry,
@@ -347,11 +348,13 @@ def run_forecast(args, *, print_fn=print) -> dict:
         row["seconds"] = time.perf_counter() - t0
         baselines["seasonal_naive"] = {k: row[k] for k in ("crps", "mase")}
         if not getattr(args, "no_ets", False):
-            ets = _ets_reference_row(train, truth, args.prediction_length, season_length, rows)
+            ets = _ets_reference_row(train, truth, args.prediction_length, season_length, rows,
+                                     forecasts)
             if ets is not None:
                 baselines["ets"] = ets
 
     from ..forecasting.baseline_skip import describe_skip  # optional: gluonts
+    from ._forecast_verdict import add_verdicts
 
     report = {
         "model": args.model, "private": result.private, "dp_sgd": result.dp_sgd,
@@ -392,6 +395,8 @@ def run_forecast(args, *, print_fn=print) -> dict:
         report["warnings"] = warnings_out
     if sweep is not None:
         report["sweep"] = sweep
+    # the verdict lines; series without a MASE scale named (report["mase_excluded"]), warned
+    verdict_lines = add_verdicts(report, args, rows, test, truth, warnings_out)
     if inference is not None:
         report["inference_privacy"] = inference
     if seed is not None or given_init is not None:
@@ -416,16 +421,18 @@ def run_forecast(args, *, print_fn=print) -> dict:
                 log("matplotlib not installed: no plot written")
             else:
                 picks = sorted(set([0, len(test) // 3, (2 * len(test)) // 3, len(test) - 1]))
-                # the released forecast, not its unmixed half
-                shown = {k: v for k, v in forecasts.items() if k != alone_label}
+                # the released forecast (not its unmixed half, nor the sweep's other budgets)
+                hidden = {alone_label, *(e["method"] for e in (sweep or [])[1:])}
+                shown = {k: v for k, v in forecasts.items() if k not in hidden}
                 _plot(os.path.join(args.output, "forecasts.png"), test, shown, picks,
-                      args.prediction_length, banner=NOT_PRIVATE_SEEDED if seeded_dp else None)
+                      args.prediction_length, banner=NOT_PRIVATE_SEEDED if seeded_dp else None,
+                      privacy=_plot_privacy(report))
                 report["plot"] = os.path.join(args.output, "forecasts.png")
                 if sweep is not None:
                     report["sweep_plot"] = os.path.join(args.output, "sweep.png")
                     _plot_sweep(report["sweep_plot"], sweep, baselines, args.model,
                                 banner=NOT_PRIVATE_SEEDED if seeded_any else None)
-    report["table"] = _table(rows)
+    report["table"] = _table(rows) + "\n\n" + verdict_lines
     return report
 
 
@@ -477,10 +484,10 @@ def run(args) -> int:
     return 0
 
 
-def _ets_reference_row(train, truth, prediction_length, season_length, rows):
+def _ets_reference_row(train, truth, prediction_length, season_length, rows, forecasts):
     """The non-private statsmodels ETS reference (:mod:`~opacus_structured.forecasting.ets`):
-    appends its row (labelled NOT PRIVATE) and returns its baseline entry; without statsmodels,
-    one notice on stderr and ``{"omitted": reason}``."""
+    appends its row (labelled NOT PRIVATE) and its forecasts (for the plot) and returns its
+    baseline entry; without statsmodels, one notice on stderr and ``{"omitted": reason}``."""
     from ..forecasting.ets import (  # optional: gluonts, statsmodels
         ETS_LABEL,
         ets_reference,
@@ -492,7 +499,7 @@ def _ets_reference_row(train, truth, prediction_length, season_length, rows):
         print(f"notice: {reason}", file=sys.stderr)
         return {"omitted": reason, "private": False}
     ets = ets_reference(train, truth, prediction_length, season_length)
-    ets.pop("forecasts")
+    forecasts[ETS_LABEL] = ets.pop("forecasts")
     rows.append({"method": ETS_LABEL, "crps": ets["crps"], "mase": ets["mase"],
                  "mse": ets["mse"], "nd": ets["nd"], "private": False,
                  "seconds": ets["seconds"]})
@@ -501,7 +508,7 @@ def _ets_reference_row(train, truth, prediction_length, season_length, rows):
               f"fallback ({'; '.join(f'{i}: {s}' for i, s in ets['fallbacks'][:5])}"
               f"{'; ...' if len(ets['fallbacks']) > 5 else ''})", file=sys.stderr)
     return {k: ets[k] for k in ("crps", "mase", "private", "note", "models", "fallbacks",
-                                "predictive", "seconds")}
+                                "predictive", "seconds", "workers")}
 
 
 def _public_dataset_size(args, data_path, train):

@@ -411,6 +411,22 @@ def test_balls_in_bins_is_priced_by_its_renyi_accountant():
     assert eps == pytest.approx(10.60, abs=0.02)  # pinned
 
 
+@pytest.mark.slow
+def test_random_allocation_mf_is_priced_by_its_renyi_route():
+    """Random allocation's PLD refuses with a ValueError (no pair's PLD); the Rényi route of
+    the whole run still prices the selection (review of issue 40: it raised instead)."""
+    from opacus_structured.schemes.random_allocation_mf import RandomAllocationMFScheme
+
+    scheme = RandomAllocationMFScheme(strategy="identity", epochs=2, batches_per_epoch=10,
+                                      method="renyi")
+    acc = SchemeAccountant(scheme, discretization=1e-3)
+    acc.step(noise_multiplier=1.0, sample_rate=scheme.expected_sample_rate(), num_steps=20)
+    single = float(acc.get_epsilon(DELTA))
+    eps = selection_epsilon(acc, mean_trials=5, eta=1, delta=DELTA)
+    assert single < eps < 5 * single
+    assert eps == pytest.approx(8.03, abs=0.02)  # pinned (2026-11-28)
+
+
 def test_grid_and_sampler_candidate_spaces():
     from opacus_structured.tuning import candidate_list
 

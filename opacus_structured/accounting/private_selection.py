@@ -208,6 +208,9 @@ def repeat_and_select_rdp(orders: Sequence[float], rdp: Sequence[float], *,
             out[i] = rdp[i] + mean_trials * d_hat + math.log(mean_trials) / (orders[i] - 1)
         return out
     gamma = tnb_gamma(mean_trials, eta)
+    # the sampler draws with this γ, whose mean can exceed the asked one by the solver's
+    # tolerance: price the law that is drawn
+    mean_trials = max(mean_trials, tnb_mean(gamma, eta))
     with np.errstate(invalid="ignore"):
         hat = (1 - 1 / orders[usable]) * rdp[usable] - math.log(gamma) / orders[usable]
     c = (1 + eta) * float(np.min(hat))
@@ -312,6 +315,8 @@ def _pmf_renyi(pmf, orders: np.ndarray, cut: float = 0.0) -> tuple[np.ndarray, f
     beta_p += float(np.sum(probs[:good.start]))  # P-mass of the cut bottom (tiny)
     beta_q += float(np.sum(np.exp(np.log(probs[good.stop:]) - losses[good.stop:])))
     losses, probs = losses[good], probs[good]
+    # the exact distance of P from its finite part also covers mass the PMF dropped
+    beta_p = max(beta_p, 1.0 - float(np.sum(probs)))
     log_p = np.log(probs)
     log_mp = math.log(float(np.sum(probs)))
     log_mq = _logsumexp(log_p - losses)

@@ -220,7 +220,7 @@ def _accountant_worlds(run, extras, orders, discretization
               for o, r, t in _renyi_routes(run)]
     try:
         parts = _unit_parts(run, discretization)
-    except NotImplementedError as err:
+    except (NotImplementedError, ValueError) as err:  # e.g. random allocation: no valid PLD
         if routes:
             return routes
         raise ValueError(f"scheme {name!r} has no privacy loss distribution to derive an RDP "
@@ -282,8 +282,10 @@ def selection_epsilon(trial, *, mean_trials: float, eta: Optional[float], delta:
         selected = ps.repeat_and_select_rdp(route_orders, rdp, mean_trials=mean_trials,
                                             eta=eta)
         try:
+            drawn_mean = (mean_trials if eta is None else
+                          max(mean_trials, ps.tnb_mean(ps.tnb_gamma(mean_trials, eta), eta)))
             values.append(ps.epsilon_with_tail(route_orders, selected, delta, tail_mass=tail,
-                                               mean_trials=mean_trials))
+                                               mean_trials=drawn_mean))
         except ValueError as err:
             errors.append(err)
     if not values:

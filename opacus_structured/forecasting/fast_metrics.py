@@ -281,8 +281,8 @@ def score_forecasts(forecasts: Sequence, series: Sequence,
     keys = [(len(y), y.dtype, med.dtype, None if mu is None else mu.dtype,
              tuple(a.dtype for a in qs))
             for y, med, mu, qs in zip(targets, median, mean, quants, strict=True)]
-    seasonal_error = _seasonal_errors(pasts, seasonalities)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        seasonal_error = _seasonal_errors(pasts, seasonalities)
         for (h, _, _, mean_dtype, _), idx in _groups(keys):
             y = np.stack([targets[i] for i in idx])  # (g, h)
             if y.shape[1] != h or any(len(median[i]) != h for i in idx):

@@ -8,14 +8,20 @@ seasonal-naive path plus Gaussian noise scaled to each series' seasonal step, fl
 gluonts predictor returns them), then times, in one process and interleaved:
 
 * ``gluonts``: ``metrics.evaluate_forecasts`` (the evaluator, as the job calls it);
-* ``fast``: ``fast_metrics.score_forecasts`` on the same objects (fresh ``SampleForecast``
-  copies each repeat, so no sorted-sample cache is shared with the evaluator).
+* ``fast``: ``fast_metrics.score_forecasts`` on the same forecasts (fresh objects each call,
+  so no sorted-sample or mean cache is shared with the evaluator).
+
+``--kind`` picks the forecast objects: ``sample`` (``SampleForecast``: the DP model with the
+zero-shot mixture, seasonal naive), ``quantile`` (``QuantileForecast``: the ETS row) or
+``distribution`` (torch ``DistributionForecast`` of a scaled Student t: DLinear without the
+mixture). Only ``sample`` is vectorised end to end; the others are asked for their quantiles
+and mean one series at a time, as gluonts does (fewer times).
 
 It prints the median and minimum seconds per call, the ratio of medians, the estimated
 saving per job (six calls) and the largest relative difference of the four numbers.
 
     python benchmarks/forecast_metrics.py [--series 148] [--samples 100] [--horizon 12] \\
-        [--repeats 3] [--synthetic] [--json PATH]
+        [--repeats 3] [--kind sample|quantile|distribution] [--synthetic] [--json PATH]
 """
 
 from __future__ import annotations
@@ -87,10 +93,34 @@ def _forecasts(targets, starts, num_samples: int, horizon: int, seed: int):
     return series, samples, begins
 
 
-def _fresh(samples, begins):
-    from gluonts.model.forecast import SampleForecast
+def _fresh(samples, begins, kind: str, quantiles):
+    """New forecast objects (no cache shared between calls) of ``kind``: ``sample`` (a
+    ``SampleForecast``), ``quantile`` (a ``QuantileForecast`` of the samples' quantiles and
+    mean, like the ETS row) or ``distribution`` (a torch ``DistributionForecast``: gluonts'
+    ``StudentTOutput`` with a scale, like DLinear's)."""
+    from gluonts.model.forecast import QuantileForecast, SampleForecast
 
-    return [SampleForecast(s, start_date=b) for s, b in zip(samples, begins, strict=True)]
+    if kind == "sample":
+        return [SampleForecast(s, start_date=b) for s, b in zip(samples, begins, strict=True)]
+    if kind == "quantile":
+        keys = [str(q) for q in quantiles] + ["mean"]
+        return [QuantileForecast(np.vstack([np.quantile(s, quantiles, axis=0), s.mean(0)])
+                                 .astype(np.float32), start_date=b, forecast_keys=keys)
+                for s, b in zip(samples, begins, strict=True)]
+    import torch
+    from gluonts.torch.distributions import StudentTOutput
+    from gluonts.torch.model.forecast import DistributionForecast
+
+    out = StudentTOutput()
+    forecasts = []
+    for s, b in zip(samples, begins, strict=True):
+        scale = torch.tensor(float(np.abs(s).mean()) + 1e-3)
+        loc = torch.tensor(s.mean(0)) / scale
+        sd = torch.tensor(s.std(0)) / scale + 1e-3
+        distr = out.distribution((torch.full_like(loc, 5.0), loc, sd),
+                                 scale=scale.expand_as(loc))
+        forecasts.append(DistributionForecast(distr, start_date=b))
+    return forecasts
 
 
 def main(argv=None) -> dict:
@@ -103,6 +133,9 @@ def main(argv=None) -> dict:
                     help="timed calls of each (gluonts takes seconds per call)")
     ap.add_argument("--synthetic", action="store_true",
                     help="random monthly series instead of the bundled US employment panel")
+    ap.add_argument("--kind", choices=("sample", "quantile", "distribution"), default="sample",
+                    help="forecast objects: SampleForecast (DP mixture, seasonal naive), "
+                         "QuantileForecast (ETS) or DistributionForecast (DLinear's Student t)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results")
     args = ap.parse_args(argv)
@@ -115,20 +148,21 @@ def main(argv=None) -> dict:
     series, samples, begins = _forecasts(targets, starts, args.samples, args.horizon,
                                          args.seed + 1)
 
-    def run_gluonts():
-        return evaluate_forecasts(_fresh(samples, begins), series, QUANTILES,
-                                  args.season_length)
+    def run_gluonts(forecasts):
+        return evaluate_forecasts(forecasts, series, QUANTILES, args.season_length)
 
-    def run_fast():
-        return score_forecasts(_fresh(samples, begins), series, QUANTILES, args.season_length)
+    def run_fast(forecasts):
+        return score_forecasts(forecasts, series, QUANTILES, args.season_length)
 
-    run_gluonts(), run_fast()  # warm-up: imports, caches
+    for fn in (run_gluonts, run_fast):  # warm-up: imports, caches
+        fn(_fresh(samples, begins, args.kind, QUANTILES))
     times = {"gluonts": [], "fast": []}
     results = {}
     for _ in range(max(1, args.repeats)):  # interleaved, so load changes hit both
         for name, fn in (("gluonts", run_gluonts), ("fast", run_fast)):
+            forecasts = _fresh(samples, begins, args.kind, QUANTILES)  # built, not timed
             t0 = time.perf_counter()
-            results[name] = fn()
+            results[name] = fn(forecasts)
             times[name].append(time.perf_counter() - t0)
     load_after = os.getloadavg()
 
@@ -140,6 +174,7 @@ def main(argv=None) -> dict:
         "cpu": _cpu_name(), "cores": os.cpu_count(),
         "load_average_1min": {"before": load_before[0], "after": load_after[0]},
         "panel": "synthetic" if args.synthetic else "US employment (bundled)",
+        "kind": args.kind,
         "series": args.series, "samples": args.samples, "horizon": args.horizon,
         "season_length": args.season_length, "repeats": args.repeats,
         "seconds": times, "median_s": med, "ratio_gluonts_over_fast": med["gluonts"] / med["fast"],
@@ -149,7 +184,7 @@ def main(argv=None) -> dict:
         "max_relative_difference": max(rel.values()),
     }
     print(f"{args.series} series x {args.samples} samples x horizon {args.horizon} "
-          f"({out['panel']}), {out['cpu']}, {out['cores']} cores, load {load_before[0]:.1f} "
+          f"({out['panel']}, {args.kind} forecasts), {out['cpu']}, {out['cores']} cores, load {load_before[0]:.1f} "
           f"-> {load_after[0]:.1f}")
     print(f"{'method':<10} {'median [s]':>11} {'min [s]':>9}")
     for name in ("gluonts", "fast"):

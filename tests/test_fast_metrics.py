@@ -287,6 +287,43 @@ def test_quantile_forecast_without_mean_and_distribution_forecasts():
     assert_parity(forecasts, series, season_length=12)
 
 
+def test_student_t_distribution_forecasts_in_one_icdf_call():
+    """DLinear's output (gluonts' StudentT under an affine scale, one icdf call for all
+    levels here), a bare StudentT, and a negative scale (the icdf flips the levels)."""
+    torch = pytest.importorskip("torch")
+    from gluonts.torch.distributions import StudentTOutput
+    from gluonts.torch.distributions.affine_transformed import AffineTransformed
+    from gluonts.torch.distributions.studentT import StudentT
+    from gluonts.torch.model.forecast import DistributionForecast
+
+    from opacus_structured.forecasting.fast_metrics import _batched_icdf
+
+    rng = np.random.default_rng(13)
+    forecasts, series = [], []
+    for i in range(9):
+        truth = frame(seasonal(rng, 40 + 7 * i, 12), "2001-01", "M")
+        last = torch.tensor(truth.to_numpy()[-12:, 0])
+        scale = last.abs().mean() + 1e-3
+        df = torch.full((12,), 2.0 + i)
+        sd = torch.full((12,), 0.1 + 0.05 * i)
+        if i % 3 == 0:
+            distr = StudentTOutput().distribution((df, last / scale, sd),
+                                                  scale=scale.expand(12))
+        elif i % 3 == 1:
+            distr = StudentT(df, last, sd * scale)
+        else:
+            distr = AffineTransformed(StudentT(df, -last / scale, sd), loc=torch.zeros(12),
+                                      scale=-scale.expand(12))
+        fc = DistributionForecast(distr, start_date=truth.index[-12])
+        table = _batched_icdf(fc, [0.1, 0.5, 0.9])
+        assert table is not None and table.shape == (3, 12)
+        np.testing.assert_array_equal(table[2], fc.quantile(0.9))  # bit for bit
+        forecasts.append(fc)
+        series.append(truth)
+    assert_parity(forecasts, series, season_length=12)
+    assert_parity(forecasts, series, quantiles=(0.05, 0.5, 0.95), season_length=None)
+
+
 def test_nan_forecast_raises_like_gluonts():
     forecasts, series = mixed_panel(seed=11)
     samples = forecasts[1].samples.copy()

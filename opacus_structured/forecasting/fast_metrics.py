@@ -58,7 +58,9 @@ Like the evaluator, a forecast whose mean or any requested quantile holds NaN ra
 ``ValueError("Forecast contains NaN values.")``, and a forecast index outside its series raises
 (``ValueError`` here, ``AssertionError`` in gluonts). Inputs are univariate: forecasts with 2-d
 sample paths (``SampleForecast``) or any gluonts ``Forecast`` with ``quantile`` and ``mean``
-(``QuantileForecast``, ``DistributionForecast``); series are pandas ``DataFrame`` s of one
+(``QuantileForecast``, ``DistributionForecast``: asked for its quantiles one level at a
+time, except a Student t, possibly affinely scaled, whose elementwise ``icdf`` gives all levels
+in one call); series are pandas ``DataFrame`` s of one
 column (as ``make_evaluation_predictions`` yields) or ``Series``. float16 values are not
 mirrored (gluonts sums them in float32).
 """
@@ -166,6 +168,7 @@ def _forecast_arrays(forecasts, qvals, sample_cls):
             mean[i] = means[j]
             median[i] = ordered[j, rows[0.5]]
             quants[i] = [ordered[j, rows[q]] for q in qvals]
+    levels = [*qvals, 0.5] if 0.5 not in qvals else list(qvals)
     for i, forecast in enumerate(forecasts):
         if plain[i]:
             continue
@@ -173,8 +176,11 @@ def _forecast_arrays(forecasts, qvals, sample_cls):
             mean[i] = getattr(forecast, "mean", None)
         except NotImplementedError:
             mean[i] = None
-        quants[i] = [np.asarray(forecast.quantile(q)) for q in qvals]
-        median[i] = np.asarray(forecast.quantile(0.5))
+        table = _batched_icdf(forecast, levels)
+        if table is None:  # ask the forecast, one level at a time
+            table = [np.asarray(forecast.quantile(q)) for q in levels]
+        quants[i] = list(table[:len(qvals)])
+        median[i] = table[levels.index(0.5)]
         if mean[i] is not None:
             mean[i] = np.asarray(mean[i])
         # gluonts' validate_forecast: the mean and the requested quantiles
@@ -182,6 +188,42 @@ def _forecast_arrays(forecasts, qvals, sample_cls):
                 np.isnan(a).any() for a in quants[i]):
             raise ValueError(_NAN_FORECAST)
     return median, mean, quants
+
+
+def _elementwise_icdf(distribution) -> bool:
+    """Whether ``distribution.icdf`` is elementwise, so one call at levels of shape
+    ``(k, 1)`` gives, row by row, what ``k`` calls at one level give: gluonts' torch
+    ``StudentT`` (scipy's ``t.ppf``), also under affine transforms (gluonts'
+    ``AffineTransformed``: DLinear's and DeepAR's default output)."""
+    from gluonts.torch.distributions.studentT import StudentT
+    from torch.distributions import AffineTransform, TransformedDistribution
+
+    if isinstance(distribution, TransformedDistribution):
+        return (type(distribution).icdf is TransformedDistribution.icdf
+                and all(type(t) is AffineTransform for t in distribution.transforms)
+                and _elementwise_icdf(distribution.base_dist))
+    return type(distribution) is StudentT
+
+
+def _batched_icdf(forecast, levels):
+    """The quantiles of a torch ``DistributionForecast`` at all ``levels`` in one ``icdf``
+    call (``None`` when the forecast or its distribution is not one this is exact for):
+    the same float32 level tensor and elementwise operations as ``forecast.quantile``."""
+    import sys
+
+    module = sys.modules.get("gluonts.torch.model.forecast")
+    if module is None or type(forecast) is not module.DistributionForecast:
+        return None
+    distribution = forecast.distribution
+    if len(forecast.shape) != 1 or not _elementwise_icdf(distribution):
+        return None
+    import torch
+
+    value = torch.tensor(levels, device=distribution.mean.device).reshape(-1, 1)
+    table = distribution.icdf(value).cpu().numpy()
+    if table.shape != (len(levels), forecast.shape[0]):
+        return None
+    return table
 
 
 def _masked_sum(values: np.ndarray, valid: np.ndarray) -> np.ndarray:

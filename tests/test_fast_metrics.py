@@ -6,8 +6,9 @@ difference of 1e-9 (NaN with NaN, ``inf`` with ``inf``). Panels: mixed lengths, 
 sample counts, dtypes and frequencies (monthly and weekly, seasonality 12 and 52, short series
 that fall back to lag 1); constant series; NaN and inf in the past and in the target; forecast
 starts inside the series; a PeriodIndex with a gap (gluonts' label extraction); the package's
-seasonal-naive predictor through ``make_evaluation_predictions``; ETS ``QuantileForecast`` s and
-torch ``DistributionForecast`` s. One small case is also checked by hand.
+seasonal-naive predictor and the shipped DLinear weights (zero-shot) through
+``make_evaluation_predictions``; ETS ``QuantileForecast`` s and torch ``DistributionForecast`` s.
+One small case is also checked by hand.
 """
 
 from __future__ import annotations
@@ -349,3 +350,27 @@ def test_bad_inputs_raise():
         score_forecasts([late], series[:1], season_length=12)
     with pytest.raises(ValueError, match="season_length"):
         score_forecasts(forecasts, series, season_length=-1)
+
+
+@pytest.mark.slow
+def test_shipped_dlinear_zero_shot_predictor():
+    """A real predictor: the shipped DLinear weights, zero-shot, on 12 bundled series (its
+    forecasts are scaled Student t ``DistributionForecast`` s, the job's zero-shot row)."""
+    pytest.importorskip("torch")
+    from gluonts.torch.model.forecast import DistributionForecast
+
+    from opacus_structured.forecasting.data import load_us_employment
+    from opacus_structured.forecasting.pretraining import pretrained_weights, zero_shot_predictor
+
+    state, meta = pretrained_weights("dlinear", freq="M", prediction_length=12)
+    if meta.get("source") != "shipped":  # pragma: no cover - the wheel ships them
+        pytest.skip("no shipped DLinear weights for monthly data: would pretrain")
+    panel = load_us_employment().subset(range(0, 148, 12))
+    with known_harmless_warnings_filtered():
+        predictor = zero_shot_predictor("dlinear", state, freq="M", prediction_length=12)
+        f_it, ts_it = make_evaluation_predictions(panel.to_gluonts(), predictor,
+                                                  num_samples=100)
+        forecasts, series = list(f_it), list(ts_it)
+    assert isinstance(forecasts[0], DistributionForecast)
+    ref = assert_parity(forecasts, series, season_length=12)
+    assert 0 < ref["mean_wQuantileLoss"] < 0.1 and 0 < ref["MASE"] < 5

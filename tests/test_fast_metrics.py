@@ -288,16 +288,19 @@ def test_quantile_forecast_without_mean_and_distribution_forecasts():
     assert_parity(forecasts, series, season_length=12)
 
 
-def test_student_t_distribution_forecasts_in_one_icdf_call():
-    """DLinear's output (gluonts' StudentT under an affine scale, one icdf call for all
-    levels here), a bare StudentT, and a negative scale (the icdf flips the levels)."""
+def test_student_t_distribution_forecasts_in_one_scipy_call():
+    """DLinear's output (gluonts' StudentT under an affine scale; here one scipy call for all
+    series and levels), a bare StudentT, and a negative scale (the icdf flips the levels)."""
     torch = pytest.importorskip("torch")
     from gluonts.torch.distributions import StudentTOutput
     from gluonts.torch.distributions.affine_transformed import AffineTransformed
     from gluonts.torch.distributions.studentT import StudentT
     from gluonts.torch.model.forecast import DistributionForecast
 
-    from opacus_structured.forecasting.fast_metrics import _batched_icdf
+    from opacus_structured.forecasting.fast_metrics import (
+        _student_t_chain,
+        _student_t_quantiles,
+    )
 
     rng = np.random.default_rng(13)
     forecasts, series = [], []
@@ -315,12 +318,15 @@ def test_student_t_distribution_forecasts_in_one_icdf_call():
         else:
             distr = AffineTransformed(StudentT(df, -last / scale, sd), loc=torch.zeros(12),
                                       scale=-scale.expand(12))
-        fc = DistributionForecast(distr, start_date=truth.index[-12])
-        table = _batched_icdf(fc, [0.1, 0.5, 0.9])
-        assert table is not None and table.shape == (3, 12)
-        np.testing.assert_array_equal(table[2], fc.quantile(0.9))  # bit for bit
-        forecasts.append(fc)
+        forecasts.append(DistributionForecast(distr, start_date=truth.index[-12]))
         series.append(truth)
+    chains = [_student_t_chain(f) for f in forecasts]
+    assert all(c is not None for c in chains)
+    tables = _student_t_quantiles(forecasts, range(len(forecasts)), chains, [0.1, 0.5, 0.93])
+    for i, fc in enumerate(forecasts):  # bit for bit, every series and level
+        assert tables[i].shape == (3, 12)
+        for k, q in enumerate((0.1, 0.5, 0.93)):
+            np.testing.assert_array_equal(tables[i][k], fc.quantile(q))
     assert_parity(forecasts, series, season_length=12)
     assert_parity(forecasts, series, quantiles=(0.05, 0.5, 0.95), season_length=None)
 

@@ -59,8 +59,8 @@ Like the evaluator, a forecast whose mean or any requested quantile holds NaN ra
 (``ValueError`` here, ``AssertionError`` in gluonts). Inputs are univariate: forecasts with 2-d
 sample paths (``SampleForecast``) or any gluonts ``Forecast`` with ``quantile`` and ``mean``
 (``QuantileForecast``, ``DistributionForecast``: asked for its quantiles one level at a
-time, except a Student t, possibly affinely scaled, whose elementwise ``icdf`` gives all levels
-in one call); series are pandas ``DataFrame`` s of one
+time, except gluonts' Student t, possibly affinely scaled, whose quantiles of all series and
+levels come from one elementwise scipy call); series are pandas ``DataFrame`` s of one
 column (as ``make_evaluation_predictions`` yields) or ``Series``. float16 values are not
 mirrored (gluonts sums them in float32).
 """
@@ -169,6 +169,12 @@ def _forecast_arrays(forecasts, qvals, sample_cls):
             median[i] = ordered[j, rows[0.5]]
             quants[i] = [ordered[j, rows[q]] for q in qvals]
     levels = [*qvals, 0.5] if 0.5 not in qvals else list(qvals)
+    chains = [None if p else _student_t_chain(f) for f, p in zip(forecasts, plain, strict=True)]
+    tables: dict = {}
+    for key, idx in _groups([None if c is None else f.shape[0]
+                             for f, c in zip(forecasts, chains, strict=True)]):
+        if key is not None:
+            tables.update(_student_t_quantiles(forecasts, idx, chains, levels))
     for i, forecast in enumerate(forecasts):
         if plain[i]:
             continue
@@ -176,7 +182,7 @@ def _forecast_arrays(forecasts, qvals, sample_cls):
             mean[i] = getattr(forecast, "mean", None)
         except NotImplementedError:
             mean[i] = None
-        table = _batched_icdf(forecast, levels)
+        table = tables.get(i)
         if table is None:  # ask the forecast, one level at a time
             table = [np.asarray(forecast.quantile(q)) for q in levels]
         quants[i] = list(table[:len(qvals)])
@@ -190,40 +196,66 @@ def _forecast_arrays(forecasts, qvals, sample_cls):
     return median, mean, quants
 
 
-def _elementwise_icdf(distribution) -> bool:
-    """Whether ``distribution.icdf`` is elementwise, so one call at levels of shape
-    ``(k, 1)`` gives, row by row, what ``k`` calls at one level give: gluonts' torch
-    ``StudentT`` (scipy's ``t.ppf``), also under affine transforms (gluonts'
-    ``AffineTransformed``: DLinear's and DeepAR's default output)."""
-    from gluonts.torch.distributions.studentT import StudentT
-    from torch.distributions import AffineTransform, TransformedDistribution
-
-    if isinstance(distribution, TransformedDistribution):
-        return (type(distribution).icdf is TransformedDistribution.icdf
-                and all(type(t) is AffineTransform for t in distribution.transforms)
-                and _elementwise_icdf(distribution.base_dist))
-    return type(distribution) is StudentT
-
-
-def _batched_icdf(forecast, levels):
-    """The quantiles of a torch ``DistributionForecast`` at all ``levels`` in one ``icdf``
-    call (``None`` when the forecast or its distribution is not one this is exact for):
-    the same float32 level tensor and elementwise operations as ``forecast.quantile``."""
+def _student_t_chain(forecast):
+    """``(layers, base)`` when ``forecast`` is a torch ``DistributionForecast`` of gluonts'
+    ``StudentT``, bare or under affine ``TransformedDistribution`` layers (gluonts'
+    ``AffineTransformed``: DLinear's default output), over a 1-d horizon; else ``None``."""
     import sys
 
     module = sys.modules.get("gluonts.torch.model.forecast")
     if module is None or type(forecast) is not module.DistributionForecast:
         return None
-    distribution = forecast.distribution
-    if len(forecast.shape) != 1 or not _elementwise_icdf(distribution):
-        return None
-    import torch
+    from gluonts.torch.distributions.studentT import StudentT
+    from torch.distributions import AffineTransform, TransformedDistribution
 
-    value = torch.tensor(levels, device=distribution.mean.device).reshape(-1, 1)
-    table = distribution.icdf(value).cpu().numpy()
-    if table.shape != (len(levels), forecast.shape[0]):
+    layers, dist = [], forecast.distribution
+    while isinstance(dist, TransformedDistribution):
+        if (type(dist).icdf is not TransformedDistribution.icdf
+                or not all(type(t) is AffineTransform for t in dist.transforms)):
+            return None
+        layers.append(dist)
+        dist = dist.base_dist
+    if type(dist) is not StudentT or len(forecast.shape) != 1:
         return None
-    return table
+    return layers, dist
+
+
+def _student_t_quantiles(forecasts, idx, chains, levels) -> dict:
+    """``{i: (len(levels), h) array}``: ``forecast.quantile`` at every level for the Student t
+    forecasts ``idx`` (one horizon ``h``), with one scipy call for all of them.
+
+    The same operations as ``DistributionForecast.quantile`` → ``TransformedDistribution.icdf``
+    → gluonts' ``StudentT.icdf`` (``scipy.stats.t.ppf`` of the frozen distribution, which is
+    ``t.ppf(q, df, loc, scale)``, elementwise) → the affine maps, on the same float32 level
+    tensor, only broadcast over levels and stacked over series.
+    """
+    import torch
+    from scipy.stats import t as student_t
+
+    values, params, devices = [], [], []
+    for i in idx:
+        layers, base = chains[i]
+        device = base.loc.device
+        v = torch.tensor(levels, device=device).reshape(-1, 1)
+        for layer in layers:  # outermost first, as the nested icdf calls run
+            v = layer._monotonize_cdf(v)
+        h = forecasts[i].shape[0]
+        values.append(np.broadcast_to(v.detach().cpu().numpy(), (len(levels), h)))
+        params.append([np.broadcast_to(p.detach().cpu().numpy(), (h,))
+                       for p in (base.df, base.loc, base.scale)])
+        devices.append((device, v.dtype))
+    df, loc, scale = (np.stack([p[k] for p in params])[:, None, :] for k in range(3))
+    table = student_t.ppf(np.stack(values), df, loc=loc, scale=scale)
+    out = {}
+    for j, i in enumerate(idx):
+        layers, _ = chains[i]
+        device, dtype = devices[j]
+        x = torch.tensor(table[j], device=device, dtype=dtype)
+        for layer in reversed(layers):  # innermost transforms first
+            for transform in layer.transforms:
+                x = transform(x)
+        out[i] = x.cpu().numpy()
+    return out
 
 
 def _masked_sum(values: np.ndarray, valid: np.ndarray) -> np.ndarray:

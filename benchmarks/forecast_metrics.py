@@ -14,8 +14,9 @@ gluonts predictor returns them), then times, in one process and interleaved:
 ``--kind`` picks the forecast objects: ``sample`` (``SampleForecast``: the DP model with the
 zero-shot mixture, seasonal naive), ``quantile`` (``QuantileForecast``: the ETS row) or
 ``distribution`` (torch ``DistributionForecast`` of a scaled Student t: DLinear without the
-mixture). Only ``sample`` is vectorised end to end; the others are asked for their quantiles
-and mean one series at a time, as gluonts does (fewer times).
+mixture). ``sample`` is vectorised end to end and the Student t quantiles of all series come
+from one scipy call; a ``QuantileForecast`` is asked for its levels one series at a time, as
+gluonts does (fewer times).
 
 It prints the median and minimum seconds per call, the ratio of medians, the estimated
 saving per job (six calls) and the largest relative difference of the four numbers.

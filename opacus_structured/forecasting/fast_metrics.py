@@ -71,6 +71,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .warning_filters import known_harmless_warnings_filtered
+
 __all__ = ["score_forecasts"]
 
 _NAN_FORECAST = "Forecast contains NaN values."
@@ -388,8 +390,6 @@ def score_forecasts(forecasts: Sequence, series: Sequence,
 def _gluonts_seasonality(freq: str) -> int:
     """gluonts' ``get_seasonality`` (its pandas alias warnings filtered as elsewhere)."""
     from gluonts.time_feature import get_seasonality
-
-    from .warning_filters import known_harmless_warnings_filtered
 
     with known_harmless_warnings_filtered():
         lag = get_seasonality(freq)

@@ -380,3 +380,34 @@ def test_shipped_dlinear_zero_shot_predictor():
     assert isinstance(forecasts[0], DistributionForecast)
     ref = assert_parity(forecasts, series, season_length=12)
     assert 0 < ref["mean_wQuantileLoss"] < 0.1 and 0 < ref["MASE"] < 5
+
+
+def test_per_series_items_match_gluonts_frame():
+    """``return_items=True``: the evaluator's per-series columns, series by series (what the
+    job's MASE over series with a nonzero scale is computed from)."""
+    rng = np.random.default_rng(14)
+    forecasts, series = mixed_panel(seed=14)
+    const = frame(np.full(40, 7.0, dtype=np.float32), "2005-01", "M")
+    forecasts.append(sample_forecast(rng, const, 12, 100))
+    series.append(const)
+    values = series[3].to_numpy()[:, 0].copy()
+    values[-2] = np.nan
+    series[3] = pd.DataFrame(values, index=series[3].index)
+    quantiles = (0.1, 0.5, 0.9)
+    with known_harmless_warnings_filtered(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        agg, frame_ = Evaluator(quantiles=list(quantiles), num_workers=0, seasonality=12)(
+            iter(series), iter(forecasts), num_series=len(series))
+    got, items = score_forecasts(forecasts, series, quantiles, 12, return_items=True)
+    assert got == score_forecasts(forecasts, series, quantiles, 12)
+    assert set(items) == {"MASE", "seasonal_error", "MSE", "abs_error", "abs_target_sum",
+                          "QuantileLoss[0.1]", "QuantileLoss[0.5]", "QuantileLoss[0.9]"}
+    for key, column in items.items():
+        assert column.dtype == np.float64 and column.shape == (len(series),)
+        np.testing.assert_allclose(column, frame_[key].to_numpy(dtype=float), rtol=1e-9,
+                                   atol=0, equal_nan=True, err_msg=key)
+    assert items["seasonal_error"][-1] == 0 and items["MASE"][-1] == math.inf
+    scaled = items["seasonal_error"] > 0  # the job's MASE: series with a nonzero scale
+    expected = frame_["MASE"].to_numpy(dtype=float)[
+        frame_["seasonal_error"].to_numpy(dtype=float) > 0].mean()
+    assert items["MASE"][scaled].mean() == pytest.approx(expected, rel=1e-9)

@@ -308,7 +308,7 @@ def _nanmean(values: np.ndarray) -> float:
 
 def score_forecasts(forecasts: Sequence, series: Sequence,
                     quantiles: Sequence[float] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
-                    season_length: Optional[int] = None) -> dict:
+                    season_length: Optional[int] = None, *, return_items: bool = False):
     """gluonts' ``Evaluator`` aggregate ``{"mean_wQuantileLoss", "MASE", "MSE", "ND"}`` (floats)
     of ``forecasts`` against ``series`` (module docstring for the formulas).
 
@@ -316,6 +316,11 @@ def score_forecasts(forecasts: Sequence, series: Sequence,
     ``make_evaluation_predictions`` yields them); ``quantiles`` are floats or gluonts quantile
     strings (``"0.1"``, ``"p10"``); ``season_length`` is the MASE lag ``m`` (gluonts'
     ``get_seasonality`` of each forecast's frequency when ``None`` or 0).
+
+    With ``return_items=True`` returns ``(aggregate, items)``: ``items`` maps ``"MASE"``,
+    ``"seasonal_error"``, ``"MSE"``, ``"abs_error"``, ``"abs_target_sum"`` and
+    ``"QuantileLoss[q]"`` (gluonts' column names) to float64 arrays, one value per series in
+    input order: the columns of the evaluator's per-series frame.
     """
     from gluonts.model.forecast import Quantile
 
@@ -381,10 +386,17 @@ def score_forecasts(forecasts: Sequence, series: Sequence,
 
         total_abs_target = _nansum(abs_target_sum)
         weighted = [_nansum(qloss[k]) / total_abs_target for k in range(len(qvals))]
-        return {"mean_wQuantileLoss": float(np.array(weighted).mean()),
-                "MASE": float(_nanmean(mase)),
-                "MSE": float(_nanmean(mse)),
-                "ND": float(_nansum(abs_error) / total_abs_target)}
+        aggregate = {"mean_wQuantileLoss": float(np.array(weighted).mean()),
+                     "MASE": float(_nanmean(mase)),
+                     "MSE": float(_nanmean(mse)),
+                     "ND": float(_nansum(abs_error) / total_abs_target)}
+    if not return_items:
+        return aggregate
+    items = {"MASE": mase, "seasonal_error": seasonal_error, "MSE": mse,
+             "abs_error": abs_error, "abs_target_sum": abs_target_sum}
+    for k, q in enumerate(quantiles):
+        items[f"QuantileLoss[{Quantile.parse(q)}]"] = qloss[k]
+    return aggregate, items
 
 
 def _gluonts_seasonality(freq: str) -> int:

@@ -27,6 +27,9 @@ free baseline that won instead (it costs no training privacy).
 from __future__ import annotations
 
 import math
+import sys
+
+from ..forecasting.metrics import MASE_UNDEFINED_REASON, mase_undefined_series
 
 __all__ = ["NOISE_DOMINATED", "VERDICT_METRICS", "dp_verdict", "add_verdicts",
            "mase_exclusion"]
@@ -149,10 +152,6 @@ def mase_exclusion(test, truth, prediction_length: int, season_length: int,
     row's MASE (:func:`~opacus_structured.forecasting.metrics.mase_undefined_series`), or
     ``None`` when every series has a MASE. With ``warnings_out``, the warning is appended to
     it and printed on stderr (``warning: MASE leaves out ...``)."""
-    import sys
-
-    from ..forecasting.metrics import MASE_UNDEFINED_REASON, mase_undefined_series
-
     idx = mase_undefined_series(truth, prediction_length, season_length)
     if not idx:
         return None

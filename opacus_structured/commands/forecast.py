@@ -53,6 +53,7 @@ from ._forecast_output import (  # noqa: F401  (check_paths, _plot_title: re-exp
     _writable_target,
     check_paths,
 )
+from ._forecast_verdict import add_verdicts
 
 #: Printed (and put on the plot) for a DP run whose noise was seeded with ``--seed``.
 NOT_PRIVATE_SEEDED = "NOT PRIVATE: reproducible noise (--seed given); for evaluation only"
@@ -354,7 +355,6 @@ def run_forecast(args, *, print_fn=print) -> dict:
                 baselines["ets"] = ets
 
     from ..forecasting.baseline_skip import describe_skip  # optional: gluonts
-    from ._forecast_verdict import add_verdicts
 
     report = {
         "model": args.model, "private": result.private, "dp_sgd": result.dp_sgd,

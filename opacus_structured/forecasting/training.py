@@ -57,6 +57,7 @@ from ..accounting import pld as pld_lib
 from ..accounting.calibration import calibrate_noise_multiplier
 from ..samplers import public_sizes
 from ..samplers._generator import fresh_seed
+from . import calibration_memo
 from . import provenance as prov
 from .data import Panel
 from .estimators import check_static_cats, estimator_model, prepare_estimator
@@ -417,8 +418,17 @@ def train_forecaster(model: Optional[str], train: Panel, *,
 
         if noise_multiplier is None:
             say(f"calibrating noise for epsilon={epsilon:g}, delta={delta:g}, {steps} steps")
-            noise_multiplier = calibrate_noise_multiplier(lambda s: eps_of(s, steps), epsilon,
-                                                          rtol=1e-2)
+            if prior is None:  # public inputs only: remembered answers are checked, not trusted
+                noise_multiplier, source = calibration_memo.calibrate(
+                    lambda s: eps_of(s, steps), epsilon, rtol=1e-2,
+                    key=calibration_memo.calibration_key(scheme, steps, delta, epsilon,
+                                                         discretization, 1e-2))
+                if source != "search":
+                    say(f"noise multiplier {noise_multiplier:.4g} from the {source} "
+                        f"calibration memo, checked in two evaluations")
+            else:
+                noise_multiplier = calibrate_noise_multiplier(lambda s: eps_of(s, steps),
+                                                              epsilon, rtol=1e-2)
         elif epsilon is not None and math.isfinite(epsilon):
             steps = max_steps_within_budget(lambda n: eps_of(noise_multiplier, n), epsilon,
                                             steps)

@@ -186,14 +186,9 @@ def default_max_batch_size(*, dataset_size: int, steps_per_epoch: int, epochs: i
     n = check_int("dataset_size", dataset_size, minimum=1)
     k = check_int("steps_per_epoch", steps_per_epoch, minimum=1)
     steps = check_int("epochs", epochs, minimum=1) * k
-    seen: dict[int, float] = {}
-    b = tp_lib.smallest_max_batch_size(n, 1.0 / k, noise_multiplier, steps, delta,
-                                       TRUNCATION_SLACK, relation, discretization=discretization,
-                                       progress=lambda b_, eps: seen.__setitem__(b_, eps))
-    poisson = tp_lib.poisson_epsilon(1.0 / k, noise_multiplier, steps, delta, relation,
-                                     discretization=discretization)
-    eps = seen[b] if b in seen else tp_lib.truncated_poisson_epsilon(
-        n, 1.0 / k, b, noise_multiplier, steps, delta, relation, discretization=discretization)
+    b, eps, poisson = tp_lib.max_batch_size_search(
+        n, 1.0 / k, noise_multiplier, steps, delta, TRUNCATION_SLACK, relation,
+        discretization=discretization)
     return b, eps, poisson
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import warnings
 from typing import Optional
 
 from torch.utils.data import IterableDataset
 
 from ._validation import check_int, check_positive
+from ._warnings import warn
 from .accountants import ACCOUNTANTS
 from .accountants.base import SchemeAccountant
 from .accounting import pld as pld_lib
@@ -231,9 +231,9 @@ def _choose_max_batch_size(engine, data_loader, kwargs: dict, *, epochs, noise_m
         dataset_size=size, steps_per_epoch=k, epochs=epochs, noise_multiplier=noise_multiplier,
         delta=delta, relation=relation, discretization=discretization)
     kwargs["max_batch_size"] = b
-    warnings.warn(
+    warn(
         f"truncated-poisson: max_batch_size={b} chosen (expected batch {size / k:.6g}): the "
         f"smallest B whose epsilon is within {TRUNCATION_SLACK:.0%} of Poisson's, {eps:.4g} vs "
         f"{poisson:.4g} at noise_multiplier={noise_multiplier:.4g} ({how}), {epochs * k} steps "
         f"({epochs} epochs x {k}), delta={delta:g}, {relation}; pass max_batch_size= to set B",
-        UserWarning, stacklevel=3)
+        UserWarning)

@@ -103,6 +103,11 @@ def test_default_b_needs_epochs_and_an_explicit_b_is_kept():
 PINNED = [
     (dict(dataset_size=640, steps_per_epoch=10, epochs=2, noise_multiplier=1.0, delta=1e-5),
      97, 3.6177530550325687, 3.5907447466052713),
+    (dict(dataset_size=1000, steps_per_epoch=20, epochs=3, noise_multiplier=0.8, delta=1e-6,
+          relation="replace-one"), 83, 6.7083964544519255, 6.653781202841744),
+    pytest.param(dict(dataset_size=500, steps_per_epoch=8, epochs=2, noise_multiplier=1.2,
+                      delta=1e-5, relation="zero-out"), 94, 2.873151259609643,
+                 2.851672047683346, marks=pytest.mark.slow),
 ]
 
 

@@ -109,18 +109,20 @@ __all__ = ["advise", "Advice", "AdvisorRow", "AdvisorSetting", "suggest_max_batc
 # ---- pricing helpers ------------------------------------------------------------------------
 def suggest_max_batch_size(dataset_size: int, sample_rate: float, noise_multiplier: float,
                            steps: int, delta: float, *, slack: float = TRUNCATION_SLACK,
-                           discretization: float = 1e-3, epoch_steps: Optional[int] = None
-                           ) -> int:
+                           discretization: float = 1e-3, epoch_steps: Optional[int] = None,
+                           poisson_epsilon: Optional[float] = None) -> int:
     """Smallest truncated-Poisson ``max_batch_size`` B_max whose ε at ``noise_multiplier``
     after ``steps`` steps is at most ``(1 + slack)`` times untruncated Poisson's ε there.
 
     ε is non-increasing in B_max (less truncation); the search gallops up from
     ``ceil(N·q)`` (doubling the excess) and then bisects over integers. Returns N if no smaller
-    B_max is within the slack.
+    B_max is within the slack. ``poisson_epsilon``: Poisson's ε at these arguments when the
+    caller has priced it already (the advisor's Poisson row).
     """
     n = check_int("dataset_size", dataset_size, minimum=1)
-    poisson = PoissonScheme(sample_rate).epsilon(noise_multiplier, steps, delta,
-                                                 discretization=discretization)
+    poisson = (PoissonScheme(sample_rate).epsilon(noise_multiplier, steps, delta,
+                                                  discretization=discretization)
+               if poisson_epsilon is None else float(poisson_epsilon))
     limit = (1.0 + check_positive("slack", slack)) * poisson
 
     def ok(b: int) -> bool:
@@ -236,9 +238,14 @@ def _jobs(s: AdvisorSetting) -> list[_Job]:
 
     poisson = PoissonScheme(sample_rate=q)
     poisson_sigma: dict[str, float] = {}
+    poisson_seen: dict[float, float] = {}
 
     def poisson_eps(sg: float) -> float:
-        return poisson.epsilon(sg, T, delta, discretization=d)
+        # memoised: the truncated-Poisson row calibrates Poisson again (deterministically, the
+        # same σ sequence) and prices Poisson at that σ; both replay the Poisson row's values
+        if sg not in poisson_seen:
+            poisson_seen[sg] = poisson.epsilon(sg, T, delta, discretization=d)
+        return poisson_seen[sg]
 
     jobs.append(_Job("poisson", "poisson", "independent", 1, N * q, poisson_eps, indep,
                      bound=poisson.bound.value, note="q = B/N (Opacus' DP-SGD)",
@@ -253,7 +260,7 @@ def _jobs(s: AdvisorSetting) -> list[_Job]:
                                                                     s.target_epsilon)
             sigma_p = poisson_sigma["sigma"]
             bmax = suggest_max_batch_size(N, q, sigma_p, T, delta, discretization=d,
-                                          epoch_steps=k)
+                                          epoch_steps=k, poisson_epsilon=poisson_eps(sigma_p))
             how = (f"suggested: smallest B_max with epsilon within "
                    f"{TRUNCATION_SLACK:.0%} of Poisson's at Poisson's sigma")
         tps = TruncatedPoissonScheme(N, q, bmax, epoch_steps=k)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import warnings
 from typing import Optional
 
 from torch.utils.data import IterableDataset
 
 from ._validation import check_int, check_positive
+from ._warnings import warn
 from .accountants import ACCOUNTANTS
 from .accountants.base import SchemeAccountant
 from .accounting import pld as pld_lib
@@ -186,14 +186,9 @@ def default_max_batch_size(*, dataset_size: int, steps_per_epoch: int, epochs: i
     n = check_int("dataset_size", dataset_size, minimum=1)
     k = check_int("steps_per_epoch", steps_per_epoch, minimum=1)
     steps = check_int("epochs", epochs, minimum=1) * k
-    seen: dict[int, float] = {}
-    b = tp_lib.smallest_max_batch_size(n, 1.0 / k, noise_multiplier, steps, delta,
-                                       TRUNCATION_SLACK, relation, discretization=discretization,
-                                       progress=lambda b_, eps: seen.__setitem__(b_, eps))
-    poisson = tp_lib.poisson_epsilon(1.0 / k, noise_multiplier, steps, delta, relation,
-                                     discretization=discretization)
-    eps = seen[b] if b in seen else tp_lib.truncated_poisson_epsilon(
-        n, 1.0 / k, b, noise_multiplier, steps, delta, relation, discretization=discretization)
+    b, eps, poisson = tp_lib.max_batch_size_search(
+        n, 1.0 / k, noise_multiplier, steps, delta, TRUNCATION_SLACK, relation,
+        discretization=discretization)
     return b, eps, poisson
 
 
@@ -236,9 +231,9 @@ def _choose_max_batch_size(engine, data_loader, kwargs: dict, *, epochs, noise_m
         dataset_size=size, steps_per_epoch=k, epochs=epochs, noise_multiplier=noise_multiplier,
         delta=delta, relation=relation, discretization=discretization)
     kwargs["max_batch_size"] = b
-    warnings.warn(
+    warn(
         f"truncated-poisson: max_batch_size={b} chosen (expected batch {size / k:.6g}): the "
         f"smallest B whose epsilon is within {TRUNCATION_SLACK:.0%} of Poisson's, {eps:.4g} vs "
         f"{poisson:.4g} at noise_multiplier={noise_multiplier:.4g} ({how}), {epochs * k} steps "
         f"({epochs} epochs x {k}), delta={delta:g}, {relation}; pass max_batch_size= to set B",
-        UserWarning, stacklevel=3)
+        UserWarning)

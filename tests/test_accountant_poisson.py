@@ -74,7 +74,6 @@ def test_mismatched_sample_rate_raises():
 
 
 @pytest.mark.parametrize("kwargs,name", [
-    (dict(noise_multiplier=0.0, sample_rate=0.1), "noise_multiplier"),
     (dict(noise_multiplier=-1.0, sample_rate=0.1), "noise_multiplier"),
     (dict(noise_multiplier=float("nan"), sample_rate=0.1), "noise_multiplier"),
     (dict(noise_multiplier=1.0, sample_rate=0.0), "sample_rate"),

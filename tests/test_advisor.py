@@ -252,3 +252,23 @@ def test_readme_advise_example_calibrates_every_row():
         assert "not calibrated" not in row.note, row
         assert row.noise_multiplier is not None and row.epsilon <= 2.0, row
     assert advice.row("balls-in-bins").rank is not None
+
+
+def test_poisson_is_priced_once_per_sigma_across_rows(monkeypatch):
+    """Issue 41: the truncated-Poisson row replays the Poisson row's calibration (same σ, same
+    numbers) instead of pricing Poisson again."""
+    calls: list[float] = []
+    original = PoissonScheme.epsilon
+
+    def counted(self, sigma, *args, **kwargs):
+        calls.append(float(sigma))
+        return original(self, sigma, *args, **kwargs)
+
+    monkeypatch.setattr(PoissonScheme, "epsilon", counted)
+    adv = advisor.advise(dataset_size=2000, batch_size=100, steps=60, target_epsilon=2.0,
+                         delta=1e-5, bands=(), time_budget=0.1, discretization=D)
+    assert calls and len(calls) == len(set(calls))
+    rows = {r.scheme: r for r in adv.rows}
+    by_b = dict(rows["truncated-poisson"].parameters)["epsilon_by_max_batch_size"]
+    assert by_b["noise_multiplier"] == rows["poisson"].noise_multiplier
+    assert by_b["poisson_epsilon"] == rows["poisson"].epsilon

@@ -74,7 +74,6 @@ def test_make_private_with_epsilon_chooses_b_for_the_target():
             engine, module=model, optimizer=opt, data_loader=loader, target_epsilon=1.0,
             target_delta=DELTA, epochs=EPOCHS, max_grad_norm=1.0, discretization=D)
     steps = EPOCHS * K
-    b = engine.accountant.scheme.max_batch_size
     engine.accountant.history = [(opt.noise_multiplier, 1 / K, steps)]
     assert 0.99 <= engine.accountant.get_epsilon(DELTA) <= 1.0
     # at the final σ (a little above Poisson's) the overhead is still within 1 %
@@ -95,3 +94,54 @@ def test_default_b_needs_epochs_and_an_explicit_b_is_kept():
                                        noise_multiplier=SIGMA, max_grad_norm=1.0,
                                        max_batch_size=96, discretization=D)
     assert engine.accountant.scheme.max_batch_size == 96
+
+
+# ---- issue 41: the same B and ε, found in seconds ----------------------------------------------
+# Pinned from the code before the speed-up (a search on the asked grid alone, every probe built by
+# dp_accounting's from_gaussian_mechanism); now a coarse bracketing pass, a vectorised builder of
+# the same PMFs (tests/test_gaussian_branch.py) and a walk on the asked grid.
+PINNED = [
+    (dict(dataset_size=640, steps_per_epoch=10, epochs=2, noise_multiplier=1.0, delta=1e-5),
+     97, 3.6177530550325687, 3.5907447466052713),
+    (dict(dataset_size=1000, steps_per_epoch=20, epochs=3, noise_multiplier=0.8, delta=1e-6,
+          relation="replace-one"), 83, 6.7083964544519255, 6.653781202841744),
+    pytest.param(dict(dataset_size=500, steps_per_epoch=8, epochs=2, noise_multiplier=1.2,
+                      delta=1e-5, relation="zero-out"), 94, 2.873151259609643,
+                 2.851672047683346, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("setting,b,eps,poisson", PINNED)
+def test_default_b_and_epsilons_are_the_pinned_ones(setting, b, eps, poisson):
+    from opacus_structured.engine_schemes import default_max_batch_size
+
+    seen = default_max_batch_size(**setting)
+    assert (seen[0], float(seen[1]), float(seen[2])) == (b, eps, poisson)
+
+
+def test_issue_setting_through_make_private_keeps_b_and_epsilon():
+    """640 rows, batch 64, epochs=2, σ = 1, the default discretization (issue 41)."""
+    data = TensorDataset(torch.zeros(640, 1), torch.zeros(640, dtype=torch.long))
+    model = nn.Linear(1, 2)
+    engine = PrivacyEngine(accountant="truncated-poisson")
+    with pytest.warns(UserWarning, match=r"max_batch_size=97 chosen.* 3\.618 vs 3\.591"):
+        _, opt, dl = opacus_structured.make_private(
+            engine, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=64), noise_multiplier=1.0,
+            max_grad_norm=1.0, epochs=2)
+    assert dl.batch_sampler.max_batch_size == 97
+    engine.accountant.history = [(1.0, 0.1, 20)]
+    assert float(engine.accountant.get_epsilon(1e-5)) == 3.6177530550325687
+
+
+def test_coarse_bracket_then_walk_matches_a_search_on_the_asked_grid():
+    """Where the coarse grid's answer is off, the walk on the asked grid still lands on the
+    smallest passing B (checked against its neighbours, each priced on the asked grid)."""
+    n, p, sigma, steps, delta = 400, 1 / 8, 1.1, 16, 1e-5
+    d = 5e-4
+    b = tp.smallest_max_batch_size(n, p, sigma, steps, delta, 0.01, discretization=d)
+    ref = tp.poisson_epsilon(p, sigma, steps, delta, discretization=d)
+    assert tp.truncated_poisson_epsilon(n, p, b, sigma, steps, delta, discretization=d) \
+        <= 1.01 * ref
+    assert tp.truncated_poisson_epsilon(n, p, b - 1, sigma, steps, delta, discretization=d) \
+        > 1.01 * ref

@@ -57,13 +57,13 @@ raises :class:`AccountantNotAttachedError` before (see above). The Monte Carlo a
 from __future__ import annotations
 
 import math
-import warnings
 from typing import ClassVar, Optional
 
 from opacus.accountants.accountant import IAccountant
 from opacus.accountants.registry import _ACCOUNTANTS, register_accountant
 
-from .._validation import check_open_unit, check_positive
+from .._validation import check_nonnegative, check_open_unit, check_positive
+from .._warnings import warn
 from ..accounting import numerics
 from ..accounting import pld as pld_lib
 from ..accounting.numerics import NumericalPrecisionError
@@ -81,7 +81,13 @@ from .release_guard import ClipNormLedger
 
 __all__ = ["SchemeAccountant", "register_scheme_accountant",
            "accountant_class_for", "AccountantNotAttachedError", "UnboundAccountantError",
-           "LedgerError", "data_loader_of_make_private"]
+           "LedgerError", "data_loader_of_make_private", "NoNoiseWarning"]
+
+
+class NoNoiseWarning(UserWarning):
+    """A step was recorded with ``noise_multiplier=0`` (Opacus' habit for debugging runs,
+    e.g. its ``test_dl_seed_no_noise``): the run has no privacy guarantee, and ε is reported as
+    ``inf``. Shown once per accountant."""
 
 
 def _check_no_alphas(alphas, owner: str) -> None:
@@ -204,8 +210,12 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, IAccountant):
 
     # ---- recording -----------------------------------------------------------------------
     def step(self, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1):
+        """Record ``num_steps`` steps. ``noise_multiplier=0`` is recorded too (a debugging run
+        without noise): ε is then ``inf`` and one :class:`NoNoiseWarning` says so."""
         self._require_bound("record a step")
-        noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
+        noise_multiplier = check_nonnegative("noise_multiplier", noise_multiplier)
+        if noise_multiplier == 0.0:
+            self._note_no_noise()
         sample_rate = check_positive("sample_rate", sample_rate)
         self.scheme.check_sample_rate(sample_rate)
         self._check_run_length(len(self) + int(num_steps))
@@ -214,6 +224,21 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, IAccountant):
             self.history[-1] = (last[0], last[1], last[2] + num_steps)
         else:
             self.history.append((noise_multiplier, sample_rate, num_steps))
+
+    def _note_no_noise(self) -> None:
+        """One :class:`NoNoiseWarning` per accountant, at the first step without noise."""
+        if getattr(self, "_no_noise_warned", False):
+            return
+        self._no_noise_warned = True
+        warn(f"{type(self).__name__}: a step was taken with noise_multiplier=0: the gradients "
+             f"are released without noise, so this run has no privacy guarantee and "
+             f"get_epsilon reports inf. Use noise_multiplier > 0 for a private run",
+             NoNoiseWarning)
+
+    @property
+    def without_noise(self) -> bool:
+        """Whether a step was recorded with ``noise_multiplier=0`` (then ε is ``inf``)."""
+        return any(float(sigma) == 0.0 and n for sigma, _, n in self.history)
 
     def _check_run_length(self, steps: int) -> None:
         """Schemes priced as one planned run raise when training goes beyond it."""
@@ -285,6 +310,9 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, IAccountant):
         self._require_observed()
         d = self.discretization if discretization is None else check_positive(
             "discretization", discretization)
+        if self.without_noise:
+            raise ValueError(f"{type(self).__name__} recorded steps with noise_multiplier=0: "
+                             f"their privacy loss is unbounded and has no PLD (epsilon is inf)")
         return self._with_unamplified(self._composed(d), d)
 
     def get_epsilon(self, delta: float, *, discretization: Optional[float] = None,
@@ -297,6 +325,8 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, IAccountant):
         delta = check_open_unit("delta", delta)
         d = self.discretization if discretization is None else check_positive(
             "discretization", discretization)
+        if self.without_noise:
+            return math.inf
         if self.unamplified:
             return self._epsilon_with_unamplified(delta, d)
         try:
@@ -322,8 +352,8 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, IAccountant):
         if self.unamplified:
             raise error
         value = below_precision(error, self.scheme.certified_alternatives(self.history, delta))
-        warnings.warn(f"{type(self).__name__}: epsilon priced by route {value.route!r}: "
-                      f"{value.note}", stacklevel=3)
+        warn(f"{type(self).__name__}: epsilon priced by route {value.route!r}: "
+             f"{value.note}")
         return value
 
     def _epsilon_over_budget(self, error: ResourceBudgetError, delta: float,
@@ -338,8 +368,8 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, IAccountant):
         ((sigma, q),) = settings
         value = self.scheme.epsilon_over_budget(error, sigma, len(self), delta,
                                                 discretization=discretization, sample_rate=q)
-        warnings.warn(f"{type(self).__name__}: epsilon priced by route {value.route!r}: "
-                      f"{value.note}", stacklevel=3)
+        warn(f"{type(self).__name__}: epsilon priced by route {value.route!r}: "
+             f"{value.note}")
         return value
 
     def get_delta(self, epsilon: float, *, discretization: Optional[float] = None) -> float:
@@ -347,6 +377,8 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, IAccountant):
         self._require_observed()
         if math.isnan(epsilon):
             raise ValueError("epsilon must not be NaN")
+        if self.without_noise:
+            return 1.0
         d = self.discretization if discretization is None else discretization
         return float(pld_lib.delta_for_epsilon(self._with_unamplified(self._composed(d), d),
                                                float(epsilon)))
@@ -429,12 +461,11 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, IAccountant):
                 f"{saved.get('fingerprint')}, this run {live.fingerprint}) but this accountant "
                 f"has already priced {len(self)} step(s): loading it would drop released steps "
                 f"from the epsilon. Load it into a fresh accountant")
-        warnings.warn(
+        warn(
             f"{type(self).__name__}: a state of step {saved_steps} was loaded after "
             f"{len(self)} priced steps (an earlier checkpoint, e.g. the best epoch): the "
             f"accountant keeps its {len(self)} steps, since every one of them was released "
-            f"and choosing the checkpoint looked at them; training continues on new draws",
-            stacklevel=3)
+            f"and choosing the checkpoint looked at them; training continues on new draws")
 
     def __repr__(self):
         return (f"{type(self).__name__}(scheme={self.scheme!r}, steps={len(self)}, "

@@ -89,12 +89,16 @@ class BMinSepMonteCarloAccountant(SchemeAccountant):
         accountant saw nothing (as every accountant of this package)."""
         self._require_observed()
         delta = check_open_unit("delta", delta)
+        if self.without_noise:
+            return math.inf
         sigma, steps = self._sigma_steps()
         self._reported = self._reported or steps > 0
         return self.scheme.epsilon(sigma if steps else 1.0, steps, delta, settings=self.settings)
 
     def get_delta(self, epsilon: float, **kwargs) -> float:
         self._require_observed()
+        if self.without_noise:
+            return 1.0
         sigma, steps = self._sigma_steps()
         self._reported = self._reported or steps > 0
         return self.scheme.delta(sigma if steps else 1.0, steps, epsilon, settings=self.settings)
@@ -105,7 +109,8 @@ class BMinSepMonteCarloAccountant(SchemeAccountant):
         (Opacus' call shape; ``alphas`` must be ``None``, see
         :mod:`opacus_structured.accountants.base`)."""
         _check_no_alphas(alphas, type(self).__name__)
-        return self.get_epsilon(delta).estimate, self.bound
+        eps = self.get_epsilon(delta)
+        return (eps if self.without_noise else eps.estimate), self.bound
 
     # ---- state ---------------------------------------------------------------------------
     def state_dict(self, destination=None):

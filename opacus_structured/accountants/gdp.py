@@ -47,11 +47,16 @@ class GDPFullBatchAccountant(SchemeAccountant):
                     **kwargs) -> float:
         """Exact ε(δ) of μ-GDP (``discretization`` is accepted and unused)."""
         self._require_observed()
-        return gdp_epsilon(check_open_unit("delta", delta), self.mu())
+        delta = check_open_unit("delta", delta)
+        if self.without_noise:
+            return math.inf
+        return gdp_epsilon(delta, self.mu())
 
     def get_delta(self, epsilon: float, *, discretization: Optional[float] = None) -> float:
         """Exact δ(ε) of μ-GDP."""
         self._require_observed()
         if math.isnan(epsilon):
             raise ValueError("epsilon must not be NaN")
+        if self.without_noise:
+            return 1.0
         return float(gdp_delta(float(epsilon), self.mu()))

@@ -35,7 +35,6 @@ too; ``"poisson"`` gives the population ε of such a run.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Iterable, Optional
 
 import numpy as np
@@ -44,6 +43,7 @@ from opacus.accountants.accountant import IAccountant
 from opacus.accountants.registry import register_accountant
 
 from .._validation import check_int, check_open_unit, check_positive
+from .._warnings import warn
 from ..accounting.gaussian import gdp_epsilon
 from ..accounting.individual_gdp import individual_epsilons
 
@@ -130,11 +130,11 @@ class IndividualGDPAccountant(IAccountant):
             self.amplification = f"not used (sample_rate={sample_rate:.6g} < 1)"
         if not self._warned:
             self._warned = True
-            warnings.warn(
+            warn(
                 f"individual-gdp does not use subsampling amplification: ε is the full-batch "
                 f"worst case (every step charged 1/σ) although the steps are subsampled "
                 f"(sample_rate={sample_rate:.6g} < 1); use 'poisson' for the population ε",
-                UserWarning, stacklevel=3)
+                UserWarning)
 
     def record(self, indices: torch.Tensor, mu: torch.Tensor, noise_multiplier: float) -> None:
         r"""Record one step: ``mu[k]`` is :math:`\mu_j` of example ``indices[k]`` (0 for an

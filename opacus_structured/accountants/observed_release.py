@@ -34,9 +34,9 @@ untraceable rows raises :class:`~opacus_structured.accountants.ledger.LedgerErro
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Optional
 
+from .._warnings import warn
 from ..accounting import pld as pld_lib
 from ..accounting.bandmf import gaussian_pld
 from ..accounting.gaussian import gdp_epsilon
@@ -122,15 +122,14 @@ class ObservedReleaseMixin:
         if rows.mixed:
             cause.append(f"{rows.mixed} row(s) whose examples were mixed across the batch by "
                          f"{rows.lost_at!r}")
-        warnings.warn(
+        warn(
             f"{type(self).__name__}: noisy step {step_no} summed {' and '.join(cause)}; they "
             f"are priced without amplification by sampling (sensitivity 2C per such row), a "
             f"sound but much larger epsilon. If the rows hold no private data, declare them: "
             f"opacus_structured.public(x) for a tensor, or `with "
             f"opacus_structured.public_rows():` around the forward; if they do, keep the "
             f"batch a torch tensor from the loader to the model, and apply operations that "
-            f"mix examples (batch statistics) inside the model", UnamplifiedRowsWarning,
-            stacklevel=4)
+            f"mix examples (batch statistics) inside the model", UnamplifiedRowsWarning)
 
     def _unamplified_pld(self, discretization: float):
         """The composed PLD of the unamplified parts (``None``: none)."""

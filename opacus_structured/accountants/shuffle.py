@@ -100,6 +100,7 @@ class ShuffleAccountant(SchemeAccountant):
         self.scheme.steps_per_epoch_at(check_positive("sample_rate", sample_rate))
         if check_nonnegative("noise_multiplier", noise_multiplier) == 0.0:
             # no noise (Opacus' non-private debugging runs): recorded, and ε is infinite
+            self._note_no_noise()
             if self.history and tuple(self.history[-1][:2]) == (0.0, sample_rate):
                 self.history[-1] = (0.0, sample_rate, self.history[-1][2] + num_steps)
             else:

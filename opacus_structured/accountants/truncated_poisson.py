@@ -55,6 +55,8 @@ class TruncatedPoissonAccountant(SchemeAccountant):
         if self.scheme.analysis == "tight":
             return super().get_epsilon(delta, discretization=discretization)
         delta = check_open_unit("delta", delta)
+        if self.without_noise:
+            return math.inf
         d = self.discretization if discretization is None else check_positive(
             "discretization", discretization)
         return self.scheme.epsilon_for_segments(self._segments(), delta, discretization=d)
@@ -66,6 +68,8 @@ class TruncatedPoissonAccountant(SchemeAccountant):
             return super().get_delta(epsilon, discretization=discretization)
         if math.isnan(epsilon):
             raise ValueError("epsilon must not be NaN")
+        if self.without_noise:
+            return 1.0
         d = self.discretization if discretization is None else check_positive(
             "discretization", discretization)
         return self.scheme.delta_for_segments(self._segments(), float(epsilon), discretization=d)

@@ -50,10 +50,15 @@ class WholeRunAccountant(SchemeAccountant):
     def get_epsilon(self, delta: float, *, discretization: Optional[float] = None,
                     **kwargs) -> float:
         self._require_observed()
-        return self._priced("epsilon", check_open_unit("delta", delta), discretization)
+        delta = check_open_unit("delta", delta)
+        if self.without_noise:
+            return math.inf
+        return self._priced("epsilon", delta, discretization)
 
     def get_delta(self, epsilon: float, *, discretization: Optional[float] = None) -> float:
         self._require_observed()
         if math.isnan(epsilon):
             raise ValueError("epsilon must not be NaN")
+        if self.without_noise:
+            return 1.0
         return self._priced("delta", float(epsilon), discretization)

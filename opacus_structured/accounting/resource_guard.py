@@ -47,10 +47,11 @@ import dataclasses
 import math
 import os
 import re
-import warnings
 from typing import Iterator
 
 import numpy as np
+
+from .._warnings import warn
 
 #: Tail mass dropped by every PLD composition (dp_accounting's ``tail_mass_truncation``);
 #: :mod:`.pld` composes with this value and the estimates below assume it.
@@ -260,7 +261,7 @@ def estimate_self_compose(pld, count: int) -> CompositionEstimate:
 
 def _estimate_compose(a, b) -> CompositionEstimate:
     points, total, retained = 0, 0, 0
-    for pa, pb in zip(_directions(a), _directions(b)):
+    for pa, pb in zip(_directions(a), _directions(b), strict=False):
         n = len(_dense_probs(pa)) + len(_dense_probs(pb)) - 1
         points = max(points, n)
         total = max(total, BYTES_PER_POINT * n + retained)
@@ -305,9 +306,9 @@ def check_discretization(discretization: float, *, flag: str = "--discretization
                          f"it is the privacy-loss grid step, and each composition may round "
                          f"the loss up by one step (default 1e-4)")
     if d > WARN_DISCRETIZATION:
-        warnings.warn(f"{flag} {d:g} is coarse (> {WARN_DISCRETIZATION:g}): epsilon stays an "
+        warn(f"{flag} {d:g} is coarse (> {WARN_DISCRETIZATION:g}): epsilon stays an "
                       f"upper bound but may be much looser than at the default 1e-4",
-                      UserWarning, stacklevel=2)
+             UserWarning)
     return d
 
 

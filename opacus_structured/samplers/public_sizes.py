@@ -31,10 +31,10 @@ accountant and the training reports) and warn once per process
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Optional
 
 from .._validation import check_int, check_positive, check_probability
+from .._warnings import warn
 
 __all__ = ["DatasetSizeFromDataWarning", "warn_dataset_size_from_data", "sampling_constants",
            "check_declared", "steps_per_epoch_from_rate", "DATA", "DECLARED", "SCHEME"]
@@ -57,13 +57,12 @@ def warn_dataset_size_from_data(where: str, n: int, *, how: str) -> None:
     if where in _warned:
         return
     _warned.add(where)
-    warnings.warn(
+    warn(
         f"{where}: the sampling rate and the mean-reduction normaliser were derived from the "
         f"dataset size n = {n} read from the data. Under add/remove adjacency n is private and "
         f"a neighbour (n + 1 examples) can get another rate and another normaliser (Opacus "
         f"issue #819). Declare public constants: {how}. This warning is shown once; the "
-        f"accountant records dataset_size_source='data'.", DatasetSizeFromDataWarning,
-        stacklevel=3)
+        f"accountant records dataset_size_source='data'.", DatasetSizeFromDataWarning)
 
 
 def check_declared(*, dataset_size=None, sample_rate=None,

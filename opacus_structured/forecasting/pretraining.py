@@ -38,6 +38,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from .. import _progress
 from .._validation import check_int
 from .competition_corpus import competition_kind, competition_panel
 from .data import Panel
@@ -176,23 +177,19 @@ def load_weights(path: str) -> tuple[dict, dict]:
     raise ValueError(f"--init-from {path!r} holds a {type(blob).__name__}, not a state dict")
 
 
-def _step_log_callback(total: int, desc: str, log, parts: int = 10):
-    """A Lightning callback writing ``"<desc>: k/total steps (t s)"`` through ``log`` at every
-    ``1/parts`` of the steps: progress in plain lines where no bar is drawn (stderr not a
-    terminal, ``--json`` piped to a file, CI logs)."""
-    import time
-
+def _step_log_callback(total: int, desc: str, log, interval: float = _progress.LINE_INTERVAL):
+    """A Lightning callback writing ``"<desc>: k/total steps (t elapsed, about r left)"``
+    through ``log`` at most every ``interval`` seconds and at the last step
+    (:class:`~opacus_structured._progress.LineProgress`): progress in plain lines where no bar
+    is drawn (stderr not a terminal, ``--json`` piped to a file, CI logs)."""
     pl = _lightning()
-    marks = sorted({max(1, round(total * k / parts)) for k in range(1, parts + 1)})
 
     class _StepLog(pl.Callback):
         def on_train_start(self, trainer, pl_module):
-            self.t0 = time.perf_counter()
+            self.lines = _progress.LineProgress(desc, total, log, interval=interval)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            step = int(trainer.global_step)
-            if step in marks:
-                log(f"{desc}: {step}/{total} steps ({time.perf_counter() - self.t0:.0f} s)")
+            self.lines.update(int(trainer.global_step))
 
     return _StepLog()
 
@@ -215,8 +212,8 @@ def pretrain(model: str, *, freq: str = "M", prediction_length: int = 12,
     on one thread.
 
     ``progress`` draws a bar on stderr; ``log`` (a ``str -> None`` callable, e.g. a print to
-    stderr) additionally gets a plain line at every tenth of the steps, for runs whose stderr
-    is not a terminal.
+    stderr) additionally gets a plain line at most every ~10 s and at the last step, for runs
+    whose stderr is not a terminal.
     """
     recipe = (PRETRAIN_RECIPE[model] if recipe is None else recipe).for_freq(freq)
     season = (default_season_length(freq) if season_length is None
@@ -303,7 +300,7 @@ def pretrained_weights(model: str, *, freq: str = "M", prediction_length: int = 
     """Public pretrained weights for the geometry: shipped, cached, or pretrained now
     (module docstring). Returns ``(state_dict, meta)``; ``meta["source"]`` says which.
     A pretraining run is announced through ``log`` (with its step count and, without a
-    ``progress`` bar, a line at every tenth of the steps) and timed.
+    ``progress`` bar, a line at most every ~10 s) and timed.
     Any pandas ``freq`` works (the corpus' season: ``season_length``, default from ``freq``)."""
     say = log or (lambda msg: None)
     key = weights_key(model, freq=freq, prediction_length=prediction_length,

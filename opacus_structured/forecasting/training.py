@@ -491,7 +491,7 @@ def train_forecaster(model: Optional[str], train: Panel, *,
             callbacks=[*([dp_callback] if dp_callback is not None else []),
                        *([_tail_average_callback(steps, tail_average)] if tail_average > 0
                          else []),
-                       _progress_callback(steps, label, progress), *callbacks])
+                       _progress_callback(steps, label, progress, log), *callbacks])
     t1 = time.perf_counter()
     with _quiet_lightning():
         trainer.fit(module, train_dataloaders=loader)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from .. import _progress
 from .baseline_skip import skip_parameters
 from .estimators import PreparedModel
 
@@ -105,8 +106,6 @@ def _progress_callback(total: int, desc: str, enabled: bool, log=None):
     """A tqdm bar of the training steps (``enabled``), else, where stderr is not a terminal
     and ``log`` is given, a plain line through ``log`` at most every ~10 s
     (:class:`~opacus_structured._progress.LineProgress`)."""
-    from .. import _progress
-
     pl = _lightning()
     lines = log is not None and not enabled and _progress.lines_wanted()
 

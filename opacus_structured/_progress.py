@@ -3,8 +3,9 @@
 Bars are shown only when stderr is a terminal and ``--no-progress`` is not given; the
 environment variable ``OPACUS_STRUCTURED_PROGRESS=1`` forces them on (logs, tests) and ``=0``
 off. Where no bar is drawn because stderr is not a terminal (logs, CI, notebooks), long steps
-(pretraining, DP training) print a plain line instead, at most every
-:data:`LINE_INTERVAL` seconds (:class:`LineProgress`, :func:`lines_wanted`).
+(pretraining, DP training, the noise calibration) print a plain line instead, at most every
+:data:`LINE_INTERVAL` seconds (:class:`LineProgress`, :class:`Heartbeat`,
+:func:`lines_wanted`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Callable, Iterator
 from tqdm import tqdm
 
 __all__ = ["enabled", "bar", "elapsed", "counting", "staged", "format_seconds",
-           "lines_wanted", "LineProgress", "LINE_INTERVAL"]
+           "lines_wanted", "LineProgress", "Heartbeat", "LINE_INTERVAL"]
 
 ENV = "OPACUS_STRUCTURED_PROGRESS"
 #: seconds between two plain progress lines (:class:`LineProgress`)
@@ -75,6 +76,26 @@ class LineProgress:
             text += f", about {format_seconds(spent * (self.total - done) / done)} left"
         self.log(text + ")")
         self.lines += 1
+        return True
+
+
+class Heartbeat:
+    """Plain ``"<desc>: <note> (t elapsed)"`` lines through ``log`` at most every ``interval``
+    seconds of :func:`now`, for a long step whose total is not known in advance (e.g. the
+    noise calibration's ε evaluations)."""
+
+    def __init__(self, desc: str, log: Callable[[str], None], *,
+                 interval: float = LINE_INTERVAL):
+        self.desc, self.log, self.interval = desc, log, float(interval)
+        self.start = self.last = now()
+
+    def tick(self, note: str) -> bool:
+        """Write ``note`` if ``interval`` has passed since the last line; whether it did."""
+        t = now()
+        if t - self.last < self.interval:
+            return False
+        self.last = t
+        self.log(f"{self.desc}: {note} ({format_seconds(t - self.start)} elapsed)")
         return True
 
 

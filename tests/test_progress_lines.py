@@ -93,3 +93,29 @@ def test_dp_training_prints_lines_on_a_captured_stderr(monkeypatch, capsys):
     assert 3 <= len(lines) <= 6  # 12 steps × 4 s: a line per ~10 s, not per step
     gaps = [b - a for a, b in zip(_times(lines), _times(lines)[1:], strict=False)]
     assert all(gap >= 10 for gap in gaps[:-1])
+
+
+def test_noise_calibration_prints_a_heartbeat(monkeypatch, capsys):
+    """σ calibrated for a target ε: its ε evaluations show up, at most every ~10 s."""
+    pytest.importorskip("gluonts")
+    import sys
+
+    from opacus_structured.forecasting.data import load_us_employment, train_test_split
+    from opacus_structured.forecasting.training import train_forecaster
+
+    monkeypatch.delenv(_progress.ENV, raising=False)
+    monkeypatch.setattr(_progress, "now", _Clock(4.0))
+    train, _ = train_test_split(load_us_employment().subset(range(6)), 6)
+    train_forecaster("dlinear", train, prediction_length=6, batch_size=3, epsilon=4.0,
+                     delta=1e-5, max_steps=2, seed=0, init_seed=0, progress=False,
+                     discretization=1e-3, dataset_size=6,
+                     log=lambda m: print(m, file=sys.stderr))
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("calibrating noise: ")]
+    assert lines and all(re.fullmatch(r"calibrating noise: \d+ epsilon evaluations, last "
+                                      r"sigma=\S+ gave epsilon=\S+ \(\d+ s elapsed\)", line)
+                         for line in lines)
+    counts = [int(line.split(": ")[1].split()[0]) for line in lines]
+    assert counts == sorted(counts) and len(set(counts)) == len(counts)
+    gaps = [b - a for a, b in zip(_times(lines), _times(lines)[1:], strict=False)]
+    assert all(gap >= 10 for gap in gaps)

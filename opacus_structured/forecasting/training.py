@@ -51,6 +51,7 @@ import numpy as np
 
 from lightning_callbacks import DPCallback
 
+from .. import _progress
 from .._validation import check_int, check_open_unit, check_positive
 from ..accountants.structured import StructuredSubsamplingAccountant
 from ..accounting import pld as pld_lib
@@ -118,6 +119,25 @@ SKIP_LR_SCALINGS = ("none", "snr")
 
 
 @known_harmless_warnings_filtered()
+def _calibration_heartbeat(eps_of_sigma, log):
+    """``eps_of_sigma`` writing ``"calibrating noise: k ε evaluations, last σ=… (t elapsed)"``
+    through ``log`` at most every ~10 s where stderr is not a terminal (a long calibration
+    is not silent in logs); ``eps_of_sigma`` itself without a ``log``."""
+    if log is None or not _progress.lines_wanted():
+        return eps_of_sigma
+    beat = _progress.Heartbeat("calibrating noise", log)
+    count = [0]
+
+    def wrapped(sigma):
+        value = eps_of_sigma(sigma)
+        count[0] += 1
+        beat.tick(f"{count[0]} epsilon evaluations, last sigma={sigma:.4g} gave "
+                  f"epsilon={value:.4g}")
+        return value
+
+    return wrapped
+
+
 def train_forecaster(model: Optional[str], train: Panel, *,
                      prediction_length: Optional[int] = None,
                      context_length: Optional[int] = None, batch_size: Optional[int] = None,
@@ -417,8 +437,8 @@ def train_forecaster(model: Optional[str], train: Panel, *,
 
         if noise_multiplier is None:
             say(f"calibrating noise for epsilon={epsilon:g}, delta={delta:g}, {steps} steps")
-            noise_multiplier = calibrate_noise_multiplier(lambda s: eps_of(s, steps), epsilon,
-                                                          rtol=1e-2)
+            noise_multiplier = calibrate_noise_multiplier(
+                _calibration_heartbeat(lambda s: eps_of(s, steps), log), epsilon, rtol=1e-2)
         elif epsilon is not None and math.isfinite(epsilon):
             steps = max_steps_within_budget(lambda n: eps_of(noise_multiplier, n), epsilon,
                                             steps)

@@ -432,6 +432,11 @@ def test_static_categorical_features_refusals(split6):
     with pytest.raises(ValueError, match="has none"):
         dp.train(plain)  # a Panel without static_cats
     with pytest.raises(ValueError, match="num_feat_static_cat=1 \\(public weights: 0\\)"):
+        DPEstimator(est, noise_multiplier=1.0, delta=DELTA, max_steps=1,
+                    init_from="public").train(train)
+    # init_from left unset: a labelled random start (issue 41, item 8)
+    with pytest.warns(UserWarning, match=r"init: random \(no public weights for .*"
+                                         r"num_feat_static_cat=1 \(public weights: 0\)"):
         DPEstimator(est, noise_multiplier=1.0, delta=DELTA, max_steps=1).train(train)
     with pytest.raises(ValueError, match="non-negative integers"):
         Panel(plain.targets, plain.starts, plain.item_ids, "M",

@@ -11,7 +11,7 @@ pandas step (offset class)             base freq  DeepAR h                      
 year (``Y``, ``YS``, ``BY`` …)         ``Y``      — (pretrained once, announced)   12
 quarter (``Q``, ``QS``, ``BQ`` …)      ``Q``      8                                8, 16
 month (``M``, ``MS``, ``ME``, ``BM``)  ``M``      12                               12
-week (``W``, every anchor)             ``W``      — (pretrained once, announced)   13
+week (``W``, every anchor)             ``W``      13 (2000 steps)                  13
 day (``D``)                            ``D``      — (pretrained once, announced)   14
 business day (``B``, ``C``)            ``B``      — (pretrained once, announced)   20
 hour (``h``)                           ``h``      — (pretrained once, announced)   24
@@ -71,7 +71,7 @@ BASE_GEOMETRIES: dict[str, tuple[Optional[int], tuple[int, ...]]] = {
     "Y": (None, (12,)),
     "Q": (8, (8, 16)),
     "M": (12, (12,)),
-    "W": (None, (13,)),
+    "W": (13, (13,)),
     "D": (None, (14,)),
     "B": (None, (20,)),
     "h": (None, (24,)),

@@ -12,7 +12,7 @@ year (``Y``, ``YS``, ``BY`` …)         ``Y``      — (pretrained once, announ
 quarter (``Q``, ``QS``, ``BQ`` …)      ``Q``      8                                8, 16
 month (``M``, ``MS``, ``ME``, ``BM``)  ``M``      12                               12
 week (``W``, every anchor)             ``W``      13 (2000 steps)                  13
-day (``D``)                            ``D``      — (pretrained once, announced)   14
+day (``D``)                            ``D``      14 (2000 steps)                  14
 business day (``B``, ``C``)            ``B``      — (pretrained once, announced)   20
 hour (``h``)                           ``h``      — (pretrained once, announced)   24
 minute (``min``)                       ``15min``  — (pretrained once, announced)   24
@@ -72,7 +72,7 @@ BASE_GEOMETRIES: dict[str, tuple[Optional[int], tuple[int, ...]]] = {
     "Q": (8, (8, 16)),
     "M": (12, (12,)),
     "W": (13, (13,)),
-    "D": (None, (14,)),
+    "D": (14, (14,)),
     "B": (None, (20,)),
     "h": (None, (24,)),
     "15min": (None, (24,)),

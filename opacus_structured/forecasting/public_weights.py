@@ -14,7 +14,7 @@ month (``M``, ``MS``, ``ME``, ``BM``)  ``M``      12                            
 week (``W``, every anchor)             ``W``      13 (2000 steps)                  13
 day (``D``)                            ``D``      14 (2000 steps)                  14
 business day (``B``, ``C``)            ``B``      — (pretrained once, announced)   20
-hour (``h``)                           ``h``      — (pretrained once, announced)   24
+hour (``h``)                           ``h``      12 (2000 steps)                  24
 minute (``min``)                       ``15min``  — (pretrained once, announced)   24
 =====================================  =========  ===============================  =============================
 
@@ -74,7 +74,7 @@ BASE_GEOMETRIES: dict[str, tuple[Optional[int], tuple[int, ...]]] = {
     "W": (13, (13,)),
     "D": (14, (14,)),
     "B": (None, (20,)),
-    "h": (None, (24,)),
+    "h": (12, (24,)),
     "15min": (None, (24,)),
 }
 

@@ -8,7 +8,7 @@ per pandas step family (:data:`BASE_GEOMETRIES`):
 =====================================  =========  ===============================  =============================
 pandas step (offset class)             base freq  DeepAR h                         DLinear horizons (context 3h)
 =====================================  =========  ===============================  =============================
-year (``Y``, ``YS``, ``BY`` …)         ``Y``      — (pretrained once, announced)   12
+year (``Y``, ``YS``, ``BY`` …)         ``Y``      6 (2000 steps)                   12
 quarter (``Q``, ``QS``, ``BQ`` …)      ``Q``      8                                8, 16
 month (``M``, ``MS``, ``ME``, ``BM``)  ``M``      12                               12
 week (``W``, every anchor)             ``W``      13 (2000 steps)                  13
@@ -68,7 +68,7 @@ DEEPAR_HORIZONS = {"Y": 6, "Q": 8, "M": 12, "W": 13, "D": 14, "B": 10, "h": 12, 
 #: horizons); every geometry listed ships (tests/test_public_weights.py checks the files
 #: against this table). A family absent here pretrains once, announced.
 BASE_GEOMETRIES: dict[str, tuple[Optional[int], tuple[int, ...]]] = {
-    "Y": (None, (12,)),
+    "Y": (6, (12,)),
     "Q": (8, (8, 16)),
     "M": (12, (12,)),
     "W": (13, (13,)),

@@ -13,7 +13,7 @@ quarter (``Q``, ``QS``, ``BQ`` …)      ``Q``      8                           
 month (``M``, ``MS``, ``ME``, ``BM``)  ``M``      12                               12
 week (``W``, every anchor)             ``W``      13 (2000 steps)                  13
 day (``D``)                            ``D``      14 (2000 steps)                  14
-business day (``B``, ``C``)            ``B``      — (pretrained once, announced)   20
+business day (``B``, ``C``)            ``B``      10 (2000 steps)                  20
 hour (``h``)                           ``h``      12 (2000 steps)                  24
 minute (``min``)                       ``15min``  — (pretrained once, announced)   24
 =====================================  =========  ===============================  =============================
@@ -73,7 +73,7 @@ BASE_GEOMETRIES: dict[str, tuple[Optional[int], tuple[int, ...]]] = {
     "M": (12, (12,)),
     "W": (13, (13,)),
     "D": (14, (14,)),
-    "B": (None, (20,)),
+    "B": (10, (20,)),
     "h": (12, (24,)),
     "15min": (None, (24,)),
 }

@@ -10,12 +10,12 @@ pandas step (offset class)             base freq  DeepAR h                      
 =====================================  =========  ===============================  =============================
 year (``Y``, ``YS``, ``BY`` …)         ``Y``      6 (2000 steps)                   12
 quarter (``Q``, ``QS``, ``BQ`` …)      ``Q``      8                                8, 16
-month (``M``, ``MS``, ``ME``, ``BM``)  ``M``      12                               12
+month (``M``, ``MS``, ``ME``, ``BM``)  ``M``      12                               12, 24
 week (``W``, every anchor)             ``W``      13 (2000 steps)                  13
 day (``D``)                            ``D``      14 (2000 steps)                  14
 business day (``B``, ``C``)            ``B``      10 (2000 steps)                  20
 hour (``h``)                           ``h``      12 (2000 steps)                  24
-minute (``min``)                       ``15min``  — (pretrained once, announced)   24
+minute (``min``)                       ``15min``  12 (2000 steps)                  24
 =====================================  =========  ===============================  =============================
 
 A panel's frequency maps to the base of its step family whatever the multiple (``2h`` → ``h``,
@@ -70,12 +70,12 @@ DEEPAR_HORIZONS = {"Y": 6, "Q": 8, "M": 12, "W": 13, "D": 14, "B": 10, "h": 12, 
 BASE_GEOMETRIES: dict[str, tuple[Optional[int], tuple[int, ...]]] = {
     "Y": (6, (12,)),
     "Q": (8, (8, 16)),
-    "M": (12, (12,)),
+    "M": (12, (12, 24)),
     "W": (13, (13,)),
     "D": (14, (14,)),
     "B": (10, (20,)),
     "h": (12, (24,)),
-    "15min": (None, (24,)),
+    "15min": (12, (24,)),
 }
 
 #: (model, base frequency) → at most this many pretraining steps: DeepAR's 5000-step recipe

@@ -11,8 +11,8 @@ pandas step (offset class)             base freq  DeepAR h                      
 year (``Y``, ``YS``, ``BY`` …)         ``Y``      6 (2000 steps)                   12
 quarter (``Q``, ``QS``, ``BQ`` …)      ``Q``      8                                8, 16
 month (``M``, ``MS``, ``ME``, ``BM``)  ``M``      12                               12, 24
-week (``W``, every anchor)             ``W``      13 (2000 steps)                  13
-day (``D``)                            ``D``      14 (2000 steps)                  14
+week (``W``, every anchor)             ``W``      13 (2000 steps)                  13, 26
+day (``D``)                            ``D``      14 (2000 steps)                  14, 28
 business day (``B``, ``C``)            ``B``      10 (2000 steps)                  20
 hour (``h``)                           ``h``      12 (2000 steps)                  24
 minute (``min``)                       ``15min``  12 (2000 steps)                  24
@@ -71,8 +71,8 @@ BASE_GEOMETRIES: dict[str, tuple[Optional[int], tuple[int, ...]]] = {
     "Y": (6, (12,)),
     "Q": (8, (8, 16)),
     "M": (12, (12, 24)),
-    "W": (13, (13,)),
-    "D": (14, (14,)),
+    "W": (13, (13, 26)),
+    "D": (14, (14, 28)),
     "B": (10, (20,)),
     "h": (12, (24,)),
     "15min": (12, (24,)),

@@ -222,17 +222,52 @@ def test_estimator_training_settings_refused(estimator, match):
 
 
 # ---- public weights by default -----------------------------------------------------------------
-def test_public_weights_need_their_architecture(split12):
+def test_gluonts_default_estimators_train_from_a_labelled_random_start(split12):
+    """gluonts' own tutorial shapes with every other argument at gluonts' default
+    (``DLinearEstimator(prediction_length=24)``: kernel_size 25, context 10·24;
+    ``DeepAREstimator(freq="M", prediction_length=12)``: lags from the frequency, dropout 0.1):
+    the public weights have another architecture, so the default start is random — a run, a
+    UserWarning at the caller's line, and the report says why (issue 41, item 8)."""
+    import warnings
+
+    panel = load_us_employment().subset(range(0, 148, 10))
+    cases = [(DLinearEstimator(prediction_length=24), train_test_split(panel, 24)[0],
+              "kernel_size=25 (public weights: 13)"),
+             (DeepAREstimator(freq="M", prediction_length=12),
+              split12[0], "lags_seq=None (public weights: [1, 2, 3, 12, 13])")]
+    for estimator, train, why in cases:
+        dp = DPEstimator(estimator, epsilon=1.0, delta=1e-7, max_steps=2, discretization=D)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            predictor = dp.train(train.to_gluonts())
+        ours = [w for w in caught if str(w.message).startswith("init: random (no public "
+                                                                 "weights for ")]
+        assert len(ours) == 1 and why in str(ours[0].message)
+        assert ours[0].filename == __file__  # points at the user's call
+        rep = predictor.privacy_report
+        assert rep["init_weights"]["source"] == "none"
+        assert rep["init_weights"]["init"].startswith("random (no public weights for ")
+        assert why in rep["init_weights"]["init"]
+        assert rep["init_weights"]["requested"] == "public (the default)"
+        assert rep["lr"] == md.model_defaults(dp.model)["lr_from_scratch"]
+        assert rep["steps"] == 2 and rep["epsilon"] == _accountant_epsilon(dp) <= 1.0
+        assert rep["private"] is True
+        test = train_test_split(panel, estimator.prediction_length)[1]
+        _finite_metrics(predictor, test)
+
+
+def test_explicit_public_weights_need_their_architecture(split12):
+    """``init_from="public"`` said explicitly: refused with the differences (no fallback)."""
     train, _ = split12
     dp = DPEstimator(DeepAREstimator(freq="M", prediction_length=12), epsilon=1.0, delta=1e-7,
-                     max_steps=1)
+                     max_steps=1, init_from="public")
     with pytest.raises(ValueError, match=r"lags_seq=None \(public weights: \[1, 2, 3, 12, 13\]\)"
                                          r".*build_estimator.*init_from='none'"):
         dp.train(train)
     assert dp.last_result is None
     with pytest.raises(ValueError, match="kernel_size=25"):
         DPEstimator(DLinearEstimator(prediction_length=12), epsilon=1.0, delta=1e-7,
-                    max_steps=1).train(train)
+                    max_steps=1, init_from="public").train(train)
 
 
 def test_dlinear_round_trip_from_the_public_weights(split12):
@@ -397,6 +432,11 @@ def test_static_categorical_features_refusals(split6):
     with pytest.raises(ValueError, match="has none"):
         dp.train(plain)  # a Panel without static_cats
     with pytest.raises(ValueError, match="num_feat_static_cat=1 \\(public weights: 0\\)"):
+        DPEstimator(est, noise_multiplier=1.0, delta=DELTA, max_steps=1,
+                    init_from="public").train(train)
+    # init_from left unset: a labelled random start (issue 41, item 8)
+    with pytest.warns(UserWarning, match=r"init: random \(no public weights for .*"
+                                         r"num_feat_static_cat=1 \(public weights: 0\)"):
         DPEstimator(est, noise_multiplier=1.0, delta=DELTA, max_steps=1).train(train)
     with pytest.raises(ValueError, match="non-negative integers"):
         Panel(plain.targets, plain.starts, plain.item_ids, "M",

@@ -89,12 +89,19 @@ def test_cli_uses_the_models_own_defaults(model, tiny_pretraining, monkeypatch, 
 
 def test_first_use_pretraining_progress_goes_to_stderr_under_json(tiny_pretraining, capsys):
     """stderr is not a terminal here (no bar): the pretraining is announced and followed by
-    plain step lines on stderr; stdout is exactly one JSON object."""
+    plain step lines on stderr (at most every ~10 s, and the last); stdout is exactly one JSON
+    object."""
     assert main(_args(tiny_pretraining / "out", "deepar", "--max-steps", "1")) == 0
     out = capsys.readouterr()
     rep = json.loads(out.out)  # nothing but the JSON on stdout
     assert rep["pretrained"]["source"] == "pretrained now"
-    assert "pretraining deepar on the public synthetic corpus (3 steps" in out.err
+    # announced before it starts: what, why, an estimate, how to skip it (issue 41, item 2);
+    # DeepAR pretrains its family's base geometry once (monthly: horizon 12), for every horizon
+    assert ("pretraining deepar now: no public DeepAR weights for the M family are shipped or "
+            "cached (freq M, horizon 12, context 24); 3 steps on the public synthetic corpus, "
+            "about 0 s on one idle CPU core") in out.err
+    assert "To skip it: --init-from none" in out.err
+    assert out.err.index("pretraining deepar now:") < out.err.index("pretraining deepar: 3/3")
     assert "pretraining deepar: 3/3 steps" in out.err
     assert "pretrained deepar in" in out.err
     # the second run reads the cache: no pretraining notice

@@ -69,9 +69,10 @@ def _stderr(message: str) -> None:
 def _initial_weights(init_from, args, freq, progress, log, season_length=None):
     """``(state_dict or None, meta or None)`` for ``--init-from`` (public weights only).
 
-    A first-use public pretraining (minutes for DeepAR on a CPU) is announced and followed on
-    stderr even under ``--json`` (stdout then holds the JSON only): a bar where stderr is a
-    terminal (or ``$OPACUS_STRUCTURED_PROGRESS=1``), else a line per tenth of the steps."""
+    ``public``: the shipped weights of the panel's frequency family (a longer-horizon DLinear
+    brings its context: the run's ``--context-length`` when none is given). Pretraining (a
+    geometry nothing ships) is announced on stderr before it starts and followed there even
+    under ``--json``: a bar on a terminal, else a line at most every ~10 s."""
     from ..forecasting.estimators import default_context_length  # optional: gluonts
     from ..forecasting.pretraining import load_weights, pretrained_weights  # optional: gluonts
 
@@ -88,6 +89,13 @@ def _initial_weights(init_from, args, freq, progress, log, season_length=None):
             raise ValueError(f"public pretraining (--init-from public) failed: {exc}; "
                              "--init-from none starts from a random initialisation "
                              "instead") from exc
+        if args.context_length is None and meta.get("context_length") != \
+                default_context_length(args.model, args.prediction_length):
+            args.context_length = int(meta["context_length"])  # a DLinear base model's own
+            log(f"context length {args.context_length}: the context of the shipped public "
+                f"DLinear weights of the nearest longer horizon, whose first "
+                f"{args.prediction_length} output steps this run fine-tunes (--context-length "
+                f"sets another; weights nothing ships for are pretrained once, announced)")
     else:
         state, meta = load_weights(init_from)
         meta = {**meta, "source": "file", "path": init_from}
@@ -100,16 +108,20 @@ def _initial_weights(init_from, args, freq, progress, log, season_length=None):
                     f"by --save-weights or `opacus-structured pretrain`), so the weights may "
                     f"have been trained on this data and a second run would under-report "
                     f"epsilon; pass --init-public if they never saw this data")
-    want = {"model": args.model, "prediction_length": args.prediction_length,
-            "context_length": (default_context_length(args.model, args.prediction_length)
-                               if args.context_length is None else args.context_length)}
+    want = {"model": args.model}
+    if args.model != "deepar":  # DeepAR's weights fit every horizon and context (an RNN)
+        want.update(prediction_length=args.prediction_length,
+                    context_length=(default_context_length(args.model, args.prediction_length)
+                                    if args.context_length is None else args.context_length))
     for key, value in want.items():
         if key in meta and meta[key] != value:
             raise ValueError(f"--init-from {init_from}: the weights were trained for "
                              f"{key}={meta[key]!r} but this run uses {key}={value!r} (or "
                              "--init-from public / none)")
     runs = (meta.get("privacy_record") or {}).get("runs") or []
-    log(f"initial weights: {meta.get('source')} ({meta.get('path')}); "
+    base = (meta.get("base") or {}).get("describe")
+    log(f"initial weights: {meta.get('source')} ({meta.get('path')})"
+        + (f", {base}" if base else "") + "; "
         + (f"{len(runs)} earlier run(s) on non-public data in their privacy record"
            if runs else "public data only"))
     return state, {k: v for k, v in meta.items() if k != "train_seconds"}

@@ -7,8 +7,10 @@ the weights to the user cache (where ``forecast --init-from public`` finds them)
 ``--output``. Nothing private is read: the weights are public, and ``forecast`` fine-tunes
 them with DP on your panel (the guarantee covers the fine-tuning panel only).
 
-``--verify`` retrains and compares with the weights shipped in the package (the default
-geometry of each model): the command reproduces them.
+``--verify`` retrains and compares with the weights shipped in the package (the base
+geometries of :mod:`~opacus_structured.forecasting.public_weights`, e.g. ``--freq Q
+--prediction-length 8``): the command reproduces them. ``forecast`` needs no ``pretrain`` run
+for a frequency family whose weights ship; this command serves the other geometries.
 
 Examples::
 
@@ -17,6 +19,7 @@ Examples::
     opacus-structured pretrain --model dlinear --output weights.pt
     opacus-structured forecast --init-from weights.pt
     opacus-structured pretrain --model dlinear --verify         # reproduces the shipped file
+    opacus-structured pretrain --model dlinear --freq Q --prediction-length 8 --verify
     opacus-structured pretrain --corpus synthetic+competition --output m3.pt   # real series too
 
 ``--corpus synthetic+competition`` adds the real M1/M3 competition series at yearly, quarterly
@@ -78,10 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_pretrain(args) -> dict:
     """Pretrain (or find cached) weights as ``args`` says; returns a JSON-ready record."""
     from ..forecasting.pretraining import (  # optional: gluonts
-        PRETRAIN_RECIPE,
         cache_dir,
         load_weights,
         pretrain,
+        recipe_for,
         save_weights,
         shipped_weights_path,
         weights_key,
@@ -94,20 +97,21 @@ def run_pretrain(args) -> dict:
     season = getattr(args, "season_length", None)
     if season is not None and season < 1:
         raise ValueError(f"--season-length must be >= 1, got {season}")
-    recipe = _recipe(args, PRETRAIN_RECIPE[args.model])
+    shipped_recipe = recipe_for(args.model, args.freq)
+    recipe = _recipe(args, shipped_recipe)
     key = weights_key(args.model, freq=args.freq, prediction_length=args.prediction_length,
                       context_length=args.context_length, season_length=season, recipe=recipe)
     progress = _progress.enabled(args.no_progress)
     log = None if progress else (lambda m: print(m, file=sys.stderr, flush=True))
     record = {"model": args.model, "freq": args.freq, "key": key}
     if args.verify:
-        if recipe is not PRETRAIN_RECIPE[args.model]:
+        if recipe is not shipped_recipe:
             raise ValueError("--verify compares the shipped recipe's weights; drop --corpus / "
                              "--competition-series")
         shipped = shipped_weights_path(key)
         if shipped is None:
-            raise ValueError(f"no weights are shipped for {key} (only the default geometry of "
-                             "each model is); --verify compares with a shipped file")
+            raise ValueError(f"no weights are shipped for {key} (only the base geometries of "
+                             "forecasting.public_weights are); --verify compares with a shipped file")
         reference, _ = load_weights(shipped)
         state, meta = pretrain(args.model, freq=args.freq,
                                prediction_length=args.prediction_length,

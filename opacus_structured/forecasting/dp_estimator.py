@@ -95,9 +95,12 @@ reads (``MODEL_DEFAULTS[model]``: clipping norm, learning rate from weights / fr
 steps, tail average; Λ = ``min(64, N)``, :data:`DEFAULT_MAX_BATCH_SIZE`), and training starts, as the command does, from the
 package's public pretrained weights (:func:`~.pretraining.pretrained_weights`: shipped,
 cached or pretrained now on the synthetic public corpus; public, so free). They were trained
-with :func:`~.estimators.build_estimator`'s architecture: an estimator that differs in an
-architecture argument is refused with the differences (``init_from="none"`` starts from a
-random initialisation instead).
+with :func:`~.estimators.build_estimator`'s architecture. An estimator that differs in an
+architecture argument (e.g. gluonts' own defaults: ``DLinearEstimator``'s ``kernel_size=25``)
+still trains when ``init_from`` is left unset: from a random initialisation, with a
+``UserWarning`` and ``privacy_report["init_weights"]["init"] = "random (no public weights for
+kernel_size=25 (public weights: 13); ...)"``; an explicit ``init_from="public"`` is refused with
+the differences (``init_from="none"`` says random on purpose).
 
 Static categorical features
 ---------------------------
@@ -196,7 +199,9 @@ class DPEstimator(Estimator):
             corpus, as the CLI's ``--init-from public``), ``"none"`` (random initialisation),
             or the path of a weights file written by ``--save-weights`` /
             ``TrainResult.save_weights`` / ``opacus-structured pretrain`` (its privacy record
-            comes with it). Default: ``"public"``, or ``init_state`` when given.
+            comes with it). Default: ``"public"``, or ``init_state`` when given; left unset for
+            an architecture the public weights do not have, a labelled random start (a
+            warning and the report's ``init_weights``).
         init_state: initial weights (a ``state_dict`` of the estimator's network): weights
             declared public (``init_public``), or an earlier run's weights with its
             ``init_record`` (runs on the same data are composed; see :meth:`train_from` and

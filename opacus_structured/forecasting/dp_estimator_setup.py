@@ -12,6 +12,7 @@ The functions take the ``DPEstimator`` (``dp``) whose settings they read; split 
 import dataclasses
 import os
 import sys
+import warnings
 from collections.abc import Mapping
 
 import numpy as np
@@ -27,7 +28,7 @@ from .training import TrainResult
 from .user_data import load_panel
 
 __all__ = ["check_tail_average", "trainer_capture", "read_training_data", "initial_weights",
-           "public_weights", "privacy_report"]
+           "public_weights", "public_architecture_differences", "privacy_report"]
 
 
 def check_tail_average(value) -> float:
@@ -101,10 +102,33 @@ def initial_weights(dp, panel, from_predictor, init_public) -> dict:
         return {"state": None, "record": None, "public": False,
                 "describe": {"source": "none"}}
     if dp.init_from == "public":
+        differ = public_architecture_differences(dp, panel)
+        if differ and not dp._init_given:  # the default start: a labelled random start
+            why = f"no public weights for {differ}"
+            warnings.warn(
+                f"init: random ({why}; the package's public weights were trained with "
+                f"build_estimator({dp.model!r}, ...)). DP training starts from a random "
+                f"initialisation (lr_from_scratch), which needs more signal than fine-tuning; "
+                f"build the estimator with opacus_structured.forecasting.estimators."
+                f"build_estimator({dp.model!r}, freq=..., prediction_length=...) to fine-tune "
+                f"the public weights, or pass init_from='none' to say random on purpose",
+                UserWarning, stacklevel=_caller_stacklevel())
+            return {"state": None, "record": None, "public": False,
+                    "describe": {"source": "none", "init": f"random ({why})",
+                                 "requested": "public (the default)"}}
+        if differ:
+            raise ValueError(
+                f"init_from='public': the public pretrained weights were trained with "
+                f"build_estimator({dp.model!r}, ...), whose architecture differs from this "
+                f"{type(dp.estimator).__name__}: {differ}. Build the estimator with "
+                f"opacus_structured.forecasting.estimators.build_estimator({dp.model!r}, "
+                f"freq=..., prediction_length=...) to fine-tune the public weights, or pass "
+                f"init_from='none' (or leave init_from unset: a labelled random start)")
         state, meta = public_weights(dp, panel)  # record without runs: public
         return {"state": state, "record": meta.get("privacy_record"), "public": False,
                 "describe": {"source": "public", "weights": meta.get("source"),
-                             "key": meta.get("key"), "path": meta.get("path")}}
+                             "key": meta.get("key"), "path": meta.get("path"),
+                             **({"base": meta["base"]["describe"]} if "base" in meta else {})}}
     if not os.path.isfile(dp.init_from):
         raise ValueError(f"init_from={dp.init_from!r}: no such file (init_from is "
                          f"'public', 'none' or the path of a weights file)")
@@ -120,30 +144,37 @@ def initial_weights(dp, panel, from_predictor, init_public) -> dict:
             "describe": {"source": "file", "path": dp.init_from,
                          "declared_public": dp.init_public}}
 
-def public_weights(dp, panel):
-    """The package's public pretrained weights for this estimator's geometry, refused with
-    the reason when its architecture is not the one they were trained with."""
+def public_architecture_differences(dp, panel) -> str:
+    """The architecture arguments in which this estimator differs from the one the public
+    weights were trained with (``"kernel_size=25 (public weights: 13); ..."``), or ``""``."""
     est = dp.estimator
-    context = int(est.context_length)
     reference = build_estimator(dp.model, freq=panel.freq,
                                 prediction_length=dp.prediction_length,
-                                context_length=context)
+                                context_length=int(est.context_length))
     differ = parity.public_architecture_mismatch(est, reference)
-    if differ:
-        listed = "; ".join(f"{k}={a!r} (public weights: {b!r})" for k, (a, b) in
-                           differ.items())
-        raise ValueError(
-            f"the public pretrained weights (init_from='public', the default) were trained "
-            f"with build_estimator({dp.model!r}, ...), whose architecture differs from "
-            f"this {type(est).__name__}: {listed}. Build the estimator with "
-            f"opacus_structured.forecasting.estimators.build_estimator({dp.model!r}, "
-            f"freq=..., prediction_length=...) to fine-tune the public weights, or pass "
-            f"init_from='none' to start from a random initialisation")
-    log = (lambda m: print(m, file=sys.stderr)) if dp.progress else None
+    return "; ".join(f"{k}={a!r} (public weights: {b!r})" for k, (a, b) in differ.items())
+
+
+def public_weights(dp, panel):
+    """The package's public pretrained weights for this estimator's geometry (its context
+    length fixed: a DLinear of a longer shipped horizon serves only at that horizon's context).
+    A pretraining run is announced on stderr before it starts (estimate, how to skip) and
+    followed there (a bar with ``progress``, else a line at most every ~10 s)."""
     return pretrained_weights(dp.model, freq=panel.freq,
                               prediction_length=dp.prediction_length,
-                              context_length=context, progress=dp.progress, log=log,
+                              context_length=int(dp.estimator.context_length),
+                              progress=dp.progress, log=None,  # None: stderr
                               season_length=dp.season_length)
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside this package (a warning then points at
+    the user's call)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 def privacy_report(dp, result: TrainResult, data_report, batch_size, init, estimator,
                    defaults) -> dict:

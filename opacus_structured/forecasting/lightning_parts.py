@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from .. import _progress
 from .baseline_skip import skip_parameters
 from .estimators import PreparedModel
 
@@ -101,20 +102,29 @@ def _tail_average_callback(total: int, fraction: float):
     return _TailAverage()
 
 
-def _progress_callback(total: int, desc: str, enabled: bool):
+def _progress_callback(total: int, desc: str, enabled: bool, log=None):
+    """A tqdm bar of the training steps (``enabled``), else, where stderr is not a terminal
+    and ``log`` is given, a plain line through ``log`` at most every ~10 s
+    (:class:`~opacus_structured._progress.LineProgress`)."""
     pl = _lightning()
+    lines = log is not None and not enabled and _progress.lines_wanted()
 
     class _Progress(pl.Callback):
         def __init__(self):
             self.bar = None
+            self.lines = None
 
         def on_train_start(self, trainer, pl_module):
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, desc=desc, disable=not enabled, unit="step",
                             leave=False, dynamic_ncols=True)
+            if lines:
+                self.lines = _progress.LineProgress(desc, total, log)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.lines is not None:
+                self.lines.update(int(trainer.global_step))
             if self.bar is not None:
                 self.bar.update(1)
                 loss = trainer.callback_metrics.get("train_loss")

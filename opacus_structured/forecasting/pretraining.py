@@ -38,6 +38,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from .. import _progress
 from .._validation import check_int
 from .competition_corpus import competition_kind, competition_panel
 from .data import Panel
@@ -45,10 +46,18 @@ from .estimators import default_context_length, prepare_estimator
 from .lightning_parts import _lightning
 from .provenance import public_record, register_public_weights
 from .public_corpus import synthetic_panel
+from .public_weights import (
+    CHEAPER_STEPS,
+    base_freq,
+    base_geometry,
+    pretrain_seconds_estimate,
+    truncate_dlinear,
+)
 from .seasonality import season_length as default_season_length
 from .training import train_forecaster
+from .user_cache import cache_root
 
-__all__ = ["CORPORA", "PretrainRecipe", "PRETRAIN_RECIPE", "pretrain", "pretraining_panel",
+__all__ = ["CORPORA", "PretrainRecipe", "PRETRAIN_RECIPE", "recipe_for", "pretrain", "pretraining_panel",
            "pretrained_weights", "zero_shot_predictor", "shipped_weights_path",
            "weights_key", "cache_dir", "load_weights", "save_weights"]
 
@@ -108,7 +117,8 @@ class PretrainRecipe:
         return d
 
 
-#: The recipe of the shipped weights, per model.
+#: The recipe of the shipped weights, per model (:func:`recipe_for`: fewer DeepAR steps in some
+#: frequency families).
 PRETRAIN_RECIPE = {
     "dlinear": PretrainRecipe(),
     "simpleff": PretrainRecipe(),
@@ -116,6 +126,18 @@ PRETRAIN_RECIPE = {
     # both public study panels; docs/guides/forecasting.md, "Public pretraining of DeepAR")
     "deepar": PretrainRecipe(steps=5000, batch_size=64, lr=3e-3),
 }
+
+
+def recipe_for(model: str, freq: str) -> PretrainRecipe:
+    """The pretraining recipe of ``model`` at ``freq``: :data:`PRETRAIN_RECIPE`, with at most
+    :data:`~.public_weights.CHEAPER_STEPS` steps in the frequency families listed there
+    (DeepAR at daily, hourly, yearly, business-day and minute data: 2000 steps, so that every
+    family's weights could be trained and shipped; documented in the forecasting guide)."""
+    recipe = PRETRAIN_RECIPE[model]
+    cap = CHEAPER_STEPS.get((model, base_freq(freq)))
+    if cap is not None and recipe.steps > cap:
+        return dataclasses.replace(recipe, steps=cap)
+    return recipe
 
 
 def weights_key(model: str, *, freq: str, prediction_length: int,
@@ -130,7 +152,7 @@ def weights_key(model: str, *, freq: str, prediction_length: int,
     h = check_int("prediction_length", prediction_length, minimum=1)
     ctx = (default_context_length(model, h) if context_length is None
            else check_int("context_length", context_length, minimum=1))
-    recipe = (PRETRAIN_RECIPE[model] if recipe is None else recipe).for_freq(freq)
+    recipe = (recipe_for(model, freq) if recipe is None else recipe).for_freq(freq)
     digest = hashlib.sha256(json.dumps(recipe.to_dict(), sort_keys=True).encode()).hexdigest()
     season = ""
     if season_length is not None:
@@ -142,12 +164,7 @@ def weights_key(model: str, *, freq: str, prediction_length: int,
 
 def cache_dir() -> str:
     """The user cache directory for pretrained weights (module docstring)."""
-    root = os.environ.get("OPACUS_STRUCTURED_CACHE")
-    if not root:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
-                                                                  ".cache")
-        root = os.path.join(base, "opacus-structured")
-    return os.path.join(root, "pretrained")
+    return os.path.join(cache_root(), "pretrained")
 
 
 def save_weights(path: str, state: dict, meta: dict) -> None:
@@ -176,23 +193,19 @@ def load_weights(path: str) -> tuple[dict, dict]:
     raise ValueError(f"--init-from {path!r} holds a {type(blob).__name__}, not a state dict")
 
 
-def _step_log_callback(total: int, desc: str, log, parts: int = 10):
-    """A Lightning callback writing ``"<desc>: k/total steps (t s)"`` through ``log`` at every
-    ``1/parts`` of the steps: progress in plain lines where no bar is drawn (stderr not a
-    terminal, ``--json`` piped to a file, CI logs)."""
-    import time
-
+def _step_log_callback(total: int, desc: str, log, interval: float = _progress.LINE_INTERVAL):
+    """A Lightning callback writing ``"<desc>: k/total steps (t elapsed, about r left)"``
+    through ``log`` at most every ``interval`` seconds and at the last step
+    (:class:`~opacus_structured._progress.LineProgress`): progress in plain lines where no bar
+    is drawn (stderr not a terminal, ``--json`` piped to a file, CI logs)."""
     pl = _lightning()
-    marks = sorted({max(1, round(total * k / parts)) for k in range(1, parts + 1)})
 
     class _StepLog(pl.Callback):
         def on_train_start(self, trainer, pl_module):
-            self.t0 = time.perf_counter()
+            self.lines = _progress.LineProgress(desc, total, log, interval=interval)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            step = int(trainer.global_step)
-            if step in marks:
-                log(f"{desc}: {step}/{total} steps ({time.perf_counter() - self.t0:.0f} s)")
+            self.lines.update(int(trainer.global_step))
 
     return _StepLog()
 
@@ -215,10 +228,10 @@ def pretrain(model: str, *, freq: str = "M", prediction_length: int = 12,
     on one thread.
 
     ``progress`` draws a bar on stderr; ``log`` (a ``str -> None`` callable, e.g. a print to
-    stderr) additionally gets a plain line at every tenth of the steps, for runs whose stderr
-    is not a terminal.
+    stderr) additionally gets a plain line at most every ~10 s and at the last step, for runs
+    whose stderr is not a terminal.
     """
-    recipe = (PRETRAIN_RECIPE[model] if recipe is None else recipe).for_freq(freq)
+    recipe = (recipe_for(model, freq) if recipe is None else recipe).for_freq(freq)
     season = (default_season_length(freq) if season_length is None
               else check_int("season_length", season_length, minimum=1))
     corpus, corpus_name = pretraining_panel(model, recipe, freq=freq, season_length=season,
@@ -300,36 +313,112 @@ def pretrained_weights(model: str, *, freq: str = "M", prediction_length: int = 
                        context_length: Optional[int] = None, progress: bool = False,
                        log=None, season_length: Optional[int] = None
                        ) -> tuple[dict, dict[str, Any]]:
-    """Public pretrained weights for the geometry: shipped, cached, or pretrained now
-    (module docstring). Returns ``(state_dict, meta)``; ``meta["source"]`` says which.
-    A pretraining run is announced through ``log`` (with its step count and, without a
-    ``progress`` bar, a line at every tenth of the steps) and timed.
-    Any pandas ``freq`` works (the corpus' season: ``season_length``, default from ``freq``)."""
-    say = log or (lambda msg: None)
+    """Public pretrained weights for the geometry, in order: shipped or cached for exactly this
+    geometry; the shipped (or cached) weights of the frequency's base geometry
+    (:func:`~.public_weights.base_geometry`: any horizon for DeepAR, the first ``h`` output
+    steps of a longer-horizon DLinear, with its context when ``context_length`` is None);
+    else pretrained now (announced before it starts, with an estimate and the way to skip it)
+    and cached. Returns ``(state_dict, meta)``: ``meta["source"]`` says which,
+    ``meta["prediction_length"]`` / ``meta["context_length"]`` the geometry the weights fit
+    (a DLinear base model brings its own context), ``meta["base"]`` the base geometry used.
+
+    ``log`` (``str -> None``) gets the announcement and, without a ``progress`` bar, a line at
+    most every ~10 s; without ``log`` both go to stderr. Any pandas ``freq`` works (the
+    corpus' season: ``season_length``, default from ``freq``)."""
+    say = log or _stderr
     key = weights_key(model, freq=freq, prediction_length=prediction_length,
                       context_length=context_length, season_length=season_length)
-    shipped = shipped_weights_path(key)
-    if shipped is not None:
-        state, meta = load_weights(shipped)
-        register_public_weights(state)
-        return state, {**meta, "source": "shipped", "path": shipped}
+    for source, path in (("shipped", shipped_weights_path(key)),
+                         ("cache", os.path.join(cache_dir(), f"{key}.pt"))):
+        if path is not None and os.path.isfile(path):  # cache: written by pretrain (public)
+            state, meta = load_weights(path)
+            register_public_weights(state)
+            return state, {**meta, "source": source, "path": path}
+    default_season = (season_length is None
+                      or int(season_length) == default_season_length(freq))
+    base = (base_geometry(model, freq=freq, prediction_length=prediction_length,
+                          context_length=context_length) if default_season else None)
+    if base is not None:
+        found = _base_weights(base, freq, prediction_length, context_length)
+        if found is not None:
+            return found
+        if model == "deepar":  # one pretraining of the base geometry serves every horizon
+            _pretrain_announced(model, base.freq, base.prediction_length,
+                                base.context_length, None, progress, say,
+                                why=f"no public DeepAR weights for the {base.freq} family "
+                                    f"are shipped or cached")
+            state, meta = _base_weights(base, freq, prediction_length, context_length)
+            return state, {**meta, "source": "pretrained now"}
+    why = ("no public weights are shipped for this geometry" if base is None
+           else "the shipped base weights are missing")
+    if not default_season:
+        why = f"season_length={season_length} is not {freq}'s default"
+    state, meta, cached = _pretrain_announced(model, freq, prediction_length, context_length,
+                                              season_length, progress, say, why=why)
+    return state, {**meta, "source": "pretrained now", "path": cached}
+
+
+def _stderr(message: str) -> None:
+    import sys
+
+    print(message, file=sys.stderr, flush=True)
+
+
+def _pretrain_announced(model, freq, prediction_length, context_length, season_length,
+                        progress, say, *, why):
+    """Pretrain (announced first: what, why, an estimate, how to skip) and cache."""
+    recipe = recipe_for(model, freq).for_freq(freq)
+    key = weights_key(model, freq=freq, prediction_length=prediction_length,
+                      context_length=context_length, season_length=season_length)
     cached = os.path.join(cache_dir(), f"{key}.pt")
-    if os.path.isfile(cached):  # written by pretrain (public corpus only)
-        state, meta = load_weights(cached)
-        register_public_weights(state)
-        return state, {**meta, "source": "cache", "path": cached}
-    recipe = PRETRAIN_RECIPE[model]
+    ctx = (default_context_length(model, prediction_length) if context_length is None
+           else int(context_length))
     corpus = ("synthetic and M1/M3 competition series"
               if recipe.uses_competition(freq) else "synthetic")
-    say(f"pretraining {model} on the public {corpus} corpus ({recipe.steps} steps; once, then "
-        f"cached at {cached})")
+    estimate = pretrain_seconds_estimate(model, recipe.steps, prediction_length, ctx)
+    say(f"pretraining {model} now: {why} (freq {freq}, horizon {prediction_length}, context "
+        f"{ctx}); {recipe.steps} steps on the public {corpus} corpus, about "
+        f"{_progress.format_seconds(estimate)} on one idle CPU core (longer under load); once, "
+        f"then cached at {cached}. To skip it: --init-from none (init_from='none': a random "
+        f"start), or run `opacus-structured pretrain --model {model} --freq {freq} "
+        f"--prediction-length {prediction_length}"
+        + ("" if context_length is None else f" --context-length {ctx}")
+        + ("" if season_length is None or int(season_length) == default_season_length(freq)
+           else f" --season-length {season_length}")
+        + "` beforehand")
     state, meta = pretrain(model, freq=freq, prediction_length=prediction_length,
                            context_length=context_length, progress=progress,
-                           season_length=season_length,
-                           log=None if progress or log is None else say)
+                           season_length=season_length, log=None if progress else say)
     save_weights(cached, state, meta)
     say(f"pretrained {model} in {meta['train_seconds']:.0f} s: {cached}")
-    return state, {**meta, "source": "pretrained now", "path": cached}
+    return state, meta, cached
+
+
+def _base_weights(base, freq, prediction_length, context_length):
+    """``(state, meta)`` of the base geometry ``base`` adapted to the run (None: no file)."""
+    key = weights_key(base.model, freq=base.freq, prediction_length=base.prediction_length,
+                      context_length=base.context_length)
+    source, path = "shipped", shipped_weights_path(key)
+    if path is None:
+        source, path = "cache", os.path.join(cache_dir(), f"{key}.pt")
+        if not os.path.isfile(path):
+            return None
+    state, meta = load_weights(path)
+    note = base.describe(freq)
+    if base.model == "dlinear" and base.use_horizon != base.prediction_length:
+        hidden = int(state["args_proj.proj.0.weight"].shape[1])
+        state = truncate_dlinear(state, base.use_horizon, hidden)
+        meta = {**meta, "privacy_record": public_record(
+            state, f"the first {base.use_horizon} output steps of public pretrained weights "
+                   f"{key} (synthetic corpus; opacus-structured pretrain)")}
+    register_public_weights(state)
+    ctx = (base.run_context if base.run_context is not None else
+           default_context_length(base.model, prediction_length) if context_length is None
+           else int(context_length))
+    return state, {**meta, "source": source, "path": path, "key": key,
+                   "prediction_length": int(prediction_length), "context_length": ctx,
+                   "base": {"freq": base.freq, "prediction_length": base.prediction_length,
+                            "context_length": base.context_length, "describe": note}}
 
 
 def zero_shot_predictor(model: str, state: dict, *, freq: str, prediction_length: int,

@@ -51,6 +51,7 @@ import numpy as np
 
 from lightning_callbacks import DPCallback
 
+from .. import _progress
 from .._validation import check_int, check_open_unit, check_positive
 from ..accountants.structured import StructuredSubsamplingAccountant
 from ..accounting import pld as pld_lib
@@ -119,6 +120,25 @@ SKIP_LR_SCALINGS = ("none", "snr")
 
 
 @known_harmless_warnings_filtered()
+def _calibration_heartbeat(eps_of_sigma, log):
+    """``eps_of_sigma`` writing ``"calibrating noise: k ε evaluations, last σ=… (t elapsed)"``
+    through ``log`` at most every ~10 s where stderr is not a terminal (a long calibration
+    is not silent in logs); ``eps_of_sigma`` itself without a ``log``."""
+    if log is None or not _progress.lines_wanted():
+        return eps_of_sigma
+    beat = _progress.Heartbeat("calibrating noise", log)
+    count = [0]
+
+    def wrapped(sigma):
+        value = eps_of_sigma(sigma)
+        count[0] += 1
+        beat.tick(f"{count[0]} epsilon evaluations, last sigma={sigma:.4g} gave "
+                  f"epsilon={value:.4g}")
+        return value
+
+    return wrapped
+
+
 def train_forecaster(model: Optional[str], train: Panel, *,
                      prediction_length: Optional[int] = None,
                      context_length: Optional[int] = None, batch_size: Optional[int] = None,
@@ -418,17 +438,17 @@ def train_forecaster(model: Optional[str], train: Panel, *,
 
         if noise_multiplier is None:
             say(f"calibrating noise for epsilon={epsilon:g}, delta={delta:g}, {steps} steps")
+            eps_checked = _calibration_heartbeat(lambda s: eps_of(s, steps), log)
             if prior is None:  # public inputs only: remembered answers are checked, not trusted
                 noise_multiplier, source = calibration_memo.calibrate(
-                    lambda s: eps_of(s, steps), epsilon, rtol=1e-2,
+                    eps_checked, epsilon, rtol=1e-2,
                     key=calibration_memo.calibration_key(scheme, steps, delta, epsilon,
                                                          discretization, 1e-2))
                 if source != "search":
                     say(f"noise multiplier {noise_multiplier:.4g} from the {source} "
                         f"calibration memo, checked in two evaluations")
             else:
-                noise_multiplier = calibrate_noise_multiplier(lambda s: eps_of(s, steps),
-                                                              epsilon, rtol=1e-2)
+                noise_multiplier = calibrate_noise_multiplier(eps_checked, epsilon, rtol=1e-2)
         elif epsilon is not None and math.isfinite(epsilon):
             steps = max_steps_within_budget(lambda n: eps_of(noise_multiplier, n), epsilon,
                                             steps)
@@ -501,7 +521,7 @@ def train_forecaster(model: Optional[str], train: Panel, *,
             callbacks=[*([dp_callback] if dp_callback is not None else []),
                        *([_tail_average_callback(steps, tail_average)] if tail_average > 0
                          else []),
-                       _progress_callback(steps, label, progress), *callbacks])
+                       _progress_callback(steps, label, progress, log), *callbacks])
     t1 = time.perf_counter()
     with _quiet_lightning():
         trainer.fit(module, train_dataloaders=loader)

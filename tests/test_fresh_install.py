@@ -55,7 +55,7 @@ EXAMPLE_ARGS = {
     "swap_accountant_opacus.py": ["--scheme", "all", "--epochs", "1", "--steps-per-epoch", "5",
                                   "--discretization", "1e-2"],
     "truncated_poisson.py": [],
-    "tune_private_selection.py": ["--steps", "5", "--mean-trials", "2"],
+    "tune_private_selection.py": ["--mean-trials", "2"],
     "what_a_step_sums.py": [],
 }
 

@@ -155,6 +155,7 @@ def test_cli_epsilon_json(capsys):
     assert out["epsilon"] == pytest.approx(1.8289, abs=2e-3)  # digest ecosystem §2.6 (vdi 1e-3)
 
 
+@pytest.mark.slow  # 5-30 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_cli_calibrate_and_errors(capsys):
     assert cli_main(["calibrate", "poisson", "--sample-rate", "0.01", "--target-epsilon", "2",
                      "--steps", "1000", "--delta", "1e-5", "--discretization", "1e-3",

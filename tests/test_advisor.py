@@ -254,6 +254,7 @@ def test_readme_advise_example_calibrates_every_row():
     assert advice.row("balls-in-bins").rank is not None
 
 
+@pytest.mark.slow  # 5-30 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_poisson_is_priced_once_per_sigma_across_rows(monkeypatch):
     """Issue 41: the truncated-Poisson row replays the Poisson row's calibration (same σ, same
     numbers) instead of pricing Poisson again."""

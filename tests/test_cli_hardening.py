@@ -226,6 +226,7 @@ def test_registration_with_opacus_happens_on_import(order):
     assert missing == "[]" and module.startswith("opacus_structured.accountants")
 
 
+@pytest.mark.slow  # 5-30 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_lazy_attributes_and_registry_lookups_load_the_layers():
     done = _python(
         "import opacus_structured as o\n"

@@ -40,6 +40,7 @@ def _public_state():
     return {k: v.detach().clone() for k, v in prepared.module.model.state_dict().items()}
 
 
+@pytest.mark.slow  # 5-30 s: out of the README command (issue 41: <= 5 min); CI runs it
 @pytest.mark.parametrize("subset,moved", [
     ("head", {"args_proj", "baseline_skip"}),
     pytest.param("bias", {"args_proj", "baseline_skip", "linear_seasonal.bias",

@@ -102,6 +102,7 @@ def reference_epsilon(steps):
     return acc.get_epsilon(DELTA)
 
 
+@pytest.mark.slow  # 5-30 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_logged_epsilon_equals_accountant_epsilon():
     torch.manual_seed(0)
     model, cb, logger = Tiny(), callback(), MemLogger()
@@ -180,6 +181,7 @@ def test_min_steps_past_budget_is_refused():
     assert cb.steps == 2
 
 
+@pytest.mark.slow  # 5-30 s: out of the README command (issue 41: <= 5 min); CI runs it
 @pytest.mark.parametrize("resume_step,mode", [(3, "hooks"), (8, "hooks"), (3, "ghost")])
 def test_resume_matches_uninterrupted_run(tmp_path, resume_step, mode):
     total = 12  # 1.5 epochs of 8 steps

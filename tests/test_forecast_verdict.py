@@ -233,6 +233,7 @@ def _losing_csv(tmp_path):
     return path
 
 
+@pytest.mark.slow  # 5-30 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_the_command_says_when_dp_loses_to_zero_shot(tmp_path, capsys):
     """Seven series (one constant): the batch is the panel, σ/B ≈ 6 at ε = 0.5, and the
     noisy steps at a large learning rate wreck the public model: zero-shot wins. Seeded

@@ -133,6 +133,7 @@ def _reference(indices, norms, clip, budget=None, steps=None):
     return observed + unseen, spent, active_counts
 
 
+@pytest.mark.slow  # 5-30 s: out of the README command (issue 41: <= 5 min); CI runs it
 @pytest.mark.parametrize("scheme", [GDPScheme(), PoissonScheme(sample_rate=Q)],
                          ids=["full-batch", "poisson"])
 def test_stock_boring_model_filter_and_tracker(scheme):
@@ -201,6 +202,7 @@ def test_poisson_always_clipped_example_gets_the_population_epsilon():
     assert np.all(eps >= pop - 2e-3)  # never below the peer's value (pessimistic grids)
 
 
+@pytest.mark.slow  # 5-30 s: out of the README command (issue 41: <= 5 min); CI runs it
 @pytest.mark.parametrize("persistent", [False, True])
 def test_dataloader_workers_keep_indices_aligned(persistent):
     # Workers prefetch several batches ahead of training (plus Lightning's one-batch

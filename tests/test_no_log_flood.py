@@ -48,6 +48,7 @@ def _run(accountant: str, options: dict) -> float:
     return engine.get_epsilon(1e-5)
 
 
+@pytest.mark.slow  # 5-30 s: out of the README command (issue 41: <= 5 min); CI runs it
 @pytest.mark.parametrize("accountant,options", [
     ("poisson", {}),
     ("truncated-poisson", dict(max_batch_size=12)),

@@ -113,6 +113,7 @@ def test_stock_engine_with_our_accountant_runs_without_noise():
     assert engine.get_epsilon(1e-5) == math.inf
 
 
+@pytest.mark.slow  # 5-30 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_make_private_with_epsilon_never_picks_zero_noise():
     model = nn.Linear(3, 2)
     engine = PrivacyEngine(accountant="poisson")

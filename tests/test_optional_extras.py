@@ -80,6 +80,7 @@ def test_forecast_command_prints_one_line_without_gluonts():
     assert "opacus-structured[forecast]" in lines[0]
 
 
+@pytest.mark.slow  # 5-30 s: out of the README command (issue 41: <= 5 min); CI runs it
 @pytest.mark.parametrize("example", [
     "swap_accountant_opacus.py",
     pytest.param("lightning_dp.py", marks=pytest.mark.slow),  # ~20 s each (imports lightning)

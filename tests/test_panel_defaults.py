@@ -385,6 +385,7 @@ CI_CELLS = [(3, "15min", LONG), (10, "30min", LONG), (28, "h", SHORT), (100, "D"
             (100, "Y", SHORT)]
 
 
+@pytest.mark.slow  # 5-30 s: out of the README command (issue 41: <= 5 min); CI runs it
 @pytest.mark.parametrize("n,freq,length", FAST_CELLS)
 def test_forecast_defaults_fit_generated_panels(n, freq, length, quick, capsys):
     path = _write_panel(quick, n, freq, length)
@@ -416,6 +417,7 @@ def test_forecast_defaults_fit_generated_panels_matrix(n, freq, length, quick, c
     _check_report(rep, n, freq, length)
 
 
+@pytest.mark.slow  # 5-30 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_json_reports_exclusions_on_stderr_and_in_the_json(quick, tmp_path, capsys):
     path = _write_panel(tmp_path, 4, "M", 40)
     frame = pd.read_csv(path)

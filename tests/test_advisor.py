@@ -209,6 +209,7 @@ def test_bad_input_names_the_argument(bad, argument):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 15-45 s: left out of CI's 30-minute budget (-m long)
 def test_cli_json_validates_against_the_documented_schema(capsys, tmp_path):
     jsonschema = pytest.importorskip("jsonschema")
     plot = tmp_path / "advice.png"
@@ -234,6 +235,7 @@ def test_cli_json_validates_against_the_documented_schema(capsys, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.slow
+@pytest.mark.long  # 15-45 s: left out of CI's 30-minute budget (-m long)
 def test_advisor_ranks_at_mnist_scale():
     # its run time (about a minute on 2 cores) is a benchmark figure, not a test condition
     adv = advisor.advise(dataset_size=60000, batch_size=256, steps=1000, target_epsilon=2.0,
@@ -242,6 +244,7 @@ def test_advisor_ranks_at_mnist_scale():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 15-45 s: left out of CI's 30-minute budget (-m long)
 def test_readme_advise_example_calibrates_every_row():
     """Issue 31 item 6: README's `opacus-structured advise --dataset-size 60000 --batch-size 256
     --epochs 10 --target-epsilon 2 --delta 1e-5` printed PLD_accounting's "x_max must be greater

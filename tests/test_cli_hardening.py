@@ -48,6 +48,7 @@ def test_gdp_epochs_are_one_step_each(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 15-45 s: left out of CI's 30-minute budget (-m long)
 def test_calibrate_accepts_epochs_for_poisson(capsys):
     rec = _json_run(capsys, "calibrate", "poisson", "--sample-rate", "0.5", "--epochs", "1",
                     "--target-epsilon", "2", "--delta", "1e-5", "--no-progress")
@@ -167,6 +168,7 @@ def test_progress_shown_only_on_a_terminal_and_never_with_no_progress(monkeypatc
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 15-45 s: left out of CI's 30-minute budget (-m long)
 def test_epsilon_and_calibrate_draw_a_bar_on_stderr_unless_no_progress(monkeypatch, capsys):
     monkeypatch.setenv(_progress.ENV, "1")
     args = ["calibrate", "poisson", "--sample-rate", "0.5", "--steps", "2", "--target-epsilon",

@@ -276,6 +276,7 @@ def test_consumed_windows_are_exactly_the_sampled_ones(model, num_workers, tiny)
 
 # ---- command line -----------------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.long  # 15-45 s: left out of CI's 30-minute budget (-m long)
 def test_forecast_command_json(tmp_path, capsys):
     from opacus_structured.cli import main
 

@@ -116,7 +116,7 @@ def test_stock_loop_with_one_line_changed_reports_the_hand_built_epsilon(name):
 
 
 @pytest.mark.slow  # 5-30 s: out of the README command (issue 41: <= 5 min); CI runs it
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)  # ~10 s
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.long)  # ~25 s
                                   if n == "balls-in-bins" else n for n in sorted(CASES)])
 def test_make_private_with_epsilon_reaches_the_target_within_one_percent(name):
     engine_class, options, by_hand_scheme = CASES[name]

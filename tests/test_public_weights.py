@@ -194,6 +194,7 @@ def test_pretraining_that_is_still_needed_is_announced_first(monkeypatch, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 15-45 s: left out of CI's 30-minute budget (-m long)
 def test_pretrain_command_reproduces_a_shipped_quarterly_dlinear(capsys):
     """1000 DLinear steps (about 25 s idle, 90 s at load 5): the quarterly base file of
     issue 41 is what ``pretrain`` writes."""

@@ -33,12 +33,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from _machine import cpu_name  # benchmarks/_machine.py (scripts run from benchmarks/)
 
 try:
     import resource
@@ -133,16 +134,6 @@ def time_command(cmd: list[str], expected: int, repeats: int, env: dict,
     return times, cpus
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -176,7 +167,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['command']:<62} {r['median_s']:>9.3f} {r['min_s']:>7.3f} {r['max_s']:>7.3f}"
               f" {r['cpu_median_s']:>6.2f}")
-    cpu = _cpu_model()
+    cpu = cpu_name()
     print(f"(median of {args.repeats} run(s) each; load average {load:.2f} before, "
           f"{load_after:.2f} after, on {os.cpu_count()} cores, {cpu}; entry {args.entry}"
           f"{'; src ' + args.src if args.src else ''})")

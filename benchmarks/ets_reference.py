@@ -25,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 
+from _machine import cpu_name  # benchmarks/_machine.py (scripts run from benchmarks/)
+
 CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
@@ -106,7 +108,7 @@ def main(argv=None) -> int:
     diff = float(np.max(np.abs(arrays["serial"] - arrays["parallel"])))
     print(f"largest |serial - parallel| quantile difference: {diff:g}")
     summary = {"runs": res, "serial_vs_parallel_max_abs_diff": diff,
-               "cpu": _cpu_model(), "cpus": os.cpu_count()}
+               "cpu": cpu_name(), "cpus": os.cpu_count()}
     if args.statsforecast:
         a, b = np.array(res["serial"]["item_mase"]), np.array(res["statsforecast"]["item_mase"])
         rel = np.abs(a - b) / a
@@ -120,7 +122,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _cpu_model() -> str:
+def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:

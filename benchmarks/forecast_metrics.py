@@ -31,24 +31,14 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import time
 
 import numpy as np
+from _machine import cpu_name  # benchmarks/_machine.py (scripts run from benchmarks/)
 
 KEYS = {"crps": "mean_wQuantileLoss", "mase": "MASE", "mse": "MSE", "nd": "ND"}
 
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _panel(num_series: int, synthetic: bool, seed: int):
@@ -172,7 +162,7 @@ def main(argv=None) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     out = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": _cpu_name(), "cores": os.cpu_count(),
+        "cpu": cpu_name(), "cores": os.cpu_count(),
         "load_average_1min": {"before": load_before[0], "after": load_after[0]},
         "panel": "synthetic" if args.synthetic else "US employment (bundled)",
         "kind": args.kind,

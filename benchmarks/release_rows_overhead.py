@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 import warnings
 
 import torch
+from _machine import cpu_name  # benchmarks/_machine.py (scripts run from benchmarks/)
 from opacus import GradSampleModule
 from opacus.optimizers import DPOptimizer
 from torch import nn
@@ -37,17 +37,6 @@ from torch import nn
 from opacus_structured.accountants.release_guard import guard_optimizer
 from opacus_structured.accountants.release_rows import install_recorder
 from opacus_structured.samplers.row_provenance import tag_batch
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _median_us(fn, reps: int) -> float:
@@ -150,7 +139,7 @@ def main(argv=None) -> dict:
     pair = paired(args)
     share = 100 * comp[min(comp, key=lambda b: abs(b - args.batch_size))]["total"] \
         / (1e3 * pair["guarded_ms"])
-    cpu = _cpu_name()
+    cpu = cpu_name()
     print(f"CPU: {cpu}, torch threads={torch.get_num_threads()}")
     print("| piece (µs per step) | batch 64 | batch 256 | batch 1024 |")
     print("|---|---|---|---|")

@@ -122,16 +122,5 @@ def main(argv=None) -> int:
     return 0
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 if __name__ == "__main__":
     sys.exit(main())

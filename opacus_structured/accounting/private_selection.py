@@ -155,6 +155,15 @@ def tnb_mean(gamma: float, eta: float) -> float:
     return (1 - gamma) / (gamma * expm1_over_x * (-log_g))
 
 
+def drawn_mean_trials(mean_trials: float, eta: Optional[float]) -> float:
+    """E[K] of the law actually drawn: the sampler uses :func:`tnb_gamma`'s γ, whose mean can
+    exceed the asked one by the solver's tolerance, so the price takes the larger (the
+    Poisson law is drawn at its mean exactly)."""
+    if eta is None:
+        return mean_trials
+    return max(mean_trials, tnb_mean(tnb_gamma(mean_trials, eta), eta))
+
+
 def tnb_gamma(mean_trials: float, eta: float, tolerance: float = 1e-12) -> float:
     r""":math:`\gamma` with :math:`\mathbb E[K] = ` ``mean_trials``; bisection returning the
     smaller end (the conservative side: a larger :math:`\log(1/\gamma)`)."""
@@ -208,9 +217,7 @@ def repeat_and_select_rdp(orders: Sequence[float], rdp: Sequence[float], *,
             out[i] = rdp[i] + mean_trials * d_hat + math.log(mean_trials) / (orders[i] - 1)
         return out
     gamma = tnb_gamma(mean_trials, eta)
-    # the sampler draws with this γ, whose mean can exceed the asked one by the solver's
-    # tolerance: price the law that is drawn
-    mean_trials = max(mean_trials, tnb_mean(gamma, eta))
+    mean_trials = drawn_mean_trials(mean_trials, eta)
     with np.errstate(invalid="ignore"):
         hat = (1 - 1 / orders[usable]) * rdp[usable] - math.log(gamma) / orders[usable]
     c = (1 + eta) * float(np.min(hat))

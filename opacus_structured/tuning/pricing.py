@@ -278,12 +278,11 @@ def selection_epsilon(trial, *, mean_trials: float, eta: Optional[float], delta:
         check_positive("discretization", discretization)
     routes = _accountant_worlds(run, extras, orders, d if d is not None else 1e-4)
     values, errors = [], []
+    drawn_mean = ps.drawn_mean_trials(mean_trials, eta)
     for route_orders, rdp, tail in routes:
         selected = ps.repeat_and_select_rdp(route_orders, rdp, mean_trials=mean_trials,
                                             eta=eta)
         try:
-            drawn_mean = (mean_trials if eta is None else
-                          max(mean_trials, ps.tnb_mean(ps.tnb_gamma(mean_trials, eta), eta)))
             values.append(ps.epsilon_with_tail(route_orders, selected, delta, tail_mass=tail,
                                                mean_trials=drawn_mean))
         except ValueError as err:

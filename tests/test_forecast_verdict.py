@@ -250,7 +250,7 @@ def test_the_command_says_when_dp_loses_to_zero_shot(tmp_path, capsys):
     assert "warning: MASE leaves out 1 of 7 series (flat)" in captured.err
     assert "\n\nverdict: dlinear (DP-SGD, seeded: NOT PRIVATE) at ε = 0.49" in captured.out
     assert "does NOT beat the public zero-shot model" in captured.out
-    assert "what to do:\n  - private hyperparameter selection (--tune" in captured.out
+    assert "what to do:\n  - private hyperparameter selection: rerun with --tune" in captured.out
     text = (out / "report.json").read_text()
     assert '"nan"' not in text and '"-inf"' not in text
     rep = json.loads(text)

@@ -95,6 +95,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sweep: train once per budget in this comma-separated list (e.g. "
                         "0.5,1,2,4,inf) and write sweep.png (CRPS and MASE against ε with the "
                         "seasonal-naive and non-private lines); replaces --epsilon")
+    p.add_argument("--tune", action="store_true",
+                   help="choose the learning rate, the steps and the zero-shot weight W "
+                        "(including W = 1: the public model) on this panel by private "
+                        "selection (Papernot & Steinke 2022): a secret random number of DP "
+                        "trials on the training part minus its last --prediction-length steps, "
+                        "each scored privately on those steps; the whole search is priced "
+                        "within --epsilon (docs/guides/tuning.md)")
+    p.add_argument("--tune-trials", type=float, default=3.0, metavar="MEAN",
+                   help="with --tune: mean number of trials E[K] >= 1 (default %(default)g)")
+    p.add_argument("--tune-eta", type=float, default=1.0, metavar="ETA",
+                   help="with --tune: shape of the truncated negative binomial law of K "
+                        "(> -1; 0 logarithmic, 1 geometric; default %(default)g)")
     p.add_argument("--inference-epsilon", type=float, default=None, metavar="EPS",
                    help="also forecast the test series from PRIVATE inputs: each series' "
                         "history is Poisson-subsampled in time and gets Gaussian noise "

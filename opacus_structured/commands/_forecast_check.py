@@ -68,7 +68,7 @@ class CheckedData:
         frequency-neutral keys (``test_steps`` and ``min_train_length`` count steps of
         ``freq``, whatever the frequency)."""
         return {**self.report.to_dict(), "name": self.name,
-                "min_length_rule": "max(--min-length, 2 × --prediction-length)",
+                "min_length_rule": "max(--min-length, 2 × --prediction-length; 3 × with --tune)",
                 "num_series_loaded": self.report.num_series, "num_series": len(self.train),
                 "min_train_length": self.train.min_length, "test_steps": self.test_steps}
 
@@ -160,6 +160,36 @@ def _check_inference_flags(args) -> None:
         raise ValueError(f"--inference-rate must be in (0, 1], got {rate}")
 
 
+def _check_tune_flags(args) -> None:
+    """``--tune`` and what it chooses itself (docs/guides/tuning.md)."""
+    if not _get(args, "tune", False):
+        return
+    check_finite("--tune-trials", _get(args, "tune_trials", 3.0))
+    if not _get(args, "tune_trials", 3.0) >= 1:
+        raise ValueError(f"--tune-trials (the mean number of trials) must be >= 1, got "
+                         f"{args.tune_trials}")
+    eta = check_finite("--tune-eta", _get(args, "tune_eta", 1.0))
+    if not eta > -1:
+        raise ValueError(f"--tune-eta must be > -1, got {eta}")
+    if not math.isfinite(args.epsilon):
+        raise ValueError("--tune prices the search within --epsilon: give a finite --epsilon")
+    for flag, name in (("--epsilons", "epsilons"), ("--noise-multiplier", "noise_multiplier"),
+                       ("--zero-shot-weight", "zero_shot_weight"), ("--epochs", "epochs"),
+                       ("--save-weights", "save_weights")):
+        if _get(args, name) is not None:
+            why = {"--epsilons": "one search per run",
+                   "--noise-multiplier": "σ is calibrated for the whole search",
+                   "--zero-shot-weight": "--tune chooses W",
+                   "--epochs": "--tune chooses the steps (--max-steps sets the largest)",
+                   "--save-weights": ("a weights file's privacy record composes single runs; "
+                                      "a search is priced by its Rényi curve")}[flag]
+            raise ValueError(f"{flag} cannot be combined with --tune ({why})")
+    if (_get(args, "init_from", "none") or "none") not in ("public", "none"):
+        raise ValueError("--tune starts every trial from --init-from public or none, not from "
+                         "a weights file (its earlier runs would have to be composed with the "
+                         "search)")
+
+
 def _check_data_flags(args) -> None:
     """The ``--data`` flags: only with ``--data``; ``--freq`` a pandas frequency."""
     given = {k: _get(args, k) for k in DATA_FLAGS}
@@ -183,6 +213,7 @@ def check_arguments(args) -> Optional[list]:
     _check_training_flags(args)
     _check_init_flags(args)
     _check_inference_flags(args)
+    _check_tune_flags(args)
     _check_data_flags(args)
     check_paths(args)
     return budgets
@@ -191,7 +222,9 @@ def check_arguments(args) -> Optional[list]:
 def load_checked_data(args, budgets: Optional[list] = None) -> CheckedData:
     """Read and check the panel of a run whose flags :func:`check_arguments` accepted."""
     # a series needs a training part as long as the forecast window plus the held-out part
-    min_length = max(args.min_length, 2 * args.prediction_length)
+    # (--tune holds out another prediction length of the training part for its scores)
+    min_length = max(args.min_length,
+                     (3 if _get(args, "tune", False) else 2) * args.prediction_length)
     path = _get(args, "data")
     try:
         if path is None:

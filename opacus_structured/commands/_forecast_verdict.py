@@ -20,7 +20,7 @@ This is the case on small panels, where the batch is the whole panel (issue 41's
 
 **Advice.** When the release loses to a baseline, or σ/B >= 1, the verdict lists what to do:
 private hyperparameter selection (``--tune``; named "when available" while the command has no
-such flag), more series (a larger B at the same ε lowers σ/B), a larger ε, and releasing the
+such flag, and left out of a run that was tuned), more series (a larger B at the same ε lowers σ/B), a larger ε, and releasing the
 free baseline that won instead (it costs no training privacy).
 """
 
@@ -91,8 +91,10 @@ def dp_verdict(*, label: str, crps: float, mase, dp_sgd: bool, epsilon, noise_mu
     losing = [key for key, cmp in comparisons.items() if not cmp["beats"]]
     advice = []
     if dp_sgd and (losing or noisy):
-        advice.append("private hyperparameter selection: rerun with --tune" if tune_available
-                      else "private hyperparameter selection (--tune, when available)")
+        if tune_available is not None:  # None: this run was already tuned
+            advice.append("private hyperparameter selection: rerun with --tune"
+                          if tune_available else
+                          "private hyperparameter selection (--tune, when available)")
         advice.append(f"more series: the batch is {batch_size} of {num_series} series; a "
                       "larger panel allows a larger batch at the same ε and lowers σ/B")
         advice.append("a larger ε (--epsilon), or --epsilons 1,2,4,8,inf to see from which "
@@ -123,7 +125,8 @@ def add_verdicts(report: dict, args, rows: list[dict], test, truth,
         report["warnings"] = warnings_out
     common = dict(dp_sgd=report["dp_sgd"], batch_size=report["batch_size"],
                   num_series=len(test), baselines=report["baselines"],
-                  tune_available=hasattr(args, "tune"))
+                  tune_available=(None if getattr(args, "tune", False)
+                                  else hasattr(args, "tune")))
     main = rows[0]
     report["verdict"] = dp_verdict(label=main["method"], crps=main["crps"], mase=main["mase"],
                                    epsilon=report["epsilon"],

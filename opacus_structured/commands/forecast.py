@@ -25,11 +25,13 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import sys
 import time
+from typing import Any, Optional
 
 from .. import _progress
 from ..cli import register_command
@@ -162,17 +164,58 @@ def _private_inputs_row(args, result, test, truth, rows, seed, log) -> dict:
     return record
 
 
-def run_forecast(args, *, print_fn=print) -> dict:
-    """Run the forecast job described by ``args`` and return the report dictionary.
+@dataclasses.dataclass
+class _Job:
+    """What the parts of :func:`run_forecast` share: the checked flags and data, the recipe,
+    the initial weights and the keywords of every training run."""
 
-    The flags and the data are checked first (:func:`~._forecast_check.check_forecast`; the
-    console has already done so before importing this module, and left the result on
-    ``args``)."""
-    # deferred so that the other commands work without the [forecast] extra
-    from ..forecasting.baselines import seasonal_naive_predictor  # optional: gluonts
-    from ..forecasting.metrics import evaluate_predictor  # optional: gluonts
-    from ..forecasting.training import train_forecaster  # optional: gluonts
+    args: Any
+    checked: Any
+    t_start: float
+    recipe: dict
+    recipe_given: dict
+    tail_average: float
+    init_from: str
+    init_state: Any
+    init_meta: Any
+    lr: float
+    common: dict
+    season_length: int
+    season_source: str
+    seed: Optional[int]
+    given_init: Optional[int]
+    init_seed: int
+    dp_sgd: bool
+    seeded_dp: bool
+    seeded_any: bool
+    budgets: Optional[list]
+    progress: bool
+    log: Any
 
+
+class _Rows:
+    """The table's rows, the forecasts to draw and the test truth (filled by :meth:`evaluate`)."""
+
+    def __init__(self, args, test_ds, season_length):
+        self.args, self.test_ds, self.season_length = args, test_ds, season_length
+        self.rows, self.forecasts, self.truth = [], {}, []
+
+    def evaluate(self, name, predictor, extra):
+        from ..forecasting.metrics import evaluate_predictor  # optional: gluonts
+
+        t0 = time.perf_counter()
+        metrics, fcs, series = evaluate_predictor(predictor, self.test_ds,
+                                                  num_samples=self.args.num_samples,
+                                                  season_length=self.season_length)
+        self.truth[:] = series
+        self.forecasts[name] = fcs
+        row = {"method": name, **metrics, **extra, "eval_seconds": time.perf_counter() - t0}
+        self.rows.append(row)
+        return row
+
+
+def _prepare_job(args) -> _Job:
+    """Check the flags and the data, fill the recipe's defaults and load the public weights."""
     t_start = time.perf_counter()
     checked = getattr(args, CHECKED_ATTRIBUTE, None)
     if checked is None:
@@ -187,9 +230,7 @@ def run_forecast(args, *, print_fn=print) -> dict:
     if budgets is not None:
         args.epsilon = budgets[0]
     recipe = model_defaults(args.model)  # the model's own recipe (model_defaults.py)
-    recipe_given = {}  # which recipe values the user set
-    for key in RECIPE_FLAGS:
-        recipe_given[key] = getattr(args, key, None) is not None
+    recipe_given = {key: getattr(args, key, None) is not None for key in RECIPE_FLAGS}
     if args.max_steps is None and getattr(args, "epochs", None) is None:
         args.max_steps = recipe["max_steps"]
     else:
@@ -200,8 +241,6 @@ def run_forecast(args, *, print_fn=print) -> dict:
     if tail_average is None:
         tail_average = recipe["tail_average"]
     init_from = getattr(args, "init_from", "none") or "none"
-    zero_shot_weight = getattr(args, "zero_shot_weight", None)
-    inference_epsilon = getattr(args, "inference_epsilon", None)
     season_length = getattr(args, "season_length", None)
     seed = getattr(args, "seed", None)
     given_init = getattr(args, "init_seed", None)
@@ -210,20 +249,14 @@ def run_forecast(args, *, print_fn=print) -> dict:
     # step 0); written to the report only when the user chose it (--init-seed or --seed)
     init_seed = given_init if given_init is not None else (seed if seed is not None
                                                            else fresh_seed())
-    seeded_dp = dp_sgd and seed is not None
-    # a seeded sweep with any finite budget releases NOT-private models: say so up front
-    seeded_any = seed is not None and (dp_sgd or any(math.isfinite(b) for b in budgets or ()))
-
-    data_path, data_name, data_report = checked.path, checked.name, checked.report
-    train, test = checked.train, checked.test
-    args.batch_size, batch_size_source = checked.batch_size, checked.batch_size_source
-    test_ds = test.to_gluonts()
+    train = checked.train
+    args.batch_size = checked.batch_size
     progress = _progress.enabled(args.no_progress)
     log = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
-    if args.json and data_report.excluded:  # the table's log line is silent under --json
-        listed = "; ".join(f"{i}: {r}" for i, r in data_report.excluded)
-        print(f"excluded {len(data_report.excluded)} of {data_report.num_input_series} series "
-              f"({listed})", file=sys.stderr)
+    if args.json and checked.report.excluded:  # the table's log line is silent under --json
+        listed = "; ".join(f"{i}: {r}" for i, r in checked.report.excluded)
+        print(f"excluded {len(checked.report.excluded)} of {checked.report.num_input_series} "
+              f"series ({listed})", file=sys.stderr)
     season_source = "given" if season_length is not None else "default for the frequency"
     if season_length is None:
         season_length = default_season_length(train.freq)
@@ -244,208 +277,309 @@ def run_forecast(args, *, print_fn=print) -> dict:
                   grad_sample_mode=getattr(args, "grad_sample_mode", "hooks"),
                   num_workers=getattr(args, "num_workers", 0),
                   top_level=getattr(args, "top_level", "wor"),
-                  dataset_size=_public_dataset_size(args, data_path, train),
-                  discretization=args.discretization, zero_shot_weight=zero_shot_weight,
+                  dataset_size=_public_dataset_size(args, checked.path, train),
+                  discretization=args.discretization,
+                  zero_shot_weight=getattr(args, "zero_shot_weight", None),
                   estimator_kwargs=({"season_length": season_length} if args.model == "dlinear"
                                     else None))
+    # a seeded sweep with any finite budget releases NOT-private models: say so up front
+    seeded_any = seed is not None and (dp_sgd or any(math.isfinite(b) for b in budgets or ()))
     if seeded_any:  # said up front, on stderr even with --json (stdout then holds the JSON)
         print(NOT_PRIVATE_SEEDED, file=sys.stderr)
-    log(f"data: {'US employment (BLS)' if data_path is None else data_name}, {len(train)} "
-        f"series (freq {train.freq}), shortest training series {train.min_length} steps, test = "
-        f"last {args.prediction_length} steps; {data_report.summary()}")
+    log(f"data: {'US employment (BLS)' if checked.path is None else checked.name}, "
+        f"{len(train)} series (freq {train.freq}), shortest training series "
+        f"{train.min_length} steps, test = last {args.prediction_length} steps; "
+        f"{checked.report.summary()}")
+    return _Job(args=args, checked=checked, t_start=t_start, recipe=recipe,
+                recipe_given=recipe_given, tail_average=tail_average, init_from=init_from,
+                init_state=init_state, init_meta=init_meta, lr=lr, common=common,
+                season_length=season_length, season_source=season_source, seed=seed,
+                given_init=given_init, init_seed=init_seed, dp_sgd=dp_sgd,
+                seeded_dp=dp_sgd and seed is not None, seeded_any=seeded_any,
+                budgets=budgets, progress=progress, log=log)
 
-    rows, forecasts, truth = [], {}, []
 
-    def evaluate(name, predictor, extra):
-        t0 = time.perf_counter()
-        metrics, fcs, series = evaluate_predictor(predictor, test_ds,
-                                                  num_samples=args.num_samples,
-                                                  season_length=season_length)
-        truth[:] = series
-        forecasts[name] = fcs
-        row = {"method": name, **metrics, **extra,
-               "eval_seconds": time.perf_counter() - t0}
-        rows.append(row)
-        return row
+def _train_at(job: _Job, budget):
+    from ..forecasting.training import train_forecaster  # optional: gluonts
 
-    def train_at(budget):
-        private_run = math.isfinite(budget) or args.noise_multiplier is not None
-        return train_forecaster(args.model, train,
-                                epsilon=budget if math.isfinite(budget) else None,
-                                delta=args.delta if private_run else None,
-                                noise_multiplier=args.noise_multiplier, log=log, **common)
+    args = job.args
+    private_run = math.isfinite(budget) or args.noise_multiplier is not None
+    return train_forecaster(args.model, job.checked.train,
+                            epsilon=budget if math.isfinite(budget) else None,
+                            delta=args.delta if private_run else None,
+                            noise_multiplier=args.noise_multiplier, log=job.log, **job.common)
 
-    def row_label(res, budget):
-        tag = (f", ε={budget:g}" if budgets is not None and math.isfinite(budget) else
-               ", ε=∞" if budgets is not None else "")
-        if res.private:
-            return f"{args.model} (DP{tag})"
-        if res.reproducible_noise:
-            return f"{args.model} (DP-SGD{tag}, seeded: NOT PRIVATE)"
-        return f"{args.model} (non-private{', DP path at ε=∞' if budgets else ''})"
 
-    sweep_bar = None
-    if budgets is not None and progress:
-        from tqdm.auto import tqdm
+def _row_label(job: _Job, res, budget, tuned=False) -> str:
+    args, budgets = job.args, job.budgets
+    tag = (f", ε={budget:g}" if budgets is not None and math.isfinite(budget) else
+           ", ε=∞" if budgets is not None else "")
+    if tuned:
+        return (f"{args.model} (DP, tuned{'' if res.private else ', seeded: NOT PRIVATE'})")
+    if res.private:
+        return f"{args.model} (DP{tag})"
+    if res.reproducible_noise:
+        return f"{args.model} (DP-SGD{tag}, seeded: NOT PRIVATE)"
+    return f"{args.model} (non-private{', DP path at ε=∞' if budgets else ''})"
 
-        sweep_bar = tqdm(total=len(budgets), desc="ε sweep", position=0, leave=True)
-    result = train_at(args.epsilon)
-    if result.dp_sgd != dp_sgd or result.reproducible_noise != seeded_dp:
+
+def _tune(job: _Job):
+    """``--tune``: the private selection of :mod:`~opacus_structured.forecasting.private_tuning`
+    over the recipe's neighbourhood, within ``--epsilon``."""
+    from ..forecasting.private_tuning import tune_forecaster  # optional: gluonts
+
+    args = job.args
+    job.log(f"--tune: private selection of the learning rate, the steps and the zero-shot "
+            f"weight within epsilon={args.epsilon:g} at delta={args.delta:g}")
+    return tune_forecaster(args.model, job.checked.train, epsilon=args.epsilon,
+                           delta=args.delta, season_length=job.season_length,
+                           mean_trials=args.tune_trials, eta=args.tune_eta,
+                           num_samples=args.num_samples, log=job.log,
+                           search_progress=False if args.no_progress else None, **job.common)
+
+
+def _main_release(job: _Job, table: _Rows) -> dict:
+    """Train (or tune) the released model and add its rows; returns what the report needs."""
+    args = job.args
+    tuned = _tune(job) if getattr(args, "tune", False) else None
+    result = tuned.result if tuned is not None else _train_at(job, args.epsilon)
+    if result.dp_sgd != job.dp_sgd or result.reproducible_noise != job.seeded_dp:
         raise RuntimeError("the trainer's privacy mode differs from the command's")
-    warnings_out = []
+    out = {"result": result, "tuned": tuned, "warnings": [], "alone_label": None,
+           "sweep": None, "inference": None, "zero_shot_mixture": result.zero_shot_mixture}
+    train = job.checked.train
     window = result.prepared.past_length + args.prediction_length
     if window >= train.min_length:
-        warnings_out.append(
+        out["warnings"].append(
             f"the model window (input {result.prepared.past_length} incl. lags + forecast "
             f"{args.prediction_length} = {window} steps) is not shorter than the shortest "
             f"training series ({train.min_length} steps): every step reads every time step of "
             "a sampled series (no amplification from window subsampling) and most windows are "
             "padded; lower --context-length or --prediction-length")
-        print("warning: " + warnings_out[-1], file=sys.stderr)
+        print("warning: " + out["warnings"][-1], file=sys.stderr)
     elif result.scheme is not None and result.scheme.padding()["note"] is not None:
         # shorter than the series, but still as long as the T window starts: r = 1
-        warnings_out.append(result.scheme.padding()["note"])
-        print("warning: " + warnings_out[-1], file=sys.stderr)
-    main_row = evaluate(row_label(result, args.epsilon), result.create_predictor(), {
+        out["warnings"].append(result.scheme.padding()["note"])
+        print("warning: " + out["warnings"][-1], file=sys.stderr)
+    if tuned is not None:
+        out["main_row"] = table.evaluate(_row_label(job, result, args.epsilon, tuned=True),
+                                         tuned.create_predictor(), {
+            "epsilon": tuned.epsilon, "noise_multiplier": result.noise_multiplier,
+            "steps": result.steps, "seconds": tuned.seconds})
+        return out
+    out["main_row"] = table.evaluate(_row_label(job, result, args.epsilon),
+                                     result.create_predictor(), {
         "epsilon": result.epsilon, "noise_multiplier": result.noise_multiplier,
         "steps": result.steps, "seconds": result.train_seconds})
-    zero_shot_mixture, alone_label = result.zero_shot_mixture, None
     if result.zero_shot_weight > 0:  # the fine-tuned network alone, for comparison
-        alone_label = row_label(result, args.epsilon).replace(")", ", weights alone)", 1)
-        alone = evaluate(alone_label,
-                         result.create_predictor(zero_shot_weight=0.0),
-                         {"epsilon": result.epsilon, "zero_shot_weight": 0.0})
-        zero_shot_mixture["model_alone"] = {k: alone[k] for k in ("crps", "mase")}
-        log(f"forecast: {1 - result.zero_shot_weight:g} × the fine-tuned model + "
-            f"{result.zero_shot_weight:g} × the public zero-shot model (post-processing, no "
-            "privacy cost; --zero-shot-weight 0 for the fine-tuned model alone)")
-    inference = None
-    if inference_epsilon is not None:
-        inference = _private_inputs_row(args, result, test, truth, rows, seed, log)
-    sweep = None
-    if budgets is not None:
-        sweep = [_sweep_entry(args.epsilon, result, main_row)]
-        if sweep_bar is not None:
-            sweep_bar.update(1)
-        for budget in budgets[1:]:
-            res = train_at(budget)
-            row = evaluate(row_label(res, budget), res.create_predictor(), {
-                "epsilon": res.epsilon, "noise_multiplier": res.noise_multiplier,
-                "steps": res.steps, "seconds": res.train_seconds})
-            sweep.append(_sweep_entry(budget, res, row))
-            if sweep_bar is not None:
-                sweep_bar.update(1)
-        if sweep_bar is not None:
-            sweep_bar.close()
+        out["alone_label"] = _row_label(job, result, args.epsilon).replace(
+            ")", ", weights alone)", 1)
+        alone = table.evaluate(out["alone_label"], result.create_predictor(zero_shot_weight=0.0),
+                               {"epsilon": result.epsilon, "zero_shot_weight": 0.0})
+        out["zero_shot_mixture"]["model_alone"] = {k: alone[k] for k in ("crps", "mase")}
+        job.log(f"forecast: {1 - result.zero_shot_weight:g} × the fine-tuned model + "
+                f"{result.zero_shot_weight:g} × the public zero-shot model (post-processing, no "
+                "privacy cost; --zero-shot-weight 0 for the fine-tuned model alone)")
+    if getattr(args, "inference_epsilon", None) is not None:
+        out["inference"] = _private_inputs_row(args, result, job.checked.test, table.truth,
+                                               table.rows, job.seed, job.log)
+    if job.budgets is not None:
+        out["sweep"] = _sweep(job, table, result, out["main_row"])
+    return out
 
-    baselines = {}
-    if not args.no_baselines:
-        if dp_sgd or budgets is not None:
-            np_result = train_forecaster(args.model, train, epsilon=None, delta=None, **common)
-            row = evaluate(f"{args.model} (non-private)", np_result.create_predictor(), {
-                "epsilon": math.inf, "steps": np_result.steps,
-                "seconds": np_result.train_seconds})
-            baselines["non_private"] = {k: row[k] for k in ("crps", "mase", "steps", "seconds")}
-            baselines["non_private"]["step_seconds"] = np_result.step_seconds
-        if init_state is not None:  # reads no private data: costs no privacy
-            from ..forecasting.pretraining import zero_shot_predictor  # optional: gluonts
 
-            row = evaluate("pretrained (public, zero-shot)", zero_shot_predictor(
-                args.model, init_state, freq=train.freq,
-                prediction_length=args.prediction_length,
-                context_length=args.context_length), {"epsilon": 0.0, "steps": 0})
-            baselines["zero_shot"] = {k: row[k] for k in ("crps", "mase")}
-        t0 = time.perf_counter()
-        row = evaluate("seasonal naive", seasonal_naive_predictor(
-            args.prediction_length, train.freq, season_length=season_length), {})
-        row["seconds"] = time.perf_counter() - t0
-        baselines["seasonal_naive"] = {k: row[k] for k in ("crps", "mase")}
-        if not getattr(args, "no_ets", False):
-            ets = _ets_reference_row(train, truth, args.prediction_length, season_length, rows,
-                                     forecasts)
-            if ets is not None:
-                baselines["ets"] = ets
+def _sweep(job: _Job, table: _Rows, result, main_row) -> list:
+    """``--epsilons``: one more training per budget after the first."""
+    sweep = [_sweep_entry(job.args.epsilon, result, main_row)]
+    bar = None
+    if job.progress:
+        from tqdm.auto import tqdm
 
+        bar = tqdm(total=len(job.budgets), desc="ε sweep", position=0, leave=True, initial=1)
+    for budget in job.budgets[1:]:
+        res = _train_at(job, budget)
+        row = table.evaluate(_row_label(job, res, budget), res.create_predictor(), {
+            "epsilon": res.epsilon, "noise_multiplier": res.noise_multiplier,
+            "steps": res.steps, "seconds": res.train_seconds})
+        sweep.append(_sweep_entry(budget, res, row))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return sweep
+
+
+def _baselines(job: _Job, table: _Rows) -> dict:
+    """The non-private run, the zero-shot model, seasonal naive and ETS (unless skipped)."""
+    from ..forecasting.baselines import seasonal_naive_predictor  # optional: gluonts
+    from ..forecasting.training import train_forecaster  # optional: gluonts
+
+    args, train, baselines = job.args, job.checked.train, {}
+    if args.no_baselines:
+        return baselines
+    if job.dp_sgd or job.budgets is not None:
+        np_result = train_forecaster(args.model, train, epsilon=None, delta=None, **job.common)
+        row = table.evaluate(f"{args.model} (non-private)", np_result.create_predictor(), {
+            "epsilon": math.inf, "steps": np_result.steps, "seconds": np_result.train_seconds})
+        baselines["non_private"] = {k: row[k] for k in ("crps", "mase", "steps", "seconds")}
+        baselines["non_private"]["step_seconds"] = np_result.step_seconds
+    if job.init_state is not None:  # reads no private data: costs no privacy
+        from ..forecasting.pretraining import zero_shot_predictor  # optional: gluonts
+
+        row = table.evaluate("pretrained (public, zero-shot)", zero_shot_predictor(
+            args.model, job.init_state, freq=train.freq,
+            prediction_length=args.prediction_length,
+            context_length=args.context_length), {"epsilon": 0.0, "steps": 0})
+        baselines["zero_shot"] = {k: row[k] for k in ("crps", "mase")}
+    t0 = time.perf_counter()
+    row = table.evaluate("seasonal naive", seasonal_naive_predictor(
+        args.prediction_length, train.freq, season_length=job.season_length), {})
+    row["seconds"] = time.perf_counter() - t0
+    baselines["seasonal_naive"] = {k: row[k] for k in ("crps", "mase")}
+    if not getattr(args, "no_ets", False):
+        ets = _ets_reference_row(train, table.truth, args.prediction_length, job.season_length,
+                                 table.rows, table.forecasts)
+        if ets is not None:
+            baselines["ets"] = ets
+    return baselines
+
+
+def _report(job: _Job, release: dict, baselines: dict, table: _Rows) -> dict:
+    """``report.json`` (without the table, the plot paths and the verdicts)."""
     from ..forecasting.baseline_skip import describe_skip  # optional: gluonts
 
+    args, result, tuned = job.args, release["result"], release["tuned"]
+    main_row = release["main_row"]
     report = {
         "model": args.model, "private": result.private, "dp_sgd": result.dp_sgd,
         "reproducible_noise": result.reproducible_noise,
-        "not_private_reason": (SEEDED_REASON if seeded_dp else result.not_private_reason),
-        "epsilon": result.epsilon, "delta": args.delta if dp_sgd else None,
+        "not_private_reason": (SEEDED_REASON if job.seeded_dp else result.not_private_reason),
+        # a tuned release reports the whole search's epsilon, never the winner's own
+        "epsilon": tuned.epsilon if tuned is not None else result.epsilon,
+        "delta": args.delta if job.dp_sgd else None,
         "target_epsilon": args.epsilon, "bound": result.bound,
         "noise_multiplier": result.noise_multiplier, "max_grad_norm": result.max_grad_norm,
         "steps": result.steps, "batch_size": args.batch_size,
-        "batch_size_source": batch_size_source, "season_length": season_length,
-        "season_length_source": season_source,
+        "batch_size_source": job.checked.batch_size_source,
+        "season_length": job.season_length, "season_length_source": job.season_source,
         "crps": main_row["crps"], "mase": main_row["mase"],
         "train_seconds": result.train_seconds, "step_seconds": result.step_seconds,
         "calibration_seconds": result.calibration_seconds,
         "context_length_with_lags": result.prepared.past_length,
         "prediction_length": args.prediction_length,
         "baseline_skip": describe_skip(result.prepared.module.model),
-        "zero_shot_mixture": zero_shot_mixture,
+        "zero_shot_mixture": release["zero_shot_mixture"],
         "scheme": None if result.scheme is None else result.scheme.describe(),
         "sampling_constants": result.sampling_constants,
-        "dataset": checked.dataset_record(),
-        "init_from": init_from, "pretrained": init_meta, "lr": lr,
-        "tail_average": tail_average,
-        "recipe": {"source": recipe["source"], "model": args.model,
-                   "from_model_defaults": sorted(k for k, v in recipe_given.items() if not v),
-                   "given": sorted(k for k, v in recipe_given.items() if v)},
+        "dataset": job.checked.dataset_record(),
+        "init_from": job.init_from, "pretrained": job.init_meta, "lr": job.lr,
+        "tail_average": job.tail_average,
+        "recipe": {"source": job.recipe["source"], "model": args.model,
+                   "from_model_defaults": sorted(k for k, v in job.recipe_given.items()
+                                                 if not v),
+                   "given": sorted(k for k, v in job.recipe_given.items() if v)},
         "baselines": baselines, "device": args.device,
         "grad_sample_mode": getattr(args, "grad_sample_mode", "hooks"),
-        "total_seconds": time.perf_counter() - t_start, "rows": rows,
+        "total_seconds": time.perf_counter() - job.t_start, "rows": table.rows,
     }
+    if tuned is not None:
+        report["tuning"] = tuned.describe()
+        report["bound"] = "upper"  # Papernot & Steinke's RDP bound of the search
+        report["lr"] = tuned.candidate.lr
+        report["zero_shot_mixture"] = {**release["zero_shot_mixture"],
+                                       "weight": tuned.candidate.zero_shot_weight}
     # Seeds only when the user chose them: the privacy coins of a default run are OS entropy
     # that is written nowhere, and its (public) init seed is left out too.
-    if seed is not None:
-        report["seed"] = seed
-    if seeded_dp:
+    if job.seed is not None:
+        report["seed"] = job.seed
+    if job.seeded_dp:
         report["notice"] = NOT_PRIVATE_SEEDED
-    if warnings_out:
-        report["warnings"] = warnings_out
-    if sweep is not None:
-        report["sweep"] = sweep
+    if release["warnings"]:
+        report["warnings"] = release["warnings"]
+    if release["sweep"] is not None:
+        report["sweep"] = release["sweep"]
+    return report
+
+
+def run_forecast(args, *, print_fn=print) -> dict:
+    """Run the forecast job described by ``args`` and return the report dictionary.
+
+    The flags and the data are checked first (:func:`~._forecast_check.check_forecast`; the
+    console has already done so before importing this module, and left the result on
+    ``args``)."""
+    job = _prepare_job(args)
+    table = _Rows(args, job.checked.test.to_gluonts(), job.season_length)
+    release = _main_release(job, table)
+    result = release["result"]
+    baselines = _baselines(job, table)
+    report = _report(job, release, baselines, table)
     # the verdict lines; series without a MASE scale named (report["mase_excluded"]), warned
-    verdict_lines = add_verdicts(report, args, rows, test, truth, warnings_out)
-    if inference is not None:
-        report["inference_privacy"] = inference
-    if seed is not None or given_init is not None:
-        report["init_seed"] = init_seed
-    if result.init_provenance is not None:
+    verdict_lines = add_verdicts(report, args, table.rows, job.checked.test, table.truth,
+                                 release["warnings"])
+    if release["inference"] is not None:
+        report["inference_privacy"] = release["inference"]
+    if job.seed is not None or job.given_init is not None:
+        report["init_seed"] = job.init_seed
+    if result.init_provenance is not None and release["tuned"] is None:
         report.update(run_epsilon=result.run_epsilon, init=result.init_provenance.source,
                       prior_runs=result.prior_runs,
                       epsilon_composes_prior_runs=bool(result.init_provenance.composed))
-    report["privacy_record"] = result.privacy_record
+    if release["tuned"] is None:  # a search's record is its report["tuning"]
+        report["privacy_record"] = result.privacy_record
     save_path = getattr(args, "save_weights", None)
     if save_path:
         result.save_weights(save_path)
         report["weights"] = save_path
     if args.output:
-        os.makedirs(args.output, exist_ok=True)
-        with open(os.path.join(args.output, "report.json"), "w") as fh:
-            json.dump(_finite(report), fh, indent=2, sort_keys=True)
-        if not args.no_plot:
-            try:
-                import matplotlib  # noqa: F401
-            except ImportError:
-                log("matplotlib not installed: no plot written")
-            else:
-                picks = sorted(set([0, len(test) // 3, (2 * len(test)) // 3, len(test) - 1]))
-                # the released forecast (not its unmixed half, nor the sweep's other budgets)
-                hidden = {alone_label, *(e["method"] for e in (sweep or [])[1:])}
-                shown = {k: v for k, v in forecasts.items() if k not in hidden}
-                _plot(os.path.join(args.output, "forecasts.png"), test, shown, picks,
-                      args.prediction_length, banner=NOT_PRIVATE_SEEDED if seeded_dp else None,
-                      privacy=_plot_privacy(report))
-                report["plot"] = os.path.join(args.output, "forecasts.png")
-                if sweep is not None:
-                    report["sweep_plot"] = os.path.join(args.output, "sweep.png")
-                    _plot_sweep(report["sweep_plot"], sweep, baselines, args.model,
-                                banner=NOT_PRIVATE_SEEDED if seeded_any else None)
-    report["table"] = _table(rows) + "\n\n" + verdict_lines
+        _write_outputs(job, report, release, table)
+    report["table"] = _table(table.rows) + "\n\n" + verdict_lines
+    if release["tuned"] is not None:
+        report["table"] += "\n\n" + _tuning_lines(report["tuning"])
     return report
+
+
+def _write_outputs(job: _Job, report: dict, release: dict, table: _Rows) -> None:
+    """``report.json`` and the plots in ``--output``."""
+    args, test, sweep = job.args, job.checked.test, release["sweep"]
+    os.makedirs(args.output, exist_ok=True)
+    with open(os.path.join(args.output, "report.json"), "w") as fh:
+        json.dump(_finite(report), fh, indent=2, sort_keys=True)
+    if args.no_plot:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        job.log("matplotlib not installed: no plot written")
+        return
+    picks = sorted(set([0, len(test) // 3, (2 * len(test)) // 3, len(test) - 1]))
+    # the released forecast (not its unmixed half, nor the sweep's other budgets)
+    hidden = {release["alone_label"], *(e["method"] for e in (sweep or [])[1:])}
+    shown = {k: v for k, v in table.forecasts.items() if k not in hidden}
+    _plot(os.path.join(args.output, "forecasts.png"), test, shown, picks,
+          args.prediction_length, banner=NOT_PRIVATE_SEEDED if job.seeded_dp else None,
+          privacy=_plot_privacy(report))
+    report["plot"] = os.path.join(args.output, "forecasts.png")
+    if sweep is not None:
+        report["sweep_plot"] = os.path.join(args.output, "sweep.png")
+        _plot_sweep(report["sweep_plot"], sweep, report["baselines"], args.model,
+                    banner=NOT_PRIVATE_SEEDED if job.seeded_any else None)
+
+
+def _tuning_lines(tuning: dict) -> str:
+    """The printed summary of ``--tune`` (``report["tuning"]``)."""
+    chosen = tuning["chosen"]
+    w = chosen["zero_shot_weight"]
+    model = ("the public zero-shot model (W = 1)" if w >= 1 else
+             f"lr {chosen['lr']:.3g}, {chosen['max_steps']} steps, W = {w:g}")
+    return (f"tuning: {len(tuning['candidates'])} candidates (lr × steps × W), private "
+            f"selection ({tuning['law']}, mean {tuning['mean_trials']:g} trials); chosen: "
+            f"{model}, private score {tuning['private_score']:.4g}\n"
+            f"  epsilon {tuning['epsilon']:.4g} for the whole search; one trial alone "
+            f"{tuning['trial_epsilon']:.4g}: the selection's share is "
+            f"{100 * tuning['selection_share']:.0f} %; sigma {tuning['noise_multiplier']:.4g}, "
+            f"score noise {tuning['score_noise_multiplier']:.4g}\n"
+            f"  trials drawn: {tuning['trials_drawn']} (operator only: publishing it voids the "
+            f"selection's guarantee)")
 
 
 def _finite(obj):
@@ -474,11 +608,14 @@ def run(args) -> int:
         if report["dp_sgd"]:
             if report["reproducible_noise"]:
                 print(f"\n{NOT_PRIVATE_SEEDED}")
+            how = ("private selection of structured-subsampling trials, Papernot & Steinke "
+                   "ICLR 2022 over Thm 4.4 of Schuchardt et al. ICML 2025; the whole search"
+                   if "tuning" in report else
+                   "structured subsampling, Thm 4.4 of Schuchardt et al. ICML 2025")
             print(f"\n{'privacy' if report['private'] else 'mechanism (NOT this model)'}: "
                   f"epsilon = {eps:.4g} at delta = {report['delta']:g} "
-                  f"({report['bound']} bound, structured subsampling, Thm 4.4 of Schuchardt "
-                  f"et al. ICML 2025), sigma = {report['noise_multiplier']:.4g}, "
-                  f"{report['steps']} steps")
+                  f"({report['bound']} bound, {how}), sigma = "
+                  f"{report['noise_multiplier']:.4g}, {report['steps']} steps")
             if report.get("epsilon_composes_prior_runs"):
                 n = sum(1 for r in report["prior_runs"] if r["composed"])
                 print(f"  composed with {n} earlier run(s) on this data that the initial "

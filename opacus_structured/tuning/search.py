@@ -124,6 +124,10 @@ class SelectionResult:
     eta: Optional[float]
     trials_run: int
     candidate_index: Optional[int]
+    #: what the winning trial returned as its third element (e.g. the trained model), kept in
+    #: memory only: ``None`` when ``train_and_score`` returns pairs, or when the winner ran
+    #: before a checkpoint was resumed
+    output: Any = None
 
     @property
     def law(self) -> str:
@@ -145,7 +149,9 @@ class PrivateSelection:
         train_and_score: ``config -> (score, trial)``: one DP training run and its *private*
             score (e.g. :func:`~opacus_structured.tuning.private_score`), and the trial's cost
             (a ``DpEvent``, our accountant, or a :class:`~opacus_structured.tuning.TrialCost`)
-            including the score's release.
+            including the score's release. It may return ``(score, trial, output)``: the
+            winner's ``output`` (e.g. its trained model) comes back as
+            :attr:`SelectionResult.output` (only the best so far is kept, in memory).
         mean_trials: :math:`\mathbb E[K] \ge 1`.
         eta: shape of the truncated negative binomial (> -1; 0 logarithmic, 1 geometric), or
             ``None`` for the Poisson law.
@@ -190,6 +196,7 @@ class PrivateSelection:
         self._progress = progress
         self._k: Optional[int] = None
         self._results: list[tuple[int, Any, float]] = []
+        self._output: Optional[tuple[int, Any]] = None  # (position, output) of the best
         self.checkpoint = None if checkpoint is None else os.fspath(checkpoint)
         if self.checkpoint is not None and os.path.exists(self.checkpoint):
             with open(self.checkpoint, "rb") as f:
@@ -277,21 +284,32 @@ class PrivateSelection:
     def _run_one(self) -> None:
         index, config = self._draw_candidate()
         out = self.train_and_score(config)
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise ValueError("train_and_score must return (score, trial)")
-        score, trial = out
+        if not (isinstance(out, tuple) and len(out) in (2, 3)):
+            raise ValueError("train_and_score must return (score, trial) or "
+                             "(score, trial, output)")
+        score, trial = out[:2]
         score = float(score)
         if not math.isfinite(score):
             raise ValueError(f"train_and_score returned a non-finite score {score!r}")
         self._check_trial(trial)
+        best = self._best()
         self._results.append((index, config, score))
+        if len(out) == 3 and (best is None or self._key((index, config, score)) <
+                              self._key(best)):
+            self._output = (len(self._results) - 1, out[2])
         self._save()
 
-    def _best(self) -> Optional[tuple[int, Any, float]]:
+    def _key(self, result: tuple[int, Any, float]) -> tuple[float, int]:
+        return ((-1.0 if self.maximize else 1.0) * result[2], result[0])
+
+    def _best_position(self) -> Optional[int]:
         if not self._results:
             return None
-        sign = -1.0 if self.maximize else 1.0
-        return min(self._results, key=lambda r: (sign * r[2], r[0]))
+        return min(range(len(self._results)), key=lambda i: self._key(self._results[i]))
+
+    def _best(self) -> Optional[tuple[int, Any, float]]:
+        pos = self._best_position()
+        return None if pos is None else self._results[pos]
 
     def run(self) -> SelectionResult:
         """Run the remaining trials (resuming a checkpoint) and return the winner."""
@@ -310,6 +328,9 @@ class PrivateSelection:
                           file=sys.stderr, flush=True)
                     last = time.monotonic()
         best = self._best()
+        position = self._best_position()
+        output = (self._output[1] if self._output is not None
+                  and self._output[0] == position else None)
         epsilon = self._epsilon
         if epsilon is None:  # K = 0 under Poisson needs expected_trial, checked at init
             raise RuntimeError("no trial ran and no expected_trial prices the search")
@@ -317,7 +338,7 @@ class PrivateSelection:
             config=None if best is None else best[1], score=None if best is None else best[2],
             epsilon=float(epsilon), delta=self.delta, mean_trials=self.mean_trials,
             eta=self.eta, trials_run=self.trials_done,
-            candidate_index=None if best is None or best[0] < 0 else best[0])
+            candidate_index=None if best is None or best[0] < 0 else best[0], output=output)
 
     def _progress_note(self) -> str:
         eps = "?" if self._epsilon is None else f"{self._epsilon:.3g}"

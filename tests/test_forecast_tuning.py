@@ -1,0 +1,184 @@
+"""``forecast --tune`` (issue 40): the flags, the private score, the price of the search and
+the winner that comes back (opacus_structured/forecasting/private_tuning.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+pytest.importorskip("gluonts")
+
+from opacus_structured.commands._forecast_args import add_arguments  # noqa: E402
+from opacus_structured.commands._forecast_check import check_arguments  # noqa: E402
+from opacus_structured.forecasting import private_tuning as pt  # noqa: E402
+from opacus_structured.forecasting.data import Panel  # noqa: E402
+
+
+def _args(*argv):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--epsilons", "1,2"], "--epsilons"),
+    (["--noise-multiplier", "3"], "--noise-multiplier"),
+    (["--zero-shot-weight", "0.2"], "--zero-shot-weight"),
+    (["--epochs", "2"], "--epochs"),
+    (["--save-weights", "w.pt"], "--save-weights"),
+    (["--epsilon", "inf"], "finite --epsilon"),
+    (["--tune-trials", "0.5"], "--tune-trials"),
+    (["--tune-eta", "-1"], "--tune-eta"),
+    (["--init-from", "weights.pt", "--init-public"], "--init-from public or none"),
+])
+def test_tune_refuses_what_it_chooses_itself_naming_the_flag(extra, flag, tmp_path):
+    if "--init-from" in extra:
+        (tmp_path / "weights.pt").write_bytes(b"x")
+        extra = ["--init-from", str(tmp_path / "weights.pt"), "--init-public"]
+    if "--save-weights" in extra:
+        extra = ["--save-weights", str(tmp_path / "w.pt")]
+    with pytest.raises(ValueError, match=flag.replace("-", r"\-").replace(".", r"\.")):
+        check_arguments(_args("--tune", "--output", str(tmp_path / "o"), *extra))
+    check_arguments(_args("--tune", "--output", str(tmp_path / "o")))  # the defaults pass
+
+
+def _sample_forecast(values, start):
+    from gluonts.model.forecast import SampleForecast
+
+    samples = np.tile(np.asarray(values, dtype=np.float32), (50, 1))
+    return SampleForecast(samples=samples, start_date=start)
+
+
+def test_validation_loss_of_a_point_forecast_is_its_mase_clipped():
+    """A forecast whose 50 samples are equal has every quantile at that value; then
+    (2/9) Σ_τ ρ_τ(y - v) = |y - v| for every y, so the loss is the point forecast's MAE over
+    the in-sample seasonal-naive MAE (MASE), computed here by hand."""
+    rng = np.random.default_rng(0)
+    h, m = 4, 3
+    full_targets = [np.round(rng.normal(10, 2, 30), 3), np.full(30, 7.0), rng.normal(0, 1, 30)]
+    full = Panel(tuple(full_targets), (pd.Period("2000-01", "M"),) * 3, ("a", "b", "c"), "M")
+    fit = Panel(tuple(t[:-h] for t in full_targets), full.starts, full.item_ids, "M")
+    preds = [full_targets[0][-h:] + np.array([0.5, -1.0, 2.0, 0.0]),
+             np.full(h, 7.0), full_targets[2][-h:] + 100.0]
+    forecasts = [_sample_forecast(p, pd.Period("2002-03", "M")) for p in preds]
+    losses = pt.validation_losses(forecasts, fit, full, h, m, clip=1.0)
+    past = full_targets[0][:-h]
+    mase0 = np.mean(np.abs(preds[0] - full_targets[0][-h:])) / np.mean(np.abs(past[m:]
+                                                                               - past[:-m]))
+    assert losses[0] == pytest.approx(min(mase0, 1.0), rel=1e-5)
+    assert losses[1] == 0.0  # a constant series forecast exactly: no scale, no error
+    assert losses[2] == 1.0  # 100 off: clipped at C
+    assert pt.validation_losses(forecasts, fit, full, h, m, clip=50.0)[0] == \
+        pytest.approx(mase0, rel=1e-5)
+
+
+def test_the_grid_holds_w_one_once_and_halves_the_steps():
+    grid = pt.default_candidates(lr=1e-4, max_steps=100, zero_shot=True)
+    assert len(grid) == 3 * 2 * 3 + 1
+    assert [c for c in grid if c.zero_shot_weight == 1.0] == [pt.TuneCandidate(1e-4, 100, 1.0)]
+    assert {c.max_steps for c in grid} == {50, 100}
+    assert {round(c.lr / 1e-4, 6) for c in grid} == {round(1 / 3, 6), 1.0, 3.0}
+    assert {c.zero_shot_weight for c in pt.default_candidates(lr=1e-4, max_steps=1,
+                                                              zero_shot=False)} == {0.0}
+
+
+def _scheme():
+    from opacus_structured.schemes.structured import StructuredScheme
+
+    return StructuredScheme(num_series=40, series_length=60, context_length=12,
+                            forecast_length=4, batch_size=16, top_level="wor")
+
+
+def test_plan_prices_the_whole_search_within_the_target_and_above_one_trial():
+    from opacus_structured.tuning import selection_epsilon
+
+    scheme, d = _scheme(), 1e-3
+    plan = pt.plan_tuning(scheme, epsilon=2.0, delta=1e-6, max_steps=20, mean_trials=3, eta=1,
+                          discretization=d)
+    law = dict(mean_trials=3, eta=1, delta=1e-6, discretization=d)
+    again = selection_epsilon(pt.planned_trial(scheme, plan.sigma, 20, plan.score_sigma, d),
+                              **law)
+    assert again == pytest.approx(plan.epsilon, rel=1e-12) and plan.epsilon <= 2.0
+    # calibrated to its 1 % tolerance: 2 % less noise is over the target
+    assert selection_epsilon(pt.planned_trial(scheme, plan.sigma * 0.98, 20, plan.score_sigma,
+                                              d), **law) > 2.0
+    # one trial alone costs less than the search, and more than its training alone
+    assert plan.trial_epsilon < plan.epsilon
+    assert plan.trial_epsilon > scheme.epsilon(plan.sigma, 20, 1e-6, discretization=d)
+    assert 0 < plan.selection_share < 1
+    # the score alone, selected the same way, costs the planned share of the target
+    from dp_accounting import dp_event
+
+    score_only = selection_epsilon(dp_event.GaussianDpEvent(plan.score_sigma), mean_trials=3,
+                                   eta=1, delta=1e-6)
+    assert score_only <= 2.0 * pt.SCORE_SHARE
+    assert score_only > 0.9 * 2.0 * pt.SCORE_SHARE
+
+
+def test_selection_returns_the_winners_output_and_none_after_a_resume(tmp_path):
+    from dp_accounting import dp_event
+
+    from opacus_structured.tuning import PrivateSelection
+
+    event = dp_event.GaussianDpEvent(10.0)
+    scores = {"a": 3.0, "b": 1.0, "c": 2.0}
+
+    def train_and_score(config):
+        return scores[config], event, f"model-{config}"
+
+    search = PrivateSelection(["a", "b", "c"], train_and_score, mean_trials=6, eta=1,
+                              delta=1e-5, rng=np.random.default_rng(3))
+    result = search.run()
+    assert result.output == f"model-{result.config}"
+    assert result.score == min(scores[c] for _, c, _ in search._results)
+    # a resumed search keeps K; a winner that ran before the resume has no output in memory
+    path = tmp_path / "ckpt.pkl"
+    first = PrivateSelection(["a", "b", "c"], train_and_score, mean_trials=6, eta=1,
+                             delta=1e-5, rng=np.random.default_rng(3), checkpoint=path)
+    first.run()
+    resumed = PrivateSelection(["a", "b", "c"], train_and_score, mean_trials=6, eta=1,
+                               delta=1e-5, checkpoint=path)
+    again = resumed.run()
+    assert again.config == result.config and again.output is None
+
+
+def _panel_csv(tmp_path, n=8, length=60):
+    rng = np.random.default_rng(1)
+    dates = pd.period_range("2015-01", periods=length, freq="M").to_timestamp()
+    frames = [pd.DataFrame({"item_id": f"s{k}", "timestamp": dates.strftime("%Y-%m-%d"),
+                            "target": 50 + 5 * k + 4 * np.sin(2 * np.pi * np.arange(length) / 12)
+                            + rng.normal(0, 0.3, length)}) for k in range(n)]
+    path = tmp_path / "panel.csv"
+    pd.concat(frames).to_csv(path, index=False)
+    return path
+
+
+@pytest.mark.slow  # trains K small DP runs and the baselines (~20-60 s)
+def test_the_command_tunes_within_the_budget_and_reports_the_search(tmp_path, capsys):
+    from opacus_structured.cli import main
+
+    out = tmp_path / "out"
+    argv = ["forecast", "--tune", "--tune-trials", "2", "--data", str(_panel_csv(tmp_path)),
+            "--freq", "M", "--epsilon", "2", "--delta", "1e-5", "--dataset-size", "8",
+            "--max-steps", "4", "--num-samples", "10", "--no-ets", "--no-plot",
+            "--no-progress", "--output", str(out), "--discretization", "1e-3"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "dlinear (DP, tuned)" in text and "tuning: 19 candidates" in text
+    assert "trials drawn:" in text and "operator only" in text
+    assert "private selection of structured-subsampling trials" in text
+    rep = json.loads((out / "report.json").read_text())
+    tuning = rep["tuning"]
+    assert rep["epsilon"] == tuning["epsilon"] <= 2.0
+    assert rep["rows"][0]["epsilon"] == tuning["epsilon"]
+    assert tuning["trial_epsilon"] < tuning["epsilon"]
+    assert tuning["chosen"] in tuning["candidates"] and tuning["trials_drawn"] >= 1
+    assert rep["noise_multiplier"] == pytest.approx(tuning["noise_multiplier"])
+    assert rep["steps"] == tuning["chosen"]["max_steps"] <= tuning["max_steps"] == 4
+    assert "privacy_record" not in rep and math.isfinite(rep["crps"])
+    assert "rerun with --tune" not in json.dumps(rep["verdict"])

@@ -54,9 +54,20 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
+from dp_accounting import dp_event
+from dp_accounting.pld import privacy_loss_distribution as pld_mod
 
 from .._validation import check_int, check_open_unit, check_positive
+from ..accountants.structured import StructuredSubsamplingAccountant
+from ..accounting import pld as pld_lib
+from ..accounting.calibration import calibrate_noise_multiplier
+from ..tuning import PrivateSelection, TrialCost, calibrate_selection, selection_epsilon
 from .data import Panel, train_test_split
+from .estimators import prepare_estimator
+from .fast_metrics import _forecast_arrays, _sample_forecast_class
+from .pretraining import zero_shot_predictor
+from .training import train_forecaster
+from .training_scheme import make_scheme
 
 __all__ = ["SCORE_CLIP", "SCORE_SHARE", "DEFAULT_MEAN_TRIALS", "DEFAULT_ETA", "TuneCandidate",
            "TunePlan", "TuneResult", "default_candidates", "validation_losses", "plan_tuning",
@@ -119,8 +130,6 @@ def validation_losses(forecasts: Sequence, fit: Panel, full: Panel, prediction_l
     r"""Per-series clipped scaled quantile losses :math:`\min(\ell_i, C)` (module docstring)
     of ``forecasts`` (one gluonts forecast per series of ``fit``, of the ``prediction_length``
     steps after its end) against the last ``prediction_length`` steps of ``full``."""
-    from .fast_metrics import _forecast_arrays, _sample_forecast_class
-
     h = check_int("prediction_length", prediction_length, minimum=1)
     clip = check_positive("clip", clip)
     if len(forecasts) != len(fit) or len(full) != len(fit):
@@ -168,8 +177,6 @@ class TunePlan:
 def planned_trial(scheme, sigma: float, steps: int, score_sigma: float, discretization: float):
     """The priced trial: the scheme's accountant after ``steps`` steps at ``sigma`` plus the
     score's Gaussian release at ``score_sigma`` (module docstring)."""
-    from ..accountants.structured import StructuredSubsamplingAccountant
-    from ..tuning import TrialCost
 
     acc = StructuredSubsamplingAccountant(scheme, discretization=discretization)
     acc.step(noise_multiplier=float(sigma), sample_rate=scheme.expected_sample_rate(),
@@ -183,11 +190,6 @@ def plan_tuning(scheme, *, epsilon: float, delta: float, max_steps: int,
     """σ_s, then σ, for a search over ``scheme`` costing at most ``epsilon`` at ``delta``
     (module docstring). Both calibrations keep the sound side (the ε computed at the returned
     σ is ≤ the target)."""
-    from dp_accounting import dp_event
-
-    from ..accountants.structured import StructuredSubsamplingAccountant
-    from ..accounting.calibration import calibrate_noise_multiplier
-    from ..tuning import calibrate_selection, selection_epsilon
 
     epsilon = check_positive("epsilon", epsilon)
     delta = check_open_unit("delta", delta)
@@ -220,10 +222,6 @@ def plan_tuning(scheme, *, epsilon: float, delta: float, max_steps: int,
 def _trial_epsilon(accountant, score_sigma: float, delta: float, discretization: float) -> float:
     """ε of one trial alone (what a single run with this noise and its score would report):
     the run's pessimistic PLD composed with the score's Gaussian PLD."""
-    from dp_accounting.pld import privacy_loss_distribution as pld_mod
-
-    from ..accounting import pld as pld_lib
-
     score = pld_mod.from_gaussian_mechanism(
         float(score_sigma), sensitivity=1.0, value_discretization_interval=discretization,
         use_connect_dots=True)
@@ -259,8 +257,6 @@ class TuneResult:
         """The released forecaster: the winner's mixture (``w = 1``: the public model)."""
         w = self.candidate.zero_shot_weight
         if w >= 1.0:
-            from .pretraining import zero_shot_predictor
-
             return zero_shot_predictor(self.model, self.public_state, freq=self.freq,
                                        prediction_length=self.prediction_length,
                                        context_length=self.context_length)
@@ -314,10 +310,6 @@ def tune_forecaster(model: str, train: Panel, *, epsilon: float, delta: float,
     the trials run without their own progress bars, the search shows its own
     (``search_progress``: ``None`` a bar on a terminal and lines otherwise, ``False`` none);
     ``rng`` is for tests only (:math:`K` must be secret)."""
-    from ..tuning import PrivateSelection
-    from .estimators import prepare_estimator
-    from .training import train_forecaster
-    from .training_scheme import make_scheme
 
     t0 = time.perf_counter()
     say = log or (lambda m: None)

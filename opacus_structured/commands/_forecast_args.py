@@ -101,7 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "selection (Papernot & Steinke 2022): a secret random number of DP "
                         "trials on the training part minus its last --prediction-length steps, "
                         "each scored privately on those steps; the whole search is priced "
-                        "within --epsilon (docs/guides/tuning.md)")
+                        "within --epsilon (docs/guides/tuning_without_leaking.md)")
     p.add_argument("--tune-trials", type=float, default=3.0, metavar="MEAN",
                    help="with --tune: mean number of trials E[K] >= 1 (default %(default)g)")
     p.add_argument("--tune-eta", type=float, default=1.0, metavar="ETA",

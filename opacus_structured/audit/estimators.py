@@ -212,7 +212,10 @@ def _band_upper(counts, n: int, alpha: float) -> np.ndarray:
     grid = count_grid(n)
     idx = np.searchsorted(grid, counts, side="left")
     rounded = np.where(idx < grid.size, grid[np.minimum(idx, grid.size - 1)], n)
-    return clopper_pearson_upper(rounded, n, alpha / grid.size)
+    # at most |grid| + 1 distinct counts: the Beta quantile once per count, not per threshold
+    # (a 10^6-run audit spent ~14 s in scipy's beta.ppf over repeated values)
+    values, inverse = np.unique(rounded, return_inverse=True)
+    return clopper_pearson_upper(values, n, alpha / grid.size)[inverse.reshape(rounded.shape)]
 
 
 def _rates_counts(scores_with: np.ndarray, scores_without: np.ndarray,

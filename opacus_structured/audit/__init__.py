@@ -5,6 +5,8 @@
 * :mod:`.report` — the audit's ROC against the accountant's predicted trade-off curve.
 * :mod:`.canaries`, :mod:`.pipelines` — canaries planted into the training pipelines of every
   scheme (torch; imported only when used).
+* :mod:`.selection` — the audit of a tuned procedure (issue 40): a canary attack on private
+  selection over synthetic 1-d trials, simulated in numpy, against the search's reported ε.
 
 An audit can expose a pipeline that leaks more than its accountant reports; it never certifies
 privacy. Attributes load on first access, so ``import opacus_structured.audit`` imports no torch.
@@ -20,6 +22,8 @@ _LAZY = {
     "roc_curve": "estimators", "clopper_pearson_upper": "estimators",
     "predicted_tradeoff": "report", "plot_audit": "report",
     "run_audit": "pipelines",
+    "audit_selection": "selection", "GaussianTrial": "selection", "LaplaceTrial": "selection",
+    "TrialCount": "selection",
 }
 
 __all__ = sorted(_LAZY)

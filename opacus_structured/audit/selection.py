@@ -199,7 +199,7 @@ class GaussianTrial:
 class LaplaceTrial:
     r"""One pure ε-DP trial: the Laplace mechanism :math:`\theta = c + \mathrm{Lap}(1/\varepsilon)`
     (sensitivity 1) whose output is also its score. Its privacy loss is :math:`\pm\varepsilon`
-    on events of large probability, so an audit of a few 10^4 runs nearly reaches its ε (a
+    on events of large probability, so an audit of 10^5 runs reaches about 0.9 of its ε (a
     Gaussian's ε at a small δ lies in tails no affordable audit samples): the trial on which
     the selection's own leak beyond the winner's ε can be seen. Priced as a
     :class:`~opacus_structured.tuning.PureDpTrial`."""

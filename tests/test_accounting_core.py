@@ -11,12 +11,13 @@ from hypothesis import strategies as st
 from scipy import integrate, stats
 
 from opacus_structured.accounting import (
+    PERFECT_PRIVACY,
     MixturePair,
     PairProfile,
     SwitchingProfile,
     WeightedProfile,
-    PERFECT_PRIVACY,
     calibrate_noise_multiplier,
+    delta_for_epsilon,
     epsilon_for_delta,
     gaussian_delta,
     gdp_delta,
@@ -24,20 +25,33 @@ from opacus_structured.accounting import (
     gdp_mu,
     pld_from_profile,
     self_compose,
-    delta_for_epsilon,
 )
 from opacus_structured.accounting.calibration import CalibrationError
 
 D = 1e-3
 
 
+def _mixture_pdf(mix):
+    """The density of ``Σ w_i N(m_i, σ²)`` in plain ``math`` from the mixture's components (not
+    the library's ``pdf``; ~100x faster than numpy scalar calls inside ``quad``, same values to
+    1e-14)."""
+    comps = [(float(m), float(w)) for m, w in zip(mix.means, mix.weights, strict=True)]
+    s = float(mix.sigma)
+    c = 1.0 / (s * math.sqrt(2.0 * math.pi))
+    return lambda x: c * sum(w * math.exp(-0.5 * ((x - m) / s) ** 2) for m, w in comps)
+
+
 def quad_hockey_stick(pair, eps):
     """Numerical integration of max(p - e^eps q, 0): an oracle independent of the solver."""
     lo, hi = pair.x_range()
-    f = lambda x: max(float(pair.upper.pdf(x)) - math.exp(eps) * float(pair.lower.pdf(x)), 0.0)
+    p, q, scale = _mixture_pdf(pair.upper), _mixture_pdf(pair.lower), math.exp(eps)
+
+    def f(x):
+        return max(p(x) - scale * q(x), 0.0)
+
     pts = np.linspace(lo, hi, 41)
     return sum(integrate.quad(f, a, b, limit=200, epsabs=1e-16, epsrel=1e-12)[0]
-               for a, b in zip(pts[:-1], pts[1:]))
+               for a, b in zip(pts[:-1], pts[1:], strict=True))
 
 
 class TestGaussianClosedForms:
@@ -176,7 +190,9 @@ class TestPLD:
 
 class TestCalibration:
     def test_gaussian_calibration_is_sound(self):
-        f = lambda s: gdp_epsilon(1e-5, 1.0 / s)
+        def f(s):
+            return gdp_epsilon(1e-5, 1.0 / s)
+
         sigma = calibrate_noise_multiplier(f, 1.0, rtol=1e-4)
         assert f(sigma) <= 1.0
         assert f(sigma * (1 - 2e-4)) > 1.0 - 1e-2

@@ -153,6 +153,42 @@ class _PlainGaussian(Scheme):
             value_discretization_interval=discretization)
 
 
+def test_rdp_route_is_dp_accountings_rdp_accountant_bit_for_bit():
+    # The RDP route caches one step's curve per (σ, q) and adds `steps` times it per part
+    # (schemes/poisson.py, _rdp_of_parts): the same float operations, in the same order, as
+    # dp_accounting's RdpAccountant composing the events. Checked for equality (==) against a
+    # fresh RdpAccountant, on histories of 1-3 parts, including q = 1/8, σ = 1 (orders whose
+    # series dp_accounting excludes), q = 1, a tiny q and a part with zero steps.
+    import dp_accounting
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+    from opacus_structured.schemes import poisson
+
+    def reference(parts, deltas):
+        acc = rdp.RdpAccountant(list(poisson.RDP_ORDERS))
+        with poisson._quiet_rdp_orders():
+            for sigma, q, steps in parts:
+                if steps:
+                    acc.compose(dp_accounting.PoissonSampledDpEvent(
+                        q, dp_accounting.GaussianDpEvent(sigma)), steps)
+            return [tuple(map(float, acc.get_epsilon_and_optimal_order(d))) for d in deltas]
+
+    deltas = (1e-5, 1e-9)
+    histories = [((1.0, 1 / 8, 16),), ((1.0, 1 / 8, 3), (1.3, 0.01, 0), (1.0, 0.01, 13)),
+                 ((2.0, 1.0, 7), (1.1, 1e-4, 10 ** 6))]
+    for parts in histories:
+        ours = [poisson._rdp_of_parts(parts, d) for d in deltas]
+        assert ours == reference(parts, deltas), parts
+    assert poisson.rdp_epsilon_and_order(1.0, 1 / 8, 16, 1e-5) == \
+        reference(histories[0], deltas)[0]
+    # a step count alone changing reuses the cached one-step curve (an accountant asks every step)
+    poisson._rdp_one_step.cache_clear()
+    poisson._rdp_of_parts.cache_clear()
+    for steps in range(1, 6):
+        poisson._rdp_of_parts(((1.0, 0.01, steps),), 1e-5)
+    assert poisson._rdp_one_step.cache_info().misses == 1
+
+
 def test_coarse_grid_fallback_is_pessimistic_and_labelled():
     scheme, sigma, steps, delta = _PlainGaussian(), 2.0, 400, 1e-5
     fine = scheme.epsilon(sigma, steps, delta, discretization=1e-4)

@@ -109,9 +109,11 @@ def test_stock_opacus_loop_never_under_reports(accountant, shape, workers):
 LIGHTNING_CASES = [(s, sh, w) for s, sh, w in itertools.product(
     [s for s in SCHEMES if not isinstance(SCHEMES[s], str)], LIGHTNING_SHAPES, (0, 2))
     if w == 0 or sh in ("plain", "skip2")]
+#: One case per Lightning shape in the default run; public_fakes runs on shuffle (span policy,
+#: as balls-in-bins: 0.3 s against 3.5 s; issue 41), balls-in-bins' case is ``slow``.
 LIGHTNING_FAST = {("poisson", "skip2"), ("bandmf-banded", "limit_train_batches"),
                   ("balls-in-bins", "max_steps"), ("shuffle", "two_views"),
-                  ("balls-in-bins", "public_fakes")}
+                  ("shuffle", "public_fakes")}
 
 
 @pytest.mark.parametrize("scheme,shape,workers", [

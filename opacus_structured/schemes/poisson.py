@@ -139,6 +139,18 @@ def _rdp_of_parts(parts: tuple, delta: float) -> tuple[float, float]:
     return float(eps), float(order)
 
 
+@functools.lru_cache(maxsize=32)
+def _poisson_pld(sigma: float, q: float, discretization: float):
+    """The pessimistic PLD of one Poisson-subsampled Gaussian step, cached per ``(σ, q,
+    discretization)`` as :mod:`.structured` caches its PLDs: an accountant or a callback
+    prices the history at every step, and rebuilt the same one-step PLD each time (~0.05-0.3 s).
+    PLDs are values here (composition builds new objects; :mod:`..accounting.numerics`
+    records on those), checked in ``tests/test_accountant_poisson.py``."""
+    pair = poisson_pair(sigma, q)
+    return pld_lib.pld_from_profile(PairProfile(pair), PairProfile(pair.reversed()),
+                                    discretization=discretization)
+
+
 @register_scheme
 @dataclasses.dataclass(frozen=True)
 class PoissonScheme(Scheme):
@@ -203,9 +215,8 @@ class PoissonScheme(Scheme):
         if q is None:
             raise ValueError("PoissonScheme needs a sample_rate (set it on the scheme, or let "
                              "Opacus' optimizer hook report it)")
-        pair = poisson_pair(noise_multiplier, q)
-        return pld_lib.pld_from_profile(PairProfile(pair), PairProfile(pair.reversed()),
-                                        discretization=discretization)
+        return _poisson_pld(check_positive("noise_multiplier", noise_multiplier),
+                            check_probability("sample_rate", q), discretization)
 
     def epsilon_over_budget(self, error, noise_multiplier, steps, delta, *, discretization,
                             sample_rate=None):

@@ -187,6 +187,8 @@ def test_forecast_rejects_bad_init_and_sweep_flags(tmp_path, capsys):
     assert "--tail-average" in capsys.readouterr().err
 
 
+# A forecast CLI run reporting where its weights came from (no privacy bound).
+@pytest.mark.slow  # 3 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_forecast_from_weights_file_reports_the_source(tmp_path, capsys):
     path = tmp_path / "w.pt"
     state, meta = pretraining.pretrain("dlinear", prediction_length=H, context_length=8,
@@ -296,6 +298,8 @@ def test_forecast_inference_privacy_row_and_report(tmp_path, capsys):
         assert msg in capsys.readouterr().err
 
 
+# A forecast CLI run for a warning and a plot (no privacy bound).
+@pytest.mark.slow  # 3 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_forecast_warns_when_the_window_covers_the_shortest_series(tmp_path, capsys):
     args = ["forecast", "--num-series", "6", "--batch-size", "3", "--max-steps", "2",
             "--context-length", "1000", "--init-from", "none", "--no-baselines",

@@ -91,9 +91,12 @@ STOCK_ROW_SHAPES = ("skip_accumulate2", "concat2", "two_views", "cached", "prefe
                     "sampler_mutation")
 STOCK_CASES = list(itertools.product(("poisson", "shuffle"), STOCK_SHAPES + STOCK_ROW_SHAPES,
                                      (0, 2)))
+#: Default run of the stock path (issue 41: Poisson skip_accumulate2, 5 s, is ``slow``: the
+#: default run prices two draws summed in one step on our make_private path,
+#: tests/test_release_rows.py, and rows on the stock path with two_views).
 STOCK_FAST = {("poisson", "plain", 0), ("poisson", "other_loader", 0),
               ("poisson", "double_step", 0), ("shuffle", "break", 0),
-              ("poisson", "skip_accumulate2", 0), ("poisson", "two_views", 0),
+              ("poisson", "two_views", 0),
               ("poisson", "cached", 2), ("shuffle", "concat2", 0),
               ("shuffle", "prefetched", 0), ("shuffle", "public_fakes", 0),
               ("poisson", "sampler_mutation", 0)}

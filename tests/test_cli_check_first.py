@@ -287,6 +287,8 @@ def test_a_stale_index_is_not_used(monkeypatch, tmp_path):
     assert console.read_schemes_index() is None
 
 
+# A subprocess for the command list of ``python -m opacus_structured.cli --help``.
+@pytest.mark.slow  # 2 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_python_m_cli_lists_every_command():
     done = subprocess.run([sys.executable, "-m", "opacus_structured.cli", "--help"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)

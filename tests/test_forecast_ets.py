@@ -202,6 +202,8 @@ def test_forecast_command_adds_the_not_private_ets_row(tmp_path, capsys):
     assert all(r["method"] != ETS_LABEL for r in rep["rows"])
 
 
+# A forecast run for the notice printed without an optional dependency (no privacy bound).
+@pytest.mark.slow  # 2 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_without_statsmodels_the_row_is_omitted_with_one_notice(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "statsmodels.tsa.exponential_smoothing.ets", None)
     csv = _tiny_csv(tmp_path)

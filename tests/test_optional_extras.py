@@ -58,6 +58,8 @@ def test_install_hint_only_for_known_optional_packages():
     assert install_hint(ValueError("x")) is None
 
 
+# A subprocess for the one-line error without an optional dependency (no privacy bound).
+@pytest.mark.slow  # 2 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_cli_prints_one_line_when_pld_accounting_is_missing():
     r = _run_blocked({"PLD_accounting"}, (
         "from opacus_structured.cli import main\n"

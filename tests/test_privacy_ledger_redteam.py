@@ -33,18 +33,17 @@ FAST_SHAPES = ("plain", "skip2", "break", "double_step", "rewrap", "stale_reload
 #: * every scheme on ``plain`` and on the shapes that must raise or are refused in well under
 #:   a second (``CHEAP_SHAPES``);
 #: * every other fast shape on one scheme of each release policy and on both structured
-#:   top levels (``COVERING_SCHEMES``: independent, GDP's closed form, span, exact, windows);
-#: * Poisson (its oracle is dp_accounting's own PLD / Gaussian mixture) on ``two_views``, the
-#:   k = 2 mixture lower bound.
+#:   top levels (``COVERING_SCHEMES``: independent, GDP's closed form, span, exact, windows).
 #:
 #: What leaves the default run: balls-in-bins, random-allocation-bandmf, bandmf-identity and
-#: Poisson on the priced loop shapes beyond ``plain`` (4-9 s each, 2/3 of the grid's time;
+#: Poisson on the priced loop shapes beyond ``plain`` (3-9 s each, 2/3 of the grid's time;
 #: their pricing is the same code path as ``plain``, the loop shapes' bookkeeping is covered
-#: on the covering schemes of the same release policy).
+#: on the covering schemes of the same release policy). Two views of each example on Poisson's
+#: make_private path are priced in the default run against dp_accounting's optimistic PLD at
+#: σ/2 by tests/test_release_rows.py (test_two_views_per_example_are_priced_at_half_sigma).
 CHEAP_SHAPES = ("plain", "double_step", "rewrap", "reuse_cached", "sampler_mutation")
 COVERING_SCHEMES = ("truncated-poisson", "gdp", "shuffle", "random-allocation-identity",
                     "bandmf-banded", "structured-wor", "structured-deterministic")
-DEFAULT_EXTRA = {("poisson", "two_views")}
 
 #: Shapes also run with 2 workers (where prefetching could hide which batch a step used).
 WORKER_SHAPES = ("plain", "skip2", "break", "eval_draw", "early_stop", "double_step",
@@ -56,7 +55,7 @@ CASES = [(s, sh, w) for s, sh, w in itertools.product(SCHEMES, SHAPES, (0, 2))
 
 def _marks(scheme, shape, workers):
     fast = workers == 0 and shape in FAST_SHAPES and (
-        shape in CHEAP_SHAPES or scheme in COVERING_SCHEMES or (scheme, shape) in DEFAULT_EXTRA)
+        shape in CHEAP_SHAPES or scheme in COVERING_SCHEMES)
     return () if fast else (pytest.mark.slow,)
 
 

@@ -95,6 +95,8 @@ def test_dp_training_prints_lines_on_a_captured_stderr(monkeypatch, capsys):
     assert all(gap >= 10 for gap in gaps[:-1])
 
 
+# A forecaster's calibration for its progress lines (no privacy bound).
+@pytest.mark.slow  # 2 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_noise_calibration_prints_a_heartbeat(monkeypatch, capsys):
     """σ calibrated for a target ε: its ε evaluations show up, at most every ~10 s."""
     pytest.importorskip("gluonts")

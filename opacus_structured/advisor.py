@@ -165,6 +165,19 @@ class _Job:
     prepare: Optional[Callable[[], tuple]] = None    # -> (note, parameters, E[batch]) updates
 
 
+def _memoised(epsilon_of: Callable[[float], float]) -> Callable[[float], float]:
+    """``epsilon_of`` remembering its answers: the calibration asks one σ twice (the doubling's
+    lower end, then the halving's first probe) and the row asks ε at the σ found again; the
+    values, hence σ, are unchanged."""
+    seen: dict[float, float] = {}
+
+    def ev(sigma: float) -> float:
+        if sigma not in seen:
+            seen[sigma] = epsilon_of(sigma)
+        return seen[sigma]
+    return ev
+
+
 def _calibrate(job: _Job, setting: AdvisorSetting, curves: bool) -> dict:
     """σ, ε at σ, and optionally an (ε, σ, RMSE) curve, for one job (run in-process or in a
     child process)."""
@@ -175,18 +188,19 @@ def _calibrate(job: _Job, setting: AdvisorSetting, curves: bool) -> dict:
         out.update(note=note, parameters=params, expected_batch_size=ebatch)
         job.epsilon_of = eps_of
         job.expected_batch_size = ebatch
+    eps_of = _memoised(job.epsilon_of)
     try:
-        sigma = calibrate_noise_multiplier(job.epsilon_of, setting.target_epsilon)
+        sigma = calibrate_noise_multiplier(eps_of, setting.target_epsilon)
     except CalibrationError as err:
         out.update(error=str(err), seconds=time.perf_counter() - start)
         return out
     out["noise_multiplier"] = sigma
-    out["epsilon"] = float(job.epsilon_of(sigma))
+    out["epsilon"] = float(eps_of(sigma))
     if curves:
         pts = []
         for f in _CURVE_FACTORS:
             s = sigma * f
-            pts.append((float(job.epsilon_of(s)), s,
+            pts.append((float(eps_of(s)), s,
                         s / job.expected_batch_size * job.rmse_factor))
         out["curve"] = tuple(sorted(pts))
     out["seconds"] = time.perf_counter() - start

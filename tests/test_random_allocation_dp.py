@@ -93,7 +93,8 @@ def test_sparse_matches_tuple_brute_force_and_exact_orders():
 
 
 def test_medium_cases_equal_dense():
-    # b = 30 bins, BSR-like 3 bands over 3 epochs (wrap-around), and DP-SGD up to order 80
+    # b = 30 bins, BSR-like 3 bands over 3 epochs (wrap-around) and over one epoch (none), and
+    # DP-SGD up to order 80
     c = np.array([1.0, 0.5, 0.375])
     N = 90
     C = sum(np.diag(np.full(N - j, c[j]), -j) for j in range(3))
@@ -103,6 +104,14 @@ def test_medium_cases_equal_dense():
     for sigma in (0.4, 2.5):
         np.testing.assert_allclose(rdp.log_rest_sums_sparse(Gp, sigma, w, wrap, 7),
                                    rdp.log_rest_sums_dense(Gp, sigma, w, wrap, 7),
+                                   rtol=1e-12, atol=1e-12)
+    # one epoch: banded without wrap-around, to order 20 (the advisor's b = 64 row: order 53)
+    G1 = ra.gram_matrix(ra.mixture_means(C[:30, :30], 1, 30))
+    Gp, _, w, wrap = _plan_args(G1, 3)
+    assert (w, wrap) == (3, False)
+    for sigma in (0.3, 1.5):
+        np.testing.assert_allclose(rdp.log_rest_sums_sparse(Gp, sigma, w, wrap, 20),
+                                   rdp.log_rest_sums_dense(Gp, sigma, w, wrap, 20),
                                    rtol=1e-12, atol=1e-12)
     Gi = 10.0 * np.eye(100)
     for sigma in (0.5, 3.0):
@@ -127,9 +136,12 @@ def test_state_sets_settle_to_the_reachable_simplex():
         plan = rdp._plan(nr, wrap, A)
         last = plan.stages[-1]
         cols = 2 * nr + 1 if wrap else nr + 1
-        assert last.n_next == len(last.m) == math.comb(A + cols, cols)
-        assert len(last.src) == math.comb(A + cols + 1, cols + 1)
+        assert len(last.next_m) == len(last.m) == math.comb(A + cols, cols)
+        assert int(last.n_t.sum()) == math.comb(A + cols + 1, cols + 1)   # moves a bin
         assert len(plan.stages) <= nr + 2
+        # a run (rows equal but for the oldest window count) never spans two totals
+        assert np.all(np.diff(last.m) >= 0)
+        assert np.array_equal(last.seg_m[last.run], last.m)
 
 
 def test_dispatch_falls_back_to_dense_when_not_certified(monkeypatch):
@@ -144,7 +156,8 @@ def test_dispatch_falls_back_to_dense_when_not_certified(monkeypatch):
     np.testing.assert_allclose(out, _count_vector_sums(G, 1.0, 3), rtol=1e-12)
     # the issue-41 setting (234 bins, window 3, order 14) is certified by a wide margin
     assert rdp.sparse_underflow_log_bound(234, 3, True, 14) < -500
-    assert rdp.sparse_underflow_log_bound(100, 1, False, 256) == -math.inf
+    assert rdp.sparse_underflow_log_bound(1000, 1, False, 80) < -40      # DP-SGD, b = 1000
+    assert rdp.sparse_underflow_log_bound(1000, 1, False, 256) > -40     # -> dense (cheap)
     # a bound that is not small enough sends a banded Gram matrix to the dense program too
     monkeypatch.setattr(rdp, "_MAX_LOSS_LOG", -1e9)
     Gb = _banded(np.random.default_rng(1), 2, 4, 2)

@@ -156,14 +156,19 @@ def test_dispatch_falls_back_to_dense_when_not_certified(monkeypatch):
     np.testing.assert_allclose(out, _count_vector_sums(G, 1.0, 3), rtol=1e-12)
     # the issue-41 setting (234 bins, window 3, order 14) is certified by a wide margin
     assert rdp.sparse_underflow_log_bound(234, 3, True, 14) < -500
-    assert rdp.sparse_underflow_log_bound(1000, 1, False, 80) < -40      # DP-SGD, b = 1000
-    assert rdp.sparse_underflow_log_bound(1000, 1, False, 256) > -40     # -> dense (cheap)
+    assert rdp.sparse_underflow_log_bound(234, 3, False, 53) < -300      # the b = 64 row
+    assert rdp.sparse_underflow_log_bound(3000, 2, True, 100) > -40      # -> dense
     # a bound that is not small enough sends a banded Gram matrix to the dense program too
     monkeypatch.setattr(rdp, "_MAX_LOSS_LOG", -1e9)
     Gb = _banded(np.random.default_rng(1), 2, 4, 2)
     Gp, _, w, wrap = _plan_args(Gb, 2)
     rdp.log_rest_sums(Gp, 1.0, w, wrap, 3)
     assert calls == ["dense", "dense"]
+    monkeypatch.setattr(rdp, "_MAX_LOSS_LOG", -40.0)
+    rdp.log_rest_sums(3.0 * np.eye(5), 1.0, 1, False, 4)       # w = 1 (DP-SGD): dense, faster
+    assert calls == ["dense", "dense", "dense"]
+    rdp.log_rest_sums(Gp, 1.0, w, wrap, 3)                       # certified: sparse
+    assert calls == ["dense", "dense", "dense"]
 
 
 def _issue41_gram(bands):

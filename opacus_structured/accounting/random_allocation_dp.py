@@ -51,7 +51,8 @@ the bin with the largest ``G_ii``). Summing over every bin and move bounds the r
 ``b · T · (2b)^α · e^{-700}`` (``T`` moves a bin; :func:`sparse_underflow_log_bound`), ``e^{-590}``
 here. :func:`log_rest_sums` uses the sparse program when that bound is below ``e^{-40}`` and the
 dense one otherwise (and for any ``G`` with an off-diagonal entry above its largest diagonal
-one, or a negative diagonal), so the value returned never depends on the choice beyond rounding.
+one, or a negative diagonal; and for ``w = 1``, where the dense program has no unreachable
+states and is faster), so the value returned never depends on the choice beyond rounding.
 """
 
 from __future__ import annotations
@@ -371,11 +372,14 @@ def log_rest_sums_sparse(G: np.ndarray, sigma: float, w: int, wrap: bool, max_or
 def log_rest_sums(G: np.ndarray, sigma: float, w: int, wrap: bool, max_order: int
                   ) -> np.ndarray:
     """``log S_α`` for ``α = 0..max_order``: the sparse program when its underflow loss is
-    certified negligible (module docstring), else the dense one."""
+    certified negligible (module docstring), else the dense one. A window of one bin
+    (``w = 1``: DP-SGD) has no unreachable states (the state is the total alone) and the dense
+    program, a few array operations per bin, is the faster there (3× at ``b = 234``, ``A = 64``).
+    """
     G = np.asarray(G, dtype=np.float64)
     b = G.shape[0]
     diag_max = float(np.max(np.diag(G))) if b else 0.0
-    if (b and 0.0 <= diag_max and float(np.max(G)) <= diag_max
+    if (b and w > 1 and 0.0 <= diag_max and float(np.max(G)) <= diag_max
             and sparse_underflow_log_bound(b, w, wrap, max_order) < _MAX_LOSS_LOG):
         return log_rest_sums_sparse(G, sigma, w, wrap, max_order)
     return log_rest_sums_dense(G, sigma, w, wrap, max_order)

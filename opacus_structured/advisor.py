@@ -42,9 +42,10 @@ Rows (one per scheme, one per band count for the matrix mechanisms):
   DP-SGD), priced by its Rényi accountant (``method="renyi"``: the faster of its two sound
   bounds; ``"best"`` adds conditional composition, which can only lower ε and is much slower,
   so this row may be slightly pessimistic). Its calibration takes seconds in the issue-41
-  setting (N = 60000, B = 256, 10 epochs: ~17 evaluations of ~0.3 s) but grows steeply with
+  setting (N = 60000, B = 256, 10 epochs: ~15 evaluations of ~0.2 s) but grows steeply with
   the band count and the orders it affords; these rows run in child processes sharing
-  ``time_budget`` seconds (default 20) and are skipped, with that reason, when it is spent.
+  ``time_budget`` seconds of wall time (default 60) and are skipped, with that reason, when it is
+  spent.
 * ``bminsep-mc`` (per ``bands``) — BandMF with b-min-sep sampling is priced only by Monte Carlo:
   listed, labelled ``monte-carlo``, never calibrated here and never ranked (certify σ with
   ``opacus-structured bminsep-mc certify``).
@@ -466,11 +467,10 @@ def plot_advice(advice: Advice, path: str) -> None:
     import matplotlib.pyplot as plt  # optional: matplotlib
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for r in advice.rows:
-        if not r.curve:
-            continue
+    for i, r in enumerate(r for r in advice.rows if r.curve):
         eps, _, rmse = zip(*r.curve, strict=True)
-        ax.plot(eps, rmse, marker="o", ms=3, label=r.label)
+        # the colour cycle has 10 colours: later rows repeat them, dashed
+        ax.plot(eps, rmse, marker="o", ms=3, ls=("-", "--", ":")[(i // 10) % 3], label=r.label)
     s = advice.setting
     ax.axvline(s.target_epsilon, color="k", ls="--", lw=0.8)
     ax.set_xlabel(f"epsilon (delta = {s.delta:g})")

@@ -32,6 +32,7 @@ from dp_accounting.pld import privacy_loss_mechanism as plm
 from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 
 from .._validation import check_positive, check_probability
+from . import dense_pmf
 
 __all__ = ["gaussian_pld", "delta_grid"]
 
@@ -156,8 +157,7 @@ def _pmf(loss: plm.GaussianPrivacyLoss, discretization: float) -> pld_pmf.PLDPmf
     lower = math.floor(bounds.epsilon_lower / discretization)
     rounded = np.arange(lower, upper + 1)
     deltas = delta_grid(loss, rounded * discretization)
-    return pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(discretization, lower, upper,
-                                                                 deltas)
+    return dense_pmf.connect_dots_fixed_gap(discretization, lower, upper, deltas)
 
 
 def gaussian_pld(standard_deviation: float, sensitivity: float = 1.0, *,

@@ -27,7 +27,7 @@ from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 
 from .._defaults import DEFAULT_DISCRETIZATION
 from .._validation import check_finite, check_int, check_open_unit, check_positive
-from . import numerics, resource_guard
+from . import dense_pmf, numerics, resource_guard
 from .profiles import PrivacyProfile
 
 __all__ = [
@@ -69,8 +69,7 @@ def _pmf_from_profile(profile: PrivacyProfile, discretization: float) -> pld_pmf
         cut = max(int(small[0]), 1)
         deltas = deltas[: cut + 1]
         k_hi = k_lo + cut
-    return pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(
-        discretization, k_lo, k_hi, deltas)
+    return dense_pmf.connect_dots_fixed_gap(discretization, k_lo, k_hi, deltas)
 
 
 def pld_from_profile(remove: PrivacyProfile, add: PrivacyProfile | None = None, *,
@@ -103,8 +102,11 @@ def self_compose(pld: PrivacyLossDistribution, count: int) -> PrivacyLossDistrib
         return pld
     # Estimate the composed grid first: raise ResourceBudgetError instead of allocating past
     # the memory budget (see :mod:`.resource_guard`).
-    resource_guard.check_self_compose(pld, count)
-    composed = pld.self_compose(count, tail_mass_truncation=TAIL_MASS_TRUNCATION)
+    # The truncation windows are computed once: the guard sizes the grid from them, and the
+    # composition (dp_accounting's, vectorised: :mod:`.dense_pmf`) cuts them out.
+    bounds = dense_pmf.composition_bounds(pld, count, TAIL_MASS_TRUNCATION)
+    resource_guard.check_self_compose(pld, count, bounds=bounds)
+    composed = dense_pmf.self_compose(pld, count, TAIL_MASS_TRUNCATION, bounds=bounds)
     # Record the FFT round-off and truncation (see :mod:`.numerics`) on the result.
     return numerics.after_self_compose(composed, pld, count, TAIL_MASS_TRUNCATION)
 
@@ -143,7 +145,7 @@ def epsilon_for_delta(pld: PrivacyLossDistribution | None, delta: float) -> floa
     if pld is None:
         return 0.0
     cert = numerics.certify(pld, delta)
-    eps = max(float(pld.get_epsilon_for_delta(delta - cert.roundoff)), 0.0)
+    eps = max(float(dense_pmf.epsilon_for_delta(pld, delta - cert.roundoff)), 0.0)
     return resource_guard.PricedEpsilon(eps, "pld", "", **cert.record())
 
 

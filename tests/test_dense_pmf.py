@@ -231,3 +231,64 @@ def test_connect_dots_refuses_what_dp_accounting_refuses():
         with pytest.raises(ValueError) as ref:
             pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(1e-3, 0, 1999, bad)
         assert str(ours.value) == str(ref.value)
+
+
+# ---- deciding ε <= threshold without the round-off FFTs (pld.epsilon_at_most) ---------------------
+@pytest.mark.parametrize("name,pld", PLDS[:6] + PLDS[8:], ids=[n for n, _ in PLDS[:6] + PLDS[8:]])
+def test_roundoff_bounds_bracket_the_recorded_floor(name, pld):
+    for count in (2, 20, 300):
+        raw = dp.self_compose(pld, count, TAIL)
+        lo, hi = numerics.roundoff_bounds(raw, pld, count)
+        composed = numerics.after_self_compose(dp.self_compose(pld, count, TAIL), pld, count,
+                                               TAIL)
+        assert lo <= numerics.numerics_of(composed).roundoff <= hi
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 20])
+def test_epsilon_at_most_is_the_same_decision_and_the_same_epsilon(count):
+    step = tp.truncated_poisson_pld(640, 0.1, 97, 1.0, discretization=1e-3)
+    ref = pld_lib.epsilon_for_delta(pld_lib.self_compose(step, count), 1e-5)
+    for threshold in (ref, np.nextafter(ref, 0), np.nextafter(ref, 9), ref - 1e-12,
+                      ref + 1e-12, ref * 0.999, ref * 1.001, 0.0, math.inf):
+        passed, eps = pld_lib.epsilon_at_most(step, count, 1e-5, threshold)
+        assert passed == (ref <= threshold), threshold
+        got = eps()
+        assert float(got) == float(ref) and type(got) is type(ref)
+        assert getattr(got, "details", None) == getattr(ref, "details", None)
+
+
+def test_epsilon_at_most_refuses_where_epsilon_for_delta_refuses():
+    step = _gaussian(1.0, 0.1)
+    with pytest.raises(numerics.NumericalPrecisionError) as ref:
+        pld_lib.epsilon_for_delta(pld_lib.self_compose(step, 50), 1e-14)
+    with pytest.raises(numerics.NumericalPrecisionError) as ours:
+        pld_lib.epsilon_at_most(step, 50, 1e-14, 10.0)
+    assert str(ours.value) == str(ref.value)
+
+
+def test_search_reports_the_same_with_and_without_progress():
+    """With a progress callback every ε on the asked grid is computed (exactly); without, only
+    the returned B's: the same B and ε either way."""
+    seen = []
+    args = (400, 1 / 8, 1.1, 16, 1e-5, 0.01)
+    quiet = tp.max_batch_size_search(*args, discretization=2e-3)
+    loud = tp.max_batch_size_search(*args, discretization=2e-3,
+                                    progress=lambda b, e: seen.append((b, e)))
+    assert quiet == loud and seen and (quiet[0], quiet[1]) in seen
+    for b, e in seen:
+        assert e == tp.truncated_poisson_epsilon(*args[:2], b, *args[2:5], discretization=2e-3)
+
+
+def test_a_clear_decision_skips_the_roundoff_fft(monkeypatch):
+    calls = []
+    real = numerics.after_self_compose
+    monkeypatch.setattr(numerics, "after_self_compose",
+                        lambda *a: calls.append(1) or real(*a))
+    step = _gaussian(1.0, 0.1)
+    ref = pld_lib.epsilon_for_delta(pld_lib.self_compose(step, 20), 1e-5)
+    calls.clear()
+    for threshold, expected in ((ref * 1.001, True), (ref * 0.999, False)):
+        passed, eps = pld_lib.epsilon_at_most(step, 20, 1e-5, threshold)
+        assert passed is expected and not calls
+        assert eps() == ref and len(calls) == 1
+        calls.clear()

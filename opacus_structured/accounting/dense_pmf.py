@@ -35,7 +35,7 @@ array, infinity mass, ε) equal to dp_accounting's on many PLDs.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 from dp_accounting.pld import pld_pmf
@@ -49,6 +49,7 @@ __all__ = [
     "self_compose_pmf",
     "self_compose",
     "epsilon_for_delta_pmf",
+    "epsilon_reader",
     "epsilon_for_delta",
     "connect_dots_fixed_gap",
 ]
@@ -287,71 +288,92 @@ def _numpy_exp_is_math_exp() -> bool:
     return _LIBM_EXP
 
 
-def epsilon_for_delta_pmf(pmf: pld_pmf.PLDPmf, delta: float) -> float:
-    r"""``pmf.get_epsilon_for_delta(delta)`` (``pld_pmf._get_epsilon_for_delta`` for a dense
-    PMF, without the Python loop); a sparse PMF is dp_accounting's.
+class _DenseEpsilon:
+    r"""``pld_pmf._get_epsilon_for_delta`` on one dense PMF, for any δ, without the Python loop.
 
     The loop walks the losses :math:`\ell_k` from the top (``itertools.count(top, -d)``: a
     repeated subtraction, which ``np.cumsum`` repeats exactly), adding ``prob`` to
     ``mass_upper`` and ``math.exp(-loss) * prob`` to ``mass_lower`` one at a time (so the
-    partial sums are ``np.cumsum``'s), and stops before the first k with
-    ``log((mass_upper - delta) / mass_lower) >= loss``. That test is evaluated with ``np.log``
-    and re-evaluated with ``math.log`` wherever the two sides are within 1e-12 (relative) of
-    each other, so every decision is the loop's; the exponentials are ``math.exp``'s
-    (:func:`_numpy_exp_is_math_exp`)."""
+    partial sums are ``np.cumsum``'s; they do not depend on δ and are computed once), and stops
+    before the first k with ``log((mass_upper - delta) / mass_lower) >= loss``. That test is
+    evaluated with ``np.log`` and re-evaluated with ``math.log`` wherever the two sides are
+    within 1e-12 (relative) of each other, so every decision is the loop's; the exponentials
+    are ``math.exp``'s (:func:`_numpy_exp_is_math_exp`)."""
+
+    def __init__(self, pmf: pld_pmf.DensePLDPmf):
+        # pylint: disable=protected-access
+        self.infinity_mass = pmf._infinity_mass
+        probs = np.flip(np.asarray(pmf._probs, dtype=np.float64))
+        n = self.n = len(probs)
+        upper_loss = (pmf._lower_loss + len(pmf._probs) - 1) * pmf._discretization
+        losses = self.losses = np.full(n, -pmf._discretization)
+        losses[0] = upper_loss
+        np.cumsum(losses, out=losses)
+        if _numpy_exp_is_math_exp():
+            exps = np.exp(-losses)
+        else:
+            exps = np.fromiter(map(math.exp, (-losses).tolist()), dtype=np.float64, count=n)
+        # upper[k], lower[k]: the loop's mass_upper, mass_lower before it looks at losses[k]
+        upper = self.upper = np.empty(n + 1)
+        upper[0] = self.infinity_mass
+        upper[1:] = probs
+        np.cumsum(upper, out=upper)
+        lower = self.lower = np.empty(n + 1)
+        lower[0] = 0.0
+        np.multiply(exps, probs, out=lower[1:])
+        np.cumsum(lower, out=lower)
+        self.positive = lower[:n] > 0
+
+    def __call__(self, delta: float) -> float:
+        if self.infinity_mass > delta:
+            return math.inf
+        n, upper, lower, losses = self.n, self.upper, self.lower, self.losses
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            idx = np.flatnonzero((upper[:n] > delta) & self.positive)
+            ratios = (upper[idx] - delta) / lower[idx]
+            logs = np.log(ratios)
+        near = np.flatnonzero(np.abs(logs - losses[idx])
+                              <= 1e-12 * np.maximum(1.0, np.abs(losses[idx])))
+        if len(near):
+            logs[near] = [math.log(r) for r in ratios[near].tolist()]
+        hits = idx[logs >= losses[idx]]
+        stop = int(hits[0]) if len(hits) else n
+        # return max(0, loss) as soon as mass_upper >= delta with mass_lower == 0 (after adding)
+        early = np.flatnonzero((upper[1:stop + 1] >= delta) & (lower[1:stop + 1] == 0))
+        if len(early):
+            return max(0, float(losses[early[0]]))
+        mass_upper, mass_lower = upper[stop], lower[stop]
+        if mass_upper <= mass_lower + delta:
+            return 0
+        with np.errstate(divide="ignore"):
+            return math.log((mass_upper - delta) / mass_lower)
+
+
+def _reader(pmf: pld_pmf.PLDPmf) -> Callable[[float], float]:
     if type(pmf) is not pld_pmf.DensePLDPmf or len(pmf._probs) == 0:  # pylint: disable=protected-access
-        return pmf.get_epsilon_for_delta(delta)
-    # pylint: disable=protected-access
-    infinity_mass = pmf._infinity_mass
-    if infinity_mass > delta:
-        return math.inf
-    probs = np.flip(np.asarray(pmf._probs, dtype=np.float64))
-    n = len(probs)
-    upper_loss = (pmf._lower_loss + len(pmf._probs) - 1) * pmf._discretization
-    losses = np.full(n, -pmf._discretization)
-    losses[0] = upper_loss
-    np.cumsum(losses, out=losses)
-    if _numpy_exp_is_math_exp():
-        exps = np.exp(-losses)
-    else:
-        exps = np.fromiter(map(math.exp, (-losses).tolist()), dtype=np.float64, count=n)
-    # upper[k], lower[k]: the loop's mass_upper, mass_lower before it looks at losses[k]
-    upper = np.empty(n + 1)
-    upper[0] = infinity_mass
-    upper[1:] = probs
-    np.cumsum(upper, out=upper)
-    lower = np.empty(n + 1)
-    lower[0] = 0.0
-    np.multiply(exps, probs, out=lower[1:])
-    np.cumsum(lower, out=lower)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        idx = np.flatnonzero((upper[:n] > delta) & (lower[:n] > 0))
-        ratios = (upper[idx] - delta) / lower[idx]
-        logs = np.log(ratios)
-    near = np.flatnonzero(np.abs(logs - losses[idx])
-                          <= 1e-12 * np.maximum(1.0, np.abs(losses[idx])))
-    if len(near):
-        logs[near] = [math.log(r) for r in ratios[near].tolist()]
-    hits = idx[logs >= losses[idx]]
-    stop = int(hits[0]) if len(hits) else n
-    # return max(0, loss) as soon as mass_upper >= delta with mass_lower == 0 (after adding)
-    early = np.flatnonzero((upper[1:stop + 1] >= delta) & (lower[1:stop + 1] == 0))
-    if len(early):
-        return max(0, float(losses[early[0]]))
-    mass_upper, mass_lower = upper[stop], lower[stop]
-    if mass_upper <= mass_lower + delta:
-        return 0
-    with np.errstate(divide="ignore"):
-        return math.log((mass_upper - delta) / mass_lower)
+        return pmf.get_epsilon_for_delta
+    return _DenseEpsilon(pmf)
+
+
+def epsilon_for_delta_pmf(pmf: pld_pmf.PLDPmf, delta: float) -> float:
+    """``pmf.get_epsilon_for_delta(delta)`` (a dense PMF's without the Python loop:
+    :class:`_DenseEpsilon`; a sparse PMF's is dp_accounting's)."""
+    return _reader(pmf)(delta)
+
+
+def epsilon_reader(pld: PrivacyLossDistribution) -> Callable[[float], float]:
+    """``delta -> pld.get_epsilon_for_delta(delta)`` (the larger ε of the two directions), the
+    δ-independent work done once, for reading ε at several δ."""
+    readers = [_reader(pmf) for pmf in _directions(pld)]
+    if len(readers) == 1:
+        return readers[0]
+    remove, add = readers
+    return lambda delta: max(remove(delta), add(delta))
 
 
 def epsilon_for_delta(pld: PrivacyLossDistribution, delta: float) -> float:
     """``pld.get_epsilon_for_delta(delta)``: the larger ε of the two directions."""
-    epsilon_remove = epsilon_for_delta_pmf(pld._pmf_remove, delta)  # pylint: disable=protected-access
-    if pld._symmetric:  # pylint: disable=protected-access
-        return epsilon_remove
-    epsilon_add = epsilon_for_delta_pmf(pld._pmf_add, delta)  # pylint: disable=protected-access
-    return max(epsilon_remove, epsilon_add)
+    return epsilon_reader(pld)(delta)
 
 
 def connect_dots_fixed_gap(discretization: float, rounded_epsilon_lower: int,

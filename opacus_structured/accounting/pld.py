@@ -19,7 +19,7 @@ reports the worse of the two); a substitution relation uses one symmetric PMF.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 from dp_accounting.pld import pld_pmf
@@ -36,6 +36,7 @@ __all__ = [
     "pld_from_profile",
     "compose",
     "self_compose",
+    "epsilon_at_most",
     "epsilon_for_delta",
     "delta_for_epsilon",
     "privacy_profile_curve",
@@ -111,6 +112,48 @@ def self_compose(pld: PrivacyLossDistribution, count: int) -> PrivacyLossDistrib
     return numerics.after_self_compose(composed, pld, count, TAIL_MASS_TRUNCATION)
 
 
+def epsilon_at_most(pld: PrivacyLossDistribution, count: int, delta: float,
+                    threshold: float) -> tuple[bool, Callable[[], float]]:
+    """``(epsilon_for_delta(self_compose(pld, count), delta) <= threshold, that ε)``, the ε as a
+    function computing it on first call: the same decision and the same ε (bits included),
+    cheaper when only the decision is needed.
+
+    The round-off floor e (:func:`.numerics.after_self_compose`) costs one FFT of the composed
+    grid per direction. It is bracketed first without them (:func:`.numerics.roundoff_bounds`:
+    ``lo <= e <= hi``); ε(δ − e) lies between ε(δ − hi) and ε(δ − lo) (non-increasing in δ), so
+    when ε(δ − hi) is below the threshold, or ε(δ − lo) above it, by more than 1e-9 (relative:
+    far above the few units in the last place by which the computed ε can stray from
+    monotone), that is the decision. Otherwise, and whenever δ < CERTIFY_FACTOR × hi (where the
+    certificate might refuse), the floor is computed and ε read exactly as
+    :func:`epsilon_for_delta` does, raising what it raises.
+    """
+    count = check_int("count", count, minimum=0)
+    delta = check_open_unit("delta", delta)
+    if count <= 1:
+        eps = epsilon_for_delta(self_compose(pld, count), delta)
+        return eps <= threshold, lambda: eps
+    bounds = dense_pmf.composition_bounds(pld, count, TAIL_MASS_TRUNCATION)
+    resource_guard.check_self_compose(pld, count, bounds=bounds)
+    raw = dense_pmf.self_compose(pld, count, TAIL_MASS_TRUNCATION, bounds=bounds)
+    read = dense_pmf.epsilon_reader(raw)
+    cache: list = []
+
+    def exact() -> float:
+        if not cache:
+            composed = numerics.after_self_compose(raw, pld, count, TAIL_MASS_TRUNCATION)
+            cache.append(_certified_epsilon(composed, delta, read))
+        return cache[0]
+
+    lo, hi = numerics.roundoff_bounds(raw, pld, count)
+    if delta >= numerics.CERTIFY_FACTOR * hi:
+        tol = 1e-9 * max(1.0, abs(threshold))
+        if max(float(read(delta - hi)), 0.0) <= threshold - tol:
+            return True, exact
+        if max(float(read(delta - lo)), 0.0) > threshold + tol:
+            return False, exact
+    return exact() <= threshold, exact
+
+
 def compose(parts: Iterable[tuple[PrivacyLossDistribution, int]]) -> PrivacyLossDistribution | None:
     """Heterogeneous composition of ``(pld, count)`` parts; ``None`` if nothing was composed."""
     result = None
@@ -144,8 +187,14 @@ def epsilon_for_delta(pld: PrivacyLossDistribution | None, delta: float) -> floa
     delta = check_open_unit("delta", delta)
     if pld is None:
         return 0.0
+    return _certified_epsilon(pld, delta, dense_pmf.epsilon_reader(pld))
+
+
+def _certified_epsilon(pld: PrivacyLossDistribution, delta: float,
+                       read: Callable[[float], float]) -> float:
+    """:func:`epsilon_for_delta` with ``read = dense_pmf.epsilon_reader(pld)`` given."""
     cert = numerics.certify(pld, delta)
-    eps = max(float(dense_pmf.epsilon_for_delta(pld, delta - cert.roundoff)), 0.0)
+    eps = max(float(read(delta - cert.roundoff)), 0.0)
     return resource_guard.PricedEpsilon(eps, "pld", "", **cert.record())
 
 

@@ -323,23 +323,39 @@ class _DenseEpsilon:
         np.multiply(exps, probs, out=lower[1:])
         np.cumsum(lower, out=lower)
         self.positive = lower[:n] > 0
+        self.zero_after = np.flatnonzero(lower[1:] == 0)  # k with mass_lower == 0 after k
+
+    def _stop(self, delta: float) -> int:
+        """The first k at which the loop breaks (n if it never does), scanning from the first
+        candidate in blocks that double in size."""
+        n, upper, lower, losses = self.n, self.upper, self.lower, self.losses
+        candidate = (upper[:n] > delta) & self.positive
+        start = int(np.argmax(candidate)) if candidate.any() else n
+        block = 4096
+        while start < n:
+            end = min(n, start + block)
+            idx = start + np.flatnonzero(candidate[start:end])
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                ratios = (upper[idx] - delta) / lower[idx]
+                logs = np.log(ratios)
+            near = np.flatnonzero(np.abs(logs - losses[idx])
+                                  <= 1e-12 * np.maximum(1.0, np.abs(losses[idx])))
+            if len(near):
+                logs[near] = [math.log(r) for r in ratios[near].tolist()]
+            hits = idx[logs >= losses[idx]]
+            if len(hits):
+                return int(hits[0])
+            start, block = end, 2 * block
+        return n
 
     def __call__(self, delta: float) -> float:
         if self.infinity_mass > delta:
             return math.inf
-        n, upper, lower, losses = self.n, self.upper, self.lower, self.losses
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            idx = np.flatnonzero((upper[:n] > delta) & self.positive)
-            ratios = (upper[idx] - delta) / lower[idx]
-            logs = np.log(ratios)
-        near = np.flatnonzero(np.abs(logs - losses[idx])
-                              <= 1e-12 * np.maximum(1.0, np.abs(losses[idx])))
-        if len(near):
-            logs[near] = [math.log(r) for r in ratios[near].tolist()]
-        hits = idx[logs >= losses[idx]]
-        stop = int(hits[0]) if len(hits) else n
+        upper, lower, losses = self.upper, self.lower, self.losses
+        stop = self._stop(delta)
         # return max(0, loss) as soon as mass_upper >= delta with mass_lower == 0 (after adding)
-        early = np.flatnonzero((upper[1:stop + 1] >= delta) & (lower[1:stop + 1] == 0))
+        zero = self.zero_after[self.zero_after < stop]
+        early = zero[upper[zero + 1] >= delta]
         if len(early):
             return max(0, float(losses[early[0]]))
         mass_upper, mass_lower = upper[stop], lower[stop]

@@ -118,12 +118,18 @@ def _screen(probs: np.ndarray, kf: np.ndarray, first: int, last: int, num_times:
 
     :math:`M(j/L) = e^{j\,\mathrm{last}/L} \sum_k p_k r_k^{\,j}` with
     :math:`r_k = e^{(k - \mathrm{last})/L} \le e`, the powers by repeated multiplication (one
-    ``exp`` pass per side instead of 20), likewise for the negative orders from ``first``. For
-    non-negative weights each term carries a relative error of at most ~100 u and any summation
-    order at most (L + 1) u (u = 2^-53), and scipy's own value is within the same bound of the
-    exact one, so :math:`|\log M_{\rm here} - \log M_{\rm scipy}| \le 2((L + 200) u +
-    u(|\log M| + 40))`; ``err`` is four times that carried through the bound, plus the bound's
-    own rounding.
+    ``exp`` pass per side instead of 20), likewise for the negative orders from ``first``.
+
+    Error (u = 2^-53, non-negative weights, an ``exp`` within 4 ulp). Here: each term carries at
+    most ~250 u of relative error (the argument's rounding, ``exp``, 19 products, the order
+    ``fl(j/L)`` against ``j/L``), any summation order at most L u, and adding
+    :math:`j\,\mathrm{last}/L` and the ``log`` a few u of :math:`|\log M|`: in all
+    :math:`\le (L + 300)\,u + u|\log M|`. scipy's value: its exponents carry ~50 u, its
+    pairwise sum at most L u, and ``log1p(s) + log(m)`` at most 8 u of 1,500 (m is a positive
+    double, so :math:`|\log m| \le 745`, and :math:`|\log(1 + s)| \le 1455`): in all
+    :math:`\le (L + 13{,}000)\,u + 2u|\log M|`. So :math:`|\log M_{\rm here} - \log M_{\rm
+    scipy}| \le e_M = 2\,(2L + 14{,}000 + 3|\log M|)\,u` (a factor 2 to spare); ``err`` is
+    four times :math:`e_M` carried through the bound, plus the bound's own rounding.
     """
     if not (np.all(probs >= 0) and np.all(np.isfinite(probs))):
         return None
@@ -140,7 +146,7 @@ def _screen(probs: np.ndarray, kf: np.ndarray, first: int, last: int, num_times:
             power *= r
     if not np.all(np.isfinite(log_mgf)):
         return None
-    e_m = 2.0 * ((size + 200) * u + u * (np.abs(log_mgf) + 40))
+    e_m = 2.0 * (2 * size + 14_000 + 3 * np.abs(log_mgf)) * u
     approx = (num_times * log_mgf + log_two_over_tau) / orders
     err = 4.0 * ((num_times * e_m + 4 * u * (num_times * np.abs(log_mgf) + abs(log_two_over_tau)))
                  / np.abs(orders) + 4 * u * np.abs(approx)) + 1e-9
@@ -167,10 +173,17 @@ def _log_mgfs(probs: np.ndarray, orders: np.ndarray, num_times: int,
         # above another's cannot attain it (the lower bound, a maximum, mirrored)
         need[up] = lo[up] <= hi[up].min()
         need[down] = hi[down] >= lo[down].max()
-    for i in np.flatnonzero(need):
+    def exact(i):
         o = orders[i]
         out[i] = _log_mgf_exact(probs, kf, o, last if o > 0 else first, -1 if o > 0 else 1,
                                 nonzero)
+
+    for i in np.flatnonzero(need):
+        exact(i)
+    bounds = (num_times * out[need] + log_two_over_tau) / orders[need]
+    if not np.all(np.isfinite(bounds)):  # dp_accounting would skip it: the others may decide
+        for i in np.flatnonzero(~need):
+            exact(i)
     return out
 
 

@@ -4,8 +4,10 @@ r"""Privacy loss distributions built from privacy profiles, on dp_accounting's P
 connect-the-dots algorithm (``create_pmf_pessimistic_connect_dots_fixed_gap``, Doroshenko et al.
 2022, Algorithm 1) on the grid :math:`\varepsilon_k = k\,d`, and wraps the result in a
 ``dp_accounting.pld.PrivacyLossDistribution``. Composition (FFT convolution with pessimistic tail
-truncation), :math:`\varepsilon(\delta)` and :math:`\delta(\varepsilon)` are dp_accounting's own;
-this module adds argument checks, the grid choice and a few conveniences.
+truncation), :math:`\varepsilon(\delta)` and :math:`\delta(\varepsilon)` are dp_accounting's
+(self-composition and :math:`\varepsilon(\delta)` of dense PMFs replayed without its Python
+loops, bit for bit: :mod:`.dense_pmf`); this module adds argument checks, the grid choice and
+a few conveniences.
 
 Every composition records its numerical error on the result (FFT round-off floor, truncated
 mass; :mod:`.numerics`), and :func:`epsilon_for_delta` returns ε only where δ clears that floor

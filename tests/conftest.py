@@ -8,6 +8,32 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 TEST_DISCRETIZATION = 1e-3
 
 
+def default_subset(cases, keep):
+    """Cases for ``@pytest.mark.parametrize`` of a grid whose default run is a subset.
+
+    The cases in ``keep`` run in the README's test command; every other case is marked
+    ``slow`` (``.ci/run`` runs them all in its second step). Issue 41: the README command must
+    take <= 5 min on 2 cores, so a grid keeps its corners and each distinct code path by
+    default and the rest of it runs in CI. A case is a tuple of the argument values (a bare
+    value for one argument); cases that are already ``pytest.param`` objects pass through, and
+    ids are pytest's own, as without the helper. Each grid's comment says which subset is kept.
+    """
+    keep = list(keep)
+    values = [c for c in cases if not hasattr(c, "marks")]
+    missing = [k for k in keep if k not in values]
+    if missing:
+        raise ValueError(f"default_subset: {missing} not among the grid's cases")
+    out = []
+    for case in cases:
+        if hasattr(case, "marks"):  # already a pytest.param
+            out.append(case)
+            continue
+        marks = () if case in keep else (pytest.mark.slow,)
+        out.append(pytest.param(*case, marks=marks) if isinstance(case, tuple)
+                   else pytest.param(case, marks=marks))
+    return out
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

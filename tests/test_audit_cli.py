@@ -44,6 +44,8 @@ def test_audit_json_end_to_end(capsys):
     assert record["violation"] is False and record["settings"]["sample_rate"] == 0.5
 
 
+# The text report and a plot (test_audit_json_end_to_end stays).
+@pytest.mark.slow  # 3 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_audit_text_and_plot(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "roc.png"

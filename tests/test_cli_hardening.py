@@ -242,6 +242,8 @@ def test_lazy_attributes_and_registry_lookups_load_the_layers():
         "opacus_structured.engine PoissonAccountant opacus_structured.accountants"]
 
 
+# A subprocess import check (test_cli_check_first's stays).
+@pytest.mark.slow  # 5 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_help_and_epsilon_import_neither_torch_nor_opacus():
     done = _python(
         "import sys\nfrom opacus_structured import console\n"
@@ -278,6 +280,8 @@ def test_staged_progress_draws_each_stage(monkeypatch, capsys):
         assert b.total == 10 and b.n == 2 and "PLD composition" in b.desc
 
 
+# Progress lines.
+@pytest.mark.slow  # 4 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_random_allocation_mf_reports_its_stages(monkeypatch, capsys):
     monkeypatch.setenv(_progress.ENV, "1")
     assert cli.main(["epsilon", "random-allocation-mf", "--batches-per-epoch", "4", "--epochs",

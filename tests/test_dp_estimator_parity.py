@@ -222,6 +222,8 @@ def test_estimator_training_settings_refused(estimator, match):
 
 
 # ---- public weights by default -----------------------------------------------------------------
+# Two gluonts trainings, a warning and a label.
+@pytest.mark.slow  # 3 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_gluonts_default_estimators_train_from_a_labelled_random_start(split12):
     """gluonts' own tutorial shapes with every other argument at gluonts' default
     (``DLinearEstimator(prediction_length=24)``: kernel_size 25, context 10·24;

@@ -14,19 +14,17 @@ pytest.importorskip("gluonts")
 pytest.importorskip("lightning")
 
 import torch  # noqa: E402
+from conftest import TEST_DISCRETIZATION  # noqa: E402
 
 from opacus_structured.cli import main  # noqa: E402
 from opacus_structured.commands.forecast import parse_epsilons  # noqa: E402
 from opacus_structured.forecasting import pretraining  # noqa: E402
 from opacus_structured.forecasting.data import (  # noqa: E402
     load_us_employment,
-    load_us_meat_production,
     train_test_split,
 )
 from opacus_structured.forecasting.public_corpus import synthetic_panel  # noqa: E402
 from opacus_structured.forecasting.training import train_forecaster  # noqa: E402
-
-from conftest import TEST_DISCRETIZATION  # noqa: E402
 
 H = 6
 TINY_RECIPE = pretraining.PretrainRecipe(num_series=24, min_length=40, max_length=60, steps=4,
@@ -189,6 +187,8 @@ def test_forecast_rejects_bad_init_and_sweep_flags(tmp_path, capsys):
     assert "--tail-average" in capsys.readouterr().err
 
 
+# A forecast CLI run reporting where its weights came from (no privacy bound).
+@pytest.mark.slow  # 3 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_forecast_from_weights_file_reports_the_source(tmp_path, capsys):
     path = tmp_path / "w.pt"
     state, meta = pretraining.pretrain("dlinear", prediction_length=H, context_length=8,
@@ -211,6 +211,8 @@ def test_forecast_from_weights_file_reports_the_source(tmp_path, capsys):
     assert rep["crps"] == rep["rows"][0]["crps"] != mix["model_alone"]["crps"]
 
 
+# Three forecast trainings, a table and a plot; ε <= target is checked on other forecast runs.
+@pytest.mark.slow  # 6 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_epsilon_sweep_table_plot_and_infinite_budget_is_non_private(tmp_path, capsys):
     out = tmp_path / "sweep"
     assert main(_forecast_args(out, "--init-from", "none", "--epsilons", "1,4,inf",
@@ -296,6 +298,8 @@ def test_forecast_inference_privacy_row_and_report(tmp_path, capsys):
         assert msg in capsys.readouterr().err
 
 
+# A forecast CLI run for a warning and a plot (no privacy bound).
+@pytest.mark.slow  # 3 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_forecast_warns_when_the_window_covers_the_shortest_series(tmp_path, capsys):
     args = ["forecast", "--num-series", "6", "--batch-size", "3", "--max-steps", "2",
             "--context-length", "1000", "--init-from", "none", "--no-baselines",

@@ -285,6 +285,8 @@ def _env_without_cuda():
     return env
 
 
+# A subprocess of the GPU acceptance script (no privacy bound).
+@pytest.mark.slow  # 3 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_refuses_without_cuda(tmp_path):
     proc = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path / "o")], cwd=ROOT,
                           env=_env_without_cuda(), capture_output=True, text=True, timeout=120)
@@ -319,6 +321,8 @@ def test_allow_cpu_end_to_end_issue_10(tmp_path):
     assert lstm["device"] == "cpu" and lstm["rows"][0]["method"] == "nn.LSTM non-private"
 
 
+# A subprocess of the GPU acceptance script (no privacy bound).
+@pytest.mark.slow  # 3 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_budget_spent_marks_checks_not_run(tmp_path):
     out = tmp_path / "o"
     proc = subprocess.run([sys.executable, SCRIPT, "--out", str(out), "--allow-cpu",

@@ -227,10 +227,12 @@ def test_dataloader_workers_keep_indices_aligned(persistent):
     assert torch.equal(results[0][0], results[1][0])
 
 
-@pytest.mark.parametrize("scheme,resume_step", [(GDPScheme(), 3),
-                                                (PoissonScheme(sample_rate=Q), 3),
-                                                (PoissonScheme(sample_rate=Q), 8)],
-                         ids=["full-batch", "poisson-mid-epoch", "poisson-epoch-end"])
+# The default run resumes full-batch and Poisson mid-epoch; Poisson at the epoch's end (3 s, the
+# same restore) runs in CI's slow step (issue 41: README command <= 5 min).
+@pytest.mark.parametrize("scheme,resume_step", [
+    (GDPScheme(), 3), (PoissonScheme(sample_rate=Q), 3),
+    pytest.param(PoissonScheme(sample_rate=Q), 8, marks=pytest.mark.slow)],
+    ids=["full-batch", "poisson-mid-epoch", "poisson-epoch-end"])
 def test_resume_is_exact(tmp_path, scheme, resume_step):
     clip, total = 8.0, 12
     budget = math.sqrt(4) / SIGMA

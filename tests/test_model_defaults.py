@@ -63,7 +63,9 @@ def tiny_pretraining(monkeypatch, tmp_path):
     return tmp_path
 
 
-@pytest.mark.parametrize("model", ["deepar", "simpleff"])
+# The default run keeps SimpleFF (a CLI run of ~3 s, no privacy bound); DeepAR's (4 s, the same
+# plumbing of the model's row) runs in CI's slow step (issue 41: README command <= 5 min).
+@pytest.mark.parametrize("model", [pytest.param("deepar", marks=pytest.mark.slow), "simpleff"])
 def test_cli_uses_the_models_own_defaults(model, tiny_pretraining, monkeypatch, capsys):
     """Distinct values planted in the model's row (and others in DLinear's) reach the run."""
     mine = {"max_grad_norm": 3e-3, "lr": 7e-4, "max_steps": 2, "tail_average": 0.25}

@@ -28,6 +28,7 @@ import math
 import os
 
 import pytest
+from conftest import default_subset
 from opacus_released import torchvision_standin
 
 import opacus_structured  # noqa: F401  (registers the accountants with Opacus)
@@ -196,10 +197,16 @@ def test_accountant_load_state_dict_contract(name):
     assert fresh.get_epsilon(1e-5) == acc.get_epsilon(1e-5)
 
 
-@pytest.mark.parametrize("name", sorted(OURS))
-@pytest.mark.parametrize("epsilon, epochs, sample_rate, delta", [
-    (1.0, 10, 0.1, 1e-5), (4.0, 20, 0.05, 1e-6),
-    pytest.param(8.0, 90, 0.04, 1e-5, marks=pytest.mark.slow)])
+#: Default run (issue 41): both accountants at (1, 10, 0.1, 1e-5), the shuffle accountant (its
+#: closed-form check) also at (4, 20, 0.05, 1e-6); Poisson there (~9 s: Opacus' search prices
+#: ~20 σ, each with its RDP route) and the (8, 90, 0.04) row are ``slow`` (CI runs them).
+_OVERSHOOT = [(*config, name) for config in [(1.0, 10, 0.1, 1e-5), (4.0, 20, 0.05, 1e-6)]
+              for name in sorted(OURS)]
+
+
+@pytest.mark.parametrize("epsilon, epochs, sample_rate, delta, name", default_subset(
+    _OVERSHOOT, [c for c in _OVERSHOOT if c[-1] == "shuffle" or c[0] == 1.0]) + [
+    pytest.param(8.0, 90, 0.04, 1e-5, name, marks=pytest.mark.slow) for name in sorted(OURS)])
 def test_get_noise_multiplier_never_overshoots(name, epsilon, epochs, sample_rate, delta):
     """``accountants_test.test_get_noise_multiplier_overshoot`` with ``accountant=name``: Opacus'
     calibration through our accountant lands at or below the target."""

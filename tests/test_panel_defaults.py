@@ -439,6 +439,8 @@ def test_explicit_batch_size_larger_than_the_panel_is_still_refused(quick, tmp_p
     assert "fewer series than the batch size" in err and "--batch-size 3 or smaller" in err
 
 
+# A forecast CLI run (no privacy bound).
+@pytest.mark.slow  # 7 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_season_length_flag_overrides_and_is_reported(quick, tmp_path, capsys):
     path = _write_panel(tmp_path, 3, "D", 40)
     rep, _ = _run_defaults(path, 40, capsys, "--season-length", "14", "--init-from", "none")

@@ -27,6 +27,25 @@ FAST_SHAPES = ("plain", "skip2", "break", "double_step", "rewrap", "stale_reload
                "resume_checkpoint", "skip_accumulate2", "two_views", "cached", "prefetched",
                "peek", "public_fakes", "reuse_cached", "sampler_mutation")
 
+#: The default run (README command, issue 41: <= 5 min) takes a covering subset of
+#: ``FAST_SHAPES`` x schemes with 0 workers; the rest of the grid is ``slow`` (CI runs it all):
+#:
+#: * every scheme on ``plain`` and on the shapes that must raise or are refused in well under
+#:   a second (``CHEAP_SHAPES``);
+#: * every other fast shape on one scheme of each release policy and on both structured
+#:   top levels (``COVERING_SCHEMES``: independent, GDP's closed form, span, exact, windows);
+#: * Poisson (its oracle is dp_accounting's own PLD / Gaussian mixture) on ``two_views``, the
+#:   k = 2 mixture lower bound.
+#:
+#: What leaves the default run: balls-in-bins, random-allocation-bandmf, bandmf-identity and
+#: Poisson on the priced loop shapes beyond ``plain`` (4-9 s each, 2/3 of the grid's time;
+#: their pricing is the same code path as ``plain``, the loop shapes' bookkeeping is covered
+#: on the covering schemes of the same release policy).
+CHEAP_SHAPES = ("plain", "double_step", "rewrap", "reuse_cached", "sampler_mutation")
+COVERING_SCHEMES = ("truncated-poisson", "gdp", "shuffle", "random-allocation-identity",
+                    "bandmf-banded", "structured-wor", "structured-deterministic")
+DEFAULT_EXTRA = {("poisson", "two_views")}
+
 #: Shapes also run with 2 workers (where prefetching could hide which batch a step used).
 WORKER_SHAPES = ("plain", "skip2", "break", "eval_draw", "early_stop", "double_step",
                  "resume_checkpoint", "skip_accumulate2", "concat2", "two_views", "cached",
@@ -36,7 +55,8 @@ CASES = [(s, sh, w) for s, sh, w in itertools.product(SCHEMES, SHAPES, (0, 2))
 
 
 def _marks(scheme, shape, workers):
-    fast = workers == 0 and shape in FAST_SHAPES
+    fast = workers == 0 and shape in FAST_SHAPES and (
+        shape in CHEAP_SHAPES or scheme in COVERING_SCHEMES or (scheme, shape) in DEFAULT_EXTRA)
     return () if fast else (pytest.mark.slow,)
 
 
@@ -71,9 +91,12 @@ STOCK_ROW_SHAPES = ("skip_accumulate2", "concat2", "two_views", "cached", "prefe
                     "sampler_mutation")
 STOCK_CASES = list(itertools.product(("poisson", "shuffle"), STOCK_SHAPES + STOCK_ROW_SHAPES,
                                      (0, 2)))
+#: Default run of the stock path (issue 41: Poisson skip_accumulate2, 5 s, is ``slow``: the
+#: default run prices two draws summed in one step on our make_private path,
+#: tests/test_release_rows.py, and rows on the stock path with two_views).
 STOCK_FAST = {("poisson", "plain", 0), ("poisson", "other_loader", 0),
               ("poisson", "double_step", 0), ("shuffle", "break", 0),
-              ("poisson", "skip_accumulate2", 0), ("poisson", "two_views", 0),
+              ("poisson", "two_views", 0),
               ("poisson", "cached", 2), ("shuffle", "concat2", 0),
               ("shuffle", "prefetched", 0), ("shuffle", "public_fakes", 0),
               ("poisson", "sampler_mutation", 0)}
@@ -89,9 +112,11 @@ def test_stock_opacus_loop_never_under_reports(accountant, shape, workers):
 LIGHTNING_CASES = [(s, sh, w) for s, sh, w in itertools.product(
     [s for s in SCHEMES if not isinstance(SCHEMES[s], str)], LIGHTNING_SHAPES, (0, 2))
     if w == 0 or sh in ("plain", "skip2")]
+#: One case per Lightning shape in the default run; public_fakes runs on shuffle (span policy,
+#: as balls-in-bins: 0.3 s against 3.5 s; issue 41), balls-in-bins' case is ``slow``.
 LIGHTNING_FAST = {("poisson", "skip2"), ("bandmf-banded", "limit_train_batches"),
                   ("balls-in-bins", "max_steps"), ("shuffle", "two_views"),
-                  ("balls-in-bins", "public_fakes")}
+                  ("shuffle", "public_fakes")}
 
 
 @pytest.mark.parametrize("scheme,shape,workers", [

@@ -484,7 +484,11 @@ def test_cc_lower_bound_gaussian_terms_match_gdp():
     assert cc._delta_lower_from_terms(terms, 2.0, exact) <= 1e-5
 
 
-@pytest.mark.parametrize("strategy, bands, k, b", [("identity", 1, 2, 10), ("bsr", 2, 2, 8)])
+# The default run keeps the banded (bsr) case; the identity one (5 s, the same code path on an
+# identity strategy, whose conditional composition test_conditional_composition_small_case_vs_
+# peers also checks) runs in CI's slow step (issue 41: README command <= 5 min).
+@pytest.mark.parametrize("strategy, bands, k, b", [
+    pytest.param("identity", 1, 2, 10, marks=pytest.mark.slow), ("bsr", 2, 2, 8)])
 def test_cc_lower_bounds_are_below_conditional_composition(strategy, bands, k, b):
     s = RandomAllocationMFScheme(strategy=strategy, bands=bands, epochs=k, batches_per_epoch=b,
                                  method="conditional")

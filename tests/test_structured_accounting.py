@@ -253,15 +253,20 @@ def test_label_noise_monotone_and_limit():
     base = dict(FIG, series_length=30, context_length=2, bound="upper")
     vals = [StructuredScheme(**base, forecast_noise=sf).profile(1.0).delta(1.0)
             for sf in (0.1, 0.5, 1, 2, 5, 1e9)]
-    assert all(a > b for a, b in zip(vals, vals[1:]))
+    assert all(a > b for a, b in zip(vals, vals[1:], strict=False))
     # σ_F → ∞ ≡ L_F → 0 in r: q = ρ·L_C/T
     assert vals[-1] == pytest.approx(st.thm_4_4(1.0, 0.1, 2 / 30).delta(1.0), rel=1e-6)
 
 
+# The default run keeps one row of each (r, λ) pair (λ = 1 tight, λ = 2 lower bound, r = 0.1
+# and 0.5); the other rows (more epochs of the same pairs, λ = 4) run in CI's slow step
+# (issue 41: README command <= 5 min).
 FIG10 = [  # r, λ, epochs, δ(1), δ(4); deterministic top, N = Λ = 320
-    (0.1, 1, 1, 1.9648e-2, 6.8529e-4), (0.1, 1, 4, 8.2099e-2, 5.0374e-3),
-    (0.1, 1, 16, 3.2517e-1, 5.8209e-2), (0.1, 2, 1, 5.8886e-2, 8.4439e-3),
-    (0.1, 2, 8, 4.1402e-1, 1.3384e-1),
+    (0.1, 1, 1, 1.9648e-2, 6.8529e-4),
+    pytest.param((0.1, 1, 4, 8.2099e-2, 5.0374e-3), marks=pytest.mark.slow),
+    pytest.param((0.1, 1, 16, 3.2517e-1, 5.8209e-2), marks=pytest.mark.slow),
+    (0.1, 2, 1, 5.8886e-2, 8.4439e-3),
+    pytest.param((0.1, 2, 8, 4.1402e-1, 1.3384e-1), marks=pytest.mark.slow),
     pytest.param((0.1, 4, 4, 4.8926e-1, 2.2833e-1), marks=pytest.mark.slow),
     (0.5, 1, 16, 9.7213e-1, 9.0813e-1), (0.5, 2, 8, 9.8925e-1, 9.6565e-1),
 ]

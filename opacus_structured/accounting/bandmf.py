@@ -29,6 +29,7 @@ No torch imports.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
@@ -104,11 +105,20 @@ def random_allocation_pld(noise_multiplier: float, *, num_steps: int, num_select
     """Dominating PLD (both directions) of one epoch of DP-SGD with k-of-t random allocation
     (``PLD_accounting.gaussian_allocation_pld``, Feldman & Shenfeld; FFT convolution,
     dominating bound)."""
-    from PLD_accounting import BoundType, PrivacyParams, gaussian_allocation_pld
-
     sigma = check_positive("noise_multiplier", noise_multiplier)
     t = check_int("num_steps", num_steps, minimum=1)
     k = check_int("num_selected", num_selected, minimum=1, maximum=t)
+    return _random_allocation_pld(sigma, t, k, discretization)
+
+
+@functools.lru_cache(maxsize=16)
+def _random_allocation_pld(sigma: float, t: int, k: int, discretization: float):
+    """:func:`random_allocation_pld`, cached per ``(σ, t, k, discretization)`` (1-2 s a build;
+    accountants, calibrations' last steps and a scheme's ``epsilon`` and ``pld`` ask again for
+    the same one; PLDs are values: composition builds new objects). Checked against a fresh
+    build in ``tests/test_bandmf_accounting.py``."""
+    from PLD_accounting import BoundType, PrivacyParams, gaussian_allocation_pld
+
     params = PrivacyParams(sigma=sigma, num_steps=t, num_selected=k, num_epochs=1)
     try:
         return gaussian_allocation_pld(params=params, config=_allocation_config(discretization),

@@ -8,7 +8,7 @@ separately as ``import``):
 * ``make_private poisson`` — the same loader and model;
 * ``advise (full command)`` — ``opacus-structured advise --dataset-size 60000 --batch-size 256
   --epochs 10 --target-epsilon 2 --delta 1e-5 --bands 4 16`` as a subprocess (start-up
-  included); its skipped rows are counted.
+  included), with each row's seconds, σ and whether it was skipped.
 
 Wall and CPU seconds are printed with the 1-minute load average before and after each case
 (a busy machine inflates wall times; CPU time much less). ``--src DIR`` times another checkout
@@ -27,6 +27,8 @@ import platform
 import subprocess
 import sys
 import time
+
+from _machine import cpu_name  # benchmarks/_machine.py (scripts run from benchmarks/)
 
 MAKE_PRIVATE = r"""
 import json, os, sys, time, warnings
@@ -81,14 +83,19 @@ def _advise(src: str) -> dict:
     before = _load()
     w0 = time.perf_counter()
     t0 = os.times()
-    out = subprocess.run([sys.executable, "-m", "opacus_structured", *ADVISE_ARGS],
+    out = subprocess.run([sys.executable, "-m", "opacus_structured", *ADVISE_ARGS, "--json",
+                          "--no-progress"],
                          env=_env(src), cwd=src, capture_output=True, text=True, check=True)
     t1 = os.times()
     wall = time.perf_counter() - w0
     cpu = (t1.children_user - t0.children_user) + (t1.children_system - t0.children_system)
-    skipped = sum("skipped" in line for line in out.stdout.splitlines())
+    advice = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = {r["label"]: {"seconds": round(r["seconds"], 2), "noise_multiplier":
+                         r["noise_multiplier"], "epsilon": r["epsilon"],
+                         "skipped": r["note"].startswith("skipped")} for r in advice["rows"]}
+    skipped = sum(r["skipped"] for r in rows.values())
     return {"wall_s": wall, "cpu_s": cpu, "skipped_rows": skipped, "load_before": before,
-            "load_after": _load()}
+            "load_after": _load(), "rows": rows}
 
 
 def main(argv=None) -> int:
@@ -111,8 +118,12 @@ def main(argv=None) -> int:
                           if r.get(k) is not None)
         print(f"{name:46s} {r['wall_s']:8.2f} {r['cpu_s']:8.2f} "
               f"{r['load_before']:5.2f}/{r['load_after']:5.2f}  {extra}")
+        for label, row in r.get("rows", {}).items():  # the advise rows, each timed
+            what = "skipped" if row["skipped"] else f"sigma={row['noise_multiplier']}"
+            print(f"  {label:44s} {row['seconds']:8.2f}  {what}")
+    print(f"CPU: {cpu_name()}")
     if args.json:
-        meta = {"src": args.src, "python": platform.python_version(),
+        meta = {"src": args.src, "python": platform.python_version(), "cpu": cpu_name(),
                 "machine": platform.processor() or platform.machine(),
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         with open(args.json, "w") as fh:

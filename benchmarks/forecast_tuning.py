@@ -19,6 +19,11 @@ mean ± std over the seeds):
 * it is worse than the better of zero-shot and the untuned DP release by more than one seed
   standard deviation on no panel.
 
+``--study`` runs the same pair on the public **study** panels instead (the ones that chose the
+recipe, never the 8 evaluation panels): the synthetic study panel of ``forecast_recipe.py``
+(its first 8, 30 and all 148 series) and txhousing (26 series), at ε = 1 and ε = 4: how the
+benefit of tuning grows with the panel's size and ε, which is what may choose a default.
+
 Resumable like ``forecast_panels.py``::
 
     OMP_NUM_THREADS=1 nice -n 5 python benchmarks/forecast_tuning.py --json tuning.json \\
@@ -52,21 +57,54 @@ def _run(argv: list[str]) -> dict:
         return run_forecast(args)
 
 
-def run_one(name: str, seed: int, *, ets: bool, mean_trials: float = 3.0) -> dict:
+#: The study panels of ``--study``: name -> (loader name, number of series).
+STUDY = {"synthetic-8": ("synthetic", 8), "synthetic-30": ("synthetic", 30),
+         "synthetic-148": ("synthetic", 148), "txhousing": ("txhousing", 26)}
+STUDY_EPSILONS = (1.0, 4.0)
+
+
+def study_csv(name: str) -> tuple[str, int]:
+    """``(path, N)``: a long CSV of the study panel ``name`` (first N series), cached."""
+    import pandas as pd
+    from forecast_panels import cache_root
+    from forecast_recipe import _panel
+
+    loader, n = STUDY[name]
+    path = os.path.join(cache_root(), f"study-{name}.csv")
+    if not os.path.isfile(path):
+        os.makedirs(cache_root(), exist_ok=True)
+        panel = _panel(loader)
+        frames = []
+        for i in range(min(n, len(panel))):
+            idx = pd.period_range(panel.starts[i], periods=len(panel.targets[i]),
+                                  freq=panel.freq).to_timestamp()
+            frames.append(pd.DataFrame({"item_id": f"s{i}", "timestamp": idx.strftime(
+                "%Y-%m-%d"), "target": panel.targets[i]}))
+        pd.concat(frames).to_csv(path + ".tmp", index=False)
+        os.replace(path + ".tmp", path)
+    return path, min(n, STUDY[name][1])
+
+
+def run_one(name: str, seed: int, *, ets: bool, mean_trials: float = 3.0,
+            epsilon: float = 1.0) -> dict:
     """The tuned and the untuned run of panel ``name`` at ``seed`` (module docstring)."""
-    spec = PANELS[name]
-    path, num_series = panel_csv(name)
-    common = ["--model", "dlinear", "--data", path, "--freq", spec.freq, "--prediction-length",
-              str(spec.prediction_length), "--dataset-size", str(num_series), "--seed",
-              str(seed), "--epsilon", "1"]
+    if name in STUDY:
+        path, num_series = study_csv(name)
+        freq, h = "M", 12
+    else:
+        spec = PANELS[name]
+        (path, num_series), freq, h = panel_csv(name), spec.freq, spec.prediction_length
+    common = ["--model", "dlinear", "--data", path, "--freq", freq, "--prediction-length",
+              str(h), "--dataset-size", str(num_series), "--seed", str(seed), "--epsilon",
+              f"{epsilon:g}"]
     t0 = time.perf_counter()
     tuned = _run([*common, "--tune", "--tune-trials", f"{mean_trials:g}",
                   *([] if ets else ["--no-ets"])])
     t1 = time.perf_counter()
     plain = _run([*common, "--no-baselines"])
     base, tuning = tuned["baselines"], tuned["tuning"]
-    entry = {"panel": name, "seed": seed, "freq": spec.freq,
-             "prediction_length": spec.prediction_length,
+    entry = {"panel": name, "seed": seed, "freq": freq, "prediction_length": h,
+             "target_epsilon": epsilon,
              "num_series": tuned["dataset"]["num_series"],
              "tuned": {"epsilon": tuned["epsilon"], "crps": tuned["crps"],
                        "mase": tuned["mase"], "chosen": tuning["chosen"],
@@ -87,9 +125,11 @@ def run_one(name: str, seed: int, *, ets: bool, mean_trials: float = 3.0) -> dic
 
 def summarize(runs: list[dict]) -> list[dict]:
     rows = []
-    for panel in [p for p in PANELS if any(r["panel"] == p for r in runs)]:
-        rs = [r for r in runs if r["panel"] == panel]
-        row = {"panel": panel, "freq": rs[0]["freq"], "N": rs[0]["num_series"],
+    keys = sorted({(r["panel"], r.get("target_epsilon", 1.0)) for r in runs},
+                  key=lambda k: ([*PANELS, *STUDY].index(k[0]), k[1]))
+    for panel, eps in keys:
+        rs = [r for r in runs if r["panel"] == panel and r.get("target_epsilon", 1.0) == eps]
+        row = {"panel": panel, "epsilon": eps, "freq": rs[0]["freq"], "N": rs[0]["num_series"],
                "H": rs[0]["prediction_length"], "runs": len(rs)}
         for key in ("tuned", "untuned", "non_private", "zero_shot", "seasonal_naive"):
             for metric in ("crps", "mase"):
@@ -123,16 +163,18 @@ def acceptance(rows: list[dict]) -> dict:
 
 def report(runs: list[dict]) -> str:
     rows = summarize(runs)
-    head = "| panel | N | tuned ε=1 CRPS | untuned DP ε=1 | non-private | zero-shot | " \
+    head = "| panel | N | ε | tuned CRPS | untuned DP | non-private | zero-shot | " \
            "seasonal naive | chosen W | σ untuned → tuned |"
-    out = [head, "|" + "---|" * 9]
+    out = [head, "|" + "---|" * 10]
     for r in rows:
         cell = lambda v: "-" if v is None else f"{v[0]:.4f} ± {v[1]:.4f}"  # noqa: E731
-        out.append(f"| {r['panel']} ({r['freq']}, {r['H']}) | {r['N']} | {cell(r['tuned_crps'])} "
+        out.append(f"| {r['panel']} ({r['freq']}, {r['H']}) | {r['N']} | {r['epsilon']:g} | "
+                   f"{cell(r['tuned_crps'])} "
                    f"| {cell(r['untuned_crps'])} | {cell(r['non_private_crps'])} | "
                    f"{r['zero_shot_crps'][0]:.4f} | {r['seasonal_naive_crps'][0]:.4f} | "
                    f"{', '.join(f'{w:g}' for w in r['chosen_w'])} | "
                    f"{r['sigma'][0]:.3g} → {r['sigma'][1]:.3g} |")
+    rows = [r for r in rows if r["panel"] in PANELS and r["epsilon"] == 1.0]
     if rows:
         acc = acceptance(rows)
         out += ["", f"beats seasonal naive on {len(acc['beats_seasonal_naive'])}/{acc['panels']}"
@@ -148,6 +190,8 @@ def main(argv=None) -> int:
     ap.add_argument("--panels", nargs="+", default=list(PANELS), choices=list(PANELS))
     ap.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     ap.add_argument("--mean-trials", type=float, default=3.0)
+    ap.add_argument("--study", action="store_true",
+                    help="the study panels at ε = 1 and 4 (module docstring), not the 8 panels")
     ap.add_argument("--json", default=None, metavar="PATH")
     ap.add_argument("--budget-minutes", type=float, default=None)
     ap.add_argument("--report", action="store_true")
@@ -159,17 +203,21 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     state.setdefault("machine", f"{cpu_name()}, {platform.platform()}, {os.cpu_count()} CPUs")
     t_start = time.perf_counter()
-    done = {(r["panel"], r["seed"]) for r in state["runs"]}
-    todo = [(p, s) for p in args.panels for s in args.seeds if (p, s) not in done]
-    for panel, seed in todo:
+    done = {(r["panel"], r["seed"], r.get("target_epsilon", 1.0)) for r in state["runs"]}
+    cells = ([(p, s, e) for e in STUDY_EPSILONS for p in STUDY for s in args.seeds]
+             if args.study else [(p, s, 1.0) for p in args.panels for s in args.seeds])
+    todo = [c for c in cells if c not in done]
+    for panel, seed, eps in todo:
         elapsed = (time.perf_counter() - t_start) / 60
         if args.budget_minutes is not None and elapsed > args.budget_minutes:
-            print(f"budget reached: {len(todo) - todo.index((panel, seed))} runs left; run "
+            print(f"budget reached: {len(todo) - todo.index((panel, seed, eps))} runs left; run "
                   "again to resume", file=sys.stderr)
             _save(args.json, state)
             return 0
-        print(f"[{elapsed:5.1f} min] {panel} seed {seed} ...", file=sys.stderr, flush=True)
-        entry = run_one(panel, seed, ets=seed == min(args.seeds), mean_trials=args.mean_trials)
+        print(f"[{elapsed:5.1f} min] {panel} ε={eps:g} seed {seed} ...", file=sys.stderr,
+              flush=True)
+        entry = run_one(panel, seed, ets=seed == min(args.seeds) and not args.study,
+                        mean_trials=args.mean_trials, epsilon=eps)
         chosen_w = entry["tuned"]["chosen"]["zero_shot_weight"]
         print(f"    tuned CRPS {entry['tuned']['crps']:.4f} (W {chosen_w:g}), untuned "
               f"{entry['untuned']['crps']:.4f}, zero-shot "
@@ -179,8 +227,9 @@ def main(argv=None) -> int:
         _save(args.json, state)
     print(report(state["runs"]))
     print("all done", file=sys.stderr)
-    if args.json and state["runs"]:
-        state["acceptance"] = acceptance(summarize(state["runs"]))
+    eight = [r for r in summarize(state["runs"]) if r["panel"] in PANELS]
+    if args.json and eight:
+        state["acceptance"] = acceptance(eight)
         _save(args.json, state)
     return 0
 

@@ -60,3 +60,22 @@ def test_bad_arguments_name_themselves():
         gb.gaussian_pld(1.0, sampling_prob=1.5)
     with pytest.raises(ValueError, match="neighboring_relation"):
         gb.gaussian_pld(1.0, neighboring_relation="swap")
+
+
+@pytest.mark.parametrize("kind", [plm.AdjacencyType.ADD, plm.AdjacencyType.REMOVE,
+                                  plm.AdjacencyType.REPLACE])
+@pytest.mark.parametrize("q", [0.02, 0.3, 1.0])
+def test_mu_cdfs_are_dp_accountings_bit_for_bit(kind, q):
+    """The cdf / log-cdf of the pair without scipy.stats' wrapper: the same bits (sign of zero
+    included) at finite points, ±inf and NaN."""
+    x = np.concatenate([np.linspace(-60.0, 60.0, 20001),
+                        [np.inf, -np.inf, np.nan, 0.0, -0.0, 1e-300, -40.5]])
+    for sigma, sens in [(0.5, 1.0), (1.0, 2.0), (3.0, 1.0)]:
+        loss = plm.GaussianPrivacyLoss(sigma, sensitivity=sens, sampling_prob=q,
+                                       adjacency_type=kind)
+        with np.errstate(all="ignore"):
+            pairs = [(gb._mu_upper_cdf(loss, x), loss.mu_upper_cdf(x)),
+                     (gb._mu_lower_log_cdf(loss, x), loss.mu_lower_log_cdf(x))]
+        for ours, ref in pairs:
+            np.testing.assert_array_equal(ours, ref)
+            np.testing.assert_array_equal(np.signbit(ours), np.signbit(ref))

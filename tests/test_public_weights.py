@@ -85,6 +85,21 @@ def test_dlinear_horizon_rule_takes_the_nearest_longer_shipped_horizon():
         "W", DEEPAR_HORIZONS["W"], 2 * DEEPAR_HORIZONS["W"], 40, None)
 
 
+def test_a_longer_dlinear_whose_context_does_not_fit_the_series_is_not_taken():
+    """A yearly panel of 17 training steps at h = 4 (life expectancy, 21 years): the h = 12
+    model's context 36 would make every window padding; its own geometry serves instead."""
+    H = min(h for h in BASE_GEOMETRIES["Y"][1] if h >= 3)
+    if H == 3:
+        pytest.skip("an exact h = 3 yearly model ships")
+    assert base_geometry("dlinear", freq="Y", prediction_length=3, series_length=3 * H + 3) \
+        is None
+    g = base_geometry("dlinear", freq="Y", prediction_length=3, series_length=3 * H + 4)
+    assert (g.prediction_length, g.context_length) == (H, 3 * H)
+    # the exact horizon always serves (its context is the run's default); DeepAR is unaffected
+    assert base_geometry("dlinear", freq="Y", prediction_length=H, series_length=5) is not None
+    assert base_geometry("deepar", freq="Y", prediction_length=3, series_length=5) is not None
+
+
 def _served_by(meta):
     """The base frequency of the file that served (the file's own for an exact key)."""
     return meta["base"]["freq"] if "base" in meta else meta["freq"]

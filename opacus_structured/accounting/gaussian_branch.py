@@ -14,8 +14,12 @@ truncated Poisson's default ``max_batch_size`` search in ``make_private`` take m
 same formulas in the same order of operations (``_inverse_*`` below mirror
 ``GaussianPrivacyLoss._inverse_privacy_loss_{add,remove,replace}`` and ``common.
 log_a_times_exp_b_plus_c`` / ``log_sinh`` / ``asinh_exp``, including their ``isclose`` edge
-cases and their refusals). Everything else — the grid bounds (``connect_dots_bounds``), the
-CDFs, the clipping and the connect-the-dots PMF — is dp_accounting's own code. The tests
+cases and their refusals). The CDFs of the pair (``mu_upper_cdf``, ``mu_lower_log_cdf``) are
+dp_accounting's formulas over ``special.ndtr`` / ``log_ndtr``, which is what its
+``scipy.stats.norm`` calls evaluate, without its per-call argument handling (masks, copies
+and ``place``: about 40 % of their time at 190,000 points; ``_mu_*`` below). The grid bounds (``connect_dots_bounds``) and the clipping are
+dp_accounting's own code, the connect-the-dots PMF its arithmetic
+(:func:`.dense_pmf.connect_dots_fixed_gap`, without the dictionary round trip). The tests
 compare the δ grid, the PMFs and ε with ``from_gaussian_mechanism`` itself
 (tests/test_gaussian_branch.py); array and scalar transcendental functions may differ in the
 last bit, which moves a δ by ~1e-16 relative and has left every ε we compared unchanged.
@@ -30,8 +34,10 @@ from dp_accounting import NeighboringRelation
 from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_mechanism as plm
 from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
+from scipy import special
 
 from .._validation import check_positive, check_probability
+from . import dense_pmf
 
 __all__ = ["gaussian_pld", "delta_grid"]
 
@@ -122,6 +128,42 @@ def _inverse_replace(loss, eps: np.ndarray) -> np.ndarray:
     return np.where(eps == 0, 0.0, out)
 
 
+def _noise_cdf(loss, x: np.ndarray) -> np.ndarray:
+    """``loss.noise_cdf(x)``: ``stats.norm(scale=sigma).cdf(x)``, which is ``special.ndtr`` at
+    ``(x - 0) / sigma`` for every x (1 at +inf, 0 at -inf, NaN at NaN), without scipy.stats'
+    per-call argument handling."""
+    return special.ndtr((x - 0) / loss.standard_deviation)
+
+
+def _noise_log_cdf(loss, x: np.ndarray) -> np.ndarray:
+    """``loss.noise_log_cdf(x)``: ``stats.norm(scale=sigma).logcdf(x)`` (``special.log_ndtr``
+    at ``(x - 0) / sigma``; scipy.stats writes 0.0 at +inf itself)."""
+    z = (x - 0) / loss.standard_deviation
+    return np.where(z == math.inf, 0.0, special.log_ndtr(z))
+
+
+def _mu_upper_cdf(loss, x: np.ndarray) -> np.ndarray:
+    """``loss.mu_upper_cdf(x)`` with :func:`_noise_cdf`."""
+    q, kind = loss.sampling_prob, loss.adjacency_type
+    if kind == _ADD:
+        return _noise_cdf(loss, x)
+    if q == 1.0:
+        return _noise_cdf(loss, np.add(x, loss.sensitivity))
+    return ((1 - q) * _noise_cdf(loss, x)
+            + q * _noise_cdf(loss, np.add(x, loss.sensitivity)))
+
+
+def _mu_lower_log_cdf(loss, x: np.ndarray) -> np.ndarray:
+    """``loss.mu_lower_log_cdf(x)`` with :func:`_noise_log_cdf`."""
+    q, kind = loss.sampling_prob, loss.adjacency_type
+    if kind == _REMOVE:
+        return _noise_log_cdf(loss, x)
+    if q == 1.0:
+        return _noise_log_cdf(loss, np.add(x, -loss.sensitivity))
+    return np.logaddexp(np.log1p(-q) + _noise_log_cdf(loss, x),
+                        np.log(q) + _noise_log_cdf(loss, np.add(x, -loss.sensitivity)))
+
+
 def delta_grid(loss: plm.GaussianPrivacyLoss, epsilons) -> np.ndarray:
     """``loss.get_delta_for_epsilon(epsilons)`` (dp_accounting's hockey-stick divergence on a
     grid) with the inverse privacy loss as arrays."""
@@ -144,7 +186,7 @@ def delta_grid(loss: plm.GaussianPrivacyLoss, epsilons) -> np.ndarray:
         x = _inverse_add(loss, eps)
     else:
         x = _inverse_remove(loss, eps)
-    deltas[inverse] = loss.mu_upper_cdf(x) - np.exp(eps + loss.mu_lower_log_cdf(x))
+    deltas[inverse] = _mu_upper_cdf(loss, x) - np.exp(eps + _mu_lower_log_cdf(loss, x))
     return np.clip(deltas, 0, 1)
 
 
@@ -156,8 +198,7 @@ def _pmf(loss: plm.GaussianPrivacyLoss, discretization: float) -> pld_pmf.PLDPmf
     lower = math.floor(bounds.epsilon_lower / discretization)
     rounded = np.arange(lower, upper + 1)
     deltas = delta_grid(loss, rounded * discretization)
-    return pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(discretization, lower, upper,
-                                                                 deltas)
+    return dense_pmf.connect_dots_fixed_gap(discretization, lower, upper, deltas)
 
 
 def gaussian_pld(standard_deviation: float, sensitivity: float = 1.0, *,

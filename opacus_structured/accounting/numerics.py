@@ -71,6 +71,7 @@ __all__ = [
     "numerics_of",
     "fft_roundoff",
     "after_self_compose",
+    "roundoff_bounds",
     "after_compose",
     "a_priori_roundoff",
     "check_a_priori",
@@ -152,6 +153,39 @@ def fft_roundoff(probs, multiplications: int) -> float:
 
 def _worst(pld, multiplications: int) -> float:
     return max(fft_roundoff(_dense(pmf), multiplications) for pmf in _directions(pld))
+
+
+def _spectral_bounds(p: np.ndarray) -> tuple[float, float]:
+    r"""Bounds on the spectral sum :func:`fft_roundoff` computes, without the FFT: at least
+    :math:`|\hat Z_0| = |\sum_k p_k|` (every other term is non-negative), at most
+    :math:`2\sqrt{(N/2 + 1)\,N \sum_k p_k^2}` (Cauchy-Schwarz over the rfft's :math:`N/2 + 1`
+    terms, Parseval :math:`\sum_k |\hat Z_k|^2 = N \sum_k p_k^2`); both widened by 1e-6 of
+    :math:`\sum_k |p_k|` for the FFT's own round-off."""
+    n = len(p)
+    slack = 1e-6 * float(np.abs(p).sum())
+    lo = max(0.0, abs(float(p.sum())) - slack)
+    hi = 2.0 * math.sqrt((n // 2 + 1) * n * float(np.dot(p, p))) * (1 + 1e-6) + slack
+    return lo, hi
+
+
+def roundoff_bounds(composed, base, count: int) -> tuple[float, float]:
+    """``(lo, hi)`` with ``lo <= roundoff <= hi`` for the ``roundoff`` that
+    :func:`after_self_compose` would record on ``composed = base.self_compose(count)``, without
+    its FFTs (the spectral sum bounded by :func:`_spectral_bounds`, the rest as there). For
+    deciding whether ε(δ − roundoff) clears a threshold before paying for the FFTs."""
+    lo_worst, hi_worst = 0.0, 0.0
+    for pmf in _directions(composed):
+        p = np.asarray(_dense(pmf), dtype=np.float64)
+        n = len(p)
+        if n <= 1 or count <= 0:
+            continue
+        negative = 2.0 * float(-p[p < 0].sum())
+        scale = ROUNDOFF_SAFETY * UNIT_ROUNDOFF * (count + math.log2(n))
+        spec_lo, spec_hi = _spectral_bounds(p)
+        lo_worst = max(lo_worst, max(scale * spec_lo, negative))
+        hi_worst = max(hi_worst, max(scale * spec_hi, negative))
+    b = numerics_of(base)
+    return count * b.roundoff + lo_worst, count * b.roundoff + hi_worst
 
 
 def after_self_compose(composed, base, count: int, tail_mass_truncation: float):

@@ -4,8 +4,10 @@ r"""Privacy loss distributions built from privacy profiles, on dp_accounting's P
 connect-the-dots algorithm (``create_pmf_pessimistic_connect_dots_fixed_gap``, Doroshenko et al.
 2022, Algorithm 1) on the grid :math:`\varepsilon_k = k\,d`, and wraps the result in a
 ``dp_accounting.pld.PrivacyLossDistribution``. Composition (FFT convolution with pessimistic tail
-truncation), :math:`\varepsilon(\delta)` and :math:`\delta(\varepsilon)` are dp_accounting's own;
-this module adds argument checks, the grid choice and a few conveniences.
+truncation), :math:`\varepsilon(\delta)` and :math:`\delta(\varepsilon)` are dp_accounting's
+(self-composition and :math:`\varepsilon(\delta)` of dense PMFs replayed without its Python
+loops, bit for bit: :mod:`.dense_pmf`); this module adds argument checks, the grid choice and
+a few conveniences.
 
 Every composition records its numerical error on the result (FFT round-off floor, truncated
 mass; :mod:`.numerics`), and :func:`epsilon_for_delta` returns ε only where δ clears that floor
@@ -19,7 +21,7 @@ reports the worse of the two); a substitution relation uses one symmetric PMF.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 from dp_accounting.pld import pld_pmf
@@ -27,7 +29,7 @@ from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 
 from .._defaults import DEFAULT_DISCRETIZATION
 from .._validation import check_finite, check_int, check_open_unit, check_positive
-from . import numerics, resource_guard
+from . import dense_pmf, numerics, resource_guard
 from .profiles import PrivacyProfile
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "pld_from_profile",
     "compose",
     "self_compose",
+    "epsilon_at_most",
     "epsilon_for_delta",
     "delta_for_epsilon",
     "privacy_profile_curve",
@@ -69,8 +72,7 @@ def _pmf_from_profile(profile: PrivacyProfile, discretization: float) -> pld_pmf
         cut = max(int(small[0]), 1)
         deltas = deltas[: cut + 1]
         k_hi = k_lo + cut
-    return pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(
-        discretization, k_lo, k_hi, deltas)
+    return dense_pmf.connect_dots_fixed_gap(discretization, k_lo, k_hi, deltas)
 
 
 def pld_from_profile(remove: PrivacyProfile, add: PrivacyProfile | None = None, *,
@@ -103,10 +105,55 @@ def self_compose(pld: PrivacyLossDistribution, count: int) -> PrivacyLossDistrib
         return pld
     # Estimate the composed grid first: raise ResourceBudgetError instead of allocating past
     # the memory budget (see :mod:`.resource_guard`).
-    resource_guard.check_self_compose(pld, count)
-    composed = pld.self_compose(count, tail_mass_truncation=TAIL_MASS_TRUNCATION)
+    # The truncation windows are computed once: the guard sizes the grid from them, and the
+    # composition (dp_accounting's, vectorised: :mod:`.dense_pmf`) cuts them out.
+    bounds = dense_pmf.composition_bounds(pld, count, TAIL_MASS_TRUNCATION)
+    resource_guard.check_self_compose(pld, count, bounds=bounds)
+    composed = dense_pmf.self_compose(pld, count, TAIL_MASS_TRUNCATION, bounds=bounds)
     # Record the FFT round-off and truncation (see :mod:`.numerics`) on the result.
     return numerics.after_self_compose(composed, pld, count, TAIL_MASS_TRUNCATION)
+
+
+def epsilon_at_most(pld: PrivacyLossDistribution, count: int, delta: float,
+                    threshold: float) -> tuple[bool, Callable[[], float]]:
+    """``(epsilon_for_delta(self_compose(pld, count), delta) <= threshold, that ε)``, the ε as a
+    function computing it on first call: the same decision and the same ε (bits included),
+    cheaper when only the decision is needed.
+
+    The round-off floor e (:func:`.numerics.after_self_compose`) costs one FFT of the composed
+    grid per direction. It is bracketed first without them (:func:`.numerics.roundoff_bounds`:
+    ``lo <= e <= hi``); ε(δ − e) lies between ε(δ − hi) and ε(δ − lo) (non-increasing in δ), so
+    when ε(δ − hi) is below the threshold, or ε(δ − lo) above it, by more than 1e-9 (relative:
+    far above the few units in the last place by which the computed ε can stray from
+    monotone), that is the decision. Otherwise, and whenever δ < CERTIFY_FACTOR × hi (where the
+    certificate might refuse), the floor is computed and ε read exactly as
+    :func:`epsilon_for_delta` does, raising what it raises.
+    """
+    count = check_int("count", count, minimum=0)
+    delta = check_open_unit("delta", delta)
+    if count <= 1:
+        eps = epsilon_for_delta(self_compose(pld, count), delta)
+        return eps <= threshold, lambda: eps
+    bounds = dense_pmf.composition_bounds(pld, count, TAIL_MASS_TRUNCATION)
+    resource_guard.check_self_compose(pld, count, bounds=bounds)
+    raw = dense_pmf.self_compose(pld, count, TAIL_MASS_TRUNCATION, bounds=bounds)
+    read = dense_pmf.epsilon_reader(raw)
+    cache: list = []
+
+    def exact() -> float:
+        if not cache:
+            composed = numerics.after_self_compose(raw, pld, count, TAIL_MASS_TRUNCATION)
+            cache.append(_certified_epsilon(composed, delta, read))
+        return cache[0]
+
+    lo, hi = numerics.roundoff_bounds(raw, pld, count)
+    if delta >= numerics.CERTIFY_FACTOR * hi:
+        tol = 1e-9 * max(1.0, abs(threshold))
+        if max(float(read(delta - hi)), 0.0) <= threshold - tol:
+            return True, exact
+        if max(float(read(delta - lo)), 0.0) > threshold + tol:
+            return False, exact
+    return exact() <= threshold, exact
 
 
 def compose(parts: Iterable[tuple[PrivacyLossDistribution, int]]) -> PrivacyLossDistribution | None:
@@ -142,8 +189,14 @@ def epsilon_for_delta(pld: PrivacyLossDistribution | None, delta: float) -> floa
     delta = check_open_unit("delta", delta)
     if pld is None:
         return 0.0
+    return _certified_epsilon(pld, delta, dense_pmf.epsilon_reader(pld))
+
+
+def _certified_epsilon(pld: PrivacyLossDistribution, delta: float,
+                       read: Callable[[float], float]) -> float:
+    """:func:`epsilon_for_delta` with ``read = dense_pmf.epsilon_reader(pld)`` given."""
     cert = numerics.certify(pld, delta)
-    eps = max(float(pld.get_epsilon_for_delta(delta - cert.roundoff)), 0.0)
+    eps = max(float(read(delta - cert.roundoff)), 0.0)
     return resource_guard.PricedEpsilon(eps, "pld", "", **cert.record())
 
 

@@ -52,6 +52,8 @@ from typing import Iterator
 import numpy as np
 
 from .._warnings import warn
+from .dense_pmf import dense_probs as _dense_probs
+from .dense_pmf import self_convolve_bounds as _exact_bounds
 
 #: Tail mass dropped by every PLD composition (dp_accounting's ``tail_mass_truncation``);
 #: :mod:`.pld` composes with this value and the estimates below assume it.
@@ -183,21 +185,6 @@ class CompositionEstimate:
         return f"{self.points:,} grid points, about {format_bytes(self.bytes)}"
 
 
-def _dense_probs(pmf) -> np.ndarray:
-    probs = getattr(pmf, "_probs", None)
-    if probs is not None:
-        return np.asarray(probs)
-    loss_probs = getattr(pmf, "_loss_probs", None)
-    if loss_probs is not None:  # sparse PMF: its dense span is what dp_accounting composes
-        if not loss_probs:
-            return np.zeros(1)
-        keys = np.fromiter(loss_probs.keys(), dtype=np.int64)
-        out = np.zeros(int(keys.max() - keys.min()) + 1)
-        out[keys - keys.min()] = np.fromiter(loss_probs.values(), dtype=np.float64)
-        return out
-    return np.asarray(pmf.to_dense_pmf()._probs)  # pylint: disable=protected-access
-
-
 def _directions(pld) -> list:
     pmfs = [pld._pmf_remove]  # pylint: disable=protected-access
     if not getattr(pld, "_symmetric", False):
@@ -206,51 +193,45 @@ def _directions(pld) -> list:
 
 
 def self_convolve_bounds(probs, count: int, tail_mass_truncation: float) -> tuple[int, int]:
-    r"""dp_accounting's ``common.compute_self_convolve_bounds`` (the same Chernoff bound at the
-    same 40 orders :math:`\theta \in \{\pm1, \dots, \pm20\}/L`), evaluated in a few vectorised
-    passes instead of 40 ``logsumexp`` calls, and widened by one grid point on each side so that
-    round-off can only enlarge the estimate:
-    :math:`u = \min_{\theta>0} \lceil (n \log M(\theta) + \log(2/\tau))/\theta \rceil`,
-    :math:`\ell = \max_{\theta<0} \lfloor \cdot \rfloor`, :math:`M(\theta) = \sum_k p_k e^{\theta k}`.
+    r"""dp_accounting's ``common.compute_self_convolve_bounds`` (the Chernoff bound at the 40
+    orders :math:`\theta \in \{\pm1, \dots, \pm20\}/L`; bit for bit its value, computed by
+    :func:`.dense_pmf.self_convolve_bounds` in one vectorised pass), widened by one grid point on
+    each side as a margin: :math:`u = \min_{\theta>0} \lceil (n \log M(\theta) +
+    \log(2/\tau))/\theta \rceil`, :math:`\ell = \max_{\theta<0} \lfloor \cdot \rfloor`,
+    :math:`M(\theta) = \sum_k p_k e^{\theta k}`.
     """
     probs = np.asarray(probs, dtype=np.float64)
-    size = len(probs)
-    upper, lower = (size - 1) * count, 0
-    if tail_mass_truncation == 0 or size <= 1:
+    upper, lower = (len(probs) - 1) * count, 0
+    if tail_mass_truncation == 0 or len(probs) <= 1 or not np.any(probs > 0):
         return lower, upper
-    k = np.nonzero(probs > 0)[0]
-    if not len(k):
-        return lower, upper
-    logp = np.log(probs[k])
-    kf = k.astype(np.float64)
-    log_two_over_tau = math.log(2 / tail_mass_truncation)
-    for order in np.concatenate((np.arange(-20, 0), np.arange(1, 21))) / size:
-        v = logp + order * kf
-        m = float(v.max())
-        log_mgf = m + math.log(float(np.exp(v - m).sum()))
-        bound = (count * log_mgf + log_two_over_tau) / order
-        if not math.isfinite(bound):
-            continue
-        if order > 0:
-            upper = min(upper, math.ceil(bound) + 1)
-        else:
-            lower = max(lower, math.floor(bound) - 1)
-    return lower, upper
+    return _widen(_exact_bounds(probs, count, tail_mass_truncation), len(probs), count)
 
 
-def estimate_self_compose(pld, count: int) -> CompositionEstimate:
-    """Points and bytes of ``pld.self_compose(count)`` (the bounds dp_accounting will use)."""
+def _widen(bounds: tuple[int, int], size: int, count: int) -> tuple[int, int]:
+    lo, hi = bounds
+    return (lo - 1 if lo > 0 else lo), (hi + 1 if hi < (size - 1) * count else hi)
+
+
+def estimate_self_compose(pld, count: int, *, bounds=None) -> CompositionEstimate:
+    """Points and bytes of ``pld.self_compose(count)`` (the bounds dp_accounting will use).
+
+    ``bounds``: dp_accounting's exact windows per direction
+    (:func:`.dense_pmf.composition_bounds`), when the caller has them; they are widened here as
+    :func:`self_convolve_bounds` widens its own."""
     from scipy import fft  # lazy: scipy.fft only when a composition is priced
 
     points, total = 0, 0
     retained = 0
-    for pmf in _directions(pld):
+    for i, pmf in enumerate(_directions(pld)):
         probs = _dense_probs(pmf)
         if count <= 1:
             n_out = len(probs)
             fast = n_out
         else:
-            lo, hi = self_convolve_bounds(probs, count, TAIL_MASS_TRUNCATION)
+            if bounds is None:
+                lo, hi = self_convolve_bounds(probs, count, TAIL_MASS_TRUNCATION)
+            else:
+                lo, hi = _widen(bounds[i], len(probs), count)
             n_out = int(hi - lo + 1)
             fast = int(fft.next_fast_len(max(n_out, len(probs))))
         points = max(points, fast)
@@ -277,10 +258,11 @@ def _refuse(what: str, est: CompositionEstimate, budget: int):
         estimated_bytes=est.bytes, budget=budget)
 
 
-def check_self_compose(pld, count: int, *, budget=None) -> CompositionEstimate:
-    """Raise :class:`ResourceBudgetError` unless ``pld.self_compose(count)`` fits the budget."""
+def check_self_compose(pld, count: int, *, budget=None, bounds=None) -> CompositionEstimate:
+    """Raise :class:`ResourceBudgetError` unless ``pld.self_compose(count)`` fits the budget
+    (``bounds``: as in :func:`estimate_self_compose`)."""
     limit = memory_budget(budget)
-    est = estimate_self_compose(pld, count)
+    est = estimate_self_compose(pld, count, bounds=bounds)
     if est.bytes > limit:
         raise _refuse(f"composing {count:,} times", est, limit)
     return est

@@ -68,7 +68,8 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _initial_weights(init_from, args, freq, progress, log, season_length=None):
+def _initial_weights(init_from, args, freq, progress, log, season_length=None,
+                     series_length=None):
     """``(state_dict or None, meta or None)`` for ``--init-from`` (public weights only).
 
     ``public``: the shipped weights of the panel's frequency family (a longer-horizon DLinear
@@ -86,7 +87,8 @@ def _initial_weights(init_from, args, freq, progress, log, season_length=None):
                                              prediction_length=args.prediction_length,
                                              context_length=args.context_length,
                                              progress=progress, log=_stderr,
-                                             season_length=season_length)
+                                             season_length=season_length,
+                                             series_length=series_length)
         except ValueError as exc:
             raise ValueError(f"public pretraining (--init-from public) failed: {exc}; "
                              "--init-from none starts from a random initialisation "
@@ -261,8 +263,11 @@ def _prepare_job(args) -> _Job:
     if season_length is None:
         season_length = default_season_length(train.freq)
     # public pretrained weights (read before any private data is used; see pretraining.py)
+    # the shortest series a run trains on (--tune's trials: without their validation steps)
+    shortest = train.min_length - (args.prediction_length if getattr(args, "tune", False)
+                                   else 0)
     init_state, init_meta = _initial_weights(init_from, args, train.freq, progress, log,
-                                             season_length)
+                                             season_length, series_length=shortest)
     init_record = None if init_meta is None else init_meta.pop("privacy_record", None)
     lr = args.lr if args.lr is not None else (
         recipe["lr"] if init_state is not None else recipe["lr_from_scratch"])

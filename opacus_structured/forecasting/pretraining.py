@@ -311,7 +311,8 @@ def shipped_weights_path(key: str) -> Optional[str]:
 
 def pretrained_weights(model: str, *, freq: str = "M", prediction_length: int = 12,
                        context_length: Optional[int] = None, progress: bool = False,
-                       log=None, season_length: Optional[int] = None
+                       log=None, season_length: Optional[int] = None,
+                       series_length: Optional[int] = None
                        ) -> tuple[dict, dict[str, Any]]:
     """Public pretrained weights for the geometry, in order: shipped or cached for exactly this
     geometry; the shipped (or cached) weights of the frequency's base geometry
@@ -324,7 +325,9 @@ def pretrained_weights(model: str, *, freq: str = "M", prediction_length: int = 
 
     ``log`` (``str -> None``) gets the announcement and, without a ``progress`` bar, a line at
     most every ~10 s; without ``log`` both go to stderr. Any pandas ``freq`` works (the
-    corpus' season: ``season_length``, default from ``freq``)."""
+    corpus' season: ``season_length``, default from ``freq``). ``series_length`` (the shortest
+    training series) keeps a longer-horizon DLinear whose context would not fit it out
+    (:func:`~.public_weights.base_geometry`)."""
     say = log or _stderr
     key = weights_key(model, freq=freq, prediction_length=prediction_length,
                       context_length=context_length, season_length=season_length)
@@ -337,7 +340,8 @@ def pretrained_weights(model: str, *, freq: str = "M", prediction_length: int = 
     default_season = (season_length is None
                       or int(season_length) == default_season_length(freq))
     base = (base_geometry(model, freq=freq, prediction_length=prediction_length,
-                          context_length=context_length) if default_season else None)
+                          context_length=context_length, series_length=series_length)
+            if default_season else None)
     if base is not None:
         found = _base_weights(base, freq, prediction_length, context_length)
         if found is not None:

@@ -8,7 +8,7 @@ per pandas step family (:data:`BASE_GEOMETRIES`):
 =====================================  =========  ===============================  =============================
 pandas step (offset class)             base freq  DeepAR h                         DLinear horizons (context 3h)
 =====================================  =========  ===============================  =============================
-year (``Y``, ``YS``, ``BY`` …)         ``Y``      6 (2000 steps)                   12
+year (``Y``, ``YS``, ``BY`` …)         ``Y``      6 (2000 steps)                   4, 6, 12
 quarter (``Q``, ``QS``, ``BQ`` …)      ``Q``      8                                8, 16
 month (``M``, ``MS``, ``ME``, ``BM``)  ``M``      12                               12, 24
 week (``W``, every anchor)             ``W``      13 (2000 steps)                  13, 26
@@ -68,7 +68,7 @@ DEEPAR_HORIZONS = {"Y": 6, "Q": 8, "M": 12, "W": 13, "D": 14, "B": 10, "h": 12, 
 #: horizons); every geometry listed ships (tests/test_public_weights.py checks the files
 #: against this table). A family absent here pretrains once, announced.
 BASE_GEOMETRIES: dict[str, tuple[Optional[int], tuple[int, ...]]] = {
-    "Y": (6, (12,)),
+    "Y": (6, (4, 6, 12)),  # 4 and 6: yearly panels are short (a context of 36 rarely fits)
     "Q": (8, (8, 16)),
     "M": (12, (12, 24)),
     "W": (13, (13, 26)),
@@ -124,10 +124,16 @@ def base_freq(freq: str) -> Optional[str]:
 
 
 def base_geometry(model: str, *, freq: str, prediction_length: int,
-                  context_length: Optional[int] = None) -> Optional[BaseWeights]:
+                  context_length: Optional[int] = None,
+                  series_length: Optional[int] = None) -> Optional[BaseWeights]:
     """The listed base geometry serving ``(model, freq, prediction_length, context_length)``
     (module docstring), or None (no family, horizon beyond the shipped ones, or another
-    context). Whether its file exists is :func:`~.pretraining.shipped_weights_path`'s."""
+    context). Whether its file exists is :func:`~.pretraining.shipped_weights_path`'s.
+
+    ``series_length``: the shortest training series. A DLinear of a longer horizon ``H > h``
+    brings its context ``3H``; it serves only when its window ``3H + h`` is shorter than that
+    series (else every window would be mostly padding: a yearly panel of 17 training steps at
+    ``h = 4`` would read 36 steps of context), and the run's own geometry is used instead."""
     base = base_freq(freq)
     if base is None or model not in ("deepar", "dlinear"):
         return None
@@ -137,7 +143,9 @@ def base_geometry(model: str, *, freq: str, prediction_length: int,
         return BaseWeights("deepar", base, deepar_h, _DEEPAR_CONTEXT_MULTIPLE * deepar_h,
                            use_horizon=h, run_context=None)
     fits = [H for H in BASE_GEOMETRIES.get(base, (None, ()))[1] if H >= h and (
-        context_length is None or _DLINEAR_CONTEXT_MULTIPLE * H == int(context_length))]
+        context_length is None or _DLINEAR_CONTEXT_MULTIPLE * H == int(context_length)) and (
+        series_length is None or H == h
+        or _DLINEAR_CONTEXT_MULTIPLE * H + h < int(series_length))]
     if not fits:
         return None
     H = min(fits)

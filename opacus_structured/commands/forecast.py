@@ -55,6 +55,10 @@ from ._forecast_output import (  # noqa: F401  (check_paths, _plot_title: re-exp
     _writable_target,
     check_paths,
 )
+from ._forecast_rows import baselines as _baselines
+from ._forecast_rows import ets_reference_row as _ets_reference_row  # noqa: F401 (re-exported)
+from ._forecast_rows import private_inputs_row as _private_inputs_row
+from ._forecast_rows import tuning_lines as _tuning_lines
 from ._forecast_verdict import add_verdicts
 
 #: Printed (and put on the plot) for a DP run whose noise was seeded with ``--seed``.
@@ -129,41 +133,6 @@ def _initial_weights(init_from, args, freq, progress, log, season_length=None,
         + (f"{len(runs)} earlier run(s) on non-public data in their privacy record"
            if runs else "public data only"))
     return state, {k: v for k, v in meta.items() if k != "train_seconds"}
-
-
-def _private_inputs_row(args, result, test, truth, rows, seed, log) -> dict:
-    """Forecast the test series from privatized inputs with the trained model; add its row
-    and return the inference-privacy record (separate from the training ε)."""
-    from gluonts.evaluation import make_evaluation_predictions  # optional: gluonts
-
-    from ..forecasting.metrics import evaluate_forecasts  # optional: gluonts
-    from ..forecasting.private_inference import privatize_panel  # optional: gluonts
-
-    t0 = time.perf_counter()
-    released, reports = privatize_panel(
-        test, args.prediction_length, subsampling_rate=args.inference_rate,
-        sensitivity=args.inference_sensitivity, delta=args.delta,
-        epsilon=args.inference_epsilon, seed=seed)
-    f_it, _ = make_evaluation_predictions(dataset=released.to_gluonts(),
-                                          predictor=result.create_predictor(),
-                                          num_samples=args.num_samples)
-    metrics = evaluate_forecasts(list(f_it), truth)  # scored against the true values
-    first = reports[0]
-    record = {key: value for key, value in first.as_dict().items()
-              if key not in ("kept_steps", "series_length")}
-    record.update(series=len(reports), kept_fraction=sum(r.kept_steps for r in reports)
-                  / sum(r.series_length for r in reports), crps=metrics["crps"],
-                  mase=metrics["mase"])
-    if seed is not None:
-        record["seed"] = seed
-    rows.append({"method": f"{rows[0]['method']}, private inputs (ε_in={first.epsilon:.3g})",
-                 **metrics, "epsilon": first.epsilon,
-                 "noise_multiplier": first.noise_multiplier,
-                 "seconds": time.perf_counter() - t0})
-    log(f"inference privacy: every test series' input released with epsilon="
-        f"{first.epsilon:.4g} at delta={first.delta:g} ({first.relation}; separate from the "
-        f"training epsilon)")
-    return record
 
 
 @dataclasses.dataclass
@@ -414,41 +383,6 @@ def _sweep(job: _Job, table: _Rows, result, main_row) -> list:
     return sweep
 
 
-def _baselines(job: _Job, table: _Rows) -> dict:
-    """The non-private run, the zero-shot model, seasonal naive and ETS (unless skipped)."""
-    from ..forecasting.baselines import seasonal_naive_predictor  # optional: gluonts
-    from ..forecasting.training import train_forecaster  # optional: gluonts
-
-    args, train, baselines = job.args, job.checked.train, {}
-    if args.no_baselines:
-        return baselines
-    if job.dp_sgd or job.budgets is not None:
-        np_result = train_forecaster(args.model, train, epsilon=None, delta=None, **job.common)
-        row = table.evaluate(f"{args.model} (non-private)", np_result.create_predictor(), {
-            "epsilon": math.inf, "steps": np_result.steps, "seconds": np_result.train_seconds})
-        baselines["non_private"] = {k: row[k] for k in ("crps", "mase", "steps", "seconds")}
-        baselines["non_private"]["step_seconds"] = np_result.step_seconds
-    if job.init_state is not None:  # reads no private data: costs no privacy
-        from ..forecasting.pretraining import zero_shot_predictor  # optional: gluonts
-
-        row = table.evaluate("pretrained (public, zero-shot)", zero_shot_predictor(
-            args.model, job.init_state, freq=train.freq,
-            prediction_length=args.prediction_length,
-            context_length=args.context_length), {"epsilon": 0.0, "steps": 0})
-        baselines["zero_shot"] = {k: row[k] for k in ("crps", "mase")}
-    t0 = time.perf_counter()
-    row = table.evaluate("seasonal naive", seasonal_naive_predictor(
-        args.prediction_length, train.freq, season_length=job.season_length), {})
-    row["seconds"] = time.perf_counter() - t0
-    baselines["seasonal_naive"] = {k: row[k] for k in ("crps", "mase")}
-    if not getattr(args, "no_ets", False):
-        ets = _ets_reference_row(train, table.truth, args.prediction_length, job.season_length,
-                                 table.rows, table.forecasts)
-        if ets is not None:
-            baselines["ets"] = ets
-    return baselines
-
-
 def _report(job: _Job, release: dict, baselines: dict, table: _Rows) -> dict:
     """``report.json`` (without the table, the plot paths and the verdicts)."""
     from ..forecasting.baseline_skip import describe_skip  # optional: gluonts
@@ -570,23 +504,6 @@ def _write_outputs(job: _Job, report: dict, release: dict, table: _Rows) -> None
                     banner=NOT_PRIVATE_SEEDED if job.seeded_any else None)
 
 
-def _tuning_lines(tuning: dict) -> str:
-    """The printed summary of ``--tune`` (``report["tuning"]``)."""
-    chosen = tuning["chosen"]
-    w = chosen["zero_shot_weight"]
-    model = ("the public zero-shot model (W = 1)" if w >= 1 else
-             f"lr {chosen['lr']:.3g}, {chosen['max_steps']} steps, W = {w:g}")
-    return (f"tuning: {len(tuning['candidates'])} candidates (lr × steps × W), private "
-            f"selection ({tuning['law']}, mean {tuning['mean_trials']:g} trials); chosen: "
-            f"{model}, private score {tuning['private_score']:.4g}\n"
-            f"  epsilon {tuning['epsilon']:.4g} for the whole search; one trial alone "
-            f"{tuning['trial_epsilon']:.4g}: the selection's share is "
-            f"{100 * tuning['selection_share']:.0f} %; sigma {tuning['noise_multiplier']:.4g}, "
-            f"score noise {tuning['score_noise_multiplier']:.4g}\n"
-            f"  trials drawn: {tuning['trials_drawn']} (operator only: publishing it voids the "
-            f"selection's guarantee)")
-
-
 def _finite(obj):
     """Replace inf/nan floats by strings so the output is strict JSON."""
     if isinstance(obj, float) and not math.isfinite(obj):
@@ -636,33 +553,6 @@ def run(args) -> int:
             print(f"report: {os.path.join(args.output, 'report.json')}"
                   + (f", plot: {report['plot']}" if "plot" in report else ""))
     return 0
-
-
-def _ets_reference_row(train, truth, prediction_length, season_length, rows, forecasts):
-    """The non-private statsmodels ETS reference (:mod:`~opacus_structured.forecasting.ets`):
-    appends its row (labelled NOT PRIVATE) and its forecasts (for the plot) and returns its
-    baseline entry; without statsmodels, one notice on stderr and ``{"omitted": reason}``."""
-    from ..forecasting.ets import (  # optional: gluonts, statsmodels
-        ETS_LABEL,
-        ets_reference,
-        ets_unavailable_reason,
-    )
-
-    reason = ets_unavailable_reason()
-    if reason is not None:
-        print(f"notice: {reason}", file=sys.stderr)
-        return {"omitted": reason, "private": False}
-    ets = ets_reference(train, truth, prediction_length, season_length)
-    forecasts[ETS_LABEL] = ets.pop("forecasts")
-    rows.append({"method": ETS_LABEL, "crps": ets["crps"], "mase": ets["mase"],
-                 "mse": ets["mse"], "nd": ets["nd"], "private": False,
-                 "seconds": ets["seconds"]})
-    if ets["fallbacks"]:
-        print(f"ETS reference: {len(ets['fallbacks'])} of {len(train)} series used the naive "
-              f"fallback ({'; '.join(f'{i}: {s}' for i, s in ets['fallbacks'][:5])}"
-              f"{'; ...' if len(ets['fallbacks']) > 5 else ''})", file=sys.stderr)
-    return {k: ets[k] for k in ("crps", "mase", "private", "note", "models", "fallbacks",
-                                "predictive", "seconds", "workers")}
 
 
 def _public_dataset_size(args, data_path, train):

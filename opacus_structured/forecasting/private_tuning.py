@@ -210,12 +210,11 @@ def plan_tuning(scheme, *, epsilon: float, delta: float, max_steps: int,
         rtol=1e-2)
     sigma = calibrate_selection(epsilon, trial_for_sigma=trial, sigma_range=(single, 1e4),
                                 rtol=1e-2, discretization=discretization, **law)
-    spent = selection_epsilon(trial(sigma), discretization=discretization, **law)
-    one = StructuredSubsamplingAccountant(scheme, discretization=discretization)
-    one.step(noise_multiplier=sigma, sample_rate=scheme.expected_sample_rate(),
-             num_steps=max_steps)
+    priced = trial(sigma)
+    spent = selection_epsilon(priced, discretization=discretization, **law)
     return TunePlan(sigma=float(sigma), score_sigma=float(score_sigma), epsilon=float(spent),
-                    trial_epsilon=_trial_epsilon(one, score_sigma, delta, discretization),
+                    trial_epsilon=_trial_epsilon(priced.run, score_sigma, delta,
+                                                 discretization),
                     delta=delta, mean_trials=float(mean_trials), eta=eta, max_steps=max_steps)
 
 

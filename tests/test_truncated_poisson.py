@@ -64,14 +64,24 @@ def test_q_extremes_and_inclusion_probability():
 
 
 # ---- pessimism against an independent computation --------------------------------------------
+def _density(mix):
+    """The mixture's density in plain ``math`` from its components (not the library's ``pdf``;
+    ~10x faster inside ``quad``, same values to ~1e-16 relative; issue 41)."""
+    comps = [(float(m), float(w)) for m, w in zip(mix.means, mix.weights, strict=True)]
+    s = float(mix.sigma)
+    c = 1.0 / (s * math.sqrt(2.0 * math.pi))
+    return lambda x: c * sum(w * math.exp(-0.5 * ((x - m) / s) ** 2) for m, w in comps)
+
+
 def _quad_delta(branches, eps, reverse=False):
     """H_{e^eps} of the joint (r, x+z) pair by quadrature: sum_r w_r int (p_r - e^eps q_r)_+."""
     total = 0.0
     for w, pair in branches:
         P, Q = (pair.lower, pair.upper) if reverse else (pair.upper, pair.lower)
+        P, Q = _density(P), _density(Q)
         lo, hi = pair.x_range()
         def f(x, P=P, Q=Q):
-            return max(P.pdf(x) - math.exp(eps) * Q.pdf(x), 0.0)
+            return max(P(x) - math.exp(eps) * Q(x), 0.0)
 
         val, _ = integrate.quad(f, lo - 5, hi + 5, points=[0.0, 1.0, 2.0], limit=400,
                                 epsabs=1e-13, epsrel=1e-10)

@@ -228,6 +228,7 @@ def test_argument_errors():
 
 # ---- heavier reproductions --------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.long  # 30-40 s: out of CI's 30-minute budget; the fast tests check the same bounds at smaller counts
 def test_benchmark_table_holds_at_a_million_runs():
     """The guide's table at 10^6 searches per side: every random search within its
     selection ε; the fixed best-of-50 and the random searches over pure trials beyond the

@@ -8,7 +8,7 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 TEST_DISCRETIZATION = 1e-3
 
 
-def default_subset(cases, keep):
+def default_subset(cases, keep, ids=None):
     """Cases for ``@pytest.mark.parametrize`` of a grid whose default run is a subset.
 
     The cases in ``keep`` run in the README's test command; every other case is marked
@@ -16,21 +16,23 @@ def default_subset(cases, keep):
     take <= 5 min on 2 cores, so a grid keeps its corners and each distinct code path by
     default and the rest of it runs in CI. A case is a tuple of the argument values (a bare
     value for one argument); cases that are already ``pytest.param`` objects pass through, and
-    ids are pytest's own, as without the helper. Each grid's comment says which subset is kept.
+    ids are pytest's own, as without the helper, or ``ids`` (one per case). Each grid's comment
+    says which subset is kept.
     """
     keep = list(keep)
     values = [c for c in cases if not hasattr(c, "marks")]
-    missing = [k for k in keep if k not in values]
+    missing = [k for k in keep if not any(k is v or k == v for v in values)]
     if missing:
         raise ValueError(f"default_subset: {missing} not among the grid's cases")
     out = []
-    for case in cases:
+    for i, case in enumerate(cases):
         if hasattr(case, "marks"):  # already a pytest.param
             out.append(case)
             continue
-        marks = () if case in keep else (pytest.mark.slow,)
-        out.append(pytest.param(*case, marks=marks) if isinstance(case, tuple)
-                   else pytest.param(case, marks=marks))
+        marks = () if any(case is k or case == k for k in keep) else (pytest.mark.slow,)
+        case_id = None if ids is None else ids[i]
+        out.append(pytest.param(*case, marks=marks, id=case_id) if isinstance(case, tuple)
+                   else pytest.param(case, marks=marks, id=case_id))
     return out
 
 

@@ -17,7 +17,10 @@ from opacus_structured.cli import main as cli_main
 D = 1e-3
 
 
-@pytest.mark.parametrize("sigma,q,steps", [(0.6, 0.01, 100), (1.0, 0.1, 100), (2.0, 0.001, 1000)])
+# The default run keeps σ = 1 and 2; σ = 0.6 (~2 s: its RDP orders converge slowly) runs in
+# CI's slow step (issue 41: README command <= 5 min).
+@pytest.mark.parametrize("sigma,q,steps", [pytest.param(0.6, 0.01, 100, marks=pytest.mark.slow),
+                                           (1.0, 0.1, 100), (2.0, 0.001, 1000)])
 def test_not_above_opacus_rdp(sigma, q, steps):
     acc = PoissonAccountant(discretization=D)
     acc.history = [(sigma, q, steps)]

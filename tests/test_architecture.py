@@ -127,6 +127,8 @@ def _modules():
             yield path, ".".join(parts), is_package
 
 
+# Static layering check of every module (no privacy bound).
+@pytest.mark.slow  # 3 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_layers_import_downwards_only_and_no_hidden_imports():
     problems = []
     for path, module, is_package in _modules():

@@ -136,6 +136,8 @@ def test_every_audit_flag_has_help(capsys):
         assert "scheme setting" not in out  # every scheme flag has its own help line
 
 
+# A subprocess import check (test_cli_check_first's stays).
+@pytest.mark.slow  # 3 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_building_the_command_line_imports_no_torch():
     """The audit parser adds its torch-backed scheme flags only when `audit` is parsed; the
     estimators and the report need no torch."""

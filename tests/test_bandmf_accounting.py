@@ -183,6 +183,8 @@ def test_balls_in_bins_against_exact_two_bin_integral(epochs):
     assert acc.get_delta(eps) <= delta * (1 + 1e-6)
 
 
+# A subprocess for a command's --help (no privacy bound).
+@pytest.mark.slow  # 3 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_cli_epsilon():
     out = subprocess.run(
         [sys.executable, "-m", "opacus_structured.cli", "epsilon", "bandmf-cyclic-poisson",

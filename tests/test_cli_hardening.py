@@ -130,6 +130,8 @@ _SMALL_PLOT = ["plot", "structured", "--num-series", "8", "--series-length", "6"
                "--curve", "top_level=deterministic", "--curve", "top_level=wor", "--no-progress"]
 
 
+# A plot written by the CLI (no privacy bound).
+@pytest.mark.slow  # 2 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_plot_creates_the_output_directory(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     target = tmp_path / "new" / "dir" / "x.png"
@@ -137,6 +139,8 @@ def test_plot_creates_the_output_directory(tmp_path, capsys):
     assert target.is_file()
 
 
+# A plot's error message (no privacy bound).
+@pytest.mark.slow  # 1 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_plot_unwritable_output_is_a_one_line_error(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     blocker = tmp_path / "file"

@@ -157,6 +157,8 @@ def test_callbacks_other_than_model_summary_refused():
                         init_from="none")
 
 
+# Parity with gluonts' trainer arguments (no privacy bound).
+@pytest.mark.slow  # 3 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_trainer_kwargs_honoured(split6):
     """max_epochs × num_batches_per_epoch steps (gluonts' epoch), the neutral values, a model
     summary callback, cache_data; train_model gives gluonts' TrainOutput with the Trainer."""
@@ -302,6 +304,8 @@ def test_dlinear_round_trip_from_the_public_weights(split12):
     _finite_metrics(predictor, test)
 
 
+# DeepAR's public-weights round trip (DLinear's stays in the default run).
+@pytest.mark.slow  # 2 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_deepar_round_trip_from_public_weights_pretrained_now(split12, monkeypatch):
     """DeepAR's public weights are pretrained on first use (into the tests' temporary cache);
     a tiny pretraining recipe keeps it fast — the path is the default one: public start, the
@@ -411,6 +415,8 @@ def test_static_categorical_features_train_and_evaluate():
     assert math.isfinite(agg["mean_wQuantileLoss"]) and math.isfinite(agg["MASE"])
 
 
+# Refusals of malformed static features (no privacy bound).
+@pytest.mark.slow  # 1 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_static_categorical_features_refusals(split6):
     import pandas as pd
 

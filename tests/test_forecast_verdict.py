@@ -175,6 +175,8 @@ def test_constant_series_are_left_out_of_the_mase(capsys):
 
 
 # ---- the plot ---------------------------------------------------------------------------------
+# A plot's labels (no privacy bound).
+@pytest.mark.slow  # 1 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_the_plot_shows_epsilon_delta_and_the_baselines(tmp_path):
     pytest.importorskip("matplotlib")
     from gluonts.model.forecast import QuantileForecast

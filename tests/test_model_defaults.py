@@ -89,6 +89,8 @@ def test_cli_uses_the_models_own_defaults(model, tiny_pretraining, monkeypatch, 
     assert rep["recipe"]["given"] == ["lr", "max_grad_norm"]
 
 
+# Progress lines of a forecast CLI run (no privacy bound).
+@pytest.mark.slow  # 3 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_first_use_pretraining_progress_goes_to_stderr_under_json(tiny_pretraining, capsys):
     """stderr is not a terminal here (no bar): the pretraining is announced and followed by
     plain step lines on stderr (at most every ~10 s, and the last); stdout is exactly one JSON

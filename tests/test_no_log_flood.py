@@ -65,6 +65,8 @@ def test_twenty_steps_print_no_log_lines(accountant, options, caplog, capfd):
     assert "_compute_log_a_frac" not in err and "failed to converge" not in err, err[:500]
 
 
+# Checks the log capture itself (no privacy bound).
+@pytest.mark.slow  # 2 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_the_capture_would_see_dp_accountings_flood(caplog):
     """The check above can fail: unsilenced, dp_accounting's RDP at fractional orders logs."""
     import dp_accounting

@@ -105,11 +105,18 @@ def test_cube_probabilities_match_a_monte_carlo_sample_of_the_pair():
 
 def _exact_max_statistic_delta(sigma, k, eps, m_p, m_q):
     """δ(ε) of the max statistic's pair by quadrature of its densities (both directions)."""
+    # the standard normal's pdf and cdf in plain math (scipy's scalar calls inside quad made
+    # this oracle ~10x slower; same values to ~1e-16 relative; issue 41)
+    def pdf(t):
+        return math.exp(-0.5 * t * t) / math.sqrt(2.0 * math.pi)
+
+    def cdf(t):
+        return 0.5 * math.erfc(-t / math.sqrt(2.0))
+
     def dens(c, m):
         a, b = (c - m) / sigma, c / sigma
-        return (stats.norm.pdf(a) * stats.norm.cdf(b) ** (k - 1)
-                + (k - 1) * stats.norm.cdf(a) * stats.norm.pdf(b)
-                * stats.norm.cdf(b) ** (k - 2)) / sigma
+        return (pdf(a) * cdf(b) ** (k - 1)
+                + (k - 1) * cdf(a) * pdf(b) * cdf(b) ** (k - 2)) / sigma
     lo, hi = -12 * sigma, max(m_p, m_q) + 14 * sigma
     out = 0.0
     for mp, mq in ((m_p, m_q), (m_q, m_p)):

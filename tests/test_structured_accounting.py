@@ -39,8 +39,13 @@ def composed(scheme, n, sigma=1.0):
 
 # ---- oracles ----------------------------------------------------------------------------------
 def _pdf(means, weights, sigma):
-    means, weights = np.asarray(means, float), np.asarray(weights, float)
-    return lambda x: float(np.dot(weights, stats.norm.pdf(x, means, sigma)))
+    """``Σ w N(m, σ²)`` in plain ``math`` (scipy's scalar ``norm.pdf`` inside ``quad`` made
+    these oracles ~10x slower; same values to ~1e-16 relative; issue 41)."""
+    comps = [(float(m), float(w)) for m, w in zip(np.ravel(means), np.ravel(weights),
+                                                  strict=True)]
+    s = float(sigma)
+    c = 1.0 / (s * math.sqrt(2.0 * math.pi))
+    return lambda x: c * sum(w * math.exp(-0.5 * ((x - m) / s) ** 2) for m, w in comps)
 
 
 def hockey_quad(p_means, p_w, q_means, q_w, sigma, eps):
@@ -58,7 +63,8 @@ def hockey_quad(p_means, p_w, q_means, q_w, sigma, eps):
 EPS = [-1.0, -0.01, 0.0, 0.5, 3.0]
 
 
-@pytest.mark.parametrize("q", [0.01, 0.1, 0.7])
+# The default run keeps the ends q = 0.01 and 0.7; 0.1 runs in CI's slow step (issue 41).
+@pytest.mark.parametrize("q", [0.01, pytest.param(0.1, marks=pytest.mark.slow), 0.7])
 def test_thm_4_4_single_step_matches_quadrature_both_branches(q):
     prof = st.thm_4_4(1.3, rho=q / 0.5, r=0.5) if q <= 0.5 else st.thm_4_4(1.3, rho=1.0, r=q)
     for e in EPS:
@@ -69,7 +75,9 @@ def test_thm_4_4_single_step_matches_quadrature_both_branches(q):
         assert prof.delta(e) == pytest.approx(ref, rel=1e-7, abs=1e-12)
 
 
-@pytest.mark.parametrize("lam", [1, 2])
+# The default run keeps λ = 2 (a double mixture of three components); λ = 1 (2 s) runs in CI's
+# slow step (issue 41: README command <= 5 min).
+@pytest.mark.parametrize("lam", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_two_sided_and_lower_pairs_match_quadrature(lam):
     sigma, r, rho = 1.1, 0.2, 0.3
     p = stats.binom.pmf(np.arange(lam + 1), lam, r)
@@ -482,6 +490,8 @@ def test_cli_epsilon_and_tight_error(capsys):
     assert "bound='upper'" in capsys.readouterr().err
 
 
+# A plot written by the CLI (no privacy bound).
+@pytest.mark.slow  # 2 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_plot_command_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
     from opacus_structured.cli import main

@@ -49,6 +49,8 @@ def test_make_private_warnings_name_this_file():
         assert w.filename == __file__, (w.filename, w.lineno)
 
 
+# A warning's stack level from a forecaster training (no privacy bound).
+@pytest.mark.slow  # 2 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_train_forecaster_warning_names_this_file():
     pytest.importorskip("gluonts")
     from opacus_structured.forecasting.data import Panel

@@ -163,7 +163,8 @@ def test_the_command_tunes_within_the_budget_and_reports_the_search(tmp_path, ca
     from opacus_structured.cli import main
 
     out = tmp_path / "out"
-    argv = ["forecast", "--tune", "--tune-trials", "2", "--data", str(_panel_csv(tmp_path)),
+    argv = ["forecast", "--tune", "--tune-always", "--tune-trials", "2", "--data",
+            str(_panel_csv(tmp_path)),
             "--freq", "M", "--epsilon", "2", "--delta", "1e-5", "--dataset-size", "8",
             "--max-steps", "4", "--num-samples", "10", "--no-ets", "--no-plot",
             "--no-progress", "--output", str(out), "--discretization", "1e-3"]
@@ -182,3 +183,82 @@ def test_the_command_tunes_within_the_budget_and_reports_the_search(tmp_path, ca
     assert rep["steps"] == tuning["chosen"]["max_steps"] <= tuning["max_steps"] == 4
     assert "privacy_record" not in rep and math.isfinite(rep["crps"])
     assert "rerun with --tune" not in json.dumps(rep["verdict"])
+
+
+def test_the_gate_decides_on_public_quantities_and_names_what_would_let_it_search():
+    """σ_s is the Gaussian score's noise whose selection alone costs SCORE_SHARE of ε
+    (checked against the selection price itself, which is dp_accounting's
+    RepeatAndSelectDpEvent for a Gaussian event); the gate compares σ_s·C/N with the limit, and
+    its ``series_needed`` / ``epsilon_needed`` are where the decision flips."""
+    from dp_accounting import dp_event
+
+    from opacus_structured.tuning import selection_epsilon
+
+    law = dict(delta=1e-7, mean_trials=3.0, eta=1.0)
+    gate = pt.tuning_gate(epsilon=1.0, num_series=148, **law)
+    sigma_s = gate.score_sigma
+    share = pt.SCORE_SHARE * 1.0
+    assert selection_epsilon(dp_event.GaussianDpEvent(sigma_s), **law) <= share
+    assert selection_epsilon(dp_event.GaussianDpEvent(sigma_s / 1.02), **law) > share
+    assert gate.score_noise_sd == pytest.approx(sigma_s * pt.SCORE_CLIP / 148, rel=1e-12)
+    assert gate.tune is (gate.score_noise_sd <= pt.MAX_SCORE_NOISE)
+    limit = 0.1
+    gate = pt.tuning_gate(epsilon=1.0, num_series=148, max_score_noise=limit, **law)
+    assert not gate.tune and gate.series_needed > 148
+    assert pt.tuning_gate(epsilon=1.0, num_series=gate.series_needed, max_score_noise=limit,
+                          **law).tune
+    assert not pt.tuning_gate(epsilon=1.0, num_series=gate.series_needed - 1,
+                              max_score_noise=limit, **law).tune
+    assert 1.0 < gate.epsilon_needed < math.inf
+    assert pt.tuning_gate(epsilon=gate.epsilon_needed, num_series=148, max_score_noise=limit,
+                          **law).tune
+    assert not pt.tuning_gate(epsilon=gate.epsilon_needed / 1.05, num_series=148,
+                              max_score_noise=limit, **law).tune
+    text = gate.message()
+    assert text.startswith("--tune skipped: with 148 series at epsilon=1")
+    assert f">= {gate.series_needed} series" in text and "--tune-always" in text
+    # 4 series: no ε brings the noise under 0.1 (σ_s's floor 0.5 gives 0.125): more series only
+    few = pt.tuning_gate(epsilon=1.0, num_series=4, max_score_noise=limit, **law)
+    assert few.epsilon_needed == math.inf and "or epsilon" not in few.message()
+    assert pt.tuning_gate(epsilon=1.0, num_series=148, max_score_noise=1.0, **law).tune
+    for bad, name in ((dict(num_series=0), "num_series"), (dict(max_score_noise=-1.0),
+                                                          "max_score_noise")):
+        with pytest.raises(ValueError, match=name):
+            pt.tuning_gate(**{"epsilon": 1.0, "num_series": 8, **law, **bad})
+
+
+def test_tune_always_needs_tune(tmp_path):
+    with pytest.raises(ValueError, match="--tune-always needs --tune"):
+        check_arguments(_args("--tune-always", "--output", str(tmp_path / "o")))
+    check_arguments(_args("--tune", "--tune-always", "--output", str(tmp_path / "o")))
+
+
+def test_a_skipped_search_releases_the_recipe_at_the_whole_budget(tmp_path, capsys):
+    """8 series at ε = 2: the gate skips the search (public quantities only) and the release
+    is exactly the untuned run's (same seed: same CRPS, ε and σ), with the reason in
+    report["tuning"] and under the table."""
+    from opacus_structured.cli import main
+
+    panel = str(_panel_csv(tmp_path))
+    common = ["--data", panel, "--freq", "M", "--epsilon", "2", "--delta", "1e-5",
+              "--dataset-size", "8", "--max-steps", "3", "--num-samples", "10", "--seed", "0",
+              "--no-baselines", "--no-plot", "--no-progress", "--discretization", "1e-3"]
+    reps = []
+    for extra in (["--tune"], []):
+        out = tmp_path / f"out{len(reps)}"
+        assert main(["forecast", *extra, *common, "--output", str(out)]) == 0
+        reps.append(json.loads((out / "report.json").read_text()))
+    text = capsys.readouterr()
+    tuned, plain = reps
+    tuning = tuned["tuning"]
+    assert tuning["skipped"] is True and tuning["search_run"] is False
+    assert tuning["score_noise_sd"] > tuning["max_score_noise"] == pt.MAX_SCORE_NOISE
+    assert tuning["series_needed"] > 8 and "chosen" not in tuning
+    assert "--tune skipped: with 8 series at epsilon=2" in text.err
+    assert "tuning: search not run: with 8 series at epsilon=2" in text.out
+    for key in ("epsilon", "noise_multiplier", "crps", "mase", "steps"):
+        assert tuned[key] == plain[key], key
+    assert tuned["epsilon"] <= 2.0 and "tuning" not in plain
+    runs = [rep["privacy_record"]["runs"] for rep in (tuned, plain)]
+    assert [r["accountant"]["history"] for r in runs[0]] == [
+        r["accountant"]["history"] for r in runs[1]]

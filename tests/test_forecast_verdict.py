@@ -10,6 +10,7 @@ seasonal-naive and ETS forecasts are drawn.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import types
@@ -61,6 +62,30 @@ def test_losing_to_zero_shot_on_one_metric_is_a_loss_with_advice():
     # once the command has --tune, the advice names the flag without "when available"
     assert _verdict(0.0090, 0.700, tune=True)["advice"][0] == (
         "private hyperparameter selection: rerun with --tune")
+    # where --tune's gate would skip the search, its reason replaces the suggestion; the
+    # gate is computed only when advice is given (a callable)
+    calls = []
+    reason = "private hyperparameter selection (--tune) cannot pay here: ..."
+    v = _verdict(0.0090, 0.700, tune=lambda: calls.append(1) or reason)
+    assert v["advice"][0] == reason and calls == [1]
+    _verdict(0.0077, 0.463, tune=lambda: calls.append(2) or reason)
+    assert calls == [1]  # a winning, not noise-dominated release asks nothing
+
+
+def test_the_command_names_the_gate_where_tune_cannot_pay():
+    """``_tune_advice``: the gate on the run's public quantities (ε, δ, N, the law)."""
+    from opacus_structured.commands._forecast_verdict import _tune_advice
+    from opacus_structured.forecasting.private_tuning import tuning_gate
+
+    args = argparse.Namespace(tune=False, tune_trials=3.0, tune_eta=1.0, dataset_size=None)
+    report = {"dp_sgd": True, "target_epsilon": 1.0, "delta": 1e-7}
+    text = _tune_advice(report, args, 8)
+    gate = tuning_gate(epsilon=1.0, delta=1e-7, num_series=8)
+    assert text.startswith("private hyperparameter selection (--tune) cannot pay here")
+    assert f">= {gate.series_needed} series" in text and not gate.tune
+    assert _tune_advice(report, args, 5000) is True  # sd = 31.1/5000 < MAX_SCORE_NOISE
+    assert _tune_advice(report, argparse.Namespace(tune=True), 8) is None
+    assert _tune_advice(report, argparse.Namespace(), 8) is False  # a command without --tune
 
 
 def test_noise_dominated_runs_get_advice_even_when_they_win():
@@ -252,7 +277,9 @@ def test_the_command_says_when_dp_loses_to_zero_shot(tmp_path, capsys):
     assert "warning: MASE leaves out 1 of 7 series (flat)" in captured.err
     assert "\n\nverdict: dlinear (DP-SGD, seeded: NOT PRIVATE) at ε = 0.49" in captured.out
     assert "does NOT beat the public zero-shot model" in captured.out
-    assert "what to do:\n  - private hyperparameter selection: rerun with --tune" in captured.out
+    # 7 series at ε = 0.5: --tune's gate would skip the search, and the advice says so
+    assert ("what to do:\n  - private hyperparameter selection (--tune) cannot pay here"
+            in captured.out)
     text = (out / "report.json").read_text()
     assert '"nan"' not in text and '"-inf"' not in text
     rep = json.loads(text)

@@ -101,7 +101,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "selection (Papernot & Steinke 2022): a secret random number of DP "
                         "trials on the training part minus its last --prediction-length steps, "
                         "each scored privately on those steps; the whole search is priced "
-                        "within --epsilon (docs/guides/tuning_without_leaking.md)")
+                        "within --epsilon. Run only where the score can resolve the candidates "
+                        "(decided on ε, δ and the public number of series: from ~1040 series "
+                        "at ε = 1); otherwise the recipe is trained at the whole ε and the "
+                        "reason printed (docs/guides/tuning_without_leaking.md)")
+    p.add_argument("--tune-always", action="store_true",
+                   help="with --tune: run the search even where its private score is too "
+                        "noisy to tell the candidates apart (by default --tune then trains "
+                        "the recipe once at the whole --epsilon and says why; the decision "
+                        "uses public quantities only)")
     p.add_argument("--tune-trials", type=float, default=3.0, metavar="MEAN",
                    help="with --tune: mean number of trials E[K] >= 1 (default %(default)g)")
     p.add_argument("--tune-eta", type=float, default=1.0, metavar="ETA",

@@ -163,6 +163,8 @@ def _check_inference_flags(args) -> None:
 def _check_tune_flags(args) -> None:
     """``--tune`` and what it chooses itself (docs/guides/tuning.md)."""
     if not _get(args, "tune", False):
+        if _get(args, "tune_always", False):
+            raise ValueError("--tune-always needs --tune")
         return
     check_finite("--tune-trials", _get(args, "tune_trials", 3.0))
     if not _get(args, "tune_trials", 3.0) >= 1:

@@ -111,6 +111,9 @@ def ets_reference_row(train, truth, prediction_length, season_length, rows, fore
 
 def tuning_lines(tuning: dict) -> str:
     """The printed summary of ``--tune`` (``report["tuning"]``)."""
+    if tuning.get("skipped"):
+        return ("tuning: " + tuning["reason"].replace("--tune skipped: ", "search not run: ")
+                + " (decided on public quantities only)")
     chosen = tuning["chosen"]
     w = chosen["zero_shot_weight"]
     model = ("the public zero-shot model (W = 1)" if w >= 1 else

@@ -58,7 +58,7 @@ def _numbers(cmp) -> str:
 
 def dp_verdict(*, label: str, crps: float, mase, dp_sgd: bool, epsilon, noise_multiplier,
                batch_size: int, num_series: int, baselines: dict,
-               tune_available: bool) -> dict:
+               tune_available) -> dict:
     """The verdict on one released forecast (module docstring): ``beats_seasonal_naive``,
     ``beats_zero_shot`` (``None`` where that baseline was not run), ``noise_to_signal``
     (σ/B, ``None`` without DP-SGD), ``noise_dominated``, the per-baseline ``comparisons``, a
@@ -91,7 +91,11 @@ def dp_verdict(*, label: str, crps: float, mase, dp_sgd: bool, epsilon, noise_mu
     losing = [key for key, cmp in comparisons.items() if not cmp["beats"]]
     advice = []
     if dp_sgd and (losing or noisy):
-        if tune_available is not None:  # None: this run was already tuned
+        if callable(tune_available):  # computed only when the advice is given
+            tune_available = tune_available()
+        if isinstance(tune_available, str):  # --tune's gate says a search cannot pay here
+            advice.append(tune_available)
+        elif tune_available is not None:  # None: this run was already tuned (or asked to be)
             advice.append("private hyperparameter selection: rerun with --tune"
                           if tune_available else
                           "private hyperparameter selection (--tune, when available)")
@@ -125,8 +129,7 @@ def add_verdicts(report: dict, args, rows: list[dict], test, truth,
         report["warnings"] = warnings_out
     common = dict(dp_sgd=report["dp_sgd"], batch_size=report["batch_size"],
                   num_series=len(test), baselines=report["baselines"],
-                  tune_available=(None if getattr(args, "tune", False)
-                                  else hasattr(args, "tune")))
+                  tune_available=lambda: _tune_advice(report, args, len(test)))
     main = rows[0]
     report["verdict"] = dp_verdict(label=main["method"], crps=main["crps"], mase=main["mase"],
                                    epsilon=report["epsilon"],
@@ -168,3 +171,26 @@ def mase_exclusion(test, truth, prediction_length: int, season_length: int,
                                "is empty"))
         print("warning: " + warnings_out[-1], file=sys.stderr)
     return {"series": ids, "reason": MASE_UNDEFINED_REASON, "mase_series": kept}
+
+
+def _tune_advice(report: dict, args, num_series: int):
+    """What the verdict says of ``--tune``: ``None`` for a run that asked for it (its
+    ``report["tuning"]`` says what happened), ``True`` where its gate would run the search,
+    else the gate's reason (public quantities only: ε, δ, the law and the number of series)."""
+    if getattr(args, "tune", False) or not hasattr(args, "tune"):
+        return None if getattr(args, "tune", False) else False
+    epsilon = report.get("target_epsilon")
+    if not report.get("dp_sgd") or epsilon is None or not math.isfinite(epsilon):
+        return True
+    from ..forecasting.private_tuning import tuning_gate  # optional: gluonts
+
+    gate = tuning_gate(epsilon=epsilon, delta=report["delta"],
+                       num_series=getattr(args, "dataset_size", None) or num_series,
+                       mean_trials=getattr(args, "tune_trials", 3.0),
+                       eta=getattr(args, "tune_eta", 1.0))
+    if gate.tune:
+        return True
+    return (f"private hyperparameter selection (--tune) cannot pay here: its score's noise "
+            f"would have sd {gate.score_noise_sd:.3g} on the mean clipped loss (> "
+            f"{gate.max_score_noise:g}); it needs >= {gate.series_needed} series at this "
+            f"epsilon, or epsilon >= {gate.epsilon_needed:.3g}")

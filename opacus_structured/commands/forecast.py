@@ -59,6 +59,7 @@ from ._forecast_rows import baselines as _baselines
 from ._forecast_rows import ets_reference_row as _ets_reference_row  # noqa: F401 (re-exported)
 from ._forecast_rows import private_inputs_row as _private_inputs_row
 from ._forecast_rows import tuning_lines as _tuning_lines
+from ._forecast_tune import check_gate, run_search, searching, tuning_record
 from ._forecast_verdict import add_verdicts
 
 #: Printed (and put on the plot) for a DP run whose noise was seeded with ``--seed``.
@@ -162,6 +163,11 @@ class _Job:
     budgets: Optional[list]
     progress: bool
     log: Any
+    tune_gate: Any = None  # --tune: private_tuning.TuneGate (public quantities only)
+
+    @property
+    def searching(self) -> bool:
+        return searching(self.args, self.tune_gate)
 
 
 class _Rows:
@@ -231,9 +237,12 @@ def _prepare_job(args) -> _Job:
     season_source = "given" if season_length is not None else "default for the frequency"
     if season_length is None:
         season_length = default_season_length(train.freq)
+    dataset_size = _public_dataset_size(args, checked.path, train)
+    tune_gate = (check_gate(args, dataset_size or len(train)) if getattr(args, "tune", False)
+                 else None)
     # public pretrained weights (read before any private data is used; see pretraining.py)
     # the shortest series a run trains on (--tune's trials: without their validation steps)
-    shortest = train.min_length - (args.prediction_length if getattr(args, "tune", False)
+    shortest = train.min_length - (args.prediction_length if searching(args, tune_gate)
                                    else 0)
     init_state, init_meta = _initial_weights(init_from, args, train.freq, progress, log,
                                              season_length, series_length=shortest)
@@ -251,7 +260,7 @@ def _prepare_job(args) -> _Job:
                   grad_sample_mode=getattr(args, "grad_sample_mode", "hooks"),
                   num_workers=getattr(args, "num_workers", 0),
                   top_level=getattr(args, "top_level", "wor"),
-                  dataset_size=_public_dataset_size(args, checked.path, train),
+                  dataset_size=dataset_size,
                   discretization=args.discretization,
                   zero_shot_weight=getattr(args, "zero_shot_weight", None),
                   estimator_kwargs=({"season_length": season_length} if args.model == "dlinear"
@@ -270,7 +279,7 @@ def _prepare_job(args) -> _Job:
                 season_length=season_length, season_source=season_source, seed=seed,
                 given_init=given_init, init_seed=init_seed, dp_sgd=dp_sgd,
                 seeded_dp=dp_sgd and seed is not None, seeded_any=seeded_any,
-                budgets=budgets, progress=progress, log=log)
+                budgets=budgets, progress=progress, log=log, tune_gate=tune_gate)
 
 
 def _train_at(job: _Job, budget):
@@ -297,25 +306,10 @@ def _row_label(job: _Job, res, budget, tuned=False) -> str:
     return f"{args.model} (non-private{', DP path at ε=∞' if budgets else ''})"
 
 
-def _tune(job: _Job):
-    """``--tune``: the private selection of :mod:`~opacus_structured.forecasting.private_tuning`
-    over the recipe's neighbourhood, within ``--epsilon``."""
-    from ..forecasting.private_tuning import tune_forecaster  # optional: gluonts
-
-    args = job.args
-    job.log(f"--tune: private selection of the learning rate, the steps and the zero-shot "
-            f"weight within epsilon={args.epsilon:g} at delta={args.delta:g}")
-    return tune_forecaster(args.model, job.checked.train, epsilon=args.epsilon,
-                           delta=args.delta, season_length=job.season_length,
-                           mean_trials=args.tune_trials, eta=args.tune_eta,
-                           num_samples=args.num_samples, log=job.log,
-                           search_progress=False if args.no_progress else None, **job.common)
-
-
 def _main_release(job: _Job, table: _Rows) -> dict:
     """Train (or tune) the released model and add its rows; returns what the report needs."""
     args = job.args
-    tuned = _tune(job) if getattr(args, "tune", False) else None
+    tuned = run_search(job) if job.searching else None
     result = tuned.result if tuned is not None else _train_at(job, args.epsilon)
     if result.dp_sgd != job.dp_sgd or result.reproducible_noise != job.seeded_dp:
         raise RuntimeError("the trainer's privacy mode differs from the command's")
@@ -421,8 +415,9 @@ def _report(job: _Job, release: dict, baselines: dict, table: _Rows) -> dict:
         "grad_sample_mode": getattr(args, "grad_sample_mode", "hooks"),
         "total_seconds": time.perf_counter() - job.t_start, "rows": table.rows,
     }
+    if job.tune_gate is not None:
+        report["tuning"] = tuning_record(job.tune_gate, tuned)
     if tuned is not None:
-        report["tuning"] = tuned.describe()
         report["bound"] = "upper"  # Papernot & Steinke's RDP bound of the search
         report["lr"] = tuned.candidate.lr
         report["zero_shot_mixture"] = {**release["zero_shot_mixture"],
@@ -472,7 +467,7 @@ def run_forecast(args, *, print_fn=print) -> dict:
     if args.output:
         _write_outputs(job, report, release, table)
     report["table"] = _table(table.rows) + "\n\n" + verdict_lines
-    if release["tuned"] is not None:
+    if "tuning" in report:
         report["table"] += "\n\n" + _tuning_lines(report["tuning"])
     return report
 

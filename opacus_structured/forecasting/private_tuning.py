@@ -42,6 +42,12 @@ the target ε; then :math:`\sigma` is calibrated so that the whole search costs 
 target (:func:`~opacus_structured.tuning.calibrate_selection`). The released model is the
 winning trial's: trained on the fit panel only (the validation steps are seen by the score).
 
+**When the search runs** (``forecast --tune``; :func:`tuning_gate`). The score's noise on the
+mean clipped loss has standard deviation :math:`\sigma_s C/N`, known before any private data is
+read (ε, δ, the law and the public :math:`N`). Above :data:`MAX_SCORE_NOISE` the command does not
+search and trains the recipe once at the whole ε instead; the decision costs no privacy.
+:func:`tune_forecaster` itself always searches (call :func:`tuning_gate` first to decide).
+
 **What may be published**: the winner's candidate, its private score and the search's ε.
 :math:`K` and the other trials' scores are for the operator: publishing them voids the theorem.
 """
@@ -69,9 +75,10 @@ from .pretraining import zero_shot_predictor
 from .training import train_forecaster
 from .training_scheme import make_scheme
 
-__all__ = ["SCORE_CLIP", "SCORE_SHARE", "DEFAULT_MEAN_TRIALS", "DEFAULT_ETA", "TuneCandidate",
-           "TunePlan", "TuneResult", "default_candidates", "validation_losses", "plan_tuning",
-           "tune_forecaster"]
+__all__ = ["SCORE_CLIP", "SCORE_SHARE", "DEFAULT_MEAN_TRIALS", "DEFAULT_ETA",
+           "MAX_SCORE_NOISE", "TuneCandidate", "TuneGate", "TunePlan", "TuneResult",
+           "default_candidates", "validation_losses", "score_noise_multiplier", "tuning_gate",
+           "plan_tuning", "tune_forecaster"]
 
 #: :math:`C`: a per-series scaled loss above the fit part's in-sample seasonal-naive error
 #: counts as 1 (worse than seasonal naive in sample).
@@ -79,6 +86,11 @@ SCORE_CLIP = 1.0
 #: Share of the target ε that the score alone (selected the same way) would cost: fixes
 #: :math:`\sigma_s` before :math:`\sigma` is calibrated for the whole search.
 SCORE_SHARE = 0.25
+#: Largest standard deviation of the score's noise, :math:`\sigma_s C/N` on the mean clipped
+#: loss, at which ``forecast --tune`` runs its search (:class:`TuneGate`); chosen on the public
+#: study panels by ``benchmarks/tuning_resolution.py`` (docs/benchmarks.md).
+MAX_SCORE_NOISE = 0.03
+_SCORE_SIGMA_FLOOR = 0.5  # σ_s's calibration range starts here
 #: :math:`\mathbb E[K]` and the law's shape (η = 1: geometric) of ``forecast --tune``.
 DEFAULT_MEAN_TRIALS = 3.0
 DEFAULT_ETA = 1.0
@@ -184,6 +196,112 @@ def planned_trial(scheme, sigma: float, steps: int, score_sigma: float, discreti
     return TrialCost(acc, (float(score_sigma),))
 
 
+def score_noise_multiplier(epsilon: float, *, delta: float,
+                           mean_trials: float = DEFAULT_MEAN_TRIALS,
+                           eta: Optional[float] = DEFAULT_ETA,
+                           score_share: float = SCORE_SHARE) -> float:
+    """σ_s: the score's noise multiplier such that the score alone, selected the same way,
+    would cost ``score_share`` of ``epsilon`` (:func:`plan_tuning`'s first step; public
+    quantities only)."""
+    epsilon = check_positive("epsilon", epsilon)
+    if not 0.0 < score_share < 1.0:
+        raise ValueError(f"score_share must be in (0, 1), got {score_share!r}")
+    return float(calibrate_selection(epsilon * score_share,
+                                     trial_for_sigma=dp_event.GaussianDpEvent,
+                                     sigma_range=(_SCORE_SIGMA_FLOOR, 1e5), rtol=1e-2,
+                                     delta=delta,
+                                     mean_trials=mean_trials, eta=eta))
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneGate:
+    r"""Whether ``forecast --tune`` runs its search here, decided on public quantities only
+    (ε, δ, the law of :math:`K`, the public number of series :math:`N`), before any private
+    data is read, so the decision costs no privacy.
+
+    The score's noise has standard deviation :math:`\sigma_s C / N` on the mean clipped loss
+    (:func:`score_noise_multiplier`). Above :data:`MAX_SCORE_NOISE` the search cannot tell
+    the candidates apart, and it would still run every trial at a larger σ than one run needs
+    (× 1.6–1.9 in the benchmark): the recipe is then trained once at the whole ε.
+    ``series_needed`` and ``epsilon_needed`` say what would let the search run (each with
+    the other quantities as they are)."""
+
+    tune: bool
+    epsilon: float
+    delta: float
+    num_series: int
+    mean_trials: float
+    eta: Optional[float]
+    score_sigma: float
+    score_noise_sd: float
+    max_score_noise: float
+    series_needed: int
+    epsilon_needed: float
+
+    def message(self) -> str:
+        if self.tune:
+            return (f"--tune: the score's noise (sd {self.score_noise_sd:.3g} on the mean "
+                    f"clipped loss of {self.num_series} series) is within "
+                    f"{self.max_score_noise:g}: running the private search")
+        return (f"--tune skipped: with {self.num_series} series at epsilon="
+                f"{self.epsilon:g} the private score's noise would have sd "
+                f"{self.score_noise_sd:.3g} on the mean clipped loss (> {self.max_score_noise:g}"
+                f", the most at which a search paid on the public study panels), and every "
+                f"trial would run at a larger sigma than one run needs. The recipe is "
+                f"trained once at the whole epsilon instead. A search "
+                f"needs >= {self.series_needed} series at this epsilon"
+                + (f", or epsilon >= {self.epsilon_needed:.3g} with {self.num_series} series"
+                   if math.isfinite(self.epsilon_needed) else "")
+                + " (--tune-always runs it anyway)")
+
+    def describe(self) -> dict:
+        return {"search_run": self.tune, "score_noise_sd": self.score_noise_sd,
+                "max_score_noise": self.max_score_noise,
+                "score_noise_multiplier": self.score_sigma, "num_series": self.num_series,
+                "series_needed": self.series_needed, "epsilon_needed": self.epsilon_needed,
+                "decided_on": "public quantities only: epsilon, delta, the law of the number "
+                              "of trials and the public number of series"}
+
+
+def tuning_gate(*, epsilon: float, delta: float, num_series: int,
+                mean_trials: float = DEFAULT_MEAN_TRIALS, eta: Optional[float] = DEFAULT_ETA,
+                max_score_noise: Optional[float] = None) -> TuneGate:
+    """The :class:`TuneGate` of a search (public quantities only)."""
+    epsilon = check_positive("epsilon", epsilon)
+    n = check_int("num_series", num_series, minimum=1)
+    limit = MAX_SCORE_NOISE if max_score_noise is None else check_positive(
+        "max_score_noise", max_score_noise)
+    law = dict(delta=delta, mean_trials=mean_trials, eta=eta)
+    sigma_s = score_noise_multiplier(epsilon, **law)
+    sd = sigma_s * SCORE_CLIP / n
+    needed_n = max(n, math.ceil(sigma_s * SCORE_CLIP / limit))
+    needed_eps = epsilon
+    if sd > limit and _SCORE_SIGMA_FLOOR * SCORE_CLIP / n > limit:
+        needed_eps = math.inf  # no ε brings σ_s below the calibration's floor: more series
+    elif sd > limit:  # bisection on log ε: the smallest ε (within 2 %) whose sd is in limit
+        def over(eps: float) -> bool:
+            return score_noise_multiplier(eps, **law) * SCORE_CLIP / n > limit
+
+        # σ_s falls about as 1/ε: bracket around ε·sd/limit, widened until it holds
+        guess = epsilon * sd / limit
+        lo, hi = max(epsilon, guess / 1.25), guess * 1.25
+        while lo > epsilon and not over(lo):
+            lo, hi = max(epsilon, lo / 1.5), lo
+        while over(hi):
+            lo, hi = hi, hi * 1.5
+        while hi / lo > 1.02:
+            mid = math.sqrt(lo * hi)
+            if over(mid):
+                lo = mid
+            else:
+                hi = mid
+        needed_eps = hi
+    return TuneGate(tune=sd <= limit, epsilon=epsilon, delta=float(delta), num_series=n,
+                    mean_trials=float(mean_trials), eta=eta, score_sigma=sigma_s,
+                    score_noise_sd=sd, max_score_noise=limit, series_needed=int(needed_n),
+                    epsilon_needed=float(needed_eps))
+
+
 def plan_tuning(scheme, *, epsilon: float, delta: float, max_steps: int,
                 mean_trials: float = DEFAULT_MEAN_TRIALS, eta: Optional[float] = DEFAULT_ETA,
                 discretization: float = 1e-4, score_share: float = SCORE_SHARE) -> TunePlan:
@@ -194,11 +312,8 @@ def plan_tuning(scheme, *, epsilon: float, delta: float, max_steps: int,
     epsilon = check_positive("epsilon", epsilon)
     delta = check_open_unit("delta", delta)
     max_steps = check_int("max_steps", max_steps, minimum=1)
-    if not 0.0 < score_share < 1.0:
-        raise ValueError(f"score_share must be in (0, 1), got {score_share!r}")
     law = dict(mean_trials=mean_trials, eta=eta, delta=delta)
-    score_sigma = calibrate_selection(epsilon * score_share, trial_for_sigma=dp_event.GaussianDpEvent,
-                                      sigma_range=(0.5, 1e5), rtol=1e-2, **law)
+    score_sigma = score_noise_multiplier(epsilon, score_share=score_share, **law)
 
     def trial(sigma):
         return planned_trial(scheme, sigma, max_steps, score_sigma, discretization)

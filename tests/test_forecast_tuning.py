@@ -256,6 +256,7 @@ def test_a_skipped_search_releases_the_recipe_at_the_whole_budget(tmp_path, caps
     assert tuning["series_needed"] > 8 and "chosen" not in tuning
     assert "--tune skipped: with 8 series at epsilon=2" in text.err
     assert "tuning: search not run: with 8 series at epsilon=2" in text.out
+    assert "the whole search" not in text.out and "Papernot" not in text.out
     for key in ("epsilon", "noise_multiplier", "crps", "mase", "steps"):
         assert tuned[key] == plain[key], key
     assert tuned["epsilon"] <= 2.0 and "tuning" not in plain

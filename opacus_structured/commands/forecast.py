@@ -527,7 +527,7 @@ def run(args) -> int:
                 print(f"\n{NOT_PRIVATE_SEEDED}")
             how = ("private selection of structured-subsampling trials, Papernot & Steinke "
                    "ICLR 2022 over Thm 4.4 of Schuchardt et al. ICML 2025; the whole search"
-                   if "tuning" in report else
+                   if not report.get("tuning", {"skipped": True}).get("skipped") else
                    "structured subsampling, Thm 4.4 of Schuchardt et al. ICML 2025")
             print(f"\n{'privacy' if report['private'] else 'mechanism (NOT this model)'}: "
                   f"epsilon = {eps:.4g} at delta = {report['delta']:g} "

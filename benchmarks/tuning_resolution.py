@@ -55,28 +55,41 @@ def _job(path: str, n: int, epsilon: float, seed: int, model: str = "dlinear"):
     return _prepare_job(args)
 
 
-def run_one(name: str, epsilon: float, seed: int = 0) -> dict:
+def _setup(name: str, epsilon: float, seed: int, model: str) -> dict:
+    """The study panel's job, its fit part (training minus the last h steps) and the plan of a
+    search over ``model`` on it (``forecast --tune``'s own set-up)."""
     from opacus_structured.forecasting import private_tuning as pt
     from opacus_structured.forecasting.data import train_test_split
     from opacus_structured.forecasting.estimators import prepare_estimator
-    from opacus_structured.forecasting.training import train_forecaster
     from opacus_structured.forecasting.training_scheme import make_scheme
 
     path, n = study_csv(name)
-    job = _job(path, n, epsilon, seed)
+    job = _job(path, n, epsilon, seed, model=model)
     common = {k: v for k, v in job.common.items() if k not in pt._SET_HERE}
-    whole, h = job.checked.test, job.args.prediction_length  # the panel with its test steps
-    train = job.checked.train
+    h, train = job.args.prediction_length, job.checked.train
     fit, _ = train_test_split(train, h)
     batch = job.common["batch_size"]
-    prepared = prepare_estimator("dlinear", freq=fit.freq, prediction_length=h,
+    prepared = prepare_estimator(model, freq=fit.freq, prediction_length=h,
                                  context_length=job.common.get("context_length"),
                                  batch_size=batch, **(common.get("estimator_kwargs") or {}))
     scheme = make_scheme(fit, prepared, batch, top_level=common.get("top_level", "wor"),
                          num_series=common.get("dataset_size"))
+    plan = pt.plan_tuning(scheme, epsilon=epsilon, delta=job.args.delta,
+                          max_steps=job.args.max_steps)
+    return dict(job=job, common=common, h=h, train=train, whole=job.checked.test, fit=fit,
+                batch=batch, scheme=scheme, plan=plan, n=n)
+
+
+def run_one(name: str, epsilon: float, seed: int = 0) -> dict:
+    from opacus_structured.forecasting import private_tuning as pt
+    from opacus_structured.forecasting.training import train_forecaster
+
+    st = _setup(name, epsilon, seed, "dlinear")
+    job, common, h, train, whole, fit = (st[k] for k in ("job", "common", "h", "train",
+                                                        "whole", "fit"))
+    batch, scheme, plan, n = st["batch"], st["scheme"], st["plan"], st["n"]
     lr, steps = job.lr, job.args.max_steps
     cands = pt.default_candidates(lr=lr, max_steps=steps, zero_shot=True)
-    plan = pt.plan_tuning(scheme, epsilon=epsilon, delta=job.args.delta, max_steps=steps)
     season = job.season_length
     entry = {"panel": name, "epsilon": epsilon, "seed": seed, "num_series": n,
              "sigma": plan.sigma, "score_sigma": plan.score_sigma,
@@ -128,24 +141,12 @@ def run_deepar(entry: dict, seed: int = 0) -> list[dict]:
     post-processing of one run). A real DLinear-or-DeepAR search prices each trial as both runs
     composed, so its σ is larger than this: these are lower bounds on its losses."""
     from opacus_structured.forecasting import private_tuning as pt
-    from opacus_structured.forecasting.data import train_test_split
-    from opacus_structured.forecasting.estimators import prepare_estimator
     from opacus_structured.forecasting.training import train_forecaster
-    from opacus_structured.forecasting.training_scheme import make_scheme
 
-    path, n = study_csv(entry["panel"])
-    job = _job(path, n, entry["epsilon"], seed, model="deepar")
-    common = {k: v for k, v in job.common.items() if k not in pt._SET_HERE}
-    whole, h, train = job.checked.test, job.args.prediction_length, job.checked.train
-    fit, _ = train_test_split(train, h)
-    batch = job.common["batch_size"]
-    prepared = prepare_estimator("deepar", freq=fit.freq, prediction_length=h,
-                                 context_length=job.common.get("context_length"),
-                                 batch_size=batch, **(common.get("estimator_kwargs") or {}))
-    scheme = make_scheme(fit, prepared, batch, top_level=common.get("top_level", "wor"),
-                         num_series=common.get("dataset_size"))
-    plan = pt.plan_tuning(scheme, epsilon=entry["epsilon"], delta=job.args.delta,
-                          max_steps=job.args.max_steps)
+    st = _setup(entry["panel"], entry["epsilon"], seed, "deepar")
+    job, common, h, train, whole, fit = (st[k] for k in ("job", "common", "h", "train",
+                                                        "whole", "fit"))
+    batch, plan = st["batch"], st["plan"]
     res = train_forecaster("deepar", fit, epsilon=None, delta=job.args.delta,
                            noise_multiplier=plan.sigma, lr=job.lr, max_steps=job.args.max_steps,
                            prediction_length=h, batch_size=batch, zero_shot_weight=0.25,

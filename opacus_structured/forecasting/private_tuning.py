@@ -258,7 +258,10 @@ class TuneGate:
         return {"search_run": self.tune, "score_noise_sd": self.score_noise_sd,
                 "max_score_noise": self.max_score_noise,
                 "score_noise_multiplier": self.score_sigma, "num_series": self.num_series,
-                "series_needed": self.series_needed, "epsilon_needed": self.epsilon_needed,
+                "series_needed": self.series_needed,
+                # null: no ε brings the noise under the limit with these series
+                "epsilon_needed": (self.epsilon_needed if math.isfinite(self.epsilon_needed)
+                                   else None),
                 "decided_on": "public quantities only: epsilon, delta, the law of the number "
                               "of trials and the public number of series"}
 

@@ -244,6 +244,45 @@ class TestCalibration:
         assert f(sigma) <= 1.0
         assert f(sigma * (1 - 2e-4)) > 1.0 - 1e-2
 
+    @pytest.mark.parametrize("target", [0.05, 1.0, 8.0])
+    def test_scaled_start_keeps_the_contract_with_fewer_costly_evaluations(self, target):
+        """``initial="scaled"`` (the forecast job's first-run search, issue 41): the same
+        contract as doubling from σ = 1 (ε(σ) ≤ target < ε(σ(1 - rtol))), checked against the
+        closed-form GDP ε of a composed Gaussian (64 steps), with every evaluation within
+        a factor 2 of the answer (small σ, whose PLDs are wide, are the costly ones)."""
+        steps = 64
+
+        def f(s):
+            return gdp_epsilon(1e-7, math.sqrt(steps) / s)
+
+        asked = {"scaled": [], 1.0: []}
+        sigmas = {}
+        for initial, seen in asked.items():
+            sigmas[initial] = calibrate_noise_multiplier(
+                f, target, rtol=1e-2, initial=initial, progress=lambda s, e, seen=seen:
+                seen.append(s))
+        for sigma in sigmas.values():
+            assert f(sigma) <= target < f(sigma * (1 - 1e-2))
+        scaled = [s for s in asked["scaled"] if s < 1e4]  # 1e4: the reachability check
+        assert all(sigmas["scaled"] / 2 < s < 2 * sigmas["scaled"] for s in scaled)
+        assert len(asked["scaled"]) < len(asked[1.0])
+        assert len(set(asked[1.0])) == len(asked[1.0])  # each σ evaluated once (remembered)
+
+    def test_scaled_start_falls_back_and_refuses_what_doubling_refuses(self):
+        # ε(σ_max) = 0 gives no guess: the doubling search from σ = 1 runs instead
+        def step(s):
+            return 0.0 if s > 100 else 2.0 / s
+
+        assert calibrate_noise_multiplier(step, 1.0, rtol=1e-3, initial="scaled") == \
+            calibrate_noise_multiplier(step, 1.0, rtol=1e-3)
+        with pytest.raises(CalibrationError, match="target_epsilon"):
+            calibrate_noise_multiplier(lambda s: 10.0, 1.0, initial="scaled")
+        # the smallest σ searched already meets the target: returned as is
+        assert calibrate_noise_multiplier(lambda s: 1e-4 / s, 1.0, initial="scaled",
+                                          min_sigma=1e-3, max_sigma=10.0) == 1e-3
+        with pytest.raises(ValueError, match="initial"):
+            calibrate_noise_multiplier(lambda s: 1.0 / s, 1.0, initial="guess")
+
     def test_unreachable_target(self):
         with pytest.raises(CalibrationError, match="target_epsilon"):
             calibrate_noise_multiplier(lambda s: 10.0, 1.0)

@@ -80,6 +80,7 @@ def calibrate(epsilon_of_sigma: Callable[[float], float], target_epsilon: float,
                                             rtol=rtol)
             if sigma is not None:
                 return sigma, source
-    sigma = calibrate_noise_multiplier(epsilon_of_sigma, target_epsilon, rtol=rtol)
+    sigma = calibrate_noise_multiplier(epsilon_of_sigma, target_epsilon, rtol=rtol,
+                                       initial="scaled")
     _store(key, sigma)
     return sigma, "search"

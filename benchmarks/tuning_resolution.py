@@ -16,8 +16,9 @@ For each study panel and ε, through the ``forecast`` command's own set-up
 From these, a Monte Carlo of the search itself (K drawn from the law, K candidates drawn
 uniformly, the exact scores plus Gaussian noise of a given standard deviation, the best one
 released) gives the expected test loss of the tuned release as a function of the score's noise,
-next to the untuned release's: the largest noise at which tuning still pays (``sd*``) is what
-``private_tuning.MAX_SCORE_NOISE`` is chosen from. Run::
+next to the untuned release's: the largest noise up to which tuning pays at every noise from
+0 (``sd*``) is what ``private_tuning.MAX_SCORE_NOISE`` is chosen from (``--seeds``: one entry per
+training seed). Run::
 
     OMP_NUM_THREADS=1 python benchmarks/tuning_resolution.py --json resolution.json
     python benchmarks/tuning_resolution.py --json resolution.json --report
@@ -183,15 +184,23 @@ def simulate(entry: dict, sd: float, *, mean_trials: float = 3.0, eta: float = 1
     return total / draws
 
 
+def _label(entry: dict) -> str:
+    return entry["panel"] + (f", seed {entry['seed']}" if entry.get("seed", 0) else "")
+
+
 def report(runs: list[dict]) -> str:
-    out = ["| panel | N | ε | σ untuned → search | score noise sd | untuned test | "
+    out = ["| panel | N | ε | seed | σ untuned → search | score noise sd | untuned test | "
            "best candidate test | " + " | ".join(f"tuned at sd {s:g}" for s in NOISE_SDS)
-           + " | sd* |", "|" + "---|" * (8 + len(NOISE_SDS))]
+           + " | sd* |", "|" + "---|" * (9 + len(NOISE_SDS))]
     for e in runs:
         sims = [simulate(e, s) for s in NOISE_SDS]
-        pays = [s for s, v in zip(NOISE_SDS, sims, strict=True) if v < e["untuned_test"]]
+        pays = []  # sd*: the noises from 0 up at which the search beats the untuned release
+        for sd, value in zip(NOISE_SDS, sims, strict=True):
+            if not value < e["untuned_test"]:
+                break
+            pays.append(sd)
         best = min(c["test"] for c in e["candidates"])
-        out.append(f"| {e['panel']} | {e['num_series']} | {e['epsilon']:g} | "
+        out.append(f"| {e['panel']} | {e['num_series']} | {e['epsilon']:g} | {e['seed']} | "
                    f"{e['untuned_sigma']:.3g} → {e['sigma']:.3g} | {e['score_noise_sd']:.3g} | "
                    f"{e['untuned_test']:.4f} | {best:.4f} | "
                    + " | ".join(f"{v:.4f}" for v in sims)
@@ -207,7 +216,7 @@ def report(runs: list[dict]) -> str:
         w = _grid(e, "weights")
         recipe = next(c["test"] for c in w if c["zero_shot_weight"] == 0.25)
         sd = e["score_noise_sd"]
-        out.append(f"| {e['panel']} | {e['num_series']} | {e['epsilon']:g} | "
+        out.append(f"| {_label(e)} | {e['num_series']} | {e['epsilon']:g} | "
                    f"{e['untuned_test']:.4f} | {recipe:.4f} | "
                    f"{min(c['test'] for c in w):.4f} | "
                    f"{simulate(e, 0.0, grid='weights'):.4f} | "
@@ -223,7 +232,7 @@ def report(runs: list[dict]) -> str:
                 "|" + "---|" * 8]
         for e in with_deepar:
             d = e["deepar"]
-            out.append(f"| {e['panel']} | {e['num_series']} | {e['epsilon']:g} | "
+            out.append(f"| {_label(e)} | {e['num_series']} | {e['epsilon']:g} | "
                        f"{e['untuned_test']:.4f} | {d[0]['sigma']:.3g} | "
                        + " / ".join(f"{c['test']:.4f}" for c in d)
                        + f" | {simulate(e, 0.0, grid='with-deepar'):.4f} | "
@@ -245,6 +254,8 @@ def main(argv=None) -> int:
     ap.add_argument("--epsilons", nargs="+", type=float, default=list(EPSILONS))
     ap.add_argument("--json", default=None, metavar="PATH")
     ap.add_argument("--report", action="store_true")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0],
+                    help="training seeds of the study (one entry per panel, ε and seed)")
     ap.add_argument("--deepar", action="store_true",
                     help="add the DeepAR lever (run_deepar) to the entries that lack it")
     args = ap.parse_args(argv)
@@ -262,14 +273,15 @@ def main(argv=None) -> int:
                       f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
                 _save(args.json, state)
     elif not args.report:
-        done = {(r["panel"], r["epsilon"]) for r in state["runs"]}
-        for name in args.panels:
-            for eps in args.epsilons:
-                if (name, eps) in done:
+        done = {(r["panel"], r["epsilon"], r.get("seed", 0)) for r in state["runs"]}
+        for seed in args.seeds:
+            for name, eps in ((p, e) for p in args.panels for e in args.epsilons):
+                if (name, eps, seed) in done:
                     continue
-                entry = run_one(name, eps)
+                entry = run_one(name, eps, seed)
                 state["runs"].append(entry)
-                print(f"{name} ε={eps:g}: {entry['seconds']:.0f} s", file=sys.stderr)
+                print(f"{name} ε={eps:g} seed {seed}: {entry['seconds']:.0f} s",
+                      file=sys.stderr)
                 _save(args.json, state)
     print(report(state["runs"]))
     print(f"CPU: {cpu_name()}")

@@ -254,7 +254,7 @@ def test_a_skipped_search_releases_the_recipe_at_the_whole_budget(tmp_path, caps
     assert tuning["skipped"] is True and tuning["search_run"] is False
     assert tuning["score_noise_sd"] > tuning["max_score_noise"] == pt.MAX_SCORE_NOISE
     assert tuning["series_needed"] > 8 and "chosen" not in tuning
-    assert tuning["epsilon_needed"] is None  # 8 series: σ_s's floor 0.5 gives 0.0625 > 0.03
+    assert tuning["epsilon_needed"] is None  # 8 series: σ_s's floor 0.5 gives 0.0625 > 0.01
     assert "--tune skipped: with 8 series at epsilon=2" in text.err
     assert "tuning: search not run: with 8 series at epsilon=2" in text.out
     assert "the whole search" not in text.out and "Papernot" not in text.out

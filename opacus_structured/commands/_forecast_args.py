@@ -102,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "trials on the training part minus its last --prediction-length steps, "
                         "each scored privately on those steps; the whole search is priced "
                         "within --epsilon. Run only where the score can resolve the candidates "
-                        "(decided on ε, δ and the public number of series: from ~1040 series "
+                        "(decided on ε, δ and the public number of series: from ~3100 series "
                         "at ε = 1); otherwise the recipe is trained at the whole ε and the "
                         "reason printed (docs/guides/tuning_without_leaking.md)")
     p.add_argument("--tune-always", action="store_true",

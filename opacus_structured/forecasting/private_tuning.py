@@ -89,7 +89,7 @@ SCORE_SHARE = 0.25
 #: Largest standard deviation of the score's noise, :math:`\sigma_s C/N` on the mean clipped
 #: loss, at which ``forecast --tune`` runs its search (:class:`TuneGate`); chosen on the public
 #: study panels by ``benchmarks/tuning_resolution.py`` (docs/benchmarks.md).
-MAX_SCORE_NOISE = 0.03
+MAX_SCORE_NOISE = 0.01
 _SCORE_SIGMA_FLOOR = 0.5  # σ_s's calibration range starts here
 #: :math:`\mathbb E[K]` and the law's shape (η = 1: geometric) of ``forecast --tune``.
 DEFAULT_MEAN_TRIALS = 3.0

@@ -8,6 +8,19 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 TEST_DISCRETIZATION = 1e-3
 
 
+def same_pld(a, b) -> bool:
+    """Whether two dp_accounting PLDs hold the same PMFs bit for bit (lowest loss, every
+    probability, infinity mass) in both directions: a cached PLD against a fresh build."""
+    import numpy as np
+
+    def pmfs(pld):
+        return [(p._lower_loss, np.array(p._probs), p._infinity_mass)  # noqa: SLF001
+                for p in (pld._pmf_remove, pld._pmf_add)]  # noqa: SLF001
+
+    return all(l1 == l2 and i1 == i2 and np.array_equal(p1, p2)
+               for (l1, p1, i1), (l2, p2, i2) in zip(pmfs(a), pmfs(b), strict=True))
+
+
 def default_subset(cases, keep, ids=None):
     """Cases for ``@pytest.mark.parametrize`` of a grid whose default run is a subset.
 

@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import same_pld
 from opacus import PrivacyEngine
 from opacus.accountants import RDPAccountant
 from torch import nn
@@ -45,39 +46,29 @@ def test_cached_one_step_pld_is_a_fresh_build_and_survives_composition():
     # be what a fresh build from the pair gives, pricing through the accountant (which composes
     # it: one step, several, two parts) must leave it as it was, and the accountant's composed
     # PLD must be the composition of fresh builds.
-    import numpy as np
-
     from opacus_structured.accounting import pld as pld_lib
     from opacus_structured.accounting.profiles import PairProfile
     from opacus_structured.schemes.poisson import poisson_pair
-
-    def pmfs(pld):
-        return [(p._lower_loss, np.array(p._probs), p._infinity_mass)  # noqa: SLF001
-                for p in (pld._pmf_remove, pld._pmf_add)]  # noqa: SLF001
-
-    def same(a, b):
-        return all(l1 == l2 and i1 == i2 and np.array_equal(p1, p2)
-                   for (l1, p1, i1), (l2, p2, i2) in zip(pmfs(a), pmfs(b), strict=True))
 
     scheme, sigma, q = PoissonScheme(0.05), 1.1, 0.05
     pair = poisson_pair(sigma, q)
     fresh = pld_lib.pld_from_profile(PairProfile(pair), PairProfile(pair.reversed()),
                                      discretization=D)
     cached = scheme.pld(sigma, discretization=D)
-    assert scheme.pld(sigma, discretization=D) is cached and same(cached, fresh)
+    assert scheme.pld(sigma, discretization=D) is cached and same_pld(cached, fresh)
     acc = PoissonAccountant(discretization=D)
     eps = []
     for steps in (1, 2, 7):
         acc.history = [(sigma, q, steps)]
         eps.append(acc.get_epsilon(1e-5))
     assert eps[0] < eps[1] < eps[2]
-    assert same(acc.composed_pld(), pld_lib.self_compose(fresh, 7))
+    assert same_pld(acc.composed_pld(), pld_lib.self_compose(fresh, 7))
     acc.history = [(sigma, q, 3), (2 * sigma, q, 4)]
     other = pld_lib.pld_from_profile(PairProfile(poisson_pair(2 * sigma, q)),
                                      PairProfile(poisson_pair(2 * sigma, q).reversed()),
                                      discretization=D)
-    assert same(acc.composed_pld(), pld_lib.compose([(fresh, 3), (other, 4)]))
-    assert same(cached, fresh)  # untouched by the compositions
+    assert same_pld(acc.composed_pld(), pld_lib.compose([(fresh, 3), (other, 4)]))
+    assert same_pld(cached, fresh)  # untouched by the compositions
 
 
 def test_history_merging_and_len():

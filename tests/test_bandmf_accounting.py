@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import same_pld
 from dp_accounting.pld import privacy_loss_distribution as dp_pld
 from scipy import optimize
 
@@ -112,25 +113,17 @@ def test_cached_allocation_pld_is_a_fresh_build_and_survives_composition():
     # accounting/bandmf.py caches random_allocation_pld per (σ, t, k, discretization) (issue
     # 41): the cached PLD is a fresh build from PLD_accounting, and a whole-run accountant
     # pricing it (and composing it with itself) leaves it as it was.
-    def pmfs(pld):
-        return [(p._lower_loss, np.array(p._probs), p._infinity_mass)  # noqa: SLF001
-                for p in (pld._pmf_remove, pld._pmf_add)]  # noqa: SLF001
-
-    def same(a, b):
-        return all(l1 == l2 and i1 == i2 and np.array_equal(p1, p2)
-                   for (l1, p1, i1), (l2, p2, i2) in zip(pmfs(a), pmfs(b), strict=True))
-
     fresh = bm._random_allocation_pld.__wrapped__(2.0, 4, 1, D)  # noqa: SLF001
     cached = bm.random_allocation_pld(2.0, num_steps=4, discretization=D)
     assert bm.random_allocation_pld(2.0, num_steps=4, discretization=D) is cached
-    assert same(cached, fresh)
+    assert same_pld(cached, fresh)
     acc = BallsInBinsAccountant(BallsInBinsScheme(num_bins=4, epochs=1), discretization=D)
     acc.history = [(2.0, 0.25, 3)]
     assert acc.get_epsilon(1e-5) == pytest.approx(min(
         pld_lib.epsilon_for_delta(fresh, 1e-5),
         BallsInBinsScheme(num_bins=4, epochs=1).renyi_scheme().epsilon(2.0, 4, 1e-5)), rel=1e-12)
     pld_lib.self_compose(cached, 3)
-    assert same(cached, fresh)
+    assert same_pld(cached, fresh)
 
 
 def test_balls_in_bins_scheme_reduction():

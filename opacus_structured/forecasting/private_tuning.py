@@ -91,6 +91,7 @@ SCORE_SHARE = 0.25
 #: study panels by ``benchmarks/tuning_resolution.py`` (docs/benchmarks.md).
 MAX_SCORE_NOISE = 0.01
 _SCORE_SIGMA_FLOOR = 0.5  # σ_s's calibration range starts here
+_SCORE_RTOL = 1e-2  # and its relative tolerance
 #: :math:`\mathbb E[K]` and the law's shape (η = 1: geometric) of ``forecast --tune``.
 DEFAULT_MEAN_TRIALS = 3.0
 DEFAULT_ETA = 1.0
@@ -208,7 +209,7 @@ def score_noise_multiplier(epsilon: float, *, delta: float,
         raise ValueError(f"score_share must be in (0, 1), got {score_share!r}")
     return float(calibrate_selection(epsilon * score_share,
                                      trial_for_sigma=dp_event.GaussianDpEvent,
-                                     sigma_range=(_SCORE_SIGMA_FLOOR, 1e5), rtol=1e-2,
+                                     sigma_range=(_SCORE_SIGMA_FLOOR, 1e5), rtol=_SCORE_RTOL,
                                      delta=delta,
                                      mean_trials=mean_trials, eta=eta))
 
@@ -281,24 +282,13 @@ def tuning_gate(*, epsilon: float, delta: float, num_series: int,
     needed_eps = epsilon
     if sd > limit and _SCORE_SIGMA_FLOOR * SCORE_CLIP / n > limit:
         needed_eps = math.inf  # no ε brings σ_s below the calibration's floor: more series
-    elif sd > limit:  # bisection on log ε: the smallest ε (within 2 %) whose sd is in limit
-        def over(eps: float) -> bool:
-            return score_noise_multiplier(eps, **law) * SCORE_CLIP / n > limit
-
-        # σ_s falls about as 1/ε: bracket around ε·sd/limit, widened until it holds
-        guess = epsilon * sd / limit
-        lo, hi = max(epsilon, guess / 1.25), guess * 1.25
-        while lo > epsilon and not over(lo):
-            lo, hi = max(epsilon, lo / 1.5), lo
-        while over(hi):
-            lo, hi = hi, hi * 1.5
-        while hi / lo > 1.02:
-            mid = math.sqrt(lo * hi)
-            if over(mid):
-                lo = mid
-            else:
-                hi = mid
-        needed_eps = hi
+    elif sd > limit:
+        # σ_s(ε) is the σ whose selection costs SCORE_SHARE·ε, found to within _SCORE_RTOL and
+        # rounded up; so σ_s <= σ* = limit·N/C as soon as SCORE_SHARE·ε covers the selection
+        # price at σ*/(1 + _SCORE_RTOL): one price, no search over ε
+        sigma_star = limit * n / SCORE_CLIP / (1.0 + _SCORE_RTOL)
+        needed_eps = max(epsilon, selection_epsilon(dp_event.GaussianDpEvent(sigma_star),
+                                                    **law) / SCORE_SHARE)
     return TuneGate(tune=sd <= limit, epsilon=epsilon, delta=float(delta), num_series=n,
                     mean_trials=float(mean_trials), eta=eta, score_sigma=sigma_s,
                     score_noise_sd=sd, max_score_noise=limit, series_needed=int(needed_n),

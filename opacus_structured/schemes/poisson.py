@@ -67,21 +67,11 @@ def rdp_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: 
 def rdp_epsilon_and_order(noise_multiplier: float, sample_rate: float, steps: int,
                           delta: float) -> tuple[float, float]:
     """:func:`rdp_epsilon` and the RDP order that attains it (``nan`` for zero steps)."""
-    import dp_accounting
-    from dp_accounting.rdp import rdp_privacy_accountant as rdp
-
     q = check_probability("sample_rate", sample_rate)
     s = check_positive("noise_multiplier", noise_multiplier)
     steps = check_int("steps", steps, minimum=0)
     if steps == 0:
         return 0.0, math.nan
-    if _rdp_one_step(s, q) is None:  # dp_accounting without the per-step curve: its accountant
-        acc = rdp.RdpAccountant(list(RDP_ORDERS))
-        with _quiet_rdp_orders():
-            acc.compose(dp_accounting.PoissonSampledDpEvent(
-                q, dp_accounting.GaussianDpEvent(s)), steps)
-            eps, order = acc.get_epsilon_and_optimal_order(delta)
-        return float(eps), float(order)
     return _rdp_of_parts(((s, q, steps),), float(delta))
 
 

@@ -48,21 +48,25 @@ def _checked(epsilon_of_sigma: Callable[[float], float],
     return ev
 
 
+def _reachable(ev: Callable[[float], float], target_epsilon: float, max_sigma: float) -> float:
+    """ε(σ_max), after checking it meets the target. ε is non-increasing in σ, so if the largest
+    σ searched misses the target no bracket exists; a large σ has a narrow PLD, so this costs
+    one cheap evaluation and an unreachable target fails at once."""
+    eps_max = ev(max_sigma)
+    if eps_max > target_epsilon:
+        raise CalibrationError(
+            f"target_epsilon={target_epsilon} is out of reach: even noise_multiplier="
+            f"{max_sigma:g} gives epsilon={eps_max:.4g}; raise the budget or take fewer steps")
+    return eps_max
+
+
 def _bracket_from_above(ev: Callable[[float], float], target_epsilon: float, initial: float,
                         max_sigma: float) -> tuple[float, float]:
     """``(σ, ε(σ))`` with ``ε(σ) ≤ target``, doubling σ from ``initial`` (``CalibrationError``
     past ``max_sigma``)."""
     hi = check_positive("initial", initial)
     if hi < max_sigma:
-        # Reachability first: ε is non-increasing in σ, so if the largest σ searched misses the
-        # target no bracket exists. A large σ has a narrow PLD, so this costs one cheap
-        # evaluation and an unreachable target fails at once instead of after the doubling.
-        eps_max = ev(max_sigma)
-        if eps_max > target_epsilon:
-            raise CalibrationError(
-                f"target_epsilon={target_epsilon} is out of reach: even noise_multiplier="
-                f"{max_sigma:g} gives epsilon={eps_max:.4g}; raise the budget or take fewer "
-                f"steps")
+        _reachable(ev, target_epsilon, max_sigma)
     eps_hi = ev(hi)
     while eps_hi > target_epsilon:
         if hi >= max_sigma:
@@ -84,11 +88,7 @@ def _scaled_bracket(ev: Callable[[float], float], target_epsilon: float, max_sig
     (ε ∝ 1/σ, as for large σ) in steps of :data:`_SCALED_STEP`; ``None`` when ε(σ_max) = 0
     gives no guess. Large σ have narrow PLDs, so this skips the costly small-σ evaluations of
     doubling from σ = 1. Raises :class:`CalibrationError` when σ_max misses the target."""
-    eps_max = ev(max_sigma)
-    if eps_max > target_epsilon:
-        raise CalibrationError(
-            f"target_epsilon={target_epsilon} is out of reach: even noise_multiplier="
-            f"{max_sigma:g} gives epsilon={eps_max:.4g}; raise the budget or take fewer steps")
+    eps_max = _reachable(ev, target_epsilon, max_sigma)
     if not eps_max > 0:
         return None
     guess = min(max(max_sigma * eps_max / target_epsilon, min_sigma), max_sigma)

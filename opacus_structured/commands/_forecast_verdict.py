@@ -26,6 +26,7 @@ free baseline that won instead (it costs no training privacy).
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 
@@ -129,7 +130,8 @@ def add_verdicts(report: dict, args, rows: list[dict], test, truth,
         report["warnings"] = warnings_out
     common = dict(dp_sgd=report["dp_sgd"], batch_size=report["batch_size"],
                   num_series=len(test), baselines=report["baselines"],
-                  tune_available=lambda: _tune_advice(report, args, len(test)))
+                  # the gate once, and only if some verdict gives advice
+                  tune_available=functools.cache(lambda: _tune_advice(report, args, len(test))))
     main = rows[0]
     report["verdict"] = dp_verdict(label=main["method"], crps=main["crps"], mase=main["mase"],
                                    epsilon=report["epsilon"],

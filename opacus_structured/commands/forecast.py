@@ -165,10 +165,6 @@ class _Job:
     log: Any
     tune_gate: Any = None  # --tune: private_tuning.TuneGate (public quantities only)
 
-    @property
-    def searching(self) -> bool:
-        return searching(self.args, self.tune_gate)
-
 
 class _Rows:
     """The table's rows, the forecasts to draw and the test truth (filled by :meth:`evaluate`)."""
@@ -309,7 +305,7 @@ def _row_label(job: _Job, res, budget, tuned=False) -> str:
 def _main_release(job: _Job, table: _Rows) -> dict:
     """Train (or tune) the released model and add its rows; returns what the report needs."""
     args = job.args
-    tuned = run_search(job) if job.searching else None
+    tuned = run_search(job) if searching(job.args, job.tune_gate) else None
     result = tuned.result if tuned is not None else _train_at(job, args.epsilon)
     if result.dp_sgd != job.dp_sgd or result.reproducible_noise != job.seeded_dp:
         raise RuntimeError("the trainer's privacy mode differs from the command's")

@@ -510,10 +510,11 @@ class DPCallback(pl.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
-        self._checkpoint.check_scheme(state_dict)
         if self._ready:
             self._sampler_goes_on = self._checkpoint.apply(state_dict, **self._live_parts())
         else:  # objects are built at fit start; the priced steps count from now on
             self._checkpoint.defer(state_dict, accountant=self.accountant,
                                    lineage=self._noise_lineage, own_lineage=self._own_lineage)
+            # another scheme: a new phase, whose sampler must not take the old one's state
+            self._sampler_goes_on = self._checkpoint.is_new_phase(state_dict)
         self._budget.forget()

@@ -5,8 +5,10 @@
 https://lightning.ai/docs/pytorch/stable/extensions/callbacks_state.html):
 
 * ``accountant`` — the accountant's ``state_dict`` (every priced step: a resumed run neither
-  loses nor double-counts one) and ``scheme`` — the scheme it priced (a checkpoint is refused
-  by a callback of another scheme);
+  loses nor double-counts one) and ``scheme`` — the scheme it priced. A callback of another
+  scheme (another batch size or rate: a phase schedule) resumes it as a **new phase**, composed
+  with the earlier ones (:mod:`~opacus_structured.accountants.phases`); its sampler then starts
+  its own stream (the checkpoint's sampler state, of another law, is not loaded);
 * ``noise_generator`` — the state of the generator the optimizer draws its noise from, and
   ``noise_tag`` — the run's noise lineage and position at the save
   (:mod:`~opacus_structured.accountants.noise_lineage`); ``noise_lineage`` — the lineage itself
@@ -83,12 +85,9 @@ class DPCheckpoint:
             state["optimizer_noise"] = noise_state()
         return state
 
-    def check_scheme(self, state: dict[str, Any]) -> None:
-        """Raise ``ValueError`` if ``state`` was saved under another scheme."""
-        saved = Scheme.from_dict(state["scheme"])
-        if saved != self.scheme:
-            raise ValueError(f"the checkpoint was trained under {saved!r} but this DPCallback "
-                             f"prices {self.scheme!r}; resume with the same scheme")
+    def is_new_phase(self, state: dict[str, Any]) -> bool:
+        """Whether ``state`` was saved under another scheme (the resume starts a new phase)."""
+        return Scheme.from_dict(state["scheme"]) != self.scheme
 
     def defer(self, state: dict[str, Any], *, accountant, lineage=None,
               own_lineage: bool = False) -> None:
@@ -120,6 +119,7 @@ class DPCheckpoint:
                 f"noise of a step is correlated with the steps before it, so the later steps' "
                 f"noise cannot be replaced. Resume from the run's latest checkpoint, or start a "
                 f"new run (a new DPCallback and optimizer) from these weights")
+        new_phase = Scheme.from_dict(state["scheme"]) != getattr(accountant, "scheme", None)
         accountant.load_state_dict(state["accountant"])
         if own_lineage and not _went_on(lineage, tag):
             lineage.load_state_dict(state.get("noise_lineage"))
@@ -134,7 +134,7 @@ class DPCheckpoint:
             noise_lineage.reseed_fresh(noise_generator)
             if tag and lineage.lineage == tag.get("lineage"):
                 lineage.fork()  # a branch of the run, with noise of its own
-        if "sampler" in state and sampler is not None and not went_on:
+        if "sampler" in state and sampler is not None and not (went_on or new_phase):
             sampler.restore(state["sampler"], int(state.get("consumed", 0)))
         if "optimizer_noise" in state:
             loader = getattr(optimizer, "load_noise_state_dict", None)
@@ -142,7 +142,7 @@ class DPCheckpoint:
                 raise ValueError("the checkpoint holds correlated-noise state but the optimizer "
                                  "has no load_noise_state_dict(); use the same optimizer_class")
             loader(state["optimizer_noise"])
-        return went_on
+        return went_on or new_phase
 
 
 def _went_on(lineage, tag) -> bool:

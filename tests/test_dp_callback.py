@@ -301,11 +301,12 @@ def test_constructor_validation(kwargs, name):
         callback(**kwargs)
 
 
-def test_checkpoint_from_other_scheme_is_refused():
+def test_checkpoint_from_other_scheme_starts_a_new_phase():
+    # issue 46: another rate at a resume is a phase schedule (tests/test_phases.py)
     cb = callback()
     state = callback(scheme=PoissonScheme(sample_rate=0.25)).state_dict()
-    with pytest.raises(ValueError, match="scheme"):
-        cb.load_state_dict(state)
+    cb.load_state_dict(state)
+    assert len(cb.accountant.phases) == 1
 
 
 def test_correlated_noise_under_independent_noise_scheme_is_refused():

@@ -166,11 +166,14 @@ class NoiseLineage:
             drawn = _DRAWN.get(self.lineage)
             return None if drawn is None else drawn.high_water
 
-    def fork(self) -> None:
-        """Continue under a new lineage id (after a rewind: the noise is fresh from here on);
-        the digests recorded so far are kept, so none of them is drawn again."""
+    def fork(self, position: Optional[int] = None) -> None:
+        """Continue under a new lineage id (after a rewind: the noise is fresh from here on;
+        ``position``: the new id's position, e.g. 0 at the start of a new phase); the digests
+        recorded so far are kept, so none of them is drawn again."""
         old = self.lineage
         self.lineage = _new_id()
+        if position is not None:
+            self.position = int(position)
         with _LOCK:
             previous = _DRAWN.get(old)
             drawn = _DRAWN.setdefault(self.lineage, _Drawn())

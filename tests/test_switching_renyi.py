@@ -117,9 +117,8 @@ def test_closed_forms_match_dp_accounting_and_the_mixture_pair(s, p):
 # ---- the Rényi curve -------------------------------------------------------------------------
 @pytest.mark.parametrize("s,p", [(1.0, Q_SETTING), (0.7, 0.05), (2.0, 0.4)])
 def test_switching_rdp_matches_quadrature_of_the_pair(s, p):
-    """Integer orders (dp_accounting's A is exact there): within 1e-4, never below by more than
-    quadrature round-off; fractional orders: never below (dp_accounting's series is an upper
-    bound there)."""
+    """Integer orders: within 1e-4, never below by more than quadrature round-off; fractional
+    orders (the chord of the convex log-moment): never below."""
     orders = np.array([2.0, 3.0, 5.0, 8.0])
     ours = sw.switching_rdp(orders, s, p)
     truth = np.array([_pair_renyi_quadrature(lam, s, p) for lam in orders])
@@ -151,17 +150,36 @@ def test_correction_bracket_holds_the_integral():
         sw.switching_correction_bounds([2.0], s, p, grid=np.array([0.1, 0.2]))
 
 
+def test_equivalent_event_rdp_is_dp_accountings_at_integer_orders():
+    orders = np.array([2.0, 3.0, 7.0, 32.0, 256.0, 1024.0])
+    for s, p in ((1.0, Q_SETTING), (0.5, 0.3), (3.0, 1.0), (10.0, 0.9)):
+        acc = R.RdpAccountant(list(orders))
+        acc.compose(E.PoissonSampledDpEvent(p, E.GaussianDpEvent(s)))
+        peer = np.asarray(acc._rdp)
+        ours = sw.equivalent_event_rdp(orders, s, p)
+        np.testing.assert_allclose(ours, peer, rtol=1e-9)
+        assert np.all(ours >= peer * (1 - 1e-14))  # the rounding allowance is on the safe side
+    with pytest.raises(ValueError, match="integers"):
+        sw.equivalent_event_rdp([2.5], 1.0, 0.1)
+
+
 def test_switching_rdp_against_the_equivalent_event():
-    """Never below dp_accounting's RDP of the equivalent event; equal (1e-9) at orders >= 16,
-    where the switching correction's factor exp(-λε) has vanished; within 1.7x below."""
-    ours = sw.switching_rdp(ORDERS, 1.0, Q_SETTING)
-    acc = R.RdpAccountant(list(ORDERS))
+    """At integer orders never below dp_accounting's RDP of the equivalent event, equal (1e-9)
+    at orders >= 16, where the switching correction's factor exp(-λε) has vanished, within
+    1.7x below; fractional orders lie on the chord of the log-moment (convexity)."""
+    orders = np.arange(2.0, 64.0)
+    ours = sw.switching_rdp(orders, 1.0, Q_SETTING)
+    acc = R.RdpAccountant(list(orders))
     acc.compose(E.PoissonSampledDpEvent(Q_SETTING, E.GaussianDpEvent(1.0)))
     event = np.asarray(acc._rdp)
     assert np.all(ours >= event)
-    high = ORDERS >= 16
+    high = orders >= 16
     np.testing.assert_allclose(ours[high], event[high], rtol=1e-9)
     assert np.all(ours <= 1.7 * event)
+    mid = sw.switching_rdp(np.array([2.5, 1.5]), 1.0, Q_SETTING)
+    k2, k3 = ours[0], 2 * ours[1]  # (λ-1) D at 2 and 3
+    assert mid[0] == pytest.approx((k2 + k3) / 2 / 1.5, rel=1e-12)
+    assert mid[1] == pytest.approx(k2 / 2 / 0.5, rel=1e-12)
 
 
 def test_edge_rates_and_errors():
@@ -190,7 +208,7 @@ def test_structured_selection_at_the_equivalent_events_price():
     peer = _event_selection(_event())
     assert ours.route == "switching-pair" and ours.note == ROUTES["switching-pair"]
     assert peer <= ours <= 1.2 * peer
-    assert ours == pytest.approx(3.189, abs=0.005)  # pinned; the event: 2.985
+    assert ours == pytest.approx(3.232, abs=0.005)  # pinned; the event: 2.985
     assert peer == pytest.approx(2.985, abs=0.005)
     assert ours >= float(acc.get_epsilon(DELTA))  # a search costs at least one run
 

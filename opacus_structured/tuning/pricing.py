@@ -202,8 +202,7 @@ def _switching_route(run, orders, gaussian) -> Optional[tuple]:
         equivalent = sw.equivalent_subsampled_gaussian(scheme.profile(sigma))
         if equivalent is None:
             return None
-        with _quiet_rdp_orders():  # an order dp_accounting cannot compute stays inf
-            rdp = rdp + count * sw.switching_rdp(orders, *equivalent)
+        rdp = rdp + count * sw.switching_rdp(orders, *equivalent)
     return orders, rdp, 0.0, "switching-pair"
 
 

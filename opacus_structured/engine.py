@@ -241,6 +241,18 @@ def make_private(engine: PrivacyEngine, *, module: nn.Module, optimizer: torch.o
     _refuse_adaptive_clipping(engine, clipping)
     _check_parameters(module, optimizer, public_parameters, "make_private")
     kwargs = dict(kwargs)
+    shared = getattr(data_loader, "__dict__", {}).get("_make_private_plan")
+    if shared is not None:  # another private module on the draws of an earlier call
+        plan = shared.for_another_module(
+            engine, discretization=discretization, sampler_generator=sampler_generator,
+            kwargs=kwargs, dataset_size=dataset_size, sample_rate=sample_rate,
+            expected_batch_size=expected_batch_size)
+        return _finish(engine, plan, module=module, optimizer=optimizer,
+                       noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                       criterion=criterion, batch_first=batch_first,
+                       loss_reduction=loss_reduction, clipping=clipping,
+                       noise_generator=noise_generator, grad_sample_mode=grad_sample_mode,
+                       wrap_model=wrap_model, rand_on_empty=rand_on_empty)
     if poisson_sampling:
         check_replaceable_sampler(data_loader, "make_private")
     if _wants_default_max_batch_size(engine, scheme, kwargs, poisson_sampling):

@@ -10,6 +10,7 @@ sampling constants (rate and normaliser) and installs the accountant on the engi
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from opacus import PrivacyEngine
@@ -160,6 +161,7 @@ class _Plan:
                                  "sampler_generator / pad would be ignored")
             self.loader = data_loader
         self.size = size
+        self.user_loader = data_loader
         self._public_normaliser(data_loader, public_n, public_q, public_e, steps_per_epoch)
         # the accountant
         old = engine.accountant
@@ -258,7 +260,54 @@ class _Plan:
     def accountant(self):
         return self.accountant_class(self.scheme, discretization=self.discretization)
 
+    def for_another_module(self, engine, *, discretization, sampler_generator, kwargs,
+                           dataset_size=None, sample_rate=None,
+                           expected_batch_size=None) -> "_Plan":
+        """The plan of a later ``make_private`` call whose ``data_loader`` is the private loader
+        this plan returned: another private module (a head next to an encoder, one engine or
+        two) trained on the same draws. Same scheme, loader and public constants; the engine's
+        accountant is kept when it prices this scheme (one engine: every module's optimizer
+        feeds it), else the scheme's accountant is installed. Each draw released through
+        several modules is priced once, at their joint noise
+        (:mod:`~opacus_structured.accountants.co_release`)."""
+        if sampler_generator is not None:
+            raise ValueError("data_loader is the private loader an earlier make_private "
+                             "returned: it keeps its sampler, so sampler_generator would be "
+                             "ignored; drop it")
+        declared = {"dataset_size": dataset_size, "sample_rate": sample_rate,
+                    "expected_batch_size": expected_batch_size}
+        mine = {"dataset_size": self.sampling_constants.get("dataset_size"),
+                "sample_rate": self.sampling_constants.get("sample_rate"),
+                "expected_batch_size": self.normaliser}
+        for name, value in declared.items():
+            if value is not None and mine[name] is not None and \
+                    abs(float(value) - float(mine[name])) > 1e-12 * max(1.0, abs(float(value))):
+                raise ValueError(f"{name}={value} differs from the {mine[name]} of the earlier "
+                                 f"make_private that built this private loader: one stream of "
+                                 f"draws has one set of public constants")
+        stray = [k for k in kwargs if k in _all_option_names() and k != "noise_correlation"]
+        if stray:
+            raise ValueError(f"data_loader is the private loader an earlier make_private "
+                             f"returned, with its scheme {self.scheme!r}: the options {stray} "
+                             f"would be ignored; drop them")
+        plan = copy.copy(self)
+        plan.opacus_kwargs = {**self.opacus_kwargs, **kwargs}
+        old = engine.accountant
+        if discretization is None:
+            discretization = (old.discretization if isinstance(old, SchemeAccountant)
+                              else self.discretization)
+        plan.discretization = check_positive("discretization", discretization)
+        plan.keep_accountant = (isinstance(old, SchemeAccountant) and old.scheme is self.scheme
+                                and old.discretization == plan.discretization)
+        if not plan.keep_accountant and len(old) > 0:
+            raise ValueError(f"the engine's accountant has already recorded {len(old)} steps "
+                             f"under another scheme; installing the shared loader's would "
+                             f"drop them: use a fresh PrivacyEngine")
+        return plan
+
     def install(self, engine) -> None:
+        if self.loader is not self.user_loader:  # ours: a second module may share it
+            self.loader.__dict__["_make_private_plan"] = self
         if not self.keep_accountant:
             engine.accountant = self.accountant()
         engine.accountant.sampling_constants = dict(self.sampling_constants)

@@ -237,9 +237,13 @@ def test_resume_is_exact(tmp_path, scheme, resume_step):
     clip, total = 8.0, 12
     budget = math.sqrt(4) / SIGMA
     filt_a, tracker_a = IndividualGDPFilter(N, budget), PerSampleEpsilonTracker(N)
+    dp_a, model_a, *_ = _fit(scheme, [filt_a, tracker_a], total, clip)
+    # the same run stopped at resume_step: a resume there continues it from its last release
+    # (resuming an earlier checkpoint of a run that went on draws fresh noise: issue 46)
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=resume_step, save_top_k=-1,
                            filename="{step}")
-    dp_a, model_a, *_ = _fit(scheme, [filt_a, tracker_a], total, clip, extra=[ckpt])
+    _fit(scheme, [IndividualGDPFilter(N, budget), PerSampleEpsilonTracker(N)], resume_step,
+         clip, extra=[ckpt])
     path = os.path.join(tmp_path, f"step={resume_step}.ckpt")
     assert os.path.exists(path)
 

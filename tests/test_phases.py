@@ -9,6 +9,7 @@ same grid an upper bound that our (pessimistic) composition should match closely
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 
@@ -22,7 +23,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import opacus_structured
 from opacus_structured.accountants.base import SchemeAccountant
 from opacus_structured.accountants.phases import PhaseNotComposableError
-from opacus_structured.schemes.gdp import GDPScheme
+from opacus_structured.accounting.gaussian import gdp_epsilon
+from opacus_structured.schemes.shuffle import ShuffleScheme
 from opacus_structured.schemes.poisson import PoissonScheme
 from opacus_structured.schemes.truncated_poisson import TruncatedPoissonScheme
 
@@ -98,23 +100,28 @@ def test_resume_with_another_batch_size_is_a_new_phase(tmp_path):
 
 
 def test_a_mu_gdp_phase_composes_as_its_gaussian():
-    poisson = SchemeAccountant(PoissonScheme(sample_rate=0.1), discretization=D)
-    poisson.step(noise_multiplier=SIGMA, sample_rate=0.1, num_steps=20)
-    gdp = SchemeAccountant(GDPScheme(), discretization=D)
-    gdp.load_state_dict(poisson.state_dict())
-    gdp.step(noise_multiplier=4.0, sample_rate=1.0, num_steps=3)   # μ = √3 / 4
-    eps = float(gdp.get_epsilon(DELTA))
-    lower = _dp_accounting([(SIGMA, 0.1, 20), (4.0, 1.0, 3)], pessimistic=False)
-    assert lower <= eps <= _dp_accounting([(SIGMA, 0.1, 20), (4.0, 1.0, 3)], True) * 1.001
+    """Shuffled batches are priced as μ-GDP (no amplification: each example once per epoch,
+    μ = Δ√E/σ); a resume with another batch size composes the two phases' Gaussians."""
+    first = SchemeAccountant(ShuffleScheme(dataset_size=N, batch_size=10), discretization=D)
+    first.step(noise_multiplier=2.0, sample_rate=1 / 6, num_steps=12)   # 2 epochs
+    second = SchemeAccountant(ShuffleScheme(dataset_size=N, batch_size=20), discretization=D)
+    second.load_state_dict(first.state_dict())
+    second.step(noise_multiplier=4.0, sample_rate=1 / 3, num_steps=3)   # 1 epoch
+    mu = math.sqrt(first.mu() ** 2 + (1 / 4.0) ** 2)   # epochs compose as Gaussians
+    exact = gdp_epsilon(DELTA, mu)
+    eps = float(second.get_epsilon(DELTA))
+    assert exact <= eps <= exact * 1.01
+    with pytest.raises(ValueError, match="another sampling scheme"):
+        SchemeAccountant(PoissonScheme(sample_rate=0.1)).load_state_dict(first.state_dict())
 
 
 def test_a_phase_without_a_pld_is_refused_naming_the_cause():
-    poisson = SchemeAccountant(PoissonScheme(sample_rate=0.1), discretization=D)
-    poisson.step(noise_multiplier=SIGMA, sample_rate=0.1, num_steps=5)
-    baseline = SchemeAccountant(TruncatedPoissonScheme(N, 0.1, 12, analysis="baseline"),
+    tight = SchemeAccountant(TruncatedPoissonScheme(N, 0.1, 12), discretization=D)
+    tight.step(noise_multiplier=SIGMA, sample_rate=0.1, num_steps=5)
+    baseline = SchemeAccountant(TruncatedPoissonScheme(N, 0.1, 14, analysis="baseline"),
                                 discretization=D)
     with pytest.raises(PhaseNotComposableError, match="baseline.*DatasetBudget"):
-        baseline.load_state_dict(poisson.state_dict())
+        baseline.load_state_dict(tight.state_dict())
     assert baseline.phases == [] and len(baseline) == 0
 
 

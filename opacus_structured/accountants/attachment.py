@@ -11,12 +11,13 @@ sampler draw the privacy ledger matches it to (:mod:`~opacus_structured.accounta
 
 from __future__ import annotations
 
+import math
 import sys
 import weakref
 from typing import Optional
 
 from ..samplers import verification
-from . import noise_lineage, parameter_guard
+from . import co_release, noise_lineage, parameter_guard
 from .ledger import LedgerError
 from .release_guard import guard_optimizer
 from .release_rows import recorder_of
@@ -184,6 +185,8 @@ class AttachmentMixin:
         without tokens must then fit in that one draw.
         """
         padding = 0
+        if self._hooked_steps == 0:
+            self._adopt_trained_stream()
         self._clip_norms.check(optimizer, step=len(self) + 1)
         if noise_lineage.lineage_of_optimizer(optimizer) is not self._ledger.noise:
             # an optimizer wired by hand: this step's draw was not seen; later ones are checked
@@ -191,6 +194,8 @@ class AttachmentMixin:
             self._ledger.noise.record(None)
         recorder = recorder_of(optimizer)
         rows = recorder.take() if recorder is not None else None
+        if self._co_release(optimizer, rows, sample_rate if base_rate is None else base_rate):
+            return
         if rows is not None and base_rate is not None:
             if rows.tracked and self._exact_cursor and self._ledger.source is not None:
                 self._release_observed(optimizer, rows, base_rate)
@@ -215,8 +220,76 @@ class AttachmentMixin:
         if not checked:  # after the ledger's finer checks; subclasses' bookkeeping runs here
             self.check_draws()
         self.step(noise_multiplier=sigma, sample_rate=sample_rate)
+        if exact and self._ledger.source is not None and batches == 1:
+            co_release.register(self._ledger.source, self._ledger.source.current_draw(), self,
+                                optimizer, sigma, len(self) - 1)
         self._ledger.note_priced()
         self._hooked_steps += 1
+
+    # ---- several private modules on one draw stream (co_release) ---------------------------
+    def _adopt_trained_stream(self) -> None:
+        """At the first step: if this accountant's sampler drew nothing since it was attached
+        but exactly one other private stream of the same scheme did, the loop trains on that
+        one (an encoder's loader feeding a head made private apart): follow it."""
+        source = self._ledger.source
+        if source is None or not self._exact_cursor or \
+                source.batches_drawn > self._draws_at_attach:
+            return
+        others = [s for s in verification.live_samplers_drawn_since(self._attach_tick)
+                  if s is not source
+                  and verification.scheme_accepts(self.scheme, getattr(s, "scheme", None))
+                  and getattr(s, "current_draw", lambda: None)() is not None]
+        if len(others) != 1:
+            return
+        stream = others[0]
+        self._draw_source = weakref.ref(stream)
+        self._draws_at_attach = stream.batches_drawn - 1
+        self._ledger.bind(stream)
+
+    def _co_release(self, optimizer, rows, sample_rate: float) -> bool:
+        """Price a step of ``optimizer`` on draws another optimizer already released (module
+        :mod:`~opacus_structured.accountants.co_release`); ``False`` if it is not one."""
+        source = self._ledger.source
+        if source is None or not self._exact_cursor:
+            return False
+        sigma = float(optimizer.noise_multiplier)
+        if rows is not None and rows.tracked:
+            if rows.untracked or rows.mixed:
+                return False
+            scale = math.sqrt(max(len(rows.multiplicity), 1))
+            mine = {d: sigma / (scale * rows.multiplicity.get(d, 1)) for d in rows.draws}
+        else:
+            draw = source.current_draw()
+            if draw is None:
+                return False
+            size = source.size_of(draw) if hasattr(source, "size_of") else None
+            if rows is not None and size is not None and rows.private_rows > size:
+                return False  # more rows than the draw holds: not one module's pass over it
+            mine = {int(draw): sigma}
+        if not co_release.co_released(source, list(mine), optimizer):
+            return False
+        newly = False  # this accountant prices a draw it had not priced (it consumed a draw)
+        for draw, own in mine.items():
+            entries = co_release.releases_of(source, draw)
+            joint = co_release.effective_sigma([e.sigma for e in entries] + [own])
+            priced_here = False
+            for e in entries:
+                acc = e.accountant()
+                if acc is self:
+                    priced_here = True
+                if e.step is not None and len(acc.phases) == e.phase:
+                    acc.reprice_step(e.step, joint)
+            step = None
+            if not priced_here:  # this accountant's first release of the draw
+                self._ledger.take(self.scheme, priced_steps=len(self), optimizer=optimizer,
+                                  draws=[draw])
+                self.step(noise_multiplier=joint, sample_rate=sample_rate)
+                step = len(self) - 1
+                newly = True
+            co_release.register(source, draw, self, optimizer, own, step)
+        if newly:
+            self._hooked_steps += 1
+        return True
 
     def _prefetched_elsewhere(self) -> bool:
         """The sampler is iterated by a DataLoader other than the tagging one (e.g. Opacus'

@@ -227,6 +227,34 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, PhasesMixin, IAcco
         else:
             self.history.append((noise_multiplier, sample_rate, num_steps))
 
+    def reprice_step(self, index: int, noise_multiplier: float) -> None:
+        """Price step ``index`` of the current phase's history at ``noise_multiplier`` instead
+        (another module released the same draw: :mod:`~opacus_structured.accountants.
+        co_release`); neighbouring entries with the same (σ, rate) merge again."""
+        expanded, start = [], 0
+        for sigma, rate, n in self.history:
+            n = int(n)
+            if start <= index < start + n:
+                before, after = index - start, start + n - index - 1
+                expanded += [(sigma, rate, before)] if before else []
+                expanded.append((float(noise_multiplier), rate, 1))
+                expanded += [(sigma, rate, after)] if after else []
+            else:
+                expanded.append((sigma, rate, n))
+            start += n
+        if not 0 <= index < start:
+            raise IndexError(f"step {index} is not in this accountant's {start} steps")
+        merged: list = []
+        for sigma, rate, n in expanded:
+            if merged and merged[-1][:2] == (sigma, rate):
+                merged[-1] = (sigma, rate, merged[-1][2] + n)
+            else:
+                merged.append((sigma, rate, n))
+        self.history = merged
+        self._cache.clear()
+        if float(noise_multiplier) == 0.0:
+            self._note_no_noise()
+
     def _note_no_noise(self) -> None:
         """One :class:`NoNoiseWarning` per accountant, at the first step without noise."""
         if getattr(self, "_no_noise_warned", False):

@@ -42,6 +42,7 @@ from ..accounting.bandmf import gaussian_pld
 from ..accounting.gaussian import gdp_epsilon
 from ..accounting.numerics import NumericalPrecisionError
 from ..accounting.resource_guard import ResourceBudgetError
+from . import co_release
 from .ledger import LedgerError
 from .release_rows import ReleaseRows
 
@@ -85,6 +86,9 @@ class ObservedReleaseMixin:
         for draw in rows.draws:
             k = rows.multiplicity.get(draw, 1)
             self.step(noise_multiplier=sigma / (scale * k), sample_rate=sample_rate)
+            if not loose:  # another module's step on this draw re-prices it (co_release)
+                co_release.register(self._ledger.source, draw, self, optimizer,
+                                    sigma / (scale * k), len(self) - 1)
         if loose:
             self._add_unamplified(sigma / (scale * 2 * loose), rows, step_no)
         self._ledger.note_priced()

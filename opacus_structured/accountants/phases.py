@@ -21,8 +21,12 @@ and rates). A phase chosen *after* looking at the earlier phases' outputs is an 
 of mechanism; its sound total is a fully adaptive filter over the runs
 (:class:`opacus_structured.DatasetBudget`).
 
-A phase of a scheme without a PLD (the truncated-Poisson baseline analysis, a Monte Carlo
-estimate) cannot be composed this way: the phase change is refused with the cause and the fix.
+Phases are phases of one accountant (its ``mechanism``: Poisson at another rate, truncated
+Poisson at another ``B``, structured subsampling with another top level...). A state of
+another accountant is refused as Opacus refuses it (another sampling scheme is another run:
+compose runs with a ``DatasetBudget``), and a phase of a scheme without a PLD (the
+truncated-Poisson baseline analysis, random allocation, a Monte Carlo estimate) is refused
+with the cause and the fix.
 """
 
 from __future__ import annotations
@@ -70,6 +74,13 @@ class PhasesMixin:
         (and its own earlier phases) as earlier phases; this accountant's run is the new
         phase. Its draw ledger starts again (a new sampler); the noise lineage goes on under a
         new id, at position 0 of the new phase."""
+        if state.get("mechanism") != self.mechanism():  # Opacus' own rule: another accountant
+            raise ValueError(
+                f"the state is of accountant {state.get('mechanism')!r}, this is "
+                f"{self.mechanism()!r}: load it into a {state.get('mechanism')!r} accountant "
+                f"(a resume under another batch size or rate of the same scheme is a new phase; "
+                f"another sampling scheme is another run: compose the two with a "
+                f"DatasetBudget)")
         earlier = [dict(p) for p in state.get("phases", [])] + [_frozen(state)]
         for acc in [self] + [self._phase_accountant(p) for p in earlier]:
             why = acc.phase_refusal()

@@ -136,6 +136,8 @@ class NoiseLineage:
         self._digest_set: set[bytes] = set()
         #: generators already reseeded once in this lineage (one warning per cause)
         self._warned: set[str] = set()
+        #: the optimizers drawing in this lineage (several: private modules on one run)
+        self._optimizers: "weakref.WeakSet" = weakref.WeakSet()
 
     # ---- what was drawn ---------------------------------------------------------------------
     def seen(self, digest: bytes) -> bool:
@@ -324,6 +326,10 @@ _LINK_KEY = "_noise_lineage"
 def link(optimizer, lineage: NoiseLineage) -> None:
     """Make ``optimizer``'s draws part of ``lineage`` (the accountant that prices its steps)."""
     optimizer.__dict__[_LINK_KEY] = weakref.ref(lineage)
+    try:
+        lineage._optimizers.add(optimizer)
+    except TypeError:  # pragma: no cover - an optimizer that cannot be weakly referenced
+        pass
 
 
 def lineage_of_optimizer(optimizer) -> Optional[NoiseLineage]:
@@ -334,15 +340,17 @@ def lineage_of_optimizer(optimizer) -> Optional[NoiseLineage]:
 def check_correlated_position(optimizer, lineage: NoiseLineage) -> None:
     """Rule 3: a correlated-noise optimizer's next noise step must be the lineage's position."""
     step = getattr(optimizer, "noise_step", None)
-    if step is None or int(step) == lineage.position:
-        return
+    if step is None or int(step) == lineage.position or len(lineage._optimizers) > 1:
+        return  # several optimizers (private modules) draw in one lineage: each its own stream
     raise NoiseReplayError(
         f"the correlated-noise optimizer is at noise step {int(step)}, but the run its "
         f"accountant prices has drawn {lineage.position} noise vectors: the noise of a step "
         f"is correlated with the steps before it, so the optimizer's state and the "
         f"accountant's must come from the same save. Restore both from the latest checkpoint "
         f"(Opacus' load_checkpoint, or DPCallback's entry of a Lightning checkpoint), or start "
-        f"a new run with a new optimizer and a new accountant")
+        f"a new run with a new optimizer and a new accountant. After a resume under another "
+        f"scheme (a new phase) the correlated stream starts again: build a new optimizer and do "
+        f"not load the earlier optimizer's noise state")
 
 
 def check_before_draw(optimizer, *, correlated: bool = False) -> Optional[bytes]:

@@ -419,7 +419,10 @@ class CorrelatedNoiseMixin:
         coefs = _coefficients_key(state["coefficients"])
         if coefs != _coefficients_key(self._coef_list):
             raise ValueError(f"checkpoint noise_correlation {coefs} differs from this "
-                             f"optimizer's {self._coef_list}: build it with the same strategy")
+                             f"optimizer's {self._coef_list}: build it with the same strategy "
+                             f"(after a resume under another batch size, a new phase, the "
+                             f"correlated stream starts again: do not load the earlier "
+                             f"optimizer's state)")
         buffers = state["buffers"]
         if len(buffers) != len(self.params):
             raise ValueError(f"checkpoint has noise buffers for {len(buffers)} parameters, "
@@ -457,7 +460,9 @@ class CorrelatedNoiseMixin:
                 _coefficients_key(self._coef_list):
             raise ValueError(f"checkpoint noise_correlation {noise['coefficients']} differs "
                              f"from this optimizer's {self._coef_list}: build it with the "
-                             f"same strategy")
+                             f"same strategy (after a resume under another batch size, a new "
+                             f"phase, the correlated stream starts again: do not load the "
+                             f"earlier optimizer's state)")
         super().load_state_dict(state_dict)
         if noise is not None:
             self.load_noise_state_dict(noise)

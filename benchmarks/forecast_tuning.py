@@ -114,7 +114,6 @@ def run_one(name: str, seed: int, *, ets: bool, mean_trials: float = 3.0,
                        "score_noise_sd": tuning.get("score_noise_sd",
                                                     (tuning.get("gate") or {}).get(
                                                         "score_noise_sd")),
-                       "trials_drawn": tuning.get("trials_drawn", 0),
                        "trial_epsilon": tuning.get("trial_epsilon"),
                        "noise_multiplier": tuned["noise_multiplier"],
                        "score_noise_multiplier": tuning["score_noise_multiplier"],

@@ -55,7 +55,7 @@ def _run(argv: list[str]) -> dict:
     add_arguments(parser)
     with tempfile.TemporaryDirectory() as out:
         args = parser.parse_args([*argv, "--output", out, "--no-plot", "--no-progress",
-                                  "--json"])
+                                  "--json", "--verdict-runs", "1"])  # seeds: the runs
         return run_forecast(args)
 
 

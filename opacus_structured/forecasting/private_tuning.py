@@ -384,9 +384,9 @@ class TuneResult:
             "trial_epsilon": plan.trial_epsilon, "selection_share": plan.selection_share,
             "law": "truncated negative binomial" if plan.eta is not None else "Poisson",
             "eta": plan.eta, "mean_trials": plan.mean_trials, "max_steps": plan.max_steps,
-            "trials_drawn_note": ("the number of trials drawn is kept nowhere but in the "
-                                  "search's own state: publishing it (or the other trials' "
-                                  "scores) voids the selection's guarantee"),
+            "number_of_trials": ("secret: drawn from OS entropy and kept nowhere but in the "
+                                 "search's own state; publishing it (or the other trials' "
+                                 "scores) voids the selection's guarantee"),
         }
 
 

@@ -181,6 +181,9 @@ def test_the_command_line_points_one_way():
     imported ``console`` and ``console`` imported ``cli``)."""
     importers = {"opacus_structured.cli": set(), "opacus_structured.console": set()}
     for path, module, is_package in _modules():
+        text = path.read_text()
+        if "cli" not in text and "console" not in text:  # cannot import either: not parsed
+            continue
         targets = _imports(path, module, is_package)
         for name, found in importers.items():
             if module != name and _imports_module(targets, name):

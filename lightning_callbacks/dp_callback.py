@@ -34,7 +34,10 @@ one part (a class in its own module) that the callback composes:
    accountant, the sampler position and the noise generator (and an optimizer's extra noise
    state if it defines ``noise_state_dict`` / ``load_noise_state_dict``) in the Lightning
    checkpoint, so a run resumed with ``trainer.fit(..., ckpt_path=...)`` draws the same batches
-   and noise and neither loses nor double-counts a step.
+   and neither loses nor double-counts a step; it draws the same noise only where the resume
+   provably continues the run from its last released step (never a replayed noise: an
+   earlier checkpoint, or a new process, draws fresh noise; see
+   :mod:`~lightning_callbacks.dp_checkpoint`).
 
 Lightning hook order used (automatic optimisation; Lightning's "Hooks" documentation,
 https://lightning.ai/docs/pytorch/stable/common/hooks.html):
@@ -93,7 +96,7 @@ except ImportError:  # pragma: no cover
 from opacus.optimizers import DPOptimizer
 
 from opacus_structured._validation import check_int, check_open_unit, check_positive
-from opacus_structured.accountants import parameter_guard
+from opacus_structured.accountants import noise_lineage, parameter_guard
 from opacus_structured.accountants.base import AccountantNotAttachedError, SchemeAccountant
 from opacus_structured.accounting import pld as pld_lib
 from opacus_structured.samplers import public_sizes
@@ -118,6 +121,18 @@ __all__ = ["DPCallback", "scheme_of_batch_sampler", "build_sampler",
            "loader_with_batch_sampler"]
 
 log = logging.getLogger(__name__)
+
+
+def _carry_noise_state(previous, optimizer) -> None:
+    """A later ``fit`` of the same callback builds a new DP optimizer: a correlated-noise one
+    continues the previous optimizer's stream (ring buffers and noise step), since the
+    accountant goes on pricing the same run."""
+    save = getattr(previous, "noise_state_dict", None)
+    load = getattr(optimizer, "load_noise_state_dict", None)
+    if previous is None or previous is optimizer or not (callable(save) and callable(load)):
+        return
+    if int(getattr(previous, "noise_step", 0)) > 0:
+        load(save())
 
 
 def _public_list(public_parameters) -> Any:
@@ -278,6 +293,12 @@ class DPCallback(pl.Callback):
                                                max_grad_norm=self.max_grad_norm,
                                                loss_reduction=loss_reduction)
         self._checkpoint = DPCheckpoint(self.scheme)
+        ledger = getattr(self.accountant, "_ledger", None)
+        #: the run's noise lineage: the accountant's (its privacy ledger owns the noise
+        #: position), or the callback's own for an accountant without a ledger
+        self._own_lineage = getattr(ledger, "noise", None) is None
+        self._noise_lineage = (noise_lineage.NoiseLineage() if self._own_lineage
+                               else ledger.noise)
 
         self.sampler: Optional[TrackedBatchSampler] = None
         self.optimizer: Optional[DPOptimizer] = None
@@ -285,6 +306,9 @@ class DPCallback(pl.Callback):
         self.epsilon_history: list[tuple[int, float]] = []  # (optimizer steps, ε)
         self._epsilon_steps = 0  # the steps ε was last computed for (log_every_n_steps)
         self._ready = False
+        #: a checkpoint older than the last release was loaded into this live run: its sampler
+        #: goes on (Lightning's loader restore is ignored until training starts)
+        self._sampler_goes_on = False
 
     # ---- what kind of ε -------------------------------------------------------------------
     @property
@@ -308,6 +332,7 @@ class DPCallback(pl.Callback):
         check_layers(pl_module)
         self._module_part.snapshot(pl_module)  # before the DP optimizer marks the parameters
         loader, self.sampler = self._loader_part.install(trainer)
+        self.sampler.hold_position = self._sampler_goes_on
         self.sample_rate = self._loader_part.sample_rate(self.sampler)
         record_step = self._budget.attach(loader, self.sample_rate)
 
@@ -321,11 +346,15 @@ class DPCallback(pl.Callback):
             # Opacus draws the noise on the parameters' device, with a generator living there
             self.noise_generator = torch.Generator(device=device).manual_seed(self._noise_seed)
 
+        previous = self.optimizer
         self.optimizer = self._optimizer_part.install(
             trainer, expected_batch_size=expected_batch_size, generator=self.noise_generator,
             scheme=self.scheme, on_step=record_step)
+        _carry_noise_state(previous, self.optimizer)
         if self.optimizer.generator is not None:  # a module's DPOptimizer keeps its own
             self.noise_generator = self.optimizer.generator
+        # every noise draw is checked against the run's lineage (never a replayed noise)
+        noise_lineage.link(self.optimizer, self._noise_lineage)
         self._record_sampling_constants(loader, normaliser)
         if self.public_parameters is not None:
             parameter_guard.declare_public_parameters(pl_module, self.public_parameters)
@@ -434,6 +463,9 @@ class DPCallback(pl.Callback):
 
     # ---- training hooks -----------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
+        self._sampler_goes_on = False  # Lightning has restored its loader state by now
+        if self.sampler is not None:
+            self.sampler.hold_position = False
         if self._budget_exhausted():
             log.warning("DPCallback: one more step would take ε above target_epsilon=%s "
                         "(ε now %.4f); not training", self.target_epsilon, self.epsilon())
@@ -481,6 +513,7 @@ class DPCallback(pl.Callback):
     # ---- checkpoint state ---------------------------------------------------------------
     def _live_parts(self) -> dict[str, Any]:
         return dict(accountant=self.accountant, noise_generator=self.noise_generator,
+                    lineage=self._noise_lineage, own_lineage=self._own_lineage,
                     sampler=self.sampler, optimizer=self.optimizer)
 
     def state_dict(self) -> dict[str, Any]:
@@ -489,9 +522,11 @@ class DPCallback(pl.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
-        self._checkpoint.check_scheme(state_dict)
         if self._ready:
-            self._checkpoint.apply(state_dict, **self._live_parts())
+            self._sampler_goes_on = self._checkpoint.apply(state_dict, **self._live_parts())
         else:  # objects are built at fit start; the priced steps count from now on
-            self._checkpoint.defer(state_dict, accountant=self.accountant)
+            self._checkpoint.defer(state_dict, accountant=self.accountant,
+                                   lineage=self._noise_lineage, own_lineage=self._own_lineage)
+            # another scheme: a new phase, whose sampler must not take the old one's state
+            self._sampler_goes_on = self._checkpoint.is_new_phase(state_dict)
         self._budget.forget()

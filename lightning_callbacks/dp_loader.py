@@ -147,6 +147,9 @@ class TrackedBatchSampler(BatchIndexRecorder, Sampler):
         self.scheme = scheme_of_batch_sampler(inner)
         self.consumed = 0         # batches of the current epoch trained on (set by DPCallback)
         self._offset = 0          # batches already consumed when iteration resumes mid-epoch
+        #: ignore restores (Lightning's loader state): the run resumed from a checkpoint older
+        #: than its last release goes on drawing new batches (set by DPCallback)
+        self.hold_position = False
         self._snapshots: dict[int, Any] = {}
         self._draws: dict[int, Optional[int]] = {}  # batch k of the epoch -> its draw index
         source = innermost_sampler(inner)
@@ -196,7 +199,10 @@ class TrackedBatchSampler(BatchIndexRecorder, Sampler):
         return snap if snap is not None else self.inner.state_dict()
 
     def restore(self, state, consumed: int):
-        """Load the inner sampler's ``state`` and resume the epoch after ``consumed`` batches."""
+        """Load the inner sampler's ``state`` and resume the epoch after ``consumed`` batches
+        (nothing while :attr:`hold_position`: its later draws were released)."""
+        if self.hold_position:
+            return
         self.inner.load_state_dict(state)
         self._offset = consumed if 0 < consumed < len(self.inner) else 0
         self.consumed = self._offset

@@ -10,7 +10,9 @@ TEST_DISCRETIZATION = 1e-3
 
 def same_pld(a, b) -> bool:
     """Whether two dp_accounting PLDs hold the same PMFs bit for bit (lowest loss, every
-    probability, infinity mass) in both directions: a cached PLD against a fresh build."""
+    probability, infinity mass) in both directions: a cached PLD against a fresh build. Exact
+    on every CPU: both sides are our code on the same inputs in one process (one float path);
+    never use it against a peer's PLD (tests/test_gaussian_branch.py bounds that difference)."""
     import numpy as np
 
     def pmfs(pld):

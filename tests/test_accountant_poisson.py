@@ -97,8 +97,13 @@ def test_state_dict_round_trip():
     other.load_state_dict(state)
     assert other.get_epsilon(1e-5) == acc.get_epsilon(1e-5)
     assert len(other) == 7
-    with pytest.raises(ValueError, match="scheme"):
-        PoissonAccountant(PoissonScheme(sample_rate=0.5)).load_state_dict(state)
+    # another rate: a new phase (issue 46), priced by the composed PLDs (no cheaper route)
+    phased = PoissonAccountant(PoissonScheme(sample_rate=0.5), discretization=D)
+    phased.load_state_dict(state)
+    assert len(phased.phases) == 1 and len(phased) == 0 and phased.total_steps == 7
+    eps = float(acc.get_epsilon(1e-5))
+    assert float(phased.get_epsilon(1e-5)) == pytest.approx(eps, rel=1e-3)
+    assert float(phased.get_epsilon(1e-5)) >= eps
 
 
 def test_mismatched_sample_rate_raises():

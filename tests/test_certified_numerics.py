@@ -134,6 +134,7 @@ def test_roundoff_floor_bounds_the_measured_error(q, sigma, count):
     assert floor <= 50 * max(errors)  # and not vacuous (the worst direction)
 
 
+@pytest.mark.float_sensitive
 @pytest.mark.slow
 def test_case6_a_posteriori_refusal_and_ordinary_certificate():
     step = PoissonScheme(sample_rate=Q).pld(SIGMA, discretization=1e-3)

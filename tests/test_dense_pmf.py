@@ -83,9 +83,12 @@ def _directions(pld):
 
 
 # ---- the Chernoff window -------------------------------------------------------------------------
+@pytest.mark.float_sensitive
 @pytest.mark.parametrize("name,pld", _plds_kept(
     PLDS, "truncated Poisson B=97 d=1e-3", "ro s=1 q=.05 sens=2 d=2e-3"))
 def test_bounds_are_dp_accountings(name, pld):
+    # exact: integers, decided by scipy's own log-MGF operations (one float path); the orders
+    # screened out carry a rigorous error bound (test_the_screen_..._covers_scipy)
     for pmf in _directions(pld):
         probs = pmf.to_dense_pmf()._probs
         np.testing.assert_array_equal(dp.dense_probs(pmf), probs)
@@ -114,6 +117,7 @@ def _odd_arrays():
             PLDS[-1][1]._pmf_remove._probs]
 
 
+@pytest.mark.float_sensitive
 @pytest.mark.parametrize("probs", _odd_arrays(), ids=["holes", "signed", "negative", "two",
                                                       "three", "composed"])
 def test_each_log_mgf_is_scipys_logsumexp(probs):
@@ -131,6 +135,7 @@ def test_each_log_mgf_is_scipys_logsumexp(probs):
                 == common.compute_self_convolve_bounds(probs, count, TAIL))
 
 
+@pytest.mark.float_sensitive
 def test_the_screen_keeps_few_orders_and_its_error_covers_scipy():
     probs = _gaussian(1.0, 0.1)._pmf_remove._probs
     orders = dp._ORDERS / len(probs)
@@ -190,10 +195,13 @@ def test_pld_self_compose_keeps_the_guard_and_the_numerics():
 DELTAS = (0.5, 1e-5, 1e-10, 2e-6, 1.9999e-6, 1 - 1e-12)
 
 
+@pytest.mark.float_sensitive
 @pytest.mark.parametrize("name,pld", _plds_kept(
     PLDS, "zero-out B=80 (pld_from_profile)", "ar s=.5 q=.01 d=1e-3",
     "ro s=1 q=.05 sens=2 d=2e-3"))
 def test_epsilon_for_delta_is_dp_accountings(name, pld):
+    # exact on every CPU: _DenseEpsilon takes libm's exp bits (np.exp only where they are the
+    # same) and the loop's sequential sums, so both sides run one float path
     for composed in (pld, pld_lib.self_compose(pld, 12)):
         for delta in DELTAS:
             assert dp.epsilon_for_delta(composed, delta) == composed.get_epsilon_for_delta(delta)
@@ -202,6 +210,7 @@ def test_epsilon_for_delta_is_dp_accountings(name, pld):
                 assert ours == ref and type(ours) is type(ref), (delta, ours, ref)
 
 
+@pytest.mark.float_sensitive
 def test_epsilon_for_delta_edge_cases():
     d = 1e-3
     # losses above 745: exp(-loss) underflows to 0, the loop's early return max(0, loss)
@@ -215,13 +224,116 @@ def test_epsilon_for_delta_edge_cases():
             assert ours == ref and type(ours) is type(ref), (delta, ours, ref)
 
 
-def test_epsilon_for_delta_with_math_exp(monkeypatch):
-    """The path taken where numpy's exp is not the C library's (AVX-512): same bits."""
-    monkeypatch.setattr(dp, "_LIBM_EXP", False)
+class _SkewedNumpy:
+    """numpy, except that ``exp`` is one ulp above the C library's on every other argument, as
+    numpy's AVX-512 ``exp`` differs on a share of them (750 of the 16,384 that
+    ``_numpy_exp_is_math_exp`` checks on an Intel Xeon): forces the ``math.exp`` path of
+    ``_DenseEpsilon`` on any CPU (an AVX2 machine never takes it by itself)."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def exp(x, *args, **kwargs):
+        r = np.asarray(np.exp(x, *args, **kwargs))
+        skew = np.isfinite(r) & (np.arange(r.size).reshape(r.shape) % 2 == 0)
+        return np.where(skew, np.nextafter(r, np.inf), r)
+
+
+@pytest.fixture
+def libm_exp_path(monkeypatch):
+    """The process as on an AVX-512 CPU: numpy's exp disagrees with libm's, and the check that
+    decides the ε(δ) path sees it afresh."""
+    monkeypatch.setattr(dp, "_LIBM_EXP", None)
+    monkeypatch.setattr(dp, "np", _SkewedNumpy())
+    assert dp._numpy_exp_is_math_exp() is False
+
+
+def _hockey_stick(pmf, eps):
+    r"""δ(ε) of a dense PMF, directly: infinity mass + :math:`\sum_{\ell > \varepsilon} p\,(1 -
+    e^{\varepsilon - \ell})` (``expm1`` of a negative argument: no overflow at any loss), summed
+    exactly (``math.fsum``)."""
+    losses = (pmf._lower_loss + np.arange(len(pmf._probs))) * pmf._discretization
+    above = losses > eps
+    terms = np.asarray(pmf._probs)[above] * -np.expm1(eps - losses[above])
+    return pmf._infinity_mass + math.fsum(terms.tolist())
+
+
+def _independent_epsilon(pmf, delta):
+    """The smallest ε >= 0 with δ(ε) <= δ (:func:`_hockey_stick`, bisection to 1e-13; δ(ε) is
+    non-increasing), inf where the infinity mass exceeds δ."""
+    if pmf._infinity_mass > delta:
+        return math.inf
+    if _hockey_stick(pmf, 0.0) <= delta:
+        return 0.0
+    lo, hi = 0.0, (pmf._lower_loss + len(pmf._probs)) * pmf._discretization
+    while hi - lo > 1e-13 * max(1.0, hi):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if _hockey_stick(pmf, mid) <= delta else (mid, hi)
+    return hi
+
+
+def _two_atoms(lower_loss, d, upper_mass, extra=()):
+    """Mass ``upper_mass`` at loss 1, the rest at ``lower_loss`` (grid ``d``), ``extra``
+    (index, prob) entries on top: a PMF reaching below -709.78, where exp(-loss) overflows."""
+    n = int(round((1.0 - lower_loss) / d)) + 1
+    probs = np.zeros(n)
+    probs[-1], probs[0] = upper_mass, 1 - upper_mass
+    for i, p in extra:
+        probs[i] += p
+    return pld_pmf.DensePLDPmf(d, int(round(lower_loss / d)), probs, 0.0, True)
+
+
+#: ε(δ) of the forced libm path against the direct computation. The loop's ε solves δ(ε) = δ
+#: exactly on the segment where it stops, from partial sums of n terms: each carries at most
+#: n·u of relative error (u = 2^-53), which moves ε by at most n·u·(U + δ)/(U - δ) + n·u; with
+#: n <= 1e5 and (U + δ)/(U - δ) <= 1e3 on these PMFs that is < 3e-8 (the bisection: 1e-13).
+#: Safe side: ours >= the direct ε - tolerance; above it by at most the tolerance too.
+_EPS_TOL = 3e-8
+
+
+@pytest.mark.float_sensitive
+def test_epsilon_for_delta_on_the_forced_libm_path(libm_exp_path):
+    """The path taken where numpy's exp is not the C library's (AVX-512), forced: ε(δ) within
+    :data:`_EPS_TOL` of a direct computation, never below it, and dp_accounting's own loop's
+    value bit for bit where that loop returns (it evaluates the same ``math.exp`` and the same
+    sequential sums: one float path); below loss -709.78, where dp_accounting's ``math.exp``
+    raises ``OverflowError`` (issue 46), the exact value."""
     composed = pld_lib.self_compose(tp.truncated_poisson_pld(640, 0.1, 97, 1.0,
                                                              discretization=1e-3), 20)
     for delta in (1e-5, 1e-9):
         assert dp.epsilon_for_delta(composed, delta) == composed.get_epsilon_for_delta(delta)
+    # mass 0.3 at loss 1, 0.7 at -800: δ(ε) = 0.3 (1 - e^(ε - 1)) for 0 <= ε <= 1
+    pmf = _two_atoms(-800.0, 1e-2, 0.3)
+    cases = [(pmf, 0.1, 1 + math.log(2 / 3)),   # stops at a positive loss: dp_accounting's too
+             (pmf, 0.15, 1 - math.log(2)),
+             (pmf, 0.2, 0.0),                    # δ(0) = 0.3 (1 - 1/e) < 0.2
+             (pmf, 0.5, 0.0),                    # passes loss -800: dp_accounting raises
+             # a negative round-off entry below -709.78 after a positive one: inf + (-inf)
+             (_two_atoms(-800.0, 1e-2, 0.3, [(5000, 1e-12), (4000, -1e-300)]), 0.5, 0.0)]
+    for pmf, delta, exact in cases:
+        ours = dp.epsilon_for_delta_pmf(pmf, delta)
+        assert ours == pytest.approx(exact, abs=_EPS_TOL) and ours >= exact - _EPS_TOL
+        assert ours == pytest.approx(_independent_epsilon(pmf, delta), abs=_EPS_TOL)
+        try:
+            ref = pmf.get_epsilon_for_delta(delta)
+        except OverflowError:
+            assert exact == 0.0  # only where the loop passes loss -709.78
+        else:
+            assert ours == ref
+    # a Gaussian pair, a PMF with infinity mass, a composed one with negative entries
+    for name in ("ar s=1 q=.1 d=1e-3", "infinity mass", "composed (negative entries)"):
+        pld = dict(PLDS)[name]
+        for pmf in _directions(pld):
+            for delta in (1e-5, 1e-3, 0.5, 1.9999e-6):
+                ours, direct = dp.epsilon_for_delta_pmf(pmf, delta), _independent_epsilon(
+                    pmf, delta)
+                if math.isinf(direct):
+                    assert ours == direct, (name, delta)
+                    continue
+                assert ours >= direct - _EPS_TOL, (name, delta, ours, direct)
+                assert ours <= direct + _EPS_TOL, (name, delta, ours, direct)
+                assert ours == pmf.get_epsilon_for_delta(delta), (name, delta)
 
 
 def test_pld_epsilon_for_delta_reads_at_delta_minus_the_roundoff():

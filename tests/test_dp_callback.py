@@ -17,6 +17,10 @@ from lightning.pytorch.loggers.logger import Logger  # noqa: E402
 from opacus.optimizers import DPOptimizer  # noqa: E402
 
 from lightning_callbacks.dp_callback import DPCallback  # noqa: E402
+from opacus_structured.accountants.noise_lineage import (  # noqa: E402
+    FreshNoiseWarning,
+    NoiseReplayError,
+)
 from opacus_structured.accountants.base import SchemeAccountant  # noqa: E402
 from opacus_structured.samplers.poisson import PoissonBatchSampler, poisson_data_loader  # noqa
 from opacus_structured.schemes.poisson import PoissonScheme  # noqa: E402
@@ -211,23 +215,64 @@ def test_min_steps_past_budget_is_refused():
 
 @pytest.mark.slow  # 5-30 s: out of the README command (issue 41: <= 5 min); CI runs it
 @pytest.mark.parametrize("resume_step,mode", [(3, "hooks"), (8, "hooks"), (3, "ghost")])
-def test_resume_matches_uninterrupted_run(tmp_path, resume_step, mode):
+def test_resume_from_the_last_release_matches_uninterrupted_run(tmp_path, resume_step, mode):
+    """A run stopped at ``resume_step`` and resumed from its checkpoint there (its last released
+    step: provably a continuation) is bit-identical to the run that was not interrupted."""
     total = 12  # 1.5 epochs of 8 steps
     torch.manual_seed(0)
     model_a, cb_a = Tiny(), callback(grad_sample_mode=mode)
+    trainer(cb_a, max_steps=total).fit(model_a, data())
+
+    torch.manual_seed(0)  # the same run, stopped at resume_step with a checkpoint there
+    model_s, cb_s = Tiny(), callback(grad_sample_mode=mode)
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=resume_step, save_top_k=-1,
                            filename="{step}")
-    trainer(cb_a, max_steps=total, callbacks=[ckpt]).fit(model_a, data())
+    trainer(cb_s, max_steps=resume_step, callbacks=[ckpt]).fit(model_s, data())
     path = os.path.join(tmp_path, f"step={resume_step}.ckpt")
     assert os.path.exists(path), glob.glob(str(tmp_path / "*"))
 
     torch.manual_seed(1)  # different init: everything must come from the checkpoint
     model_b, cb_b = Tiny(), callback(seed=999, grad_sample_mode=mode)  # seeds too
-    trainer(cb_b, max_steps=total).fit(model_b, data(), ckpt_path=path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FreshNoiseWarning)  # the noise is restored, not fresh
+        trainer(cb_b, max_steps=total).fit(model_b, data(), ckpt_path=path)
     assert cb_b.steps == cb_a.steps == total
     assert cb_b.epsilon() == cb_a.epsilon()
     for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("same_callback", [True, False])
+def test_resume_from_an_earlier_checkpoint_never_replays_noise(tmp_path, monkeypatch,
+                                                               same_callback):
+    """Issue 46, repro 17: fit with checkpoints, then fit again from an earlier one. The
+    resumed steps draw fresh noise (no noise tensor of the first fit is added again), with a
+    FreshNoiseWarning; the callback that went on keeps every released step."""
+    import opacus.optimizers.optimizer as opacus_optimizer
+
+    drawn = []
+    plain = opacus_optimizer._generate_noise
+
+    def spy(std, reference, *args, **kwargs):
+        z = plain(std, reference, *args, **kwargs)
+        drawn.append(z.detach().clone())
+        return z
+
+    monkeypatch.setattr(opacus_optimizer, "_generate_noise", spy)
+    torch.manual_seed(0)
+    model, cb = Tiny(), callback()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1,
+                           filename="{step}")
+    trainer(cb, max_steps=6, callbacks=[ckpt]).fit(model, data())
+    first = list(drawn)
+    resumed = cb if same_callback else callback()
+    with pytest.warns(FreshNoiseWarning, match="already drawn 6"):
+        trainer(resumed, max_steps=6).fit(model, data(),
+                                          ckpt_path=os.path.join(tmp_path, "step=2.ckpt"))
+    second = drawn[len(first):]
+    assert len(second) == len(first) * 2 // 3  # steps 3..6 again, 4 tensors each
+    assert not any(torch.equal(a, b) for a in second for b in first)
+    assert resumed.steps == (10 if same_callback else 6)
 
 
 def test_accepts_user_dp_optimizer_and_poisson_loader():
@@ -284,11 +329,12 @@ def test_constructor_validation(kwargs, name):
         callback(**kwargs)
 
 
-def test_checkpoint_from_other_scheme_is_refused():
+def test_checkpoint_from_other_scheme_starts_a_new_phase():
+    # issue 46: another rate at a resume is a phase schedule (tests/test_phases.py)
     cb = callback()
     state = callback(scheme=PoissonScheme(sample_rate=0.25)).state_dict()
-    with pytest.raises(ValueError, match="scheme"):
-        cb.load_state_dict(state)
+    cb.load_state_dict(state)
+    assert len(cb.accountant.phases) == 1
 
 
 def test_correlated_noise_under_independent_noise_scheme_is_refused():
@@ -309,10 +355,13 @@ def test_correlated_noise_optimizer_state_resumes(tmp_path, monkeypatch):
               optimizer_kwargs={"noise_correlation": [1.0, 0.5]})
     torch.manual_seed(0)
     model_a, cb_a = Tiny(), callback(**kw)
+    trainer(cb_a, max_steps=4).fit(model_a, data())
+    assert isinstance(cb_a.optimizer, corr.CorrelatedNoiseDPOptimizer)
+    torch.manual_seed(0)  # the same run stopped at step 2: resuming there continues it
+    model_s, cb_s = Tiny(), callback(**kw)
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1,
                            filename="{step}")
-    trainer(cb_a, max_steps=4, callbacks=[ckpt]).fit(model_a, data())
-    assert isinstance(cb_a.optimizer, corr.CorrelatedNoiseDPOptimizer)
+    trainer(cb_s, max_steps=2, callbacks=[ckpt]).fit(model_s, data())
     torch.manual_seed(1)
     model_b, cb_b = Tiny(), callback(seed=7, **kw)
     trainer(cb_b, max_steps=4).fit(model_b, data(),
@@ -320,6 +369,14 @@ def test_correlated_noise_optimizer_state_resumes(tmp_path, monkeypatch):
     assert cb_b.optimizer.noise_step == cb_a.optimizer.noise_step == 4
     for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True):
         assert torch.equal(a, b)
+    # resuming from step 2 of the run that went on to 4 would replace released correlated
+    # noise: refused before any noise is drawn (its noise needs its positions)
+    ckpt_b = ModelCheckpoint(dirpath=tmp_path / "b", every_n_train_steps=2, save_top_k=-1,
+                             filename="{step}")
+    trainer(callback(**kw), max_steps=4, callbacks=[ckpt_b]).fit(Tiny(), data())
+    with pytest.raises(NoiseReplayError, match="correlated"):
+        trainer(callback(**kw), max_steps=4).fit(
+            Tiny(), data(), ckpt_path=os.path.join(tmp_path / "b", "step=2.ckpt"))
 
 
 def test_bandmf_scheme_sampler_optimizer_and_epsilon():

@@ -48,10 +48,14 @@ def _callback(seed):
 def test_mid_epoch_resume_is_lightnings_own_and_exact(tmp_path):
     torch.manual_seed(0)
     model_a, cb_a = Boring(), _callback(3)
+    _fit(cb_a, 12).fit(model_a, _data())
+    # the same run stopped at step 3 (its last release: a resume there provably continues it)
+    torch.manual_seed(0)
+    model_s, cb_s = Boring(), _callback(3)
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1,
                            filename="{step}")
-    trainer_a = _fit(cb_a, 12, callbacks=[ckpt])
-    trainer_a.fit(model_a, _data())
+    trainer_a = _fit(cb_s, 3, callbacks=[ckpt])
+    trainer_a.fit(model_s, _data())
     loader = trainer_a.fit_loop._combined_loader.flattened[0]
     assert isinstance(loader, ResumableDPDataLoader) and isinstance(loader, _Stateful)
     path = os.path.join(tmp_path, "step=3.ckpt")

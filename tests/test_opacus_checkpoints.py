@@ -215,7 +215,8 @@ def test_stock_and_helper_paths_load_each_others_checkpoints(name, saved_by, loa
     assert fresh.get_epsilon(DELTA) == pytest.approx(engine.get_epsilon(DELTA), rel=1e-12)
 
 
-def test_incompatible_checkpoint_is_still_refused():
+def test_checkpoint_of_another_rate_starts_a_new_phase():
+    # issue 46: a resume with another batch size is a phase schedule, composed, not refused
     engine, model, opt, dl = _build("poisson")
     _train("poisson", model, opt, dl)
     other = PrivacyEngine(accountant="poisson")
@@ -224,5 +225,6 @@ def test_incompatible_checkpoint_is_still_refused():
         other, module=model2, optimizer=torch.optim.SGD(model2.parameters(), lr=0.1),
         data_loader=DataLoader(_dataset(), batch_size=10), noise_multiplier=1.0,
         max_grad_norm=1.0, discretization=D)          # q = 0.2, not the checkpoint's 0.1
-    with pytest.raises(ValueError, match="sample_rate|scheme"):
-        other.load_checkpoint(path=_save(engine, model, opt), module=m2, optimizer=o2)
+    other.load_checkpoint(path=_save(engine, model, opt), module=m2, optimizer=o2)
+    assert len(other.accountant.phases) == 1 and other.accountant.total_steps == STEPS
+    assert float(other.get_epsilon(DELTA)) >= float(engine.get_epsilon(DELTA))

@@ -16,7 +16,7 @@ import weakref
 from typing import Optional
 
 from ..samplers import verification
-from . import parameter_guard
+from . import noise_lineage, parameter_guard
 from .ledger import LedgerError
 from .release_guard import guard_optimizer
 from .release_rows import recorder_of
@@ -152,6 +152,7 @@ class AttachmentMixin:
         self.attach(data_loader)
         if optimizer is not None:  # Opacus' make_private: guard before the first step
             guard_optimizer(optimizer, module)
+            self.watch_noise(optimizer)
             if module is not None:  # no other optimizer steps the module's parameters
                 parameter_guard.guard_parameters(module, optimizer, where="make_private")
 
@@ -160,6 +161,12 @@ class AttachmentMixin:
                          batches=optim.accumulated_iterations, base_rate=sample_rate)
 
         return hook_fn
+
+    def watch_noise(self, optimizer) -> None:
+        """Make ``optimizer``'s noise draws part of this run's noise lineage (checked before
+        every draw: :mod:`~opacus_structured.accountants.noise_lineage`)."""
+        guard_optimizer(optimizer)
+        noise_lineage.link(optimizer, self._ledger.noise)
 
     def release(self, optimizer, *, sample_rate: float, batches: int = 1,
                 base_rate: Optional[float] = None) -> None:
@@ -178,6 +185,10 @@ class AttachmentMixin:
         """
         padding = 0
         self._clip_norms.check(optimizer, step=len(self) + 1)
+        if noise_lineage.lineage_of_optimizer(optimizer) is not self._ledger.noise:
+            # an optimizer wired by hand: this step's draw was not seen; later ones are checked
+            self.watch_noise(optimizer)
+            self._ledger.noise.record(None)
         recorder = recorder_of(optimizer)
         rows = recorder.take() if recorder is not None else None
         if rows is not None and base_rate is not None:

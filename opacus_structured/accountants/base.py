@@ -77,6 +77,7 @@ from .attachment import (  # noqa: F401  (re-exported: their historical home)
 )
 from .ledger import LedgerError, ReleaseLedger
 from .observed_release import ObservedReleaseMixin
+from .phases import PhasesMixin
 from .release_guard import ClipNormLedger
 
 __all__ = ["SchemeAccountant", "register_scheme_accountant",
@@ -115,7 +116,7 @@ def accountant_class_for(scheme: Scheme) -> type:
     return registry.accountant_class_for(scheme) or SchemeAccountant
 
 
-class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, IAccountant):
+class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, PhasesMixin, IAccountant):
     """Prices the steps Opacus reports with a batching scheme's dominating pairs.
 
     Args:
@@ -174,6 +175,7 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, IAccountant):
         self._loader_workers = 0    # num_workers of the loader attached
         self._clip_norms = ClipNormLedger()  # one clip norm for clipping and noise (issue 29.9)
         self._init_observed()  # steps priced from the rows they summed (issue 39)
+        self._init_phases()  # earlier phases of a run resumed under another scheme (issue 46)
 
     # ---- unbound accountants (built by name by Opacus' registry) --------------------------
     @property
@@ -252,12 +254,16 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, IAccountant):
                 f"({err}); the epsilon would not cover it. Stop training, or plan a longer run "
                 f"(a scheme with more epochs) from the start") from None
 
+    def _accountant_for(self, scheme: Scheme) -> "SchemeAccountant":
+        """A fresh accountant of ``scheme``'s registered class (an earlier phase's pricer)."""
+        return accountant_class_for(scheme)(scheme, discretization=self.discretization)
+
     def _require_observed(self) -> None:
         """Refuse to report for an unbound accountant, and for one that no step hook feeds and
         that saw no step."""
         self._require_bound("report a privacy guarantee")
         self._ledger.check_optimizer()
-        if not self._attached and not self.history:
+        if not self._attached and not self.history and not self.phases:
             raise AccountantNotAttachedError(
                 f"{type(self).__name__} has recorded no step and is not attached to an "
                 f"optimizer: its epsilon would describe no training. If you assigned "
@@ -313,6 +319,8 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, IAccountant):
         if self.without_noise:
             raise ValueError(f"{type(self).__name__} recorded steps with noise_multiplier=0: "
                              f"their privacy loss is unbounded and has no PLD (epsilon is inf)")
+        if self.phases:
+            return self._phases_composed(d)
         return self._with_unamplified(self._composed(d), d)
 
     def get_epsilon(self, delta: float, *, discretization: Optional[float] = None,
@@ -327,6 +335,8 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, IAccountant):
             "discretization", discretization)
         if self.without_noise:
             return math.inf
+        if self.phases:
+            return self._phases_epsilon(delta, d)
         if self.unamplified:
             return self._epsilon_with_unamplified(delta, d)
         try:
@@ -380,6 +390,8 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, IAccountant):
         if self.without_noise:
             return 1.0
         d = self.discretization if discretization is None else discretization
+        if self.phases:
+            return float(self._phases_delta(epsilon, d))
         return float(pld_lib.delta_for_epsilon(self._with_unamplified(self._composed(d), d),
                                                float(epsilon)))
 
@@ -405,11 +417,16 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, IAccountant):
             destination["observed"] = observed
         if self.sampling_constants is not None:
             destination["sampling_constants"] = dict(self.sampling_constants)
+        phases = self._phases_state()
+        if phases is not None:
+            destination["phases"] = phases
         return destination
 
     def load_state_dict(self, state_dict):
-        """Restore a :meth:`state_dict`; raises if it was taken under another scheme. An unbound
-        accountant is bound to the checkpoint's scheme (if it is of this class's scheme type)."""
+        """Restore a :meth:`state_dict`. A state taken under another scheme (another batch size,
+        rate, ...: a phase schedule) starts a new phase, composed with the earlier ones
+        (:mod:`~opacus_structured.accountants.phases`). An unbound accountant is bound to the
+        checkpoint's scheme (if it is of this class's scheme type)."""
         saved = Scheme.from_dict(state_dict["scheme"]) if "scheme" in state_dict else None
         saved_steps = sum(int(n) for _, _, n in state_dict.get("history", []))
         if self._hooked_steps and saved_steps < len(self):
@@ -425,10 +442,9 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, IAccountant):
                                  f"{type(self).__name__} does not price")
             self.scheme = saved
         resolved = self.scheme if saved is None else self.scheme.checkpoint_scheme(saved)
-        if resolved is None:
-            raise ValueError(
-                f"checkpoint was taken with scheme {saved!r} but this accountant prices "
-                f"{self.scheme!r}; build the accountant from the same scheme")
+        if resolved is None:  # another batch size, rate, ...: a new phase (accountants/phases)
+            self._start_phase(state_dict, saved)
+            return
         for _, rate, steps in state_dict.get("history", []):
             if steps:  # a template's checkpoint resumed under a concrete scheme: same rates
                 resolved.check_sample_rate(rate)
@@ -441,6 +457,8 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, IAccountant):
             self.sampling_constants = dict(state_dict["sampling_constants"])
         self.history = [tuple(h) for h in self.history]
         self._cache.clear()
+        self.phases = [dict(p) for p in state_dict.get("phases", [])]
+        self._phase_cache.clear()
         if state_dict.get("ledger") is not None:
             self._ledger.load_state_dict(state_dict["ledger"])
         else:
@@ -468,7 +486,8 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, IAccountant):
             f"and choosing the checkpoint looked at them; training continues on new draws")
 
     def __repr__(self):
-        return (f"{type(self).__name__}(scheme={self.scheme!r}, steps={len(self)}, "
+        phases = f", earlier_phases={len(self.phases)}" if self.phases else ""
+        return (f"{type(self).__name__}(scheme={self.scheme!r}, steps={len(self)}{phases}, "
                 f"discretization={self.discretization})")
 
 

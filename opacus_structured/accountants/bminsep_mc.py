@@ -77,6 +77,9 @@ class BMinSepMonteCarloAccountant(SchemeAccountant):
     def bound(self) -> BoundKind:
         return BoundKind.MONTE_CARLO
 
+    def phase_refusal(self):
+        return "is priced by a Monte Carlo estimate, not a PLD"
+
     def _sigma_steps(self) -> tuple[float, int]:
         steps = len(self)
         sigma = min((s for s, _, n in self.history if n), default=math.inf)

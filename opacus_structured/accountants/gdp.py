@@ -43,13 +43,20 @@ class GDPFullBatchAccountant(SchemeAccountant):
                 total += int(n) / float(sigma) ** 2
         return math.sqrt(total)
 
+    def phase_pld(self, discretization: float):
+        """This run as one phase of a composed run: the Gaussian PLD of its μ."""
+        return self._gaussian_phase_pld(self.mu(), discretization)
+
     def get_epsilon(self, delta: float, *, discretization: Optional[float] = None,
                     **kwargs) -> float:
-        """Exact ε(δ) of μ-GDP (``discretization`` is accepted and unused)."""
+        """Exact ε(δ) of μ-GDP (``discretization`` is accepted and unused), or of the composed
+        phases (a PLD) after a resume under another scheme."""
         self._require_observed()
         delta = check_open_unit("delta", delta)
         if self.without_noise:
             return math.inf
+        if self.phases:
+            return self._phases_epsilon(delta, discretization)
         return gdp_epsilon(delta, self.mu())
 
     def get_delta(self, epsilon: float, *, discretization: Optional[float] = None) -> float:
@@ -59,4 +66,6 @@ class GDPFullBatchAccountant(SchemeAccountant):
             raise ValueError("epsilon must not be NaN")
         if self.without_noise:
             return 1.0
+        if self.phases:
+            return float(self._phases_delta(epsilon, discretization))
         return float(gdp_delta(float(epsilon), self.mu()))

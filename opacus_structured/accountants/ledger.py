@@ -40,12 +40,19 @@ accountant raises at its first step.
 sampler's own state when the sampler has drawn nothing beyond the last release), so Opacus'
 ``save_checkpoint`` / ``load_checkpoint``, Lightning checkpoints and ``state_dict`` carry the
 sampler with the accountant: a resumed run continues the recorded stream or raises.
+
+The ledger also owns the run's **noise position** (:attr:`ReleaseLedger.noise`, a
+:class:`~opacus_structured.accountants.noise_lineage.NoiseLineage`): which generator states the
+run's noise was drawn from, so that no noise value is added to two releases
+(:mod:`~opacus_structured.accountants.noise_lineage`).
 """
 
 from __future__ import annotations
 
 import weakref
 from typing import Any, Optional
+
+from .noise_lineage import NoiseLineage
 
 __all__ = ["LedgerError", "ReleaseLedger", "POLICIES"]
 
@@ -119,6 +126,8 @@ class ReleaseLedger:
         self._releases_at_watch = 0
         self._released: set[int] = set()   # draws released (observed rows, "independent")
         self._floor: Optional[int] = None  # draws <= floor were released before a restore
+        #: the run's noise draws: lineage id, position, state digests (noise_lineage)
+        self.noise = NoiseLineage()
 
     # ---- binding ---------------------------------------------------------------------------
     @property
@@ -339,7 +348,8 @@ class ReleaseLedger:
         """Fingerprint, last released draw, counts, and the sampler's state when it has drawn
         nothing beyond the last release (a synchronous loop)."""
         state: dict[str, Any] = {"fingerprint": self.fingerprint, "last_draw": self.last_draw,
-                                 "releases": self.releases, "skipped": self.skipped}
+                                 "releases": self.releases, "skipped": self.skipped,
+                                 "noise": self.noise.state_dict()}
         source = self.source
         sampler = None
         if source is not None and self.last_draw is not None \
@@ -362,6 +372,7 @@ class ReleaseLedger:
         self.releases = int(state.get("releases", 0))
         self.skipped = int(state.get("skipped", 0))
         self.fingerprint = state.get("fingerprint")
+        self.noise.load_state_dict(state.get("noise"))
         self._releases_at_watch = self.releases
         base = self._optimizer() if self._optimizer is not None else None
         counter = _STEPS.get(base) if base is not None else None

@@ -28,6 +28,10 @@ class RandomAllocationMFAccountant(WholeRunAccountant):
     mixed_sigma = "raise"
     scheme_class = RandomAllocationMFScheme
 
+    def phase_refusal(self):
+        return ("is priced by the Rényi accountant or conditional composition, which have no "
+                "stand-alone PLD")
+
     def __init__(self, scheme: Optional[RandomAllocationMFScheme] = None, *,
                  discretization: float = pld_lib.DEFAULT_DISCRETIZATION):
         super().__init__(scheme, discretization=discretization)  # None: unbound (see base)

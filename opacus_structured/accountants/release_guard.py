@@ -87,6 +87,7 @@ import torch
 from opacus import optimizers as opacus_optimizers
 from opacus.optimizers import DPOptimizerFastGradientClipping
 
+from . import noise_lineage
 from .clip_factors import install_clip_factors
 from .release_rows import install_recorder, recorder_of, rows_in_grad_samples
 
@@ -215,6 +216,7 @@ def guard_optimizer(optimizer, module=None):
             return plain_pre_step(closure)
 
         optimizer.pre_step = pre_step
+        _guard_noise(optimizer)
         if not ghost:
             # Opacus' own clipping: one norm pass, non-finite examples get factor 0 there
             # (clip_factors); other clipping (per layer): a zeroing pass first
@@ -237,6 +239,23 @@ def guard_optimizer(optimizer, module=None):
     if module is not None:
         install_recorder(optimizer, module)
     return guard
+
+
+def _guard_noise(optimizer) -> None:
+    """Wrap ``add_noise``: no generator state whose noise was released is drawn from again, and
+    every draw is recorded in the noise lineage of the run that prices the optimizer
+    (:mod:`~opacus_structured.accountants.noise_lineage`)."""
+    plain_add_noise = optimizer.add_noise
+
+    def add_noise(*args, **kwargs):
+        correlated = adds_correlated_noise(optimizer)
+        step = getattr(optimizer, "noise_step", None) if correlated else None
+        before = noise_lineage.check_before_draw(optimizer, correlated=correlated)
+        out = plain_add_noise(*args, **kwargs)
+        noise_lineage.record_after_draw(optimizer, before, step)
+        return out
+
+    optimizer.add_noise = add_noise
 
 
 def _guard_ghost_module(guard: _Guard, optimizer, module) -> None:

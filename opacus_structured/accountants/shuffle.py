@@ -155,12 +155,21 @@ class ShuffleAccountant(SchemeAccountant):
             return math.inf  # an epoch without noise: no privacy
         return shuffle_mu(sigmas, self.scheme.relation) if sigmas else 0.0
 
+    def phase_pld(self, discretization: float):
+        """This run as one phase of a composed run: the Gaussian PLD of its μ."""
+        return self._gaussian_phase_pld(self.mu(), discretization)
+
     def get_epsilon(self, delta: float, *, discretization: Optional[float] = None,
                     **kwargs) -> float:
-        """Exact ε(δ) of μ-GDP (``discretization`` accepted and unused: no PLD)."""
+        """Exact ε(δ) of μ-GDP (``discretization`` accepted and unused: no PLD), or of the
+        composed phases (a PLD) after a resume under another scheme."""
         self._require_observed()
         delta, mu = check_open_unit("delta", delta), self.mu()
-        return math.inf if math.isinf(mu) else gdp_epsilon(delta, mu)
+        if math.isinf(mu):
+            return math.inf
+        if self.phases:
+            return self._phases_epsilon(delta, discretization)
+        return gdp_epsilon(delta, mu)
 
     def get_delta(self, epsilon: float, *, discretization: Optional[float] = None) -> float:
         """Exact δ(ε) of μ-GDP."""
@@ -168,7 +177,11 @@ class ShuffleAccountant(SchemeAccountant):
         if math.isnan(epsilon):
             raise ValueError("epsilon must not be NaN")
         mu = self.mu()
-        return 1.0 if math.isinf(mu) else float(gdp_delta(float(epsilon), mu))
+        if math.isinf(mu):
+            return 1.0
+        if self.phases:
+            return float(self._phases_delta(epsilon, discretization))
+        return float(gdp_delta(float(epsilon), mu))
 
     # ---- state ----------------------------------------------------------------------------
     def state_dict(self, destination=None):

@@ -48,11 +48,17 @@ class TruncatedPoissonAccountant(SchemeAccountant):
             self.scheme.check_sample_rate(rate)
         return [(sigma, int(n)) for sigma, _, n in self.history if n]
 
+    def phase_refusal(self):
+        if self.scheme.analysis != "tight":
+            return ("is priced by the (ε, δ + e^ε η) baseline, which has no PLD (use "
+                    "analysis='tight')")
+        return None
+
     def get_epsilon(self, delta: float, *, discretization: Optional[float] = None,
                     **kwargs) -> float:
         """ε(δ) for all recorded steps (tight: composed mixture PLDs; baseline: see scheme)."""
         self._require_observed()
-        if self.scheme.analysis == "tight":
+        if self.scheme.analysis == "tight" or self.phases:
             return super().get_epsilon(delta, discretization=discretization)
         delta = check_open_unit("delta", delta)
         if self.without_noise:

@@ -53,6 +53,8 @@ class WholeRunAccountant(SchemeAccountant):
         delta = check_open_unit("delta", delta)
         if self.without_noise:
             return math.inf
+        if self.phases:  # the run is one phase of a composed run (accountants/phases)
+            return self._phases_epsilon(delta, discretization)
         return self._priced("epsilon", delta, discretization)
 
     def get_delta(self, epsilon: float, *, discretization: Optional[float] = None) -> float:
@@ -61,4 +63,6 @@ class WholeRunAccountant(SchemeAccountant):
             raise ValueError("epsilon must not be NaN")
         if self.without_noise:
             return 1.0
+        if self.phases:
+            return float(self._phases_delta(epsilon, discretization))
         return self._priced("delta", float(epsilon), discretization)

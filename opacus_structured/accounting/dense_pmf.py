@@ -39,6 +39,7 @@ PMF array, infinity mass, ε) equal to dp_accounting's on many PLDs (``tests/tes
 from __future__ import annotations
 
 import math
+import sys
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -288,6 +289,9 @@ def self_compose(pld: PrivacyLossDistribution, num_times: int,
 
 
 _LIBM_EXP: Optional[bool] = None
+#: ``math.log`` of the largest double: ``math.exp`` raises ``OverflowError`` above it, where
+#: ``np.exp`` returns ``inf``.
+_EXP_MAX = math.log(sys.float_info.max)
 
 
 def _numpy_exp_is_math_exp() -> bool:
@@ -295,14 +299,34 @@ def _numpy_exp_is_math_exp() -> bool:
 
     numpy computes float64 ``exp`` with the C library's ``exp`` (as ``math.exp`` does) unless
     the CPU has AVX-512, where it uses its own SIMD code, whose last bits differ for a share of
-    the arguments; then :func:`epsilon_for_delta_pmf` maps ``math.exp`` (slower, same bits)."""
+    the arguments (750 of these 16,384 on an Intel Xeon with AVX-512); then
+    :func:`epsilon_for_delta_pmf` maps ``math.exp`` (:func:`_libm_exp`: slower, same bits)."""
     global _LIBM_EXP
     if _LIBM_EXP is None:
         x = np.linspace(-745.0, 709.0, 1 << 13)
         x = np.concatenate([x, np.random.default_rng(0).uniform(-40.0, 40.0, 1 << 13)])
-        _LIBM_EXP = bool(np.array_equal(
-            np.exp(x), np.fromiter(map(math.exp, x.tolist()), dtype=np.float64, count=len(x))))
+        _LIBM_EXP = bool(np.array_equal(np.exp(x), _libm_exp(x)))
     return _LIBM_EXP
+
+
+def _exp_or_inf(x: float) -> float:
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
+def _libm_exp(x: np.ndarray) -> np.ndarray:
+    """``math.exp`` element-wise (the C library's bits, which dp_accounting's loop uses), with
+    ``inf`` where it overflows (arguments above ``log(DBL_MAX)`` ~ 709.78, where ``np.exp``
+    returns ``inf`` too) instead of ``OverflowError``."""
+    x = np.asarray(x, dtype=np.float64)
+    out = np.empty(len(x))
+    safe = x <= 709.0  # exp(709) ~ 8.2e307: math.exp cannot overflow (NaN stays NaN)
+    out[safe] = np.fromiter(map(math.exp, x[safe].tolist()), dtype=np.float64,
+                            count=int(safe.sum()))
+    out[~safe] = [_exp_or_inf(v) for v in x[~safe].tolist()]
+    return out
 
 
 class _DenseEpsilon:
@@ -315,7 +339,19 @@ class _DenseEpsilon:
     before the first k with ``log((mass_upper - delta) / mass_lower) >= loss``. That test is
     evaluated with ``np.log`` and re-evaluated with ``math.log`` wherever the two sides are
     within 1e-12 (relative) of each other, so every decision is the loop's; the exponentials
-    are ``math.exp``'s (:func:`_numpy_exp_is_math_exp`)."""
+    are ``math.exp``'s (:func:`_numpy_exp_is_math_exp`).
+
+    Losses below :math:`-\log(\mathrm{DBL\_MAX}) \approx -709.78`: ``exp(-loss)`` is ``inf``
+    here (``np.exp``'s value; ``math.exp``, and so dp_accounting's loop, would raise
+    ``OverflowError``), a zero probability adds 0 (not ``inf * 0 = NaN``), and a partial sum
+    ``mass_lower`` that is not finite (``inf``, or NaN from ``inf`` plus ``-inf`` round-off
+    entries) can only follow a loss below -709, since :math:`|\mathrm{mass\_lower}_k| \le
+    e^{-\ell_{k-1}} \sum |p|` (the losses decrease) and :math:`2 e^{709} < \mathrm{DBL\_MAX}`
+    (:math:`\sum |p| \le 2`). Reaching it, the loop has passed a negative loss :math:`\ell_j` without breaking, so
+    :math:`\delta(\ell_j) \le \delta` (or ``mass_upper`` :math:`\le \delta`), hence
+    :math:`\delta(0) \le \delta` and ε = 0 is exact; that is returned (what the loop returns
+    once ``mass_upper <= mass_lower + delta``). Those entries never decide a break:
+    ``log((mass_upper - delta) / inf)`` is ``-inf``, a NaN is not a candidate."""
 
     def __init__(self, pmf: pld_pmf.DensePLDPmf):
         # pylint: disable=protected-access
@@ -327,9 +363,10 @@ class _DenseEpsilon:
         losses[0] = upper_loss
         np.cumsum(losses, out=losses)
         if _numpy_exp_is_math_exp():
-            exps = np.exp(-losses)
+            with np.errstate(over="ignore"):
+                exps = np.exp(-losses)
         else:
-            exps = np.fromiter(map(math.exp, (-losses).tolist()), dtype=np.float64, count=n)
+            exps = _libm_exp(-losses)
         # upper[k], lower[k]: the loop's mass_upper, mass_lower before it looks at losses[k]
         upper = self.upper = np.empty(n + 1)
         upper[0] = self.infinity_mass
@@ -337,8 +374,10 @@ class _DenseEpsilon:
         np.cumsum(upper, out=upper)
         lower = self.lower = np.empty(n + 1)
         lower[0] = 0.0
-        np.multiply(exps, probs, out=lower[1:])
-        np.cumsum(lower, out=lower)
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.multiply(exps, probs, out=lower[1:])
+            lower[1:][probs == 0] = 0.0  # exp(-loss) * 0: 0, also where exp(-loss) is inf
+            np.cumsum(lower, out=lower)
         self.positive = lower[:n] > 0
         self.zero_after = np.flatnonzero(lower[1:] == 0)  # k with mass_lower == 0 after k
 
@@ -376,6 +415,8 @@ class _DenseEpsilon:
         if len(early):
             return max(0, float(losses[early[0]]))
         mass_upper, mass_lower = upper[stop], lower[stop]
+        if not math.isfinite(mass_lower):  # past a loss below -709: ε = 0 (class docstring)
+            return 0
         if mass_upper <= mass_lower + delta:
             return 0
         with np.errstate(divide="ignore"):

@@ -182,6 +182,8 @@ class TunePlan:
     eta: Optional[float]
     max_steps: int
     score_clip: float = SCORE_CLIP
+    #: what priced the trial (:data:`~opacus_structured.tuning.pricing.ROUTES`)
+    pricing_route: str = ""
 
     @property
     def selection_share(self) -> float:
@@ -325,7 +327,8 @@ def plan_tuning(scheme, *, epsilon: float, delta: float, max_steps: int,
     return TunePlan(sigma=float(sigma), score_sigma=float(score_sigma), epsilon=float(spent),
                     trial_epsilon=_trial_epsilon(priced.run, score_sigma, delta,
                                                  discretization),
-                    delta=delta, mean_trials=float(mean_trials), eta=eta, max_steps=max_steps)
+                    delta=delta, mean_trials=float(mean_trials), eta=eta, max_steps=max_steps,
+                    pricing_route=getattr(spent, "route", ""))
 
 
 def _trial_epsilon(accountant, score_sigma: float, delta: float, discretization: float) -> float:
@@ -382,6 +385,7 @@ class TuneResult:
             "score_clip": plan.score_clip, "score_noise_multiplier": plan.score_sigma,
             "noise_multiplier": plan.sigma, "epsilon": plan.epsilon, "delta": plan.delta,
             "trial_epsilon": plan.trial_epsilon, "selection_share": plan.selection_share,
+            "pricing_route": plan.pricing_route,
             "law": "truncated negative binomial" if plan.eta is not None else "Poisson",
             "eta": plan.eta, "mean_trials": plan.mean_trials, "max_steps": plan.max_steps,
             "number_of_trials": ("secret: drawn from OS entropy and kept nowhere but in the "

@@ -55,7 +55,9 @@ Security notes:
   continues the same correlated stream) must be kept as secret as the raw gradients.
 * ``secure_mode`` / ``generator`` are Opacus' own (:func:`opacus.optimizers.optimizer._generate_noise`):
   the fresh ``z_i`` come from the same call stock Opacus uses. The state of a plain
-  ``torch.Generator`` is checkpointed; a secure (CSPRNG) generator is not (and cannot be).
+  ``torch.Generator`` is checkpointed, and restored only where the resume provably continues
+  the run from its last released step (:mod:`~opacus_structured.accountants.noise_lineage`);
+  a secure (CSPRNG) generator is not (and cannot be).
 * Without a ``generator`` the noise does **not** come from torch's global RNG (stock Opacus
   does that, and scripts routinely seed it with a public constant such as
   ``torch.manual_seed(0)``, which makes the noise reproducible by anyone): each device gets its
@@ -77,6 +79,7 @@ from opacus.optimizers.optimizer import (
     _mark_as_processed,
 )
 
+from ..accountants import noise_lineage
 from ..accountants.release_guard import (
     CORRELATED_CLIP_MESSAGE,
     ClipNormChangedError,
@@ -144,6 +147,9 @@ class CorrelatedNoiseMixin:
             self._coef_list = [float(v) for v in c]
             self.bands = int(c.size)
         self.noise_step = 0  # number of noise vectors drawn so far (index i of the next w_i)
+        #: the noise lineage of a stand-alone optimizer (no accountant links its own): saved
+        #: with the noise state, so a restore is trusted only when it continues the stream
+        self._own_lineage = noise_lineage.NoiseLineage()
         self.noise_clip_norm: Optional[float] = None  # the one max_grad_norm of the stream
         self._noise_buffers: list[Optional[torch.Tensor]] = [None] * len(self.params)
         # banded path: (device, dtype) -> _FlatRing; None until the first banded step (or after
@@ -353,7 +359,7 @@ class CorrelatedNoiseMixin:
         sigma = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier)
         if self._blt is None and self.bands > 1:
             self._add_banded_noise(sigma)
-            self.noise_step += 1
+            self._advance()
             return
         for idx, p in enumerate(self.params):
             _check_processed_flag(p.summed_grad)
@@ -363,15 +369,28 @@ class CorrelatedNoiseMixin:
             w = self._correlate(idx, z)
             p.grad = (p.summed_grad + w).view_as(p)
             _mark_as_processed(p.summed_grad)
+        self._advance()
+
+    def _advance(self) -> None:
+        """One noise vector more; a stand-alone optimizer records it in its own lineage (an
+        accountant's lineage records the draws of the optimizers it prices)."""
         self.noise_step += 1
+        if noise_lineage.lineage_of_optimizer(self) is None:
+            self._own_lineage.record(None)
+
+    def _lineage(self):
+        return noise_lineage.lineage_of_optimizer(self) or self._own_lineage
 
     # ---- checkpointing -------------------------------------------------------------------
     def noise_state_dict(self) -> dict:
-        """Correlated-noise state: coefficients, step index, ring buffers, generator state."""
+        """Correlated-noise state: coefficients, step index, ring buffers, generator state, and
+        the noise lineage tag of the run that prices this optimizer
+        (:mod:`~opacus_structured.accountants.noise_lineage`)."""
         gen_state = None
         if isinstance(self.generator, torch.Generator) and not self.secure_mode:
             gen_state = self.generator.get_state()
         return {
+            "noise_tag": self._lineage().tag(),
             "coefficients": self._coef_list if isinstance(self._coef_list, dict)
             else list(self._coef_list),
             "noise_step": self.noise_step,
@@ -381,6 +400,22 @@ class CorrelatedNoiseMixin:
         }
 
     def load_noise_state_dict(self, state: dict) -> None:
+        """Restore :meth:`noise_state_dict`. The ring buffers and step index are restored; the
+        generator state only where the resume provably continues the run from its last
+        released step (:func:`~opacus_structured.accountants.noise_lineage.may_restore`), else
+        the generator is reseeded from OS entropy (the buffers' earlier noise is kept, the new
+        ``z_i`` are fresh). A state behind noise this process already drew for the same run
+        raises :class:`~opacus_structured.accountants.noise_lineage.NoiseReplayError`: step
+        ``i``'s noise is correlated with the steps before it, so the later steps' noise cannot
+        be replaced."""
+        tag = state.get("noise_tag")
+        if noise_lineage.rewinds(tag):
+            raise noise_lineage.NoiseReplayError(
+                f"this correlated-noise state is at noise step {tag['position']} of a run that "
+                f"has already drawn more noise in this process (an earlier checkpoint): the "
+                f"noise of a step is correlated with the steps before it, so restoring it would "
+                f"release a second noise at positions already released. Resume from the run's "
+                f"latest checkpoint, or start a new run (a new optimizer and accountant)")
         coefs = _coefficients_key(state["coefficients"])
         if coefs != _coefficients_key(self._coef_list):
             raise ValueError(f"checkpoint noise_correlation {coefs} differs from this "
@@ -390,6 +425,7 @@ class CorrelatedNoiseMixin:
             raise ValueError(f"checkpoint has noise buffers for {len(buffers)} parameters, "
                              f"this optimizer has {len(self.params)}")
         self.noise_step = int(state["noise_step"])
+        proven = noise_lineage.may_restore(tag)
         clip = state.get("clip_norm")
         self.noise_clip_norm = None if clip is None else float(clip)
         self._noise_buffers = [
@@ -400,7 +436,13 @@ class CorrelatedNoiseMixin:
             if not isinstance(self.generator, torch.Generator):
                 raise ValueError("checkpoint holds a noise generator state but this optimizer "
                                  "has no torch.Generator: pass noise_generator=torch.Generator()")
-            self.generator.set_state(state["generator_state"])
+            if proven:
+                self.generator.set_state(state["generator_state"])
+            else:
+                noise_lineage.explain_restore(tag, type(self).__name__)
+                noise_lineage.reseed_fresh(self.generator)
+        if noise_lineage.lineage_of_optimizer(self) is None:
+            self._own_lineage.adopt(tag or {"position": self.noise_step}, proven=proven)
 
     def state_dict(self):
         """The wrapped optimizer's state plus ``"correlated_noise"`` (:meth:`noise_state_dict`)."""

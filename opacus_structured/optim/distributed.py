@@ -52,7 +52,7 @@ class _RankZeroCorrelatedNoiseMixin(CorrelatedNoiseMixin):
         self._check_clip_norm()  # every rank refuses a clip-norm change, not only rank 0
         for p in self.params:
             p.grad = p.summed_grad.view_as(p)
-        self.noise_step += 1
+        self._advance()
 
 
 class DistributedCorrelatedNoiseDPOptimizer(_RankZeroCorrelatedNoiseMixin, DistributedDPOptimizer):

@@ -15,6 +15,7 @@ The math (no torch) is :mod:`opacus_structured.accounting.private_selection`.
 
 from ..accounting.private_selection import liu_talwar_epsilon, pure_selection_epsilon
 from .pricing import (
+    ROUTES,
     PureDpTrial,
     SelectionCalibrationError,
     TrialCost,
@@ -27,6 +28,7 @@ from .search import PrivateSelection, SelectionResult, candidate_list, draw_num_
 
 __all__ = [
     "selection_epsilon",
+    "ROUTES",
     "calibrate_selection",
     "SelectionCalibrationError",
     "TrialCost",

@@ -15,9 +15,17 @@ One *trial* is one DP training run plus its DP score. It is described by
   own pricing: Poisson subsampling (and Opacus' ``RDPAccountant``) as the dp_accounting event
   of its history (an exact RDP curve); μ-GDP accountants (full-batch, shuffle) as the Gaussian
   curve :math:`\lambda\mu^2/2`; random allocation and balls-in-bins also by their whole-run
-  Rényi accountant; every other scheme from the pessimistic PLD of each accounting
-  unit (:func:`~opacus_structured.accounting.private_selection.pld_renyi`, which explains why
-  that is an upper bound and how the grid's tail mass is charged to δ).
+  Rényi accountant; a scheme whose accounting unit has the *switching* profile of a
+  Poisson-subsampled Gaussian (structured subsampling under Theorems 4.2, 4.4 and 4.5/G.1)
+  by the Rényi divergence of that dominating pair, computed without a PLD grid
+  (:mod:`~opacus_structured.accounting.switching_renyi`: the equivalent event's exact curve
+  plus a correction bounded from above); every other scheme from the pessimistic PLD of each
+  accounting unit (:func:`~opacus_structured.accounting.private_selection.pld_renyi`, which
+  explains why that is an upper bound and how the grid's tail mass is charged to δ).
+
+:func:`selection_epsilon` returns a
+:class:`~opacus_structured.accounting.resource_guard.PricedEpsilon` whose ``route`` names what
+priced the trial (:data:`ROUTES`).
 
 A scheme with neither an RDP curve nor a dominating pair (a Monte Carlo estimate, a baseline
 (ε, δ) analysis) raises ``ValueError`` naming it: no ε is guessed.
@@ -37,11 +45,28 @@ from opacus.accountants import RDPAccountant
 from .._validation import check_open_unit, check_positive
 from ..accountants.base import SchemeAccountant
 from ..accounting import private_selection as ps
+from ..accounting import switching_renyi as sw
 from ..accounting.bounds import BoundKind
+from ..accounting.resource_guard import PricedEpsilon
 from ..schemes.poisson import PoissonScheme, _quiet_rdp_orders
 
 __all__ = ["TrialCost", "PureDpTrial", "selection_epsilon", "calibrate_selection", "trial_signature",
-           "SelectionCalibrationError"]
+           "SelectionCalibrationError", "ROUTES"]
+
+#: What can price a trial (:attr:`PricedEpsilon.route` of :func:`selection_epsilon`), with the
+#: sentence its ``note`` carries.
+ROUTES = {
+    "event": "dp_accounting's RdpAccountant with RepeatAndSelectDpEvent (the trial's exact RDP "
+             "curve)",
+    "pure-dp": "a pure epsilon-DP trial (Papernot & Steinke Thm 2 at lambda -> inf)",
+    "gdp": "the Gaussian RDP curve lambda mu^2/2 of a mu-GDP run (exact)",
+    "renyi-accountant": "the scheme's whole-run Renyi accountant",
+    "switching-pair": "the Renyi divergence of the switching dominating pair of each unit (the "
+                      "equivalent Poisson-subsampled Gaussian's exact curve plus the switching "
+                      "correction, bounded above), no PLD grid",
+    "pld-renyi": "the Renyi divergences of each unit's pessimistic PLD (an upper bound; loose "
+                 "at moderate orders, where the grid's tail dominates)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,13 +164,12 @@ def _as_event(run, extras) -> Optional[dp_event.DpEvent]:
 CUTS = (0.0, 1e-16, 1e-13, 1e-10)
 
 
-def _unit_parts(acc, discretization: float):
-    """``(pld, count)`` per accounting unit of an accountant's history, as its ``_composed``
-    builds them (a multi-step unit priced at its smallest noise multiplier)."""
+def _unit_sigmas(acc) -> list[tuple[float, Optional[float], int]]:
+    """``(σ, sample rate, count)`` per accounting unit of an accountant's history, as its
+    ``_composed`` builds them (a multi-step unit priced at its smallest noise multiplier)."""
     scheme = acc.scheme
     if scheme.unit == "step":
-        return [(scheme.pld(s, sample_rate=q, discretization=discretization), int(n))
-                for s, q, n in acc.history if n]
+        return [(s, q, int(n)) for s, q, n in acc.history if n]
     per_unit = scheme.steps_per_unit()
     scheme.compositions(len(acc))  # validates the run length
     sigmas, rates = [], []
@@ -156,8 +180,30 @@ def _unit_parts(acc, discretization: float):
     for start in range(0, len(sigmas), per_unit):
         key = (min(sigmas[start:start + per_unit]), rates[start])
         parts[key] = parts.get(key, 0) + 1
-    return [(scheme.pld(s, sample_rate=q, discretization=discretization), n)
-            for (s, q), n in parts.items()]
+    return [(s, q, n) for (s, q), n in parts.items()]
+
+
+def _unit_parts(acc, discretization: float):
+    """``(pld, count)`` per accounting unit (:func:`_unit_sigmas`)."""
+    return [(acc.scheme.pld(s, sample_rate=q, discretization=discretization), n)
+            for s, q, n in _unit_sigmas(acc)]
+
+
+def _switching_route(run, orders, gaussian) -> Optional[tuple]:
+    """The ``"switching-pair"`` route when every accounting unit's profile is the switching
+    profile of a Poisson-subsampled Gaussian (:func:`~opacus_structured.accounting.
+    switching_renyi.equivalent_subsampled_gaussian`); ``None`` otherwise."""
+    scheme = run.scheme
+    if not callable(getattr(scheme, "profile", None)):
+        return None
+    rdp = gaussian.copy()
+    for sigma, rate, count in _unit_sigmas(run):
+        scheme.check_sample_rate(rate)
+        equivalent = sw.equivalent_subsampled_gaussian(scheme.profile(sigma))
+        if equivalent is None:
+            return None
+        rdp = rdp + count * sw.switching_rdp(orders, *equivalent)
+    return orders, rdp, 0.0, "switching-pair"
 
 
 def _gaussian_rdp(orders, extras, unamplified) -> np.ndarray:
@@ -170,7 +216,7 @@ def _gaussian_rdp(orders, extras, unamplified) -> np.ndarray:
     return out
 
 
-def _renyi_routes(run) -> list[tuple[np.ndarray, np.ndarray, float]]:
+def _renyi_routes(run) -> list[tuple[np.ndarray, np.ndarray, float, str]]:
     """A whole-run Rényi accountant where the scheme has one (random allocation, and
     balls-in-bins through it): its RDP bound of both directions of the Lemma 2.8 pair at its
     own orders, at the run's smallest σ (more noise is post-processing)."""
@@ -184,13 +230,12 @@ def _renyi_routes(run) -> list[tuple[np.ndarray, np.ndarray, float]]:
     orders = np.asarray(bound.orders, dtype=np.float64)
     keep = orders > 1
     units = run.scheme.compositions(len(run))
-    return [(orders[keep], units * np.asarray(bound.rdp, dtype=np.float64)[keep], 0.0)]
+    return [(orders[keep], units * np.asarray(bound.rdp, dtype=np.float64)[keep], 0.0,
+             "renyi-accountant")]
 
 
-def _accountant_worlds(run, extras, orders, discretization
-                       ) -> list[tuple[np.ndarray, np.ndarray, float]]:
-    """Routes ``[(orders, rdp, tail_mass)]`` of one trial priced by our accountant; each is a
-    valid bound on its own (the smallest final ε is kept)."""
+def _check_priceable(run) -> None:
+    """Refuse a trial that has no RDP curve or dominating pair, naming why."""
     if not isinstance(run, SchemeAccountant):
         raise ValueError(f"a trial must be a dp_accounting DpEvent, one of opacus_structured's "
                          f"scheme accountants, or a TrialCost; got {type(run).__name__}")
@@ -209,15 +254,26 @@ def _accountant_worlds(run, extras, orders, discretization
         raise ValueError(f"scheme {name!r} with analysis={run.scheme.analysis!r} has no "
                          f"dominating pair (an (epsilon, delta) bound only); use "
                          f"analysis='tight' for a selected trial")
+
+
+def _accountant_worlds(run, extras, orders, discretization
+                       ) -> list[tuple[np.ndarray, np.ndarray, float, str]]:
+    """Routes ``[(orders, rdp, tail_mass, route)]`` of one trial priced by our accountant;
+    each is a valid bound on its own (the smallest final ε is kept)."""
+    _check_priceable(run)
+    name = run.scheme.name
     unamplified = getattr(run, "unamplified", {}) or {}
+    gaussian = _gaussian_rdp(orders, extras, unamplified)
     if hasattr(run, "mu") and callable(run.mu):  # μ-GDP accountants: Gaussian RDP, exact
         mu = float(run.mu())
         if not math.isfinite(mu):
             raise ValueError(f"scheme {name!r}: the run's mu-GDP parameter is infinite")
-        return [(orders, orders * mu ** 2 / 2 + _gaussian_rdp(orders, extras, unamplified),
-                 0.0)]
-    routes = [(o, r + _gaussian_rdp(o, extras, unamplified), t)
-              for o, r, t in _renyi_routes(run)]
+        return [(orders, orders * mu ** 2 / 2 + gaussian, 0.0, "gdp")]
+    switching = _switching_route(run, orders, gaussian)
+    if switching is not None:  # at most the PLD's Rényi at every order, and no grid to build
+        return [switching]
+    routes = [(o, r + _gaussian_rdp(o, extras, unamplified), t, label)
+              for o, r, t, label in _renyi_routes(run)]
     try:
         parts = _unit_parts(run, discretization)
     except (NotImplementedError, ValueError) as err:  # e.g. random allocation: no valid PLD
@@ -226,7 +282,6 @@ def _accountant_worlds(run, extras, orders, discretization
         raise ValueError(f"scheme {name!r} has no privacy loss distribution to derive an RDP "
                          f"curve from ({err}); it cannot be priced for private selection") \
             from None
-    gaussian = _gaussian_rdp(orders, extras, unamplified)
     units = [[(count, ps.pld_renyi(pld, orders, cut=cut)) for cut in CUTS]
              for pld, count in parts]
     for c in range(len(CUTS)):
@@ -236,8 +291,12 @@ def _accountant_worlds(run, extras, orders, discretization
                 count, unit = per_cut[c]
                 r, t = unit[min(k, len(unit) - 1)]
                 rdp, tail = rdp + count * r, tail + count * t
-            routes.append((orders, rdp, tail))
+            routes.append((orders, rdp, tail, "pld-renyi"))
     return routes
+
+
+def _priced(value: float, route: str) -> PricedEpsilon:
+    return PricedEpsilon(float(value), route, ROUTES[route])
 
 
 def selection_epsilon(trial, *, mean_trials: float, eta: Optional[float], delta: float,
@@ -258,38 +317,44 @@ def selection_epsilon(trial, *, mean_trials: float, eta: Optional[float], delta:
         discretization: PLD grid for schemes priced by PLD (default the accountant's own).
 
     Returns:
-        ε as a float: an upper bound (never the winner's own ε).
+        ε as a :class:`~opacus_structured.accounting.resource_guard.PricedEpsilon` (a float):
+        an upper bound (never the winner's own ε); its ``route`` names what priced the trial
+        (:data:`ROUTES`: ``"event"``, ``"pure-dp"``, ``"gdp"``, ``"renyi-accountant"``,
+        ``"switching-pair"`` or ``"pld-renyi"``).
     """
     mean_trials, eta, delta = _check_common(mean_trials, eta, delta)
     orders = ps.DEFAULT_ORDERS if orders is None else np.asarray(orders, dtype=np.float64)
     if isinstance(trial, dp_event.DpEvent):
-        return _event_selection_epsilon(trial, mean_trials, eta, delta, orders)
+        return _priced(_event_selection_epsilon(trial, mean_trials, eta, delta, orders),
+                       "event")
     if isinstance(trial, PureDpTrial):
         if eta is not None:
-            return ps.pure_selection_epsilon(trial.epsilon, mean_trials=mean_trials, eta=eta)
+            return _priced(ps.pure_selection_epsilon(trial.epsilon, mean_trials=mean_trials,
+                                                     eta=eta), "pure-dp")
         rdp = ps.repeat_and_select_rdp(orders, ps.pure_dp_rdp(trial.epsilon, orders),
                                        mean_trials=mean_trials, eta=None)
-        return ps.rdp_epsilon(orders, rdp, delta)
+        return _priced(ps.rdp_epsilon(orders, rdp, delta), "pure-dp")
     run, extras = _unpack(trial)
     event = _as_event(run, extras)
     if event is not None:
-        return _event_selection_epsilon(event, mean_trials, eta, delta, orders)
+        return _priced(_event_selection_epsilon(event, mean_trials, eta, delta, orders),
+                       "event")
     d = getattr(run, "discretization", None) if discretization is None else \
         check_positive("discretization", discretization)
     routes = _accountant_worlds(run, extras, orders, d if d is not None else 1e-4)
     values, errors = [], []
     drawn_mean = ps.drawn_mean_trials(mean_trials, eta)
-    for route_orders, rdp, tail in routes:
+    for route_orders, rdp, tail, label in routes:
         selected = ps.repeat_and_select_rdp(route_orders, rdp, mean_trials=mean_trials,
                                             eta=eta)
         try:
-            values.append(ps.epsilon_with_tail(route_orders, selected, delta, tail_mass=tail,
-                                               mean_trials=drawn_mean))
+            values.append((ps.epsilon_with_tail(route_orders, selected, delta, tail_mass=tail,
+                                                mean_trials=drawn_mean), label))
         except ValueError as err:
             errors.append(err)
     if not values:
         raise errors[0]
-    return float(min(values))
+    return _priced(*min(values, key=lambda v: v[0]))
 
 
 def _flat(event) -> tuple:

@@ -57,11 +57,11 @@ def _evaluate(job, table, predictor) -> dict:
 def rerun_scores(job, budget: float, result, table, *, tuned=None) -> list[dict]:
     """The test scores (``[{"crps", "mase"}, ...]``) of ``--verdict-runs − 1`` reruns of the
     mechanism that produced ``result`` at ``budget`` (module docstring); ``[]`` for
-    ``--verdict-runs 1``."""
+    ``--verdict-runs 1`` and for ``--no-baselines`` (no verdict to rest on them)."""
     from ..forecasting.training import train_forecaster  # optional: gluonts
 
     count = int(getattr(job.args, "verdict_runs", 1) or 1) - 1
-    if count <= 0:
+    if count <= 0 or getattr(job.args, "no_baselines", False):  # no baseline: no verdict
         return []
     args, out = job.args, []
     for i in range(1, count + 1):

@@ -268,7 +268,8 @@ def run_one(name: str, model: str, seed: int, *, ets: bool) -> dict:
                 "--prediction-length", str(spec.prediction_length),
                 "--epsilons", ",".join(f"{e:g}" for e in EPSILONS),
                 "--dataset-size", str(num_series), "--seed", str(seed),
-                "--output", out, "--no-plot", "--no-progress", "--json"]
+                "--output", out, "--no-plot", "--no-progress", "--json",
+                "--verdict-runs", "1"]  # the seeds are this benchmark's runs
         if not ets:
             argv.append("--no-ets")
         args = parser.parse_args(argv)

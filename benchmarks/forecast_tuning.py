@@ -55,7 +55,7 @@ def _run(argv: list[str]) -> dict:
     add_arguments(parser)
     with tempfile.TemporaryDirectory() as out:
         args = parser.parse_args([*argv, "--output", out, "--no-plot", "--no-progress",
-                                  "--json"])
+                                  "--json", "--verdict-runs", "1"])  # seeds: the runs
         return run_forecast(args)
 
 
@@ -114,7 +114,6 @@ def run_one(name: str, seed: int, *, ets: bool, mean_trials: float = 3.0,
                        "score_noise_sd": tuning.get("score_noise_sd",
                                                     (tuning.get("gate") or {}).get(
                                                         "score_noise_sd")),
-                       "trials_drawn": tuning.get("trials_drawn", 0),
                        "trial_epsilon": tuning.get("trial_epsilon"),
                        "noise_multiplier": tuned["noise_multiplier"],
                        "score_noise_multiplier": tuning["score_noise_multiplier"],

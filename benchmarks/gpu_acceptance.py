@@ -503,7 +503,7 @@ def build_steps(name: str, mode: str, out: str) -> list[Step]:
         rep = os.path.join(out, f"{name}_report")
         extra = [] if mode == "cpu" else ["--max-steps", "200"]
         return [Step("report", _forecast_cmd(mode, rep, extra),
-                     os.path.join(rep, "report.json"))]
+                     os.path.join(rep, "diagnostics", "report.json"))]
     if name == "correlated_noise":
         bands = ["--bands", "1", "8", str(BANDMF_BANDS)]
         extra = {"full": ["--params", "10000000", *bands, "--repeats", "30"],
@@ -549,7 +549,7 @@ def build_steps(name: str, mode: str, out: str) -> list[Step]:
         for impl in ("fast", "opacus"):
             rep = os.path.join(out, f"{name}_{impl}")
             res.append(Step(impl, _forecast_cmd(mode, rep, extra + ["--lstm-impl", impl]),
-                            os.path.join(rep, "report.json")))
+                            os.path.join(rep, "diagnostics", "report.json")))
         return res
     if name == "cuda_tests":
         return [Step("pytest", [sys.executable, "-m", "pytest", "-q", "-rs", "-p",

@@ -27,7 +27,7 @@ one part (a class in its own module) that the callback composes:
    step through the optimizer's step hook, which runs after clipping and noising and before the
    parameter update (Opacus order: clip, noise, scale, hook, step); **logs** ``dp/epsilon`` and
    ``dp/delta`` to the Lightning logger every step (or every ``log_every_n_steps``; and
-   ``dp/epsilon_epoch`` every epoch), and
+   ``dp/epsilon_epoch`` at the end of an epoch, under the same ``log_every_n_steps`` rule), and
    **stops** training before the step that would take ε above ``target_epsilon`` (a hard check
    before each noisy release raises if something, e.g. ``min_steps``, keeps training going);
 5. **the checkpoint** (:class:`~lightning_callbacks.dp_checkpoint.DPCheckpoint`): saves the
@@ -189,6 +189,11 @@ class DPCallback(pl.Callback):
             optimizer steps and at the last step of the fit (default 1: every step). Every step
             is priced either way, and the budget guard of ``target_epsilon`` still runs before
             every step; a larger value only saves the composition of a long history per step.
+            ``dp/epsilon_epoch`` follows the same rule: it is logged at an epoch's end when ε
+            is already known for the steps taken (computed at that step) or when at least this
+            many steps were priced since ε was last computed (with short epochs, a per-epoch
+            ε would otherwise compose the whole history every few steps: the cost of a fit
+            would grow with the history's privacy-loss distribution, i.e. with ε).
         dataset_size: a declared **public** dataset size n (under add/remove adjacency the
             real size is private): the mean-reduction normaliser is ``n × sample_rate`` (a
             float, the same for every neighbouring dataset) instead of the sampler's
@@ -299,6 +304,7 @@ class DPCallback(pl.Callback):
         self.optimizer: Optional[DPOptimizer] = None
         self.sample_rate: Optional[float] = None
         self.epsilon_history: list[tuple[int, float]] = []  # (optimizer steps, ε)
+        self._epsilon_steps = 0  # the steps ε was last computed for (log_every_n_steps)
         self._ready = False
         #: a checkpoint older than the last release was loaded into this live run: its sampler
         #: goes on (Lightning's loader restore is ignored until training starts)
@@ -482,13 +488,19 @@ class DPCallback(pl.Callback):
             eps = self.epsilon()
             self.epsilon_history.append((self.steps, eps))
             self._budget.log_step(pl_module, eps)
+            self._epsilon_steps = self.steps
         if exhausted:
             log.info("DPCallback: stopping at ε=%.4f, the next step would exceed "
                      "target_epsilon=%s", self.epsilon(), self.target_epsilon)
             trainer.should_stop = True
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        self._budget.log_epoch(pl_module, self.epsilon())
+        # under the log_every_n_steps rule (its docstring): no composition of the whole
+        # history at every short epoch
+        since = self.steps - self._epsilon_steps
+        if since == 0 or since >= self.log_every_n_steps:
+            self._budget.log_epoch(pl_module, self.epsilon())
+            self._epsilon_steps = self.steps
 
     def on_fit_end(self, trainer, pl_module) -> None:
         self._module_part.remove()

@@ -19,24 +19,18 @@ import json
 import math
 import sys
 import warnings
-from typing import Callable
 
-from . import __version__, _progress, console
+from . import __version__, _progress
 from ._discovery import import_submodules
 from .accounting import pld as pld_lib
 from .accounting import resource_guard
 from .accounting.calibration import calibrate_noise_multiplier
+from .commands import _common
+from .commands._registry import COMMANDS as _COMMANDS
+from .commands._registry import register_command
 from .schemes import SCHEMES, Scheme
 
 __all__ = ["main", "build_parser", "register_command", "epochs_to_steps"]
-
-_COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
-
-
-def register_command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None],
-                     run: Callable[[argparse.Namespace], int]) -> None:
-    """Add a sub-command (used by forecasting, plotting and individual-ε modules)."""
-    _COMMANDS[name] = (help, add_arguments, run)
 
 
 def _has_epochs(scheme_class) -> bool:
@@ -279,21 +273,21 @@ def scheme_rows() -> list[dict]:
 
 def write_schemes_index(path=None) -> str:
     """Write the ``schemes`` rows with the digest of their sources to the shipped index
-    (``console.SCHEMES_INDEX``; the console prints the command from it while the digest
-    matches); returns the path. Run after editing a scheme::
+    (``commands._common.SCHEMES_INDEX``; the console prints the command from it while the
+    digest matches); returns the path. Run after editing a scheme::
 
         python -c "from opacus_structured import cli; cli.write_schemes_index()"
     """
-    path = console.SCHEMES_INDEX if path is None else path
+    path = _common.SCHEMES_INDEX if path is None else path
     with open(path, "w", encoding="utf-8") as fh:
-        json.dump({"digest": console.schemes_sources_digest(), "rows": scheme_rows()}, fh,
+        json.dump({"digest": _common.schemes_sources_digest(), "rows": scheme_rows()}, fh,
                   indent=1, ensure_ascii=False)
         fh.write("\n")
     return str(path)
 
 
 def _run_schemes(args) -> int:
-    console.print_scheme_rows(scheme_rows(), args.json)
+    _common.print_scheme_rows(scheme_rows(), args.json)
     return 0
 
 
@@ -342,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     _load_plugins(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    return console.run_command(args.func, args)
+    return _common.run_command(args.func, args)
 
 
-if __name__ == "__main__":  # `python -m opacus_structured.cli` is the console command
-    sys.exit(console.main())
+if __name__ == "__main__":  # `python -m opacus_structured.cli`: the full parser
+    sys.exit(main())

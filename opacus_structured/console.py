@@ -24,18 +24,21 @@ from __future__ import annotations
 
 import argparse
 import ast
-import hashlib
-import json
 import sys
 from pathlib import Path
-from typing import Callable
 
 from . import __version__
+from .commands._common import (  # noqa: F401  (re-exported: the console's names since issue 41)
+    PROG,
+    SCHEMES_INDEX,
+    print_scheme_rows,
+    read_schemes_index,
+    run_command,
+    schemes_sources_digest,
+)
 
 __all__ = ["main", "plugin_commands", "BUILTIN_COMMANDS", "run_command", "print_scheme_rows",
            "schemes_sources_digest", "read_schemes_index", "SCHEMES_INDEX"]
-
-PROG = "opacus-structured"
 DESCRIPTION = "Sound and tight DP-SGD accounting for structured batching."
 #: Commands defined in :mod:`opacus_structured.cli` itself, in --help order.
 BUILTIN_COMMANDS = (("schemes", "list batching schemes and their flags"),
@@ -90,25 +93,6 @@ def top_level_parser(plugins: list[tuple[str, str]]) -> argparse.ArgumentParser:
     return parser
 
 
-def run_command(func: Callable, args) -> int:
-    """``func(args)`` as a command: a ``ValueError`` (bad input) is one line ``opacus-structured:
-    error: ...`` on stderr and exit status 2, as argparse's own errors; so is a missing optional
-    package (the line names the package and the extra that installs it)."""
-    try:
-        return int(func(args) or 0)
-    except ValueError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    except ImportError as exc:
-        from ._optional import install_hint
-
-        hint = install_hint(exc)
-        if hint is None:
-            raise
-        print(f"{PROG}: error: {hint}", file=sys.stderr)
-        return 2
-
-
 # ---- forecast: check first, import later -----------------------------------------------------
 def forecast_parser() -> argparse.ArgumentParser:
     """The ``forecast`` command's parser, the same as its sub-parser in the full parser."""
@@ -143,54 +127,6 @@ def _run_checked_forecast(args) -> int:
     return run_command(forecast.run, args)
 
 
-# ---- schemes: the shipped index ------------------------------------------------------------
-#: The rows of ``opacus-structured schemes`` with the digest of the sources they come from.
-SCHEMES_INDEX = Path(__file__).parent / "data" / "schemes_index.json"
-def _schemes_sources(root: Path) -> list[Path]:
-    """The sources the ``schemes`` rows come from: every ``.py`` under ``schemes/`` and the
-    ``accounting/`` modules that add command-line flags (``def add_cli_arguments``, e.g. the
-    Monte Carlo settings); an edit elsewhere in the accounting core leaves the index valid."""
-    paths = sorted((root / "schemes").rglob("*.py"))
-    paths += [path for path in sorted((root / "accounting").rglob("*.py"))
-              if b"def add_cli_arguments" in path.read_bytes()]
-    return paths
-
-
-def schemes_sources_digest() -> str:
-    """sha256 of the package version and of the sources of the ``schemes`` rows (path and
-    bytes of each file of :func:`_schemes_sources`)."""
-    root = Path(__file__).parent
-    digest = hashlib.sha256(__version__.encode())
-    for path in _schemes_sources(root):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-        digest.update(path.read_bytes() + b"\0")
-    return digest.hexdigest()
-
-
-def read_schemes_index() -> list[dict] | None:
-    """The shipped rows of ``schemes``, or ``None`` if the index is missing or its digest is
-    not the one of the sources here (then :func:`opacus_structured.cli.scheme_rows` computes
-    them from the schemes)."""
-    try:
-        index = json.loads(SCHEMES_INDEX.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if index.get("digest") != schemes_sources_digest():
-        return None
-    return index["rows"]
-
-
-def print_scheme_rows(rows: list[dict], as_json: bool) -> None:
-    """Print the ``schemes`` rows: one JSON list, or a name / summary / flags table."""
-    if as_json:
-        print(json.dumps(rows))
-        return
-    for r in rows:
-        print(f"{r['scheme']:<24} {r['summary']}")
-        if r["flags"]:
-            print(f"{'':<24} flags: {' '.join(r['flags'])}")
-
-
 def schemes_parser() -> argparse.ArgumentParser:
     """The ``schemes`` command's parser, the same as its sub-parser in the full parser."""
     parser = argparse.ArgumentParser(prog=f"{PROG} schemes")
@@ -202,7 +138,7 @@ def _schemes(argv: list[str]) -> int | None:
     """``schemes`` from the shipped index; ``None`` when the index does not match (the full
     command line then computes the rows)."""
     args = schemes_parser().parse_args(argv)
-    rows = read_schemes_index()
+    rows = read_schemes_index(SCHEMES_INDEX)
     if rows is None:
         return None
     print_scheme_rows(rows, args.json)

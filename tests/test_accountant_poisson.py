@@ -195,7 +195,7 @@ def test_cli_epsilon_json(capsys):
 
     out = json.loads(capsys.readouterr().out)
     assert set(out) >= {"epsilon", "delta", "noise_multiplier", "steps", "scheme"}
-    assert out["epsilon"] == pytest.approx(1.8289, abs=2e-3)  # digest ecosystem §2.6 (vdi 1e-3)
+    assert out["epsilon"] == pytest.approx(1.8289, abs=2e-3)  # reference value (value discretization 1e-3)
 
 
 @pytest.mark.slow  # 5-30 s: out of the README command (issue 41: <= 5 min); CI runs it
@@ -207,7 +207,7 @@ def test_cli_calibrate_and_errors(capsys):
 
     out = json.loads(capsys.readouterr().out)
     assert out["epsilon"] <= 2.0
-    assert math.isclose(out["noise_multiplier"], 0.960, rel_tol=5e-3)  # digest §2.6: 0.960
+    assert math.isclose(out["noise_multiplier"], 0.960, rel_tol=5e-3)  # reference value 0.960
     assert cli_main(["epsilon", "poisson", "--sample-rate", "2", "--noise-multiplier", "1",
                      "--steps", "10", "--delta", "1e-5"]) == 2
     assert "sample_rate" in capsys.readouterr().err

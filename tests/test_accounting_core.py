@@ -57,7 +57,7 @@ def quad_hockey_stick(pair, eps):
 
 class TestGaussianClosedForms:
     def test_gdp_reference_values(self):
-        # digest seed 2 (individual GDP): delta(eps=1; mu=1), eps(delta=1e-5; mu=1)
+        # reference values (individual GDP): delta(eps=1; mu=1), eps(delta=1e-5; mu=1)
         assert gdp_delta(1.0, 1.0) == pytest.approx(0.12693673750664386, abs=1e-12)
         assert gdp_epsilon(1e-5, 1.0) == pytest.approx(4.377178, abs=2e-6)
 
@@ -165,8 +165,8 @@ class TestMixturePair:
         np.testing.assert_allclose(ours.delta(eps), ref.get_delta_for_epsilon(eps),
                                    rtol=1e-7, atol=1e-14)
 
-    def test_digest_sanity_values(self):
-        # digest seed 0 §3.6 closed-form sanity values (sigma=1, q=0.01)
+    def test_closed_form_sanity_values(self):
+        # closed-form sanity values (sigma=1, q=0.01)
         pair = MixturePair.from_components([0, 2], [0.99, 0.01], [0], [1], 1.0)
         prof = SwitchingProfile(pair)
         expect = {0.0: 0.0068269, 0.1: 2.6080e-3, 0.5: 7.1936e-4, 1.0: 2.7364e-4,

@@ -161,3 +161,35 @@ def test_lazy_comment_allows_a_deferred_import_in_the_command_line_layer_only():
 def test_optional_dependency_comment_allows_a_deferred_import():
     src = "def f():\n    from ..forecasting import data  # optional: gluonts\n"
     assert violations(src, "opacus_structured.commands.x") == []
+
+
+def _imports(path: Path, module: str, is_package: bool) -> set[str]:
+    tree = ast.parse(path.read_text())
+    return {target for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+            for target in _resolve(node, module, is_package)}
+
+
+def _imports_module(targets: set[str], name: str) -> bool:
+    return any(t == name or t.startswith(name + ".") for t in targets)
+
+
+def test_the_command_line_points_one_way():
+    """Issue 47: ``console`` → ``cli`` → the command modules → their registry, no circle.
+    Only ``console`` (the entry point) imports ``cli``, lazily; only ``__main__`` imports
+    ``console``; the command modules register with ``commands._registry`` and import neither
+    ``cli`` nor ``console`` (they used to import ``cli.register_command`` while ``cli``
+    imported ``console`` and ``console`` imported ``cli``)."""
+    importers = {"opacus_structured.cli": set(), "opacus_structured.console": set()}
+    for path, module, is_package in _modules():
+        text = path.read_text()
+        if "cli" not in text and "console" not in text:  # cannot import either: not parsed
+            continue
+        targets = _imports(path, module, is_package)
+        for name, found in importers.items():
+            if module != name and _imports_module(targets, name):
+                found.add(module)
+    assert importers["opacus_structured.cli"] == {"opacus_structured.console"}
+    assert importers["opacus_structured.console"] <= {"opacus_structured.__main__"}
+    registry = ROOT / "opacus_structured" / "commands" / "_registry.py"
+    assert not (_imports(registry, "opacus_structured.commands._registry", False)
+                & {"opacus_structured.cli", "opacus_structured.console"})

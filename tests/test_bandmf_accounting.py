@@ -40,8 +40,8 @@ def test_b1_identity_equals_poisson():
 
 @pytest.mark.parametrize("bands,sigma,expected", [(4, 1.0, 2.099), (8, 1.0, 3.210),
                                                   (4, 2.0, 0.665)])
-def test_cyclic_poisson_digest_grid(bands, sigma, expected):
-    # digest seed1 §8: n = 1024, p0 = 1/128, δ = 1e-3, q = L/128, ceil(1024/L) compositions.
+def test_cyclic_poisson_reference_grid(bands, sigma, expected):
+    # reference grid: n = 1024, p0 = 1/128, δ = 1e-3, q = L/128, ceil(1024/L) compositions.
     s = BandMFCyclicPoissonScheme(dataset_size=12800, batch_size=100, bands=bands)
     eps = s.epsilon(sigma, 1024, 1e-3, discretization=D)
     assert eps == pytest.approx(expected, abs=2e-3)
@@ -50,7 +50,7 @@ def test_cyclic_poisson_digest_grid(bands, sigma, expected):
 
 
 def test_cyclic_poisson_production_untruncated():
-    # digest seed1 §5.6(b): q = 0.031128, 29 compositions, δ = 1.301e-8: σ = 0.60 -> ε = 9.02.
+    # reference case: q = 0.031128, 29 compositions, δ = 1.301e-8: σ = 0.60 -> ε = 9.02.
     eps = bm.bandmf_cyclic_poisson_epsilon(0.60, steps=7200, bands=256, sample_rate=0.031128,
                                            delta=1.301e-8, discretization=D)
     assert eps == pytest.approx(9.02, abs=0.02)
@@ -85,7 +85,7 @@ def test_scheme_validation(kwargs, match):
 
 
 def test_random_allocation_vs_monte_carlo_and_poisson():
-    """1-of-t allocation (σ=1, t=100, δ=1e-5): digest seed4 §11.2 MC estimate 0.6144, Poisson
+    """1-of-t allocation (σ=1, t=100, δ=1e-5): a Monte Carlo reference estimate 0.6144, Poisson
     PLD 0.7180. Our dominating PLD must be >= the MC estimate (minus its error); we also run our
     own MC of the Lemma 2.8 pair at δ = 1e-2 where 2e5 samples are accurate."""
     pld = bm.random_allocation_pld(1.0, num_steps=100, discretization=D)

@@ -73,9 +73,29 @@ FLAG_ERRORS = [
     (["--epsilons", "1,x"], "--epsilons: 'x' is not a number"),
     (["--epsilons", "1,2", "--noise-multiplier", "1"], "cannot be combined with "
                                                        "--noise-multiplier"),
-    (["--noise-multiplier", "0"], "--noise-multiplier must be > 0, got 0.0"),
-    (["--delta", "1"], "--delta must be in (0, 1), got 1.0"),
-    (["--discretization", "0"], "--discretization must be > 0, got 0.0"),
+    (["--noise-multiplier", "0"], "--noise-multiplier must be in [0.5, 1e+06], got 0.0"),
+    (["--delta", "1"], "--delta must be in [1e-10, 1), got 1.0"),
+    (["--discretization", "0"], "--discretization must be in [1e-06, 0.1], got 0.0"),
+    # issue 47: out of range values that failed (or hung) minutes later, in the accounting or
+    # the network, without naming their flag
+    (["--epsilon", "1e9"], "--epsilon must be in [0.01, 100] (or inf for non-private), got "
+                           "1000000000.0"),
+    (["--epsilon", "1e-9"], "--epsilon must be in [0.01, 100]"),
+    (["--epsilons", "1,1e9"], "--epsilons must be in [0.01, 100] for every finite budget"),
+    (["--noise-multiplier", "1e-6"], "--noise-multiplier must be in [0.5, 1e+06]"),
+    (["--delta", "1e-300"], "--delta must be in [1e-10, 1), got 1e-300"),
+    (["--discretization", "0.5"], "--discretization must be in [1e-06, 0.1], got 0.5"),
+    (["--discretization", "1e-12"], "--discretization must be in [1e-06, 0.1]"),
+    (["--max-grad-norm", "1e300"], "--max-grad-norm must be in (0, 1e+06]"),
+    (["--lr", "1e300"], "--lr must be in (0, 10]"),
+    (["--max-steps", "100000000"], "--max-steps must be <= 1000000, got 100000000"),
+    (["--num-samples", "100000000"], "--num-samples must be <= 10000, got 100000000"),
+    (["--tune", "--tune-trials", "1e9"], "--tune-trials must be in [1, 100] (the mean number "
+                                         "of trials), got 1000000000.0"),
+    (["--inference-epsilon", "1e9", "--inference-sensitivity", "1"],
+     "--inference-epsilon must be in [0.01, 100]"),
+    (["--verdict-runs", "0"], "--verdict-runs must be >= 1, got 0"),
+    (["--verdict-runs", "50"], "--verdict-runs must be <= 20, got 50"),
     (["--max-steps", "0"], "--max-steps must be >= 1, got 0"),
     (["--epochs", "0"], "--epochs must be > 0, got 0.0"),
     (["--epochs", "inf"], "--epochs must be finite, got inf"),
@@ -90,16 +110,16 @@ FLAG_ERRORS = [
     (["--num-workers", "-1"], "--num-workers must be >= 0, got -1"),
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
     (["--init-seed", "-2"], "--init-seed must be >= 0, got -2"),
-    (["--max-grad-norm", "0"], "--max-grad-norm must be > 0, got 0.0"),
-    (["--lr", "-1"], "--lr must be > 0, got -1.0"),
-    (["--lr", "inf"], "--lr must be finite, got inf"),
+    (["--max-grad-norm", "0"], "--max-grad-norm must be in (0, 1e+06], got 0.0"),
+    (["--lr", "-1"], "--lr must be in (0, 10], got -1.0"),
+    (["--lr", "inf"], "--lr must be in (0, 10], got inf"),
     (["--tail-average", "1.5"], "--tail-average must be in [0, 1]"),
     (["--zero-shot-weight", "1"], "--zero-shot-weight must be in [0, 1)"),
     (["--zero-shot-weight", "0.3", "--init-from", "none"], "--zero-shot-weight mixes in the "
                                                            "public zero-shot model"),
     (["--init-public"], "--init-public declares the weights of --init-from PATH"),
     (["--init-from", "/no/such/weights.pt"], "--init-from '/no/such/weights.pt': no such file"),
-    (["--inference-epsilon", "0"], "--inference-epsilon must be finite and > 0, got 0.0"),
+    (["--inference-epsilon", "0"], "--inference-epsilon must be in [0.01, 100], got 0.0"),
     (["--inference-epsilon", "1"], "--inference-epsilon needs --inference-sensitivity"),
     (["--inference-epsilon", "1", "--inference-sensitivity", "0"],
      "--inference-sensitivity must be > 0, got 0.0"),
@@ -188,6 +208,12 @@ def test_too_short_series_name_min_length_and_prediction_length(capsys, tmp_path
     (["--dataset-size", "5"], "--dataset-size 5 declares more series than the panel holds (3"),
     (["--dataset-size", "2", "--top-level", "shuffle"], "only --top-level wor"),
     (["--dataset-size", "2", "--batch-size", "3"], "--batch-size 3 exceeds --dataset-size 2"),
+    # issue 47: a context or season longer than every training series (28 steps after the
+    # default monthly horizon 12), and an epoch count beyond the step limit
+    (["--context-length", "100000"], "--context-length 100000 exceeds the longest training "
+                                     "series (28 steps"),
+    (["--season-length", "29"], "--season-length 29 exceeds the longest training series"),
+    (["--epochs", "1e12"], "--epochs 1e+12 runs more than 1000000 steps"),
 ])
 def test_data_dependent_flag_errors_name_the_flag(capsys, panel_csv, argv, message):
     assert message in _error(capsys, "--data", panel_csv, *argv)
@@ -199,6 +225,29 @@ def test_checked_data_fits_the_batch_to_the_panel(panel_csv):
     checked = load_checked_data(args, check_arguments(args))
     assert (len(checked.train), checked.train.min_length, checked.batch_size) == (3, 34, 3)
     assert checked.batch_size_source == "default min(64, N = 3)"
+
+
+# ---- the horizon's default per frequency (issue 47) ------------------------------------------
+@pytest.mark.parametrize("freq, days, horizon", [
+    ("YS", None, 6), ("QS", None, 8), ("MS", None, 12), ("W-MON", None, 13), ("D", None, 14),
+    ("h", None, 24)])
+def test_a_left_out_horizon_is_the_frequencys_default(tmp_path, freq, days, horizon):
+    stamps = [str(d) for d in pd.date_range("2000-01-03", periods=80, freq=freq)]
+    path = _long_csv(tmp_path / "p.csv", {"a": stamps, "b": stamps[:11]})
+    args = console.forecast_parser().parse_args(["--data", path])
+    checked = load_checked_data(args, check_arguments(args))
+    assert args.prediction_length == horizon == checked.test_steps
+    record = checked.dataset_record()
+    assert record["prediction_length_source"].startswith("default for freq")
+    # the short series is excluded by the default horizon's rule (2 × h steps), named
+    assert [e["item_id"] for e in record["excluded"]] == ["b"] and record["num_series"] == 1
+    assert record["min_length"] == 2 * horizon
+    # the bundled (monthly) panel and a given --freq decide the horizon before reading
+    args = console.forecast_parser().parse_args(["--data", path, "--freq", freq])
+    load_checked_data(args, check_arguments(args))
+    assert args.prediction_length == horizon
+    given = console.forecast_parser().parse_args(["--data", path, "--prediction-length", "3"])
+    assert load_checked_data(given, check_arguments(given)).prediction_length_source == "given"
 
 
 # ---- mixed timestamp formats ----------------------------------------------------------------
@@ -283,8 +332,8 @@ def test_schemes_prints_the_same_from_the_index_and_from_the_schemes(capsys):
 def test_a_stale_index_is_not_used(monkeypatch, tmp_path):
     stale = tmp_path / "schemes_index.json"
     stale.write_text(json.dumps({"digest": "0" * 64, "rows": [{"scheme": "made-up"}]}))
-    monkeypatch.setattr(console, "SCHEMES_INDEX", stale)
-    assert console.read_schemes_index() is None
+    monkeypatch.setattr(console, "SCHEMES_INDEX", stale)  # what the console's schemes reads
+    assert console.read_schemes_index(console.SCHEMES_INDEX) is None
 
 
 # A subprocess for the command list of ``python -m opacus_structured.cli --help``.

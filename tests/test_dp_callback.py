@@ -151,6 +151,34 @@ def test_log_every_n_steps_prices_every_step_and_logs_every_nth_and_the_last():
         callback(log_every_n_steps=0)
 
 
+def test_the_epoch_epsilon_follows_log_every_n_steps():
+    """Issue 47: ``dp/epsilon_epoch`` composed the whole history at every epoch end, whatever
+    ``log_every_n_steps`` said (the forecast trainer's 2-step epochs: 50 compositions per fit,
+    each growing as σ shrinks, so training slowed as ε grew). Now an epoch end computes ε only
+    when it is known for the steps taken or ``log_every_n_steps`` steps passed since."""
+    torch.manual_seed(0)
+    model, cb, logger = Tiny(), callback(log_every_n_steps=1000), MemLogger()
+    priced = []
+    trainer_ = trainer(cb, max_steps=20, logger=logger)
+    kind = type(cb.accountant)
+    real = kind.get_epsilon
+
+    def counting(self, delta, *args, **kwargs):
+        priced.append(len(self))
+        return real(self, delta, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kind, "get_epsilon", counting)
+        trainer_.fit(model, data())
+    assert cb.steps == 20 and trainer_.current_epoch >= 2  # several epochs ran
+    assert priced == [20]  # once, at the last step: no epoch end composed the history
+    assert logger.values("dp/epsilon_epoch")[-1] == logger.values("dp/epsilon")[-1]
+    # the default (every step) still logs ε at every epoch end
+    model, cb, logger = Tiny(), callback(), MemLogger()
+    trainer(cb, max_steps=20, logger=logger).fit(model, data())
+    assert len(logger.values("dp/epsilon_epoch")) >= 3
+
+
 def test_no_logger_no_lightning_warning():
     torch.manual_seed(0)
     cb = callback()

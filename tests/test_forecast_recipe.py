@@ -228,8 +228,10 @@ def test_epsilon_sweep_table_plot_and_infinite_budget_is_non_private(tmp_path, c
     assert sweep[2]["crps"] == pytest.approx(rep["baselines"]["non_private"]["crps"], rel=1e-9)
     assert sweep[2]["mase"] == pytest.approx(rep["baselines"]["non_private"]["mase"], rel=1e-9)
     assert rep["epsilon"] == sweep[0]["epsilon"] and rep["crps"] == sweep[0]["crps"]
-    assert (out / "sweep.png").stat().st_size > 1000
-    assert json.loads((out / "report.json").read_text())["sweep"][1]["target_epsilon"] == 4.0
+    assert (out / "diagnostics" / "sweep.png").stat().st_size > 1000
+    report = json.loads((out / "diagnostics" / "report.json").read_text())
+    assert report["sweep"][1]["target_epsilon"] == 4.0
+    assert not (out / "release").exists()  # a sweep releases nothing (issue 47)
 
 
 # ---- the recipe on a panel it was not tuned on --------------------------------------------
@@ -303,7 +305,7 @@ def test_forecast_inference_privacy_row_and_report(tmp_path, capsys):
 @pytest.mark.slow  # 3 s: out of the README command (issue 41: <= 5 min); CI runs it
 def test_forecast_warns_when_the_window_covers_the_shortest_series(tmp_path, capsys):
     args = ["forecast", "--num-series", "6", "--batch-size", "3", "--max-steps", "2",
-            "--context-length", "1000", "--init-from", "none", "--no-baselines",
+            "--context-length", "950", "--init-from", "none", "--no-baselines",
             "--num-samples", "5", "--epsilon", "4", "--delta", "1e-5", "--discretization",
             str(TEST_DISCRETIZATION), "--output", str(tmp_path), "--json", "--no-progress"]
     assert main(args) == 0
@@ -311,4 +313,4 @@ def test_forecast_warns_when_the_window_covers_the_shortest_series(tmp_path, cap
     rep = json.loads(captured.out)
     assert "warning: the model window" in captured.err
     assert "not shorter than the shortest training series" in rep["warnings"][0]
-    assert (tmp_path / "forecasts.png").stat().st_size > 1000  # dated axes render
+    assert (tmp_path / "diagnostics" / "forecasts.png").stat().st_size > 1000  # dated axes

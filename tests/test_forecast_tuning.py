@@ -171,14 +171,16 @@ def test_the_command_tunes_within_the_budget_and_reports_the_search(tmp_path, ca
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "dlinear (DP, tuned)" in text and "tuning: 19 candidates" in text
-    assert "trials drawn:" in text and "operator only" in text
+    # the number of trials is printed nowhere (issue 47); the line says it is secret
+    assert "trials drawn:" not in text and "number of trials drawn is secret" in text
     assert "private selection of structured-subsampling trials" in text
-    rep = json.loads((out / "report.json").read_text())
+    rep = json.loads((out / "diagnostics" / "report.json").read_text())
     tuning = rep["tuning"]
     assert rep["epsilon"] == tuning["epsilon"] <= 2.0
     assert rep["rows"][0]["epsilon"] == tuning["epsilon"]
     assert tuning["trial_epsilon"] < tuning["epsilon"]
-    assert tuning["chosen"] in tuning["candidates"] and tuning["trials_drawn"] >= 1
+    assert tuning["chosen"] in tuning["candidates"] and "trials_drawn" not in tuning
+    assert tuning["number_of_trials"].startswith("secret")
     assert rep["noise_multiplier"] == pytest.approx(tuning["noise_multiplier"])
     assert rep["steps"] == tuning["chosen"]["max_steps"] <= tuning["max_steps"] == 4
     assert "privacy_record" not in rep and math.isfinite(rep["crps"])
@@ -247,7 +249,7 @@ def test_a_skipped_search_releases_the_recipe_at_the_whole_budget(tmp_path, caps
     for extra in (["--tune"], []):
         out = tmp_path / f"out{len(reps)}"
         assert main(["forecast", *extra, *common, "--output", str(out)]) == 0
-        reps.append(json.loads((out / "report.json").read_text()))
+        reps.append(json.loads((out / "diagnostics" / "report.json").read_text()))
     text = capsys.readouterr()
     tuned, plain = reps
     tuning = tuned["tuning"]

@@ -32,33 +32,103 @@ SN = {"crps": 0.0176, "mase": 0.818}
 ZS = {"crps": 0.0099, "mase": 0.637}
 
 
-def _verdict(crps, mase, sigma=10.4, batch=64, baselines=None, tune=False, dp_sgd=True):
+def _verdict(crps, mase, sigma=10.4, batch=64, baselines=None, tune=False, dp_sgd=True,
+             runs=None):
     return dp_verdict(label="dlinear (DP)", crps=crps, mase=mase, dp_sgd=dp_sgd, epsilon=1.0,
                       noise_multiplier=sigma, batch_size=batch, num_series=148,
                       baselines={"seasonal_naive": SN, "zero_shot": ZS}
-                      if baselines is None else baselines, tune_available=tune)
+                      if baselines is None else baselines, tune_available=tune, runs=runs)
 
 
 def test_a_release_better_on_both_metrics_wins_with_no_advice():
     v = _verdict(0.0077, 0.463)
     assert v["beats_seasonal_naive"] is True and v["beats_zero_shot"] is True
     assert v["noise_to_signal"] == pytest.approx(10.4 / 64) and not v["noise_dominated"]
-    assert v["advice"] == [] and "does NOT" not in v["text"]
-    assert "beats seasonal naive (CRPS 0.0077 vs 0.0176, MASE 0.463 vs 0.818)" in v["text"]
-    assert v["metric"].startswith("CRPS and MASE")
+    assert v["advice"] == [] and "loses" not in v["text"]
+    lines = v["text"].splitlines()
+    assert lines[0] == ("dlinear (DP) at ε = 1, one run (--verdict-runs 1: its run-to-run "
+                        "spread is not measured)")
+    assert lines[1] == ("  CRPS 0.0077: beats seasonal naive (0.0176), beats the public "
+                        "zero-shot model (0.0099)")
+    assert lines[2] == ("  MASE 0.463: beats seasonal naive (0.818), beats the public "
+                        "zero-shot model (0.637)")
+    assert v["metric"] == "CRPS and MASE, each on its own" and v["runs"] == 1
+    assert v["per_metric"] == {"crps": {"seasonal_naive": "better", "zero_shot": "better"},
+                               "mase": {"seasonal_naive": "better", "zero_shot": "better"}}
 
 
-def test_losing_to_zero_shot_on_one_metric_is_a_loss_with_advice():
+def test_losing_to_zero_shot_on_one_metric_is_said_per_metric_with_advice():
     v = _verdict(0.0090, 0.700)  # better CRPS than zero-shot, worse MASE
     assert v["beats_seasonal_naive"] is True and v["beats_zero_shot"] is False
     assert v["comparisons"]["zero_shot"]["better"] == {"crps": True, "mase": False}
-    assert "does NOT beat the public zero-shot model (CRPS 0.0090 vs 0.0099, MASE 0.700 vs " \
-           "0.637)" in v["text"]
+    assert v["per_metric"]["crps"]["zero_shot"] == "better"
+    assert v["per_metric"]["mase"]["zero_shot"] == "worse"
+    assert "  CRPS 0.0090: beats seasonal naive (0.0176), beats the public zero-shot model " \
+           "(0.0099)" in v["text"]
+    assert "  MASE 0.700: beats seasonal naive (0.818), loses to the public zero-shot model " \
+           "(0.637)" in v["text"]
     assert v["advice"][0] == "private hyperparameter selection (--tune, when available)"
     assert any(a.startswith("more series") for a in v["advice"])
     assert any(a.startswith("a larger ε") for a in v["advice"])
+    assert v["advice"][-1].startswith("the public zero-shot model is better on MASE only: "
+                                      "release it instead if that is the metric")
+    assert not any("seasonal naive" in a for a in v["advice"])
+    # better on neither metric: release the baseline instead
+    v = _verdict(0.0120, 0.700)
     assert v["advice"][-1].startswith("release the public zero-shot model instead")
-    assert not any("seasonal naive instead" in a for a in v["advice"])
+
+
+def test_winning_crps_and_losing_mase_is_not_called_a_loss_on_both():
+    """Issue 47's Cigar case: the mixed release wins on CRPS and loses on MASE against
+    seasonal naive; the verdict says exactly that, metric by metric."""
+    v = _verdict(0.0150, 0.900)
+    assert v["per_metric"]["crps"]["seasonal_naive"] == "better"
+    assert v["per_metric"]["mase"]["seasonal_naive"] == "worse"
+    assert "CRPS 0.0150: beats seasonal naive (0.0176)" in v["text"]
+    assert "MASE 0.900: loses to seasonal naive (0.818)" in v["text"]
+    assert "does NOT beat" not in v["text"]
+
+
+def test_the_verdict_rests_on_every_run():
+    """Over three runs (the release first): better when every run is, worse when none is,
+    within run-to-run noise when they disagree; the spread is stated."""
+    runs = [{"crps": 0.0090, "mase": 0.600}, {"crps": 0.0101, "mase": 0.620},
+            {"crps": 0.0095, "mase": 0.630}]
+    v = _verdict(0.0090, 0.600, runs=runs)
+    assert v["runs"] == 3
+    assert v["per_metric"]["crps"] == {"seasonal_naive": "better",
+                                       "zero_shot": "within run-to-run noise"}
+    assert v["per_metric"]["mase"] == {"seasonal_naive": "better", "zero_shot": "better"}
+    assert v["comparisons"]["zero_shot"]["runs_better"] == {"crps": 2, "mase": 3}
+    assert v["beats_zero_shot"] is False and v["beats_seasonal_naive"] is True
+    crps = [r["crps"] for r in runs]
+    assert v["spread"]["crps"]["mean"] == pytest.approx(np.mean(crps), rel=1e-12)
+    assert v["spread"]["crps"]["sd"] == pytest.approx(np.std(crps, ddof=1), rel=1e-12)
+    assert (v["spread"]["crps"]["min"], v["spread"]["crps"]["max"]) == (0.0090, 0.0101)
+    lines = v["text"].splitlines()
+    assert lines[0].endswith("over 3 runs (the release and 2 unreleased reruns of the same "
+                             "mechanism with fresh coins)")
+    assert lines[1] == ("  CRPS 0.0090 (runs 0.0090–0.0101, sd 0.0006): beats seasonal naive "
+                        "(0.0176), within run-to-run noise of the public zero-shot model "
+                        "(0.0099; 2 of 3 runs better)")
+    # noise alone is no reason to release the baseline instead
+    assert not any("zero-shot model instead" in a or "better on" in a for a in v["advice"])
+    with pytest.raises(ValueError, match="runs"):
+        _verdict(0.0091, 0.600, runs=runs)
+
+
+def test_ets_is_named_with_the_local_model_sentence():
+    from opacus_structured.commands._forecast_verdict import LOCAL_MODEL_NOTE
+
+    ets = {"crps": 0.0041, "mase": 0.425}
+    v = _verdict(0.0077, 0.463, baselines={"seasonal_naive": SN, "zero_shot": ZS, "ets": ets})
+    assert v["per_metric"]["crps"]["ets"] == "worse" and v["beats_ets"] is False
+    assert "loses to the NOT PRIVATE statsmodels ETS (0.0041)" in v["text"]
+    assert v["local_model_note"] == LOCAL_MODEL_NOTE
+    assert "used only by its own series' owner" in LOCAL_MODEL_NOTE
+    # ETS is not a free alternative: losing to it asks for no advice
+    assert v["advice"] == [] and v["beats_seasonal_naive"] and v["beats_zero_shot"]
+    assert _verdict(0.0077, 0.463)["local_model_note"] is None
     # once the command has --tune, the advice names the flag without "when available"
     assert _verdict(0.0090, 0.700, tune=True)["advice"][0] == (
         "private hyperparameter selection: rerun with --tune")
@@ -114,6 +184,7 @@ def test_without_zero_shot_or_mase_or_baselines():
     assert v["beats_seasonal_naive"] is False
     v = _verdict(0.0077, 0.463, baselines={})
     assert v["beats_seasonal_naive"] is None and "--no-baselines" in v["text"]
+    assert v["per_metric"] == {} and v["runs"] == 1
 
 
 def test_a_sweep_gets_one_verdict_per_budget():
@@ -138,12 +209,13 @@ def test_a_sweep_gets_one_verdict_per_budget():
     assert [v["beats_zero_shot"] for v in verdicts] == [False, True, True]
     assert [v["noise_dominated"] for v in verdicts] == [True, False, False]
     lines = text.splitlines()
-    assert [ln.startswith("verdict: ") for ln in lines[:3]] == [True] * 3
-    assert lines[0].startswith("verdict: dlinear (DP, ε=0.5) beats seasonal naive")
-    assert "; does NOT beat the public zero-shot model" in lines[0]
-    assert lines[1].startswith("verdict: dlinear (DP, ε=4) beats seasonal naive")
-    assert lines[2].startswith("verdict: dlinear (non-private, DP path at ε=∞) beats")
-    assert lines[3] == "what to do:" and sum(ln.startswith("  - ") for ln in lines) == 4
+    heads = [ln for ln in lines if ln.startswith("verdict: ")]
+    assert [h.split(",")[0] for h in heads] == ["verdict: dlinear (DP", "verdict: dlinear (DP",
+                                                "verdict: dlinear (non-private"]
+    first = lines[:lines.index(heads[1])]
+    assert "  CRPS 0.0120: beats seasonal naive (0.0176), loses to the public zero-shot " \
+           "model (0.0099)" in first
+    assert "what to do:" in lines and sum(ln.startswith("  - ") for ln in lines) == 4
 
 
 # ---- constant series --------------------------------------------------------------------------
@@ -276,11 +348,11 @@ def test_the_command_says_when_dp_loses_to_zero_shot(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "warning: MASE leaves out 1 of 7 series (flat)" in captured.err
     assert "\n\nverdict: dlinear (DP-SGD, seeded: NOT PRIVATE) at ε = 0.49" in captured.out
-    assert "does NOT beat the public zero-shot model" in captured.out
+    assert "loses to the public zero-shot model" in captured.out
     # 7 series at ε = 0.5: --tune's gate would skip the search, and the advice says so
     assert ("what to do:\n  - private hyperparameter selection (--tune) cannot pay here"
             in captured.out)
-    text = (out / "report.json").read_text()
+    text = (out / "diagnostics" / "report.json").read_text()
     assert '"nan"' not in text and '"-inf"' not in text
     rep = json.loads(text)
     v = rep["verdict"]

@@ -175,7 +175,7 @@ def test_two_dp_steps_each_model(model, tiny):
 
 
 def test_epsilon_matches_independent_poisson_equivalent(tiny):
-    # digest §3.6: Thm 4.4's pair equals a Poisson-subsampled Gaussian with std σ/2,
+    # Thm 4.4's pair (Schuchardt et al., ICML 2025) equals a Poisson-subsampled Gaussian with std σ/2,
     # sensitivity 1, q = ρ·r; dp_accounting's own PLD is an independent oracle.
     from dp_accounting.pld import privacy_loss_distribution as pldm
 
@@ -308,9 +308,9 @@ def test_forecast_command_json(tmp_path, capsys):
     # a default run draws its sampler and noise from OS entropy and records no seed
     assert rep["private"] is True and rep["not_private_reason"] is None
     assert "seed" not in rep and "init_seed" not in rep
-    saved = json.loads((out / "report.json").read_text())
+    saved = json.loads((out / "diagnostics" / "report.json").read_text())
     assert saved["epsilon"] == rep["epsilon"]
-    assert (out / "forecasts.png").stat().st_size > 1000
+    assert (out / "diagnostics" / "forecasts.png").stat().st_size > 1000
 
 
 def test_forecast_command_rejects_bad_input(capsys):

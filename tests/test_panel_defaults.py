@@ -23,6 +23,7 @@ from opacus_structured.forecasting import pretraining  # noqa: E402
 from opacus_structured.forecasting.data import Panel  # noqa: E402
 from opacus_structured.forecasting.model_defaults import MODEL_DEFAULTS  # noqa: E402
 from opacus_structured.forecasting.public_corpus import synthetic_panel  # noqa: E402
+from opacus_structured.forecasting.public_weights import base_freq  # noqa: E402
 from opacus_structured.forecasting.seasonality import season_length  # noqa: E402
 from opacus_structured.forecasting.user_data import TIMESTAMP_FORMS, load_panel  # noqa: E402
 from opacus_structured.forecasting.warning_filters import install_gluonts_filters  # noqa: E402
@@ -216,10 +217,21 @@ def test_check_paths(tmp_path):
         check(_args(save_weights=str(csv / "w.pt")))
     with pytest.raises(ValueError, match="--init-from .*: no such file .*--init-from none"):
         check(_args(init_from=str(tmp_path / "w.pt")))
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "report.json").mkdir()  # cannot be overwritten by a file
+    (tmp_path / "out" / "diagnostics").mkdir(parents=True)
+    (tmp_path / "out" / "diagnostics" / "report.json").mkdir()  # cannot become a file
     with pytest.raises(ValueError, match="cannot be overwritten"):
         check(_args(output=str(tmp_path / "out")))
+    # issue 47: a release/ this command did not write is not replaced; a file is no folder
+    (tmp_path / "o2" / "release").mkdir(parents=True)
+    (tmp_path / "o2" / "release" / "mine.txt").write_text("x")
+    with pytest.raises(ValueError, match="--output .*release' exists and was not written by"):
+        check(_args(output=str(tmp_path / "o2")))
+    (tmp_path / "o2" / "release" / "model_card.json").write_text("{}")  # an earlier release
+    check(_args(output=str(tmp_path / "o2")))
+    (tmp_path / "o3").mkdir()
+    (tmp_path / "o3" / "diagnostics").write_text("x")
+    with pytest.raises(ValueError, match="diagnostics' is a file, not a directory"):
+        check(_args(output=str(tmp_path / "o3")))
 
 
 @pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0,
@@ -370,11 +382,13 @@ def _check_report(rep, n, freq, length):
     assert rep["batch_size"] == min(64, n) and rep["batch_size_source"].startswith("default")
     assert rep["season_length"] == season_length(expected_freq)
     assert rep["private"] is True and 0 < rep["epsilon"] <= rep["target_epsilon"] == 1.0
-    assert rep["pretrained"]["freq"] == expected_freq
+    # the panel's own frequency, or its family's base whose shipped weights serve the default
+    # horizon (issue 47: the minute family's default horizon 24 is the shipped one)
+    assert rep["pretrained"]["freq"] in (expected_freq, base_freq(expected_freq))
     methods = [r["method"] for r in rep["rows"]]
     assert methods[0] == "dlinear (DP)" and "seasonal naive" in methods
     assert all(np.isfinite(r["crps"]) for r in rep["rows"])
-    assert os.path.isfile(os.path.join("forecast-report", "report.json"))
+    assert os.path.isfile(os.path.join("forecast-report", "diagnostics", "report.json"))
 
 
 FAST_CELLS = [(3, "30min", SHORT), (10, "B", LONG)]

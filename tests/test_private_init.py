@@ -3,7 +3,7 @@
 A second DP run that starts from the weights of a first DP run on the same data releases a
 model that went through both: its ε is the composition of the two runs. Independent oracles:
 dp_accounting's own PLD of the Poisson-equivalent Gaussian of Thm 4.4 (σ/2, sensitivity 1,
-rate ρ·r; digest §3.6), composed over both runs' steps, and a fresh accountant fed both
+rate ρ·r; Thm 4.4), composed over both runs' steps, and a fresh accountant fed both
 histories. Weights without a privacy record are refused unless declared public; the shipped
 public pretrained weights need no flag.
 """
@@ -53,7 +53,8 @@ def first(tiny):
 
 def _poisson_equivalent(scheme, runs):
     """dp_accounting's ε(δ) of the runs ``[(σ, steps), ...]`` composed: Thm 4.4's step is a
-    Poisson-subsampled Gaussian with std σ/2, sensitivity 1, rate ρ·r (digest §3.6)."""
+    Poisson-subsampled Gaussian with std σ/2, sensitivity 1, rate ρ·r (Schuchardt et al.,
+    ICML 2025, Thm 4.4)."""
     from dp_accounting.pld import privacy_loss_distribution as pldm
 
     rho = scheme.batch_size / scheme.num_series

@@ -280,7 +280,7 @@ def test_search_returns_the_winner_and_the_whole_procedures_epsilon():
     search = PrivateSelection(grid, _train_and_score, mean_trials=3, eta=1, delta=DELTA,
                               rng=np.random.default_rng(3), progress=False)
     result = search.run()
-    assert result.trials_run == search.trials_done >= 1
+    assert search.state_dict()["num_trials"] == search.trials_done >= 1
     assert result.config in [{"lr": v} for v in grid["lr"]]
     assert math.isfinite(result.score)
     event = E.ComposedDpEvent([_dpsgd_event(q=0.25, steps=2), E.GaussianDpEvent(SCORE_SIGMA)])
@@ -288,7 +288,10 @@ def test_search_returns_the_winner_and_the_whole_procedures_epsilon():
     assert result.epsilon == pytest.approx(whole, rel=1e-12)
     one_run = R.RdpAccountant(list(ORDERS)).compose(event).get_epsilon(DELTA)
     assert result.epsilon > one_run
-    assert "num_trials" not in repr(search) and "trials_run" not in repr(search)
+    # K appears nowhere but in the search's own state (issue 47): not in the result, not in a
+    # repr (a repr of the trials done after the search is K), not in str()
+    assert not hasattr(result, "trials_run") and "trials_done" not in repr(search)
+    assert "trials_run" not in repr(result) and "num_trials" not in repr(result)
 
 
 def test_checkpoint_resume_keeps_k_and_results(tmp_path):
@@ -315,8 +318,8 @@ def test_checkpoint_resume_keeps_k_and_results(tmp_path):
                                rng=np.random.default_rng(999), progress=False)
     assert resumed.state_dict()["num_trials"] == k
     assert resumed.state_dict()["results"] == saved["results"]
-    result = resumed.run()
-    assert result.trials_run == k
+    resumed.run()
+    assert resumed.trials_done == k == resumed.state_dict()["num_trials"]
     with pytest.raises(ValueError, match="mean_trials=20.0"):
         PrivateSelection([{"lr": 0.1}, {"lr": 0.5}], _train_and_score, mean_trials=5, eta=1,
                          delta=DELTA, checkpoint=path, progress=False)
@@ -356,16 +359,43 @@ def test_poisson_accountant_trial_is_the_same_mechanism_as_its_event():
 
 
 def test_plain_progress_lines_are_throttled(capsys):
-    """Off a terminal: one plain line at the first trial, then at most one per ~10 s; the line
-    names trials done and the search's budget, never K."""
+    """Off a terminal: one plain line after the first trial, then at most one per ~10 s; the
+    line names the elapsed time and the search's budget, never a count of trials (the count at
+    the end is K; issue 47)."""
     event = E.ComposedDpEvent([_dpsgd_event(steps=10), E.GaussianDpEvent(SCORE_SIGMA)])
     search = PrivateSelection([1, 2, 3], lambda c: (float(c), event), mean_trials=30, eta=1,
                               delta=DELTA, rng=np.random.default_rng(1), progress=None)
     result = search.run()
-    lines = [ln for ln in capsys.readouterr().err.splitlines() if "private selection" in ln]
-    assert result.trials_run > 3 and len(lines) == 1
-    assert "1 trial(s) done" in lines[0] and "epsilon=" in lines[0]
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "private selection" in ln]
+    assert search.trials_done > 3 and len(lines) == 1
+    assert lines[0].startswith("private selection: running, ") and "epsilon=" in lines[0]
+    assert "trial" not in err.replace("mean", "") and str(search.trials_done) not in err
     assert result.config == 1 and result.score == 1.0  # lowest score wins by default
+
+
+def test_the_progress_bar_never_counts_trials(monkeypatch, capsys):
+    """On a terminal the bar shows the elapsed time and the budget; a tqdm bar of trials ended
+    at K (issue 47)."""
+    from opacus_structured import _progress
+
+    monkeypatch.setattr(_progress, "enabled", lambda no_progress=False: not no_progress)
+    shown = []
+    real_elapsed = _progress.elapsed
+
+    def spy(desc, *, show, interval=0.5):
+        shown.append(show)
+        return real_elapsed(desc, show=show, interval=interval)
+
+    monkeypatch.setattr(_progress, "elapsed", spy)
+    event = E.ComposedDpEvent([_dpsgd_event(steps=10), E.GaussianDpEvent(SCORE_SIGMA)])
+    search = PrivateSelection([1, 2, 3], lambda c: (float(c), event), mean_trials=30, eta=1,
+                              delta=DELTA, rng=np.random.default_rng(1), progress=True)
+    search.run()
+    err = capsys.readouterr().err
+    assert shown == [True] and "private selection" in err and "elapsed" in err
+    assert f"{search.trials_done}trial" not in err and f"/{search.trials_done}" not in err
+    assert "trial" not in err.replace("mean", "")
 
 
 def test_full_batch_gdp_accountant_is_its_gaussian_event():
@@ -390,7 +420,7 @@ def test_poisson_law_with_zero_trials_releases_nothing_but_reports_the_price():
         if search.state_dict()["num_trials"] == 0:
             break
     result = search.run()
-    assert result.trials_run == 0 and result.config is None and result.score is None
+    assert search.trials_done == 0 and result.config is None and result.score is None
     assert result.epsilon == selection_epsilon(event, mean_trials=1.0, eta=None, delta=DELTA)
 
 

@@ -221,3 +221,28 @@ def test_pretrain_command_reproduces_a_shipped_quarterly_dlinear(capsys):
                  "--verify", "--json", "--no-progress"]) == 0
     rec = json.loads(capsys.readouterr().out)
     assert rec["reproduced"] is True and rec["max_abs_difference"] <= 1e-5
+
+
+def test_every_default_horizon_is_served_by_shipped_weights():
+    """Issue 47: ``forecast`` without ``--prediction-length`` takes the frequency's default
+    (:data:`DEFAULT_HORIZONS`); shipped weights of both models serve each one (DLinear: its own
+    horizon, or a longer shipped one cut to it, when the series hold that context), so no
+    default run pretrains."""
+    from opacus_structured.forecasting.public_weights import (
+        DEFAULT_HORIZONS,
+        FALLBACK_HORIZON,
+        default_prediction_length,
+    )
+
+    assert set(DEFAULT_HORIZONS) == set(BASE_GEOMETRIES)
+    for base, h in DEFAULT_HORIZONS.items():
+        assert default_prediction_length(base) == h
+        for model in ("dlinear", "deepar"):
+            geometry = base_geometry(model, freq=base, prediction_length=h)
+            assert geometry is not None, (model, base, h)
+            key = pretraining.weights_key(model, freq=base,
+                                          prediction_length=geometry.prediction_length)
+            assert pretraining.shipped_weights_path(key) is not None, (model, base, key)
+    assert (default_prediction_length("YS"), default_prediction_length("W-MON"),
+            default_prediction_length("2h"), default_prediction_length("MS")) == (6, 13, 24, 12)
+    assert default_prediction_length("s") == FALLBACK_HORIZON == 12  # outside the families

@@ -2,7 +2,7 @@
 
 Oracles: brute-force summation over all b^α allocations (Eq. 5), Gauss–Hermite quadrature of
 E_Q[(p/q)^α] on tiny cases (independent of Lemma 3.2's algebra), closed forms (α = 2, b = 1,
-DP-SGD), the digest's reference tables (seed4 digest §11), Feldman & Shenfeld's PLD accountant
+DP-SGD), independent reference tables, Feldman & Shenfeld's PLD accountant
 (``PLD_accounting``) and a Monte Carlo estimate (labelled estimate) for C = I, k = 1.
 """
 
@@ -20,7 +20,7 @@ from opacus_structured.accounting.calibration import calibrate_noise_multiplier
 
 
 def bsr(N, p):
-    """BSR as in the digest §11: banded Toeplitz, first p of binom(2j,j)/4^j, C_00 = 1."""
+    """BSR: banded Toeplitz, first p of binom(2j,j)/4^j, C_00 = 1."""
     c = np.array([special.comb(2 * j, j) / 4 ** j for j in range(p)])
     C = np.zeros((N, N))
     for j in range(p):
@@ -29,7 +29,7 @@ def bsr(N, p):
 
 
 def bisr(N, p):
-    """BISR as in the digest §11: inverse of the banded Toeplitz with sqrt(1-x) coefficients."""
+    """BISR: inverse of the banded Toeplitz with sqrt(1-x) coefficients."""
     h = [1.0]
     for k in range(1, p):
         h.append(h[-1] * (k - 1.5) / k)
@@ -69,7 +69,7 @@ def test_bad_strategy_raises(bad, match):
         ra.mixture_means(bad, 2, 2)
 
 
-# ---- remove direction: DP vs brute force (digest §11.1) -------------------------------------
+# ---- remove direction: DP vs brute force (reference values computed by brute force) --------
 @pytest.mark.parametrize("C, k, b, sigma, alpha, ref", [
     (np.eye(6), 2, 3, 0.7, 3, 5.0246955539),
     (np.eye(6), 2, 3, 1.5, 4, 0.8874877956),
@@ -108,10 +108,10 @@ def test_dp_truncated_bandwidth_is_upper_bound():
             dp, tau, exact = ra.renyi_remove(G, 1.5, [alpha], bands=bands)
             assert not exact and tau > 0
             assert dp[0] >= brute - 1e-12
-    # alpha = 2 uses the exact closed form when it is smaller (digest §11.1 row: 0.7551264402)
+    # alpha = 2 uses the exact closed form when it is smaller (reference value 0.7551264402)
     dp2, _, _ = ra.renyi_remove(G, 1.5, [2], bands=2)
     assert dp2[0] == pytest.approx(0.7551264402, abs=1e-9)
-    # the internal DP bound itself (digest: 0.7593125541), via the private DP routine
+    # the internal DP bound itself (reference value 0.7593125541), via the private DP routine
     Gp, tau = ra._truncate(G, 2)
     w, wrap = ra._dp_plan(4, 2, Gp)
     log_s = ra._log_rest_sums(Gp, 1.5, w, wrap, 2)
@@ -205,7 +205,7 @@ def test_cost_guard_raises_with_estimate():
     assert rb.tau > 0 and not rb.exact_remove and rb.orders[-1] >= 8
 
 
-# ---- digest reference numbers (§11.2, §11.3) -------------------------------------------------
+# ---- reference numbers --------------------------------------------------------------------
 @pytest.mark.parametrize("N, k, sigma, eps_ref, alpha_ref, rem_ref, add_ref", [
     (100, 1, 0.6, 4.5184, 4, 1.01340, 1.43056),
     (100, 1, 0.8, 2.3170, 7, 0.87669, 0.82812),
@@ -267,7 +267,7 @@ def test_bsr_remove_and_peff_rows():
     np.testing.assert_allclose(rem, [0.076130, 0.117719, 0.163835, 0.220751, 0.326355], atol=2e-6)
     rem2, tau, _ = ra.renyi_remove(G, 1.0, np.arange(3, 7), bands=2)
     np.testing.assert_allclose(rem2[1:], [1.106667, 1.383824, 1.661283], atol=2e-6)
-    # at α = 3 the exact b³ tuple sum replaces the looser τ bound (0.829742 in the digest)
+    # at α = 3 the exact b³ tuple sum replaces the looser τ bound (reference 0.829742)
     assert rem2[0] == pytest.approx(0.117719, abs=2e-6)
     assert rem2[0] < 0.829742
     np.testing.assert_allclose(ra.renyi_add(G, 1.0, np.arange(2, 7)),
@@ -371,8 +371,8 @@ def test_conditional_composition_small_case_vs_peers():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sigma, ref", [(1.0, 1.3930), (2.0, 0.2581)])
-def test_conditional_composition_digest_rows(sigma, ref):
-    # digest §11.4, "merged ties" column (our allocation bounds only the non-lowest tie group)
+def test_conditional_composition_reference_rows(sigma, ref):
+    # reference rows, "merged ties" column (our allocation bounds only the non-lowest tie group)
     m = ra.mixture_means(np.eye(100), 1, 100)
     eps = cc.conditional_composition_epsilon(m, sigma, 1e-5, discretization=1e-3)
     assert eps == pytest.approx(ref, rel=0.02)

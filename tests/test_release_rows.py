@@ -3,7 +3,7 @@
 Independent checks: dp_accounting's PLD of the exact mechanisms (optimistic: a lower bound of
 the true ε) for merged Poisson draws and for two rows per example, dp_accounting's Gaussian PLD
 for the closed-form Gaussian curve, and the noise-splitting identity checked on the history
-the accountant records. The reproductions are /work/shared/repro/release-rows (cases 1-10).
+the accountant records (issue 39's reproductions, cases 1-10).
 """
 
 from __future__ import annotations

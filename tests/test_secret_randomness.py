@@ -253,7 +253,7 @@ def _forecast_args(out, *extra):
 def test_default_forecast_report_holds_no_seed_of_its_noise(tiny, tmp_path, capsys,
                                                             monkeypatch):
     from lightning_callbacks import dp_callback
-    from opacus_structured.commands import forecast
+    from opacus_structured.commands import _forecast_reruns, forecast
     from opacus_structured.forecasting import training
     from opacus_structured.samplers import _generator
 
@@ -267,15 +267,16 @@ def test_default_forecast_report_holds_no_seed_of_its_noise(tiny, tmp_path, caps
     monkeypatch.setattr(_generator, "fresh_seed", recording_fresh_seed)
     monkeypatch.setattr(forecast, "fresh_seed", recording_fresh_seed)
     monkeypatch.setattr(dp_callback, "fresh_seed", recording_fresh_seed)
+    monkeypatch.setattr(_forecast_reruns, "fresh_seed", recording_fresh_seed)
     reports = []
     for k in range(2):
         assert main(_forecast_args(tmp_path / str(k), "--json")) == 0
         captured = capsys.readouterr()
         assert "NOT PRIVATE" not in captured.err
-        reports.append((tmp_path / str(k) / "report.json").read_text())
+        reports.append((tmp_path / str(k) / "diagnostics" / "report.json").read_text())
     # run_forecast draws the public init seed, train_forecaster the sampler coins and
-    # DPCallback the noise coins
-    assert len(drawn) == 6 and len(set(drawn)) == 6
+    # DPCallback the noise coins; each of the verdict's two reruns (issue 47) its own three
+    assert len(drawn) == 18 and len(set(drawn)) == 18
     for text in reports:
         rep = json.loads(text)
         assert rep["private"] is True and rep["reproducible_noise"] is False
@@ -305,7 +306,7 @@ def test_seeded_forecast_says_not_private_everywhere(tiny, tmp_path, capsys):
     out = capsys.readouterr()
     assert NOT_PRIVATE_SEEDED in out.out and NOT_PRIVATE_SEEDED in out.err
     assert "NOT PRIVATE" in out.out.splitlines()[2]  # the model's table row
-    rep = json.loads((tmp_path / "a" / "report.json").read_text())
+    rep = json.loads((tmp_path / "a" / "diagnostics" / "report.json").read_text())
     assert rep["private"] is False and rep["dp_sgd"] is True and rep["reproducible_noise"]
     assert "reproducible noise" in rep["not_private_reason"]
     assert rep["notice"] == NOT_PRIVATE_SEEDED and rep["seed"] == 7 and rep["init_seed"] == 7

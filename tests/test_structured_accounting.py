@@ -1,7 +1,7 @@
 """Structured subsampling accounting (seed 000, Schuchardt et al. ICML 2025).
 
-Reference numbers come from the digest /work/shared/spec/seed0-structured-subsampling.md §4.3
-(computed independently with dp_accounting 0.4.4); tolerances as in issue 3: δ within 2 %
+Reference numbers were computed independently with dp_accounting 0.4.4 for the settings of
+Schuchardt et al. (ICML 2025; docs/references.md); tolerances as in issue 3: δ within 2 %
 relative or 1e-6 absolute, ε(1e-5) within 1e-2. Independent oracles: quadrature of the
 hockey-stick integral of each mixture pair, dp_accounting's subsampled Gaussian, the closed-form
 Gaussian profile.
@@ -22,7 +22,7 @@ from opacus_structured.accounting import structured as st
 from opacus_structured.accounting.gaussian import gdp_delta
 from opacus_structured.schemes.structured import StructuredScheme
 
-D = 1e-3  # unit-test discretisation (the digest's reference numbers use 1e-3 too)
+D = 1e-3  # unit-test discretisation (the reference numbers use 1e-3 too)
 # Fig. 2 / Fig. 4 setting: N = 320, Λ = 32, σ = 1, L_C = L_F = 1, L = 20 ⇒ T = 20, r = 0.1.
 FIG = dict(num_series=320, series_length=20, context_length=1, forecast_length=1, batch_size=32)
 
@@ -130,7 +130,7 @@ def test_thm_4_4_is_poisson_subsampled_gaussian_half_sigma():
                                atol=1e-13)
     # the PLD layer: single-step PLDs of both libraries agree for ε ≥ 0 (dp_accounting reports
     # max(remove, add) = remove there). Composed values differ on purpose: the switching profile
-    # of the substitution relation is one symmetric object, not max(remove^n, add^n) (digest §5).
+    # of the substitution relation is one symmetric object, not max(remove^n, add^n).
     from dp_accounting.pld import privacy_loss_distribution as pldlib
 
     ours = P.pld_from_profile(prof, discretization=D)
@@ -157,7 +157,7 @@ def test_full_sampling_is_gaussian_with_sensitivity_two():
 
 
 def test_single_step_closed_form_sanity_values():
-    # digest §3.6: σ = 1, q = 0.01
+    # closed-form case: σ = 1, q = 0.01
     prof = st.thm_4_4(1.0, 0.1, 0.1)
     ref = {0.0: 0.0068269, 0.1: 2.6080e-3, 0.5: 7.1936e-4, 1.0: 2.7364e-4, 2.0: 5.3967e-5,
            -0.1: 0.097522}
@@ -166,7 +166,7 @@ def test_single_step_closed_form_sanity_values():
     assert st.thm_4_2(1.0, 0.1).delta(1.0) == pytest.approx(1.9648e-2, rel=1e-4)
 
 
-# ---- digest §4.3 reference tables ------------------------------------------------------------
+# ---- reference tables (the paper's figures) ---------------------------------------------------------
 FIG2 = [  # (top level, compositions, δ(0.1), δ(0.5), δ(1), δ(2), δ(4), ε(1e-5))
     ("deterministic", 1, 5.6059e-2, 3.2968e-2, 1.9648e-2, 7.2918e-3, 6.8529e-4, 6.5755),
     ("deterministic", 10, 3.7818e-1, 2.8906e-1, 2.0913e-1, 1.0802e-1, 2.4656e-2, 12.4822),
@@ -178,7 +178,7 @@ FIG2 = [  # (top level, compositions, δ(0.1), δ(0.5), δ(1), δ(2), δ(4), ε(
 
 @pytest.mark.parametrize("row", FIG2, ids=lambda r: f"{r[0]}-{r[1]}")
 def test_fig2_reference_table(row):
-    """Digest §4.3, Fig. 2 setting: Thm 4.2 (per epoch) vs Thm 4.4 (per step)."""
+    """Schuchardt et al. Fig. 2 setting: Thm 4.2 (per epoch) vs Thm 4.4 (per step)."""
     top, n, *deltas, eps = row
     scheme = StructuredScheme(top_level=top, **FIG)
     assert scheme.theorem == ("thm_4_2" if top == "deterministic" else "thm_4_4")
@@ -215,7 +215,7 @@ FIG4 = [  # (λ, steps, δ(0.01), δ(0.1), δ(1), δ(2), δ(4), ε(1e-5)); λ > 
 
 @pytest.mark.parametrize("row", FIG4)
 def test_fig4_reference_table(row):
-    """Digest §4.3, Fig. 4: λ = 1 tight (Thm 4.4), λ > 1 optimistic lower bound (Thm F.7)."""
+    """Schuchardt et al. Fig. 4: λ = 1 tight (Thm 4.4), λ > 1 optimistic lower bound (Thm F.7)."""
     lam, n, *deltas, eps = row
     scheme = StructuredScheme(instances_per_series=lam, bound="tight" if lam == 1 else "lower",
                               **FIG)
@@ -243,7 +243,7 @@ FIG3 = [  # σ_F, p_2, δ(0.1), δ(1), δ(2), δ(4)
 
 @pytest.mark.parametrize("row", FIG3, ids=lambda r: f"sigmaF={r[0]}")
 def test_fig3_label_noise_reference(row):
-    """Digest §4.3, Fig. 3: Thm G.1 with σ_C = 0 (N = 320, Λ = 32, L_C = 2, L_F = 1, L = 30)."""
+    """Schuchardt et al. Fig. 3: Thm G.1 with σ_C = 0 (N = 320, Λ = 32, L_C = 2, L_F = 1, L = 30)."""
     sf, p2, *deltas = row
     base = dict(FIG, series_length=30, context_length=2)
     if sf == 0.0:
@@ -282,7 +282,7 @@ FIG10 = [  # r, λ, epochs, δ(1), δ(4); deterministic top, N = Λ = 320
 
 @pytest.mark.parametrize("row", FIG10)
 def test_fig10_reference(row):
-    """Digest §4.3, Fig. 10: λ = 1 tight (Thm 4.2) vs λ > 1 lower bound (Thm 4.3), per epoch."""
+    """Schuchardt et al. Fig. 10: λ = 1 tight (Thm 4.2) vs λ > 1 lower bound (Thm 4.3), per epoch."""
     r, lam, epochs, d1, d4 = row
     scheme = StructuredScheme(num_series=320, series_length=int(round(2 / r)), context_length=1,
                               forecast_length=1, batch_size=320, instances_per_series=lam,
@@ -355,7 +355,8 @@ def test_windows_per_element_appendix_i():
 
 
 def test_user_w_scheme_equals_event_with_larger_w():
-    """w-user with k = w(L_C+L_F) ≡ w'-event with w' = (w−1)(L_C+L_F)+1 (digest §1)."""
+    """w-user with k = w(L_C+L_F) ≡ w'-event with w' = (w−1)(L_C+L_F)+1 (both count the
+    windows that can contain a protected value)."""
     a = StructuredScheme(**dict(FIG, series_length=100), relation="user", w=3)
     b = StructuredScheme(**dict(FIG, series_length=100), relation="event", w=5)
     assert a.windows_per_element() == b.windows_per_element() == 6

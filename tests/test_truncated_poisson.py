@@ -1,9 +1,9 @@
 """Truncated Poisson accounting (Ganesh 2025, Theorems 3.1/3.3/3.4), scheme, accountant, CLI.
 
-Independent oracles: the literal sum for q (digest §5), scipy quadrature of the joint pair's
+Independent oracles: the literal sum for q (Ganesh 2025), scipy quadrature of the joint pair's
 hockey-stick divergence, our own exact profiles discretised once (a different route from
 dp_accounting's branch PLDs), dp_accounting's TruncatedSubsampledGaussianDpEvent (upper bound),
-and the digest §8 reference numbers (computed by the digest author with dp-accounting 0.6).
+and reference numbers computed independently with dp-accounting 0.6.
 """
 
 import json
@@ -34,8 +34,8 @@ def builtin_eps(n, p, b, sigma, steps, delta=1e-5, relation=NeighboringRelation.
 
 
 # ---- binomial terms ----------------------------------------------------------------------------
-def test_q_closed_form_equals_literal_sum_digest_table():
-    # digest §5: (n, p) = (10000, 0.01); q and w2 for B = 100..130.
+def test_q_closed_form_equals_literal_sum_reference_table():
+    # reference table: (n, p) = (10000, 0.01); q and w2 for B = 100..130.
     expected_q = [0.0092270261, 0.0093803444, 0.0094927172, 0.0096389303, 0.0097253801]
     expected_w2 = [0.513099, 0.320502, 0.169136, 0.0275315, 0.0021679]
     n, p = 10000, 0.01
@@ -55,7 +55,7 @@ def test_q_extremes_and_inclusion_probability():
     assert tp.conditional_sampling_probability(1000, 1.0, 100) == pytest.approx(0.1)
     assert tp.truncation_weight(1000, 1.0, 100) == 1.0
     assert tp.truncation_weight(1000, 0.3, 1000) == 0.0
-    # inclusion = p w1 + q w2 = E[min(S, B)] / n, by symmetry (digest §8.4 item 5)
+    # inclusion = p w1 + q w2 = E[min(S, B)] / n, by symmetry of the rows
     for n, p, b in ((1000, 0.05, 50), (37, 0.4, 9), (10, 1.0, 3)):
         k = np.arange(0, n + 1)
         e_min = np.sum(np.minimum(k, b) * stats.binom.pmf(k, n, p))
@@ -161,7 +161,7 @@ def test_b_equals_n_is_plain_poisson(relation):
 
 
 def test_p_one_is_sensitivity_two_poisson_at_rate_b_over_n():
-    # digest §3.1 / §8.3: always truncate -> fixed-size sampling; Thm 3.1 = sens-2 Poisson at
+    # always truncate -> fixed-size sampling; Thm 3.1 = sens-2 Poisson at
     # rate B/n (add/remove, tight); replace-one = the +-2 pair; dp_accounting uses the +-2 pair.
     n, b, sigma = 1000, 100, 2.0
     ar = tp.truncated_poisson_pld(n, 1.0, b, sigma, discretization=D)
@@ -170,7 +170,7 @@ def test_p_one_is_sensitivity_two_poisson_at_rate_b_over_n():
     for e in (0.0, 0.5, 1.0, 2.0):
         assert ar.get_delta_for_epsilon(e) == pytest.approx(ref.get_delta_for_epsilon(e),
                                                             rel=1e-12, abs=1e-15)
-    assert eps_of(ar, 1) == pytest.approx(1.68454, abs=1e-3)  # digest §8.3
+    assert eps_of(ar, 1) == pytest.approx(1.68454, abs=1e-3)  # reference value
     ro = tp.truncated_poisson_pld(n, 1.0, b, sigma, "replace-one", discretization=D)
     ro_ref = dp_pld.from_gaussian_mechanism(sigma / 2, sampling_prob=b / n,
                                             value_discretization_interval=D,
@@ -202,8 +202,8 @@ def test_baseline_is_feasible_and_smallest_on_grid():
     assert tp.baseline_epsilon(poisson, 1e-3, delta) == math.inf
 
 
-# ---- digest §8 reference numbers ------------------------------------------------------------------
-def test_reference_single_step_digest_8_3():
+# ---- reference numbers ---------------------------------------------------------------------------
+def test_reference_single_step():
     n, p, b = 1000, 0.05, 60
     assert tp.truncated_poisson_epsilon(n, p, b, 1.0, 1, 1e-5, discretization=D) == \
         pytest.approx(3.96098, abs=1e-3)
@@ -220,7 +220,7 @@ def test_reference_single_step_digest_8_3():
     pytest.param(70, 5.4435, 5.5016, 6.2744, marks=pytest.mark.slow),
     pytest.param(80, 3.5467, 3.5499, 4.9108, marks=pytest.mark.slow),
 ])
-def test_reference_config_a2_digest_8_2(b, thm31, builtin_ar, builtin_ro):
+def test_reference_config_a2(b, thm31, builtin_ar, builtin_ro):
     n, p, sigma, steps = 1000, 0.05, 1.0, 100
     assert tp.truncated_poisson_epsilon(n, p, b, sigma, steps, 1e-5, discretization=D) == \
         pytest.approx(thm31, abs=1e-3)
@@ -230,10 +230,10 @@ def test_reference_config_a2_digest_8_2(b, thm31, builtin_ar, builtin_ro):
     assert tp.truncated_poisson_epsilon(n, p, b, sigma, steps, 1e-5, "replace-one",
                                         discretization=D) == pytest.approx(builtin_ro, abs=1e-3)
     assert tp.truncated_poisson_epsilon(n, p, b, sigma, steps, 1e-5, analysis="baseline",
-                                        discretization=D) == math.inf  # digest: all infeasible
+                                        discretization=D) == math.inf  # reference: all infeasible
 
 
-def test_reference_config_a1_digest_8_1():
+def test_reference_config_a1():
     n, p, sigma, steps = 10000, 0.01, 1.0, 1000
     assert tp.poisson_epsilon(p, sigma, steps, 1e-5, discretization=D) == \
         pytest.approx(1.8282, abs=1e-3)
@@ -248,7 +248,7 @@ def test_reference_config_a1_digest_8_1():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("b, thm31, builtin_ar", [(130, 3.6698, 3.6841)])
-def test_reference_config_a1_fine_grid_digest_8_1(b, thm31, builtin_ar):
+def test_reference_config_a1_fine_grid(b, thm31, builtin_ar):
     n, p, sigma, steps = 10000, 0.01, 1.0, 1000
     assert tp.truncated_poisson_epsilon(n, p, b, sigma, steps, 1e-5, discretization=1e-4) == \
         pytest.approx(thm31, abs=1e-3)
@@ -264,7 +264,7 @@ def test_smallest_max_batch_size_meets_target_and_is_minimal():
     eps_b = tp.truncated_poisson_epsilon(n, p, b, sigma, steps, delta, discretization=D)
     eps_b1 = tp.truncated_poisson_epsilon(n, p, b - 1, sigma, steps, delta, discretization=D)
     assert eps_b <= 1.05 * ref < eps_b1
-    assert 70 < b < 90  # digest §8.2: overhead ~ 1% at B = 80, ~56% at B = 70
+    assert 70 < b < 90  # reference: overhead ~ 1% at B = 80, ~56% at B = 70
 
 
 def test_largest_sample_rate_meets_target():

@@ -94,7 +94,7 @@ def test_batch_size_law_and_inclusion_probability_match_the_model():
         r = real(batch, n)
         sizes[len(r)] += 1
         hits[list(r)] += 1
-    # number of real rows ~ min(Binomial(n, p), B) (digest §8.4 item 5); bins pooled at both ends
+    # number of real rows ~ min(Binomial(n, p), B) (Algorithm 1); bins pooled at both ends
     k = np.arange(0, b + 1)
     pmf = stats.binom.pmf(k, n, p)
     pmf[b] = stats.binom.sf(b - 1, n, p)

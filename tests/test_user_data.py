@@ -353,7 +353,7 @@ def test_forecast_command_on_a_csv_reports_the_data(tmp_path, capsys):
     # the accountant's L is the shortest *kept* training series (15 - H), not the excluded one
     assert ds["min_train_length"] == 15 - H
     assert rep["scheme"]["series_length"] == 15 - H and rep["scheme"]["num_series"] == 4
-    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    saved = json.loads((tmp_path / "out" / "diagnostics" / "report.json").read_text())
     assert saved["dataset"] == ds
 
 

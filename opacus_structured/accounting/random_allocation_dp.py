@@ -1,7 +1,7 @@
 r"""The dynamic program behind the remove-direction Rényi sum of random allocation (Lemma 3.3).
 
 Schuchardt & Kalinin, "Sampling-Free Privacy Accounting for Matrix Mechanisms under Random
-Allocation", Eq. 16–19 (digest ``shared/spec/seed4-random-allocation-mf.md`` §5.3–5.4). For a
+Allocation" (arXiv:2601.21636; docs/references.md), Eq. 16–19. For a
 ``b × b`` matrix ``G`` that is zero outside a cyclic band, and ``α = 0..A``, both functions here
 return
 

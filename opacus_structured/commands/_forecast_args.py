@@ -8,14 +8,17 @@ import argparse
 
 from .._defaults import DEFAULT_DISCRETIZATION
 from ..forecasting.model_defaults import MODEL_DEFAULTS
+from ..forecasting.public_weights import DEFAULT_HORIZONS, FALLBACK_HORIZON
 
-__all__ = ["DEFAULTS", "RECIPE_FLAGS", "add_arguments", "parse_epsilons"]
+__all__ = ["DEFAULTS", "MAX_VERDICT_RUNS", "RECIPE_FLAGS", "add_arguments", "parse_epsilons"]
 
 #: Model-independent defaults. The DP recipe of each model (clip norm, lr, steps, tail average,
 #: context), chosen on public panels only (``benchmarks/forecast_recipe.py``; the studies are in
 #: docs/guides/forecasting.md), is its row of ``forecasting/model_defaults.py``.
 DEFAULTS = dict(model="dlinear", epsilon=1.0, delta=1e-7, batch_size=64,
-                prediction_length=12, num_samples=100)
+                num_samples=100, verdict_runs=3)
+#: The most runs ``--verdict-runs`` accepts (each one a training on the private panel).
+MAX_VERDICT_RUNS = 20
 #: The recipe values a flag overrides; without the flag, the model's row of
 #: :data:`~opacus_structured.forecasting.model_defaults.MODEL_DEFAULTS` gives them.
 RECIPE_FLAGS = {"max_grad_norm": "--max-grad-norm", "lr": "--lr", "max_steps": "--max-steps",
@@ -51,9 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"series per step Λ (one window each; default min({DEFAULTS['batch_size']}"
                         ", N) for N training series, or the declared --dataset-size; σ is "
                         "calibrated to --epsilon for the Λ used)")
-    p.add_argument("--prediction-length", type=int, default=DEFAULTS["prediction_length"],
+    p.add_argument("--prediction-length", type=int, default=None,
                    help="forecast horizon L_F in time steps; also the held-out test steps "
-                        "(default %(default)s)")
+                        "(default per frequency: " + ", ".join(
+                            f"{f} {h}" for f, h in DEFAULT_HORIZONS.items())
+                        + f"; other frequencies {FALLBACK_HORIZON})")
     p.add_argument("--context-length", type=int, default=None,
                    help="model context before lags (default: the model's, "
                         f"{_recipe_help('context_multiple', '{:d}·L_F')})")
@@ -192,8 +197,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seed only the public randomness (weight initialisation, dropout, "
                         "forecast sampling at evaluation); the run stays private. Default: "
                         "--seed, else fresh")
-    p.add_argument("--output", default="forecast-report",
-                   help="directory for report.json and forecasts.png (default %(default)s)")
+    p.add_argument("--verdict-runs", type=int, default=DEFAULTS["verdict_runs"], metavar="R",
+                   help="runs the verdict rests on: the release and R - 1 reruns of the same "
+                        "mechanism with fresh coins, scored on the test split and never "
+                        "released (default %(default)s; 1: the release alone, its run-to-run "
+                        f"spread unmeasured; at most {MAX_VERDICT_RUNS})")
+    p.add_argument("--output", default="forecast-report", metavar="DIR",
+                   help="directory (default %(default)s) of DIR/release/ (the released "
+                        "weights and their model card: nothing computed from the private data "
+                        "without noise, publishable) and DIR/diagnostics/ (report.json, "
+                        "forecasts.png: scores on the private test split, NOT for "
+                        "publication)")
     p.add_argument("--no-plot", action="store_true", help="do not write forecasts.png")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--json", action="store_true",

@@ -112,7 +112,7 @@ def _sweep_entry(budget, res, row) -> dict:
             "private": res.private,
             "dp_sgd": res.dp_sgd, "noise_multiplier": res.noise_multiplier,
             "steps": res.steps, "crps": row["crps"], "mase": row["mase"],
-            "train_seconds": res.train_seconds}
+            "runs": row.get("runs"), "train_seconds": res.train_seconds}
 
 
 def _plot_sweep(path, sweep, baselines, model, banner=None):
@@ -181,10 +181,28 @@ def _writable_target(flag: str, path: str, *, directory: bool) -> None:
         raise ValueError(f"{flag} {path!r} is not writable (no write permission on "
                          f"{probe!r})")
     if directory and os.path.isdir(path):
-        for name in ("report.json", "forecasts.png", "sweep.png"):
-            f = os.path.join(path, name)
-            if os.path.exists(f) and (os.path.isdir(f) or not os.access(f, os.W_OK)):
-                raise ValueError(f"{flag} {path!r}: {f!r} cannot be overwritten")
+        _check_output_folders(flag, path)
+
+
+def _check_output_folders(flag: str, path: str) -> None:
+    """What ``--output DIR`` will write into an existing ``DIR``: ``release/`` and
+    ``diagnostics/`` must be folders (or absent), an existing ``release/`` one that this
+    command wrote (it holds ``model_card.json``; it is replaced) or an empty one, and the
+    diagnostics' files must be overwritable (:mod:`._forecast_release`)."""
+    for sub in ("release", "diagnostics"):
+        folder = os.path.join(path, sub)
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            raise ValueError(f"{flag} {path!r}: {folder!r} is a file, not a directory")
+    release = os.path.join(path, "release")
+    if (os.path.isdir(release) and os.listdir(release)
+            and not os.path.exists(os.path.join(release, "model_card.json"))):
+        raise ValueError(f"{flag} {path!r}: {release!r} exists and was not written by this "
+                         "command (it would be replaced by the release); choose another "
+                         f"{flag}")
+    for name in ("report.json", "forecasts.png", "sweep.png", "README.md"):
+        f = os.path.join(path, "diagnostics", name)
+        if os.path.exists(f) and (os.path.isdir(f) or not os.access(f, os.W_OK)):
+            raise ValueError(f"{flag} {path!r}: {f!r} cannot be overwritten")
 
 
 def check_paths(args) -> None:

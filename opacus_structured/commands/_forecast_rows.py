@@ -125,5 +125,5 @@ def tuning_lines(tuning: dict) -> str:
             f"{tuning['trial_epsilon']:.4g}: the selection's share is "
             f"{100 * tuning['selection_share']:.0f} %; sigma {tuning['noise_multiplier']:.4g}, "
             f"score noise {tuning['score_noise_multiplier']:.4g}\n"
-            f"  trials drawn: {tuning['trials_drawn']} (operator only: publishing it voids the "
-            f"selection's guarantee)")
+            f"  the number of trials drawn is secret (kept only in the search's own state): "
+            f"publishing it voids the selection's guarantee")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
-__all__ = ["check_gate", "searching", "run_search", "tuning_record"]
+__all__ = ["check_gate", "always_message", "searching", "run_search", "tuning_record"]
 
 
 def searching(args, gate) -> bool:
@@ -29,11 +29,21 @@ def check_gate(args, num_series: int):
     gate = tuning_gate(epsilon=args.epsilon, delta=args.delta, num_series=num_series,
                        mean_trials=args.tune_trials, eta=args.tune_eta)
     if not gate.tune and getattr(args, "tune_always", False):
-        print(f"--tune-always: running the search although {gate.message().split(': ', 1)[1]}",
-              file=sys.stderr)
+        print(always_message(gate), file=sys.stderr)
     elif not args.json:
         print(gate.message(), file=sys.stderr)
     return gate
+
+
+def always_message(gate) -> str:
+    """What ``--tune-always`` says where the gate would skip the search: that the search runs
+    and why it may not pay (never the gate's "trained once at the whole epsilon instead",
+    which describes the run that does not happen)."""
+    return (f"--tune-always: running the private search although, with {gate.num_series} "
+            f"series at epsilon={gate.epsilon:g}, the private score's noise has sd "
+            f"{gate.score_noise_sd:.3g} on the mean clipped loss (> {gate.max_score_noise:g}, "
+            f"the most at which a search paid on the public study panels) and every trial runs "
+            f"at a larger sigma than one run would need")
 
 
 def run_search(job):

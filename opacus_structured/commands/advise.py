@@ -15,7 +15,7 @@ import json
 
 from .. import _progress
 from ..advisor import DEFAULT_TIME_BUDGET, advise, plot_advice
-from ..cli import register_command
+from ._registry import register_command
 
 __all__ = ["add_arguments", "run"]
 

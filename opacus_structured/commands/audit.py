@@ -24,7 +24,7 @@ import sys
 
 from .. import _progress
 from .._validation import check_int
-from ..cli import register_command
+from ._registry import register_command
 
 #: Help for the scheme settings the audit registry exposes (fallback: a generic line).
 _FLAG_HELP = {

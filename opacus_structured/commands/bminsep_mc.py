@@ -26,9 +26,9 @@ import json
 from ..accounting.bounds import BoundKind
 from ..accounting.certification import cyclic_poisson_fallback, unamplified_fallback
 from ..accounting.monte_carlo import DEFAULT_SHARD_SIZE, MonteCarloSettings
-from ..cli import register_command
 from ..runners.monte_carlo import collect_with_settings
 from ..schemes.bminsep_mc import BMinSepMonteCarloScheme
+from ._registry import register_command
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:

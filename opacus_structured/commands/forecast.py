@@ -34,11 +34,11 @@ import time
 from typing import Any, Optional
 
 from .. import _progress
-from ..cli import register_command
 from ..forecasting.model_defaults import model_defaults
 from ..forecasting.seasonality import season_length as default_season_length
 from ..forecasting.warning_filters import known_harmless_warnings_filtered
 from ..samplers._generator import fresh_seed
+from ._registry import register_command
 
 __all__ = ["add_arguments", "run", "run_forecast", "NOT_PRIVATE_SEEDED"]
 
@@ -55,6 +55,15 @@ from ._forecast_output import (  # noqa: F401  (check_paths, _plot_title: re-exp
     _writable_target,
     check_paths,
 )
+from ._forecast_release import (
+    DIAGNOSTICS,
+    NOT_FOR_PUBLICATION,
+    diagnostics_readme,
+    finite_json,
+    write_release,
+)
+from ._forecast_reruns import rerun_scores as _rerun_scores
+from ._forecast_reruns import scores as _scores
 from ._forecast_rows import baselines as _baselines
 from ._forecast_rows import ets_reference_row as _ets_reference_row  # noqa: F401 (re-exported)
 from ._forecast_rows import private_inputs_row as _private_inputs_row
@@ -283,10 +292,21 @@ def _train_at(job: _Job, budget):
 
     args = job.args
     private_run = math.isfinite(budget) or args.noise_multiplier is not None
-    return train_forecaster(args.model, job.checked.train,
-                            epsilon=budget if math.isfinite(budget) else None,
-                            delta=args.delta if private_run else None,
-                            noise_multiplier=args.noise_multiplier, log=job.log, **job.common)
+    try:
+        return train_forecaster(args.model, job.checked.train,
+                                epsilon=budget if math.isfinite(budget) else None,
+                                delta=args.delta if private_run else None,
+                                noise_multiplier=args.noise_multiplier, log=job.log,
+                                **job.common)
+    except ValueError as exc:  # the calibration's answer to an ε it cannot reach: name the flag
+        text = str(exc)
+        if not any(k in text for k in ("out of reach", "grid points", "in a single step")):
+            raise
+        flag = ("--noise-multiplier" if args.noise_multiplier is not None else
+                "--epsilons" if job.budgets is not None else "--epsilon")
+        value = args.noise_multiplier if flag == "--noise-multiplier" else budget
+        raise ValueError(f"{flag} {value:g} (with the steps of --max-steps / --epochs): "
+                         f"{text}") from None
 
 
 def _row_label(job: _Job, res, budget, tuned=False) -> str:
@@ -328,13 +348,18 @@ def _main_release(job: _Job, table: _Rows) -> dict:
     if tuned is not None:
         out["main_row"] = table.evaluate(_row_label(job, result, args.epsilon, tuned=True),
                                          tuned.create_predictor(), {
+            # no time: the search's duration grows with its secret number of trials
             "epsilon": tuned.epsilon, "noise_multiplier": result.noise_multiplier,
-            "steps": result.steps, "seconds": tuned.seconds})
+            "steps": result.steps, "seconds": None})
+        out["main_row"]["runs"] = [_scores(out["main_row"]), *_rerun_scores(
+            job, args.epsilon, result, table, tuned=tuned)]
         return out
     out["main_row"] = table.evaluate(_row_label(job, result, args.epsilon),
                                      result.create_predictor(), {
         "epsilon": result.epsilon, "noise_multiplier": result.noise_multiplier,
         "steps": result.steps, "seconds": result.train_seconds})
+    out["main_row"]["runs"] = [_scores(out["main_row"]),
+                               *_rerun_scores(job, args.epsilon, result, table)]
     if result.zero_shot_weight > 0:  # the fine-tuned network alone, for comparison
         out["alone_label"] = _row_label(job, result, args.epsilon).replace(
             ")", ", weights alone)", 1)
@@ -365,6 +390,7 @@ def _sweep(job: _Job, table: _Rows, result, main_row) -> list:
         row = table.evaluate(_row_label(job, res, budget), res.create_predictor(), {
             "epsilon": res.epsilon, "noise_multiplier": res.noise_multiplier,
             "steps": res.steps, "seconds": res.train_seconds})
+        row["runs"] = [_scores(row), *_rerun_scores(job, budget, res, table)]
         sweep.append(_sweep_entry(budget, res, row))
         if bar is not None:
             bar.update(1)
@@ -409,7 +435,9 @@ def _report(job: _Job, release: dict, baselines: dict, table: _Rows) -> dict:
                    "given": sorted(k for k, v in job.recipe_given.items() if v)},
         "baselines": baselines, "device": args.device,
         "grad_sample_mode": getattr(args, "grad_sample_mode", "hooks"),
-        "total_seconds": time.perf_counter() - job.t_start, "rows": table.rows,
+        # a search's duration grows with its secret number of trials: no total then
+        "total_seconds": (None if tuned is not None else time.perf_counter() - job.t_start),
+        "rows": table.rows,
     }
     if job.tune_gate is not None:
         report["tuning"] = tuning_record(job.tune_gate, tuned)
@@ -469,41 +497,39 @@ def run_forecast(args, *, print_fn=print) -> dict:
 
 
 def _write_outputs(job: _Job, report: dict, release: dict, table: _Rows) -> None:
-    """``report.json`` and the plots in ``--output``."""
+    """``--output DIR``: the publishable ``DIR/release/`` and the operator's
+    ``DIR/diagnostics/`` (``report.json``, the plots, a README): :mod:`._forecast_release`."""
     args, test, sweep = job.args, job.checked.test, release["sweep"]
     os.makedirs(args.output, exist_ok=True)
-    with open(os.path.join(args.output, "report.json"), "w") as fh:
+    report["release"] = write_release(job, report, release, args.output)
+    diagnostics = os.path.join(args.output, DIAGNOSTICS)
+    os.makedirs(diagnostics, exist_ok=True)
+    report["publication"] = NOT_FOR_PUBLICATION
+    if not args.no_plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            job.log("matplotlib not installed: no plot written")
+        else:
+            picks = sorted(set([0, len(test) // 3, (2 * len(test)) // 3, len(test) - 1]))
+            # the released forecast (not its unmixed half, nor the sweep's other budgets)
+            hidden = {release["alone_label"], *(e["method"] for e in (sweep or [])[1:])}
+            shown = {k: v for k, v in table.forecasts.items() if k not in hidden}
+            report["plot"] = os.path.join(diagnostics, "forecasts.png")
+            _plot(report["plot"], test, shown, picks, args.prediction_length,
+                  banner=NOT_PRIVATE_SEEDED if job.seeded_dp else None,
+                  privacy=_plot_privacy(report))
+            if sweep is not None:
+                report["sweep_plot"] = os.path.join(diagnostics, "sweep.png")
+                _plot_sweep(report["sweep_plot"], sweep, report["baselines"], args.model,
+                            banner=NOT_PRIVATE_SEEDED if job.seeded_any else None)
+    with open(os.path.join(diagnostics, "report.json"), "w") as fh:
         json.dump(_finite(report), fh, indent=2, sort_keys=True)
-    if args.no_plot:
-        return
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        job.log("matplotlib not installed: no plot written")
-        return
-    picks = sorted(set([0, len(test) // 3, (2 * len(test)) // 3, len(test) - 1]))
-    # the released forecast (not its unmixed half, nor the sweep's other budgets)
-    hidden = {release["alone_label"], *(e["method"] for e in (sweep or [])[1:])}
-    shown = {k: v for k, v in table.forecasts.items() if k not in hidden}
-    _plot(os.path.join(args.output, "forecasts.png"), test, shown, picks,
-          args.prediction_length, banner=NOT_PRIVATE_SEEDED if job.seeded_dp else None,
-          privacy=_plot_privacy(report))
-    report["plot"] = os.path.join(args.output, "forecasts.png")
-    if sweep is not None:
-        report["sweep_plot"] = os.path.join(args.output, "sweep.png")
-        _plot_sweep(report["sweep_plot"], sweep, report["baselines"], args.model,
-                    banner=NOT_PRIVATE_SEEDED if job.seeded_any else None)
+    with open(os.path.join(diagnostics, "README.md"), "w", encoding="utf-8") as fh:
+        fh.write(diagnostics_readme(report))
 
 
-def _finite(obj):
-    """Replace inf/nan floats by strings so the output is strict JSON."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "inf" if obj > 0 else ("-inf" if obj < 0 else "nan")
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
+_finite = finite_json  # the report's strict JSON (inf / nan as strings)
 
 
 def run(args) -> int:
@@ -541,7 +567,12 @@ def run(args) -> int:
                   f"{inf['delta']:g} per test series' input ({inf['relation']}), noise "
                   f"{inf['noise_multiplier']:.4g}·V, keep rate {inf['subsampling_rate']:g}")
         if args.output:
-            print(f"report: {os.path.join(args.output, 'report.json')}"
+            rel = report["release"]
+            print(f"release (publishable: the weights and their model card): "
+                  f"{rel['folder']}" if rel["written"] else
+                  f"no release written: {rel['reason']}")
+            print(f"diagnostics (NOT for publication: scores on the private test split): "
+                  f"{os.path.join(args.output, DIAGNOSTICS, 'report.json')}"
                   + (f", plot: {report['plot']}" if "plot" in report else ""))
     return 0
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..accounting.gaussian import gdp_epsilon
 from ..accounting.individual_gdp import individual_epsilons, sum_mu_squared
-from ..cli import register_command
+from ._registry import register_command
 
 __all__ = ["add_arguments", "run"]
 

@@ -24,8 +24,8 @@ import numpy as np
 
 from .. import _progress
 from ..accounting import pld as pld_lib
-from ..cli import register_command
 from ..schemes.structured import StructuredScheme
+from ._registry import register_command
 
 __all__ = ["structured_curves", "PRESETS", "parse_curve", "coinciding_curves"]
 

@@ -37,8 +37,8 @@ import os
 import sys
 
 from .. import _progress
-from ..cli import register_command
 from ..forecasting.warning_filters import known_harmless_warnings_filtered
+from ._registry import register_command
 
 __all__ = ["add_arguments", "run", "run_pretrain", "CORPUS_CHOICES"]
 

@@ -49,7 +49,9 @@ search and trains the recipe once at the whole ε instead; the decision costs no
 :func:`tune_forecaster` itself always searches (call :func:`tuning_gate` first to decide).
 
 **What may be published**: the winner's candidate, its private score and the search's ε.
-:math:`K` and the other trials' scores are for the operator: publishing them voids the theorem.
+:math:`K` and the other trials' scores are not: publishing them voids the theorem, so
+:math:`K` is kept only in the search's own state (:class:`~opacus_structured.tuning.
+PrivateSelection`), never in :class:`TuneResult`, a progress bar or the report.
 """
 
 from __future__ import annotations
@@ -344,14 +346,14 @@ class TuneResult:
     """Outcome of :func:`tune_forecaster`. ``result`` is the winning trial's
     :class:`~.train_result.TrainResult` (its ``epsilon`` is that run's alone: report
     :attr:`epsilon`, the search's); ``candidate`` and ``score`` are the winner and its private
-    score; ``trials_run`` is :math:`K` — **for the operator only** (module docstring)."""
+    score. It does not hold :math:`K`, the number of trials drawn: only the search's own
+    state does (module docstring)."""
 
     result: Any
     candidate: TuneCandidate
     score: float
     plan: TunePlan
     candidates: list
-    trials_run: int
     seconds: float
     public_state: Optional[dict] = None
     model: str = ""
@@ -386,10 +388,9 @@ class TuneResult:
             "pricing_route": plan.pricing_route,
             "law": "truncated negative binomial" if plan.eta is not None else "Poisson",
             "eta": plan.eta, "mean_trials": plan.mean_trials, "max_steps": plan.max_steps,
-            "trials_drawn": self.trials_run,
-            "trials_drawn_note": ("operator only: publishing the number of trials (or the "
-                                  "other trials' scores) voids the selection's guarantee"),
-            "seconds": self.seconds,
+            "number_of_trials": ("secret: drawn from OS entropy and kept nowhere but in the "
+                                 "search's own state; publishing it (or the other trials' "
+                                 "scores) voids the selection's guarantee"),
         }
 
 
@@ -461,7 +462,7 @@ def tune_forecaster(model: str, train: Panel, *, epsilon: float, delta: float,
             zero_shot_weight=cand.zero_shot_weight if cand.zero_shot_weight < 1 else 0.0,
             seed=trial_seed, discretization=discretization, log=None, progress=False, **common)
         _check_prefix(res, scheme, plan)
-        released = TuneResult(res, cand, math.nan, plan, candidates, 0, 0.0, init_state, model,
+        released = TuneResult(res, cand, math.nan, plan, candidates, 0.0, init_state, model,
                               fit.freq, h, context_length)
         forecasts = list(released.create_predictor().predict(fit.to_gluonts(),
                                                              num_samples=num_samples))
@@ -477,5 +478,4 @@ def tune_forecaster(model: str, train: Panel, *, epsilon: float, delta: float,
                               discretization=discretization)
     outcome = search.run()
     return TuneResult(outcome.output, outcome.config, float(outcome.score), plan, candidates,
-                      outcome.trials_run, time.perf_counter() - t0, init_state, model, fit.freq,
-                      h, context_length)
+                      time.perf_counter() - t0, init_state, model, fit.freq, h, context_length)

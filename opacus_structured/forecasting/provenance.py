@@ -223,13 +223,19 @@ def json_ready(value):
 
 def run_entry(*, panel, dp_sgd: bool, private: bool, accountant, noise_multiplier,
               steps: int, delta, epsilon, bound) -> dict[str, Any]:
-    """One run of a privacy record (module docstring): JSON-ready."""
+    """One run of a privacy record (module docstring): JSON-ready.
+
+    The accountant's state goes in without its sampler ledger's ``fingerprint``: that tag
+    hashes the window sampler's generator state at the start of the run (the secret coins),
+    and a record is published with the weights. Pricing needs the scheme and the history only;
+    an accountant loads a ledger without a fingerprint (nothing to compare)."""
+    state = None if accountant is None else dict(accountant.state_dict())
+    if state is not None and isinstance(state.get("ledger"), dict):
+        state["ledger"] = {k: v for k, v in state["ledger"].items() if k != "fingerprint"}
     return json_ready({
         "dp_sgd": bool(dp_sgd), "private": bool(private), "noise_multiplier": noise_multiplier,
         "steps": int(steps), "delta": delta, "epsilon": epsilon,
-        "bound": bound,
-        "accountant": None if accountant is None else dict(accountant.state_dict()),
-        "data": panel_fingerprint(panel)})
+        "bound": bound, "accountant": state, "data": panel_fingerprint(panel)})
 
 
 def _accountant_of(run: dict):

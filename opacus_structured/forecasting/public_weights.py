@@ -48,8 +48,9 @@ from typing import Optional
 
 from .seasonality import _offset
 
-__all__ = ["BASE_GEOMETRIES", "DEEPAR_HORIZONS", "FAMILIES", "CHEAPER_STEPS", "BaseWeights", "base_freq", "base_geometry",
-           "truncate_dlinear", "pretrain_seconds_estimate"]
+__all__ = ["BASE_GEOMETRIES", "DEEPAR_HORIZONS", "DEFAULT_HORIZONS", "FALLBACK_HORIZON",
+           "FAMILIES", "CHEAPER_STEPS", "BaseWeights", "base_freq", "base_geometry",
+           "default_prediction_length", "truncate_dlinear", "pretrain_seconds_estimate"]
 
 #: pandas offset class name → base frequency of its family (module docstring).
 FAMILIES = {
@@ -59,6 +60,19 @@ FAMILIES = {
     "Week": "W", "Day": "D", "BusinessDay": "B", "CustomBusinessDay": "B",
     "Hour": "h", "Minute": "15min",
 }
+
+#: base frequency → the ``forecast`` command's default horizon (``--prediction-length`` left
+#: out; :func:`default_prediction_length`): M4's horizons (Y 6, Q 8, W 13, D 14) where they are
+#: shipped, and where they are not, the one seasonal cycle that ships: monthly 12 (M4's 18
+#: would take the shipped h = 24 DLinear with its context 72, longer than many monthly
+#: panels' training parts; every measured number of the project is at 12), hourly 24 (one
+#: day; M4's 48 ships for no model and would pretrain on first use), business days 10 (two
+#: weeks; DeepAR's shipped horizon, DLinear's h = 20 cut to it), minutes 24 (the shipped
+#: DLinear horizon). Every default is served by shipped weights of DLinear and DeepAR
+#: (``tests/test_public_weights.py``).
+DEFAULT_HORIZONS = {"Y": 6, "Q": 8, "M": 12, "W": 13, "D": 14, "B": 10, "h": 24, "15min": 24}
+#: the default horizon of a frequency outside the step families (seconds, semi-months, ...)
+FALLBACK_HORIZON = 12
 
 #: base frequency → the horizon (context 2h) DeepAR's weights of the family are pretrained at;
 #: they serve every horizon (module docstring)
@@ -121,6 +135,13 @@ def base_freq(freq: str) -> Optional[str]:
     except ValueError:
         return None
     return FAMILIES.get(type(offset).__name__)
+
+
+def default_prediction_length(freq: str) -> int:
+    """The ``forecast`` command's horizon for a panel of frequency ``freq`` when
+    ``--prediction-length`` is left out (:data:`DEFAULT_HORIZONS`, else
+    :data:`FALLBACK_HORIZON`)."""
+    return DEFAULT_HORIZONS.get(base_freq(freq), FALLBACK_HORIZON)
 
 
 def base_geometry(model: str, *, freq: str, prediction_length: int,

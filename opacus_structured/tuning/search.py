@@ -17,9 +17,13 @@ Every trial must be the same base mechanism (same privacy parameters): the first
 checked against it (or against ``expected_trial`` when given).
 
 **What may be published**: the winner's configuration, its private score and the ε of the
-whole search (:attr:`SelectionResult.epsilon`). :math:`K` (``trials_run``), the other trials'
-scores and the progress lines are for the operator only: releasing them voids the theorem
-(given :math:`K` the output is the best of a known number of runs).
+whole search (:attr:`SelectionResult.epsilon`). :math:`K` and the other trials' scores are for
+the operator only: releasing them voids the theorem (given :math:`K` the output is the best of
+a known number of runs). So :math:`K` appears nowhere but in the search's own state
+(:meth:`PrivateSelection.state_dict`, the checkpoint): not in the result, not in a ``repr``,
+and the progress shows the elapsed time and the budget, never a count of trials (a bar that
+counts trials ends at :math:`K`; issue 47). The search's duration still grows with :math:`K`:
+logs with timestamps stay with the operator too.
 
 **Checkpointing**: :meth:`PrivateSelection.state_dict` holds :math:`K`, the trials done and
 their results; :meth:`PrivateSelection.load_state_dict` (or ``checkpoint=path``, saved after
@@ -112,8 +116,8 @@ class SelectionResult:
 
     ``config`` / ``score``: the winner and its private score (``None`` when the Poisson law
     drew :math:`K = 0`: nothing is released). ``epsilon``: the ε at ``delta`` of the *whole*
-    search, the one to report. ``trials_run`` is :math:`K`: for the operator, never to be
-    published (module docstring).
+    search, the one to report. The result does not hold :math:`K` (module docstring): only
+    the search's own state does (``PrivateSelection.state_dict()["num_trials"]``).
     """
 
     config: Any
@@ -122,7 +126,6 @@ class SelectionResult:
     delta: float
     mean_trials: float
     eta: Optional[float]
-    trials_run: int
     candidate_index: Optional[int]
     #: what the winning trial returned as its third element (e.g. the trained model), kept in
     #: memory only: ``None`` when ``train_and_score`` returns pairs, or when the winner ran
@@ -217,11 +220,12 @@ class PrivateSelection:
 
     @property
     def trials_done(self) -> int:
+        """Trials run so far: :math:`K` once :meth:`run` returned (operator only)."""
         return len(self._results)
 
-    def __repr__(self) -> str:  # never shows K
+    def __repr__(self) -> str:  # never shows K, nor the trials done (K once the search ran)
         return (f"PrivateSelection(law={ps.law_name(self.eta)!r}, mean_trials="
-                f"{self.mean_trials:g}, trials_done={self.trials_done}, delta={self.delta:g})")
+                f"{self.mean_trials:g}, delta={self.delta:g})")
 
     # ---- state ------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -274,7 +278,7 @@ class PrivateSelection:
             self._signature = signature
         elif signature != self._signature:
             raise ValueError(
-                f"trial {self.trials_done + 1} has other privacy parameters than the first "
+                f"a trial has other privacy parameters than the first "
                 f"(or expected_trial): {signature} != {self._signature}. Private selection "
                 f"needs every trial to be the same mechanism: same noise, sampling, steps and "
                 f"score noise for every candidate")
@@ -312,21 +316,24 @@ class PrivateSelection:
         return None if pos is None else self._results[pos]
 
     def run(self) -> SelectionResult:
-        """Run the remaining trials (resuming a checkpoint) and return the winner."""
+        """Run the remaining trials (resuming a checkpoint) and return the winner.
+
+        The progress (a bar on a terminal, else a plain line at most every ~10 s) shows the
+        elapsed time and the search's budget, never how many trials ran (module docstring)."""
         show_bar = _progress.enabled(self._progress is False)
         plain = self._progress is not False and not show_bar
-        last = time.monotonic() - 10.0  # the first trial prints a line
-        with _progress.bar(desc="private selection", show=show_bar, unit="trial",
-                           initial=self.trials_done) as bar:
+        start = last = time.monotonic()
+        first = True
+        with _progress.elapsed("private selection", show=show_bar) as bar:
             while self.trials_done < self._k:
                 self._run_one()
-                bar.update(1)
                 note = self._progress_note()
-                bar.set_postfix_str(note, refresh=False)
-                if plain and (time.monotonic() - last >= 10.0):
-                    print(f"private selection: {self.trials_done} trial(s) done; {note}",
-                          file=sys.stderr, flush=True)
-                    last = time.monotonic()
+                bar.set_description_str(f"private selection ({note})", refresh=False)
+                if plain and (first or time.monotonic() - last >= 10.0):
+                    print(f"private selection: running, "
+                          f"{_progress.format_seconds(time.monotonic() - start)} elapsed; "
+                          f"{note}", file=sys.stderr, flush=True)
+                    last, first = time.monotonic(), False
         best = self._best()
         position = self._best_position()
         output = (self._output[1] if self._output is not None
@@ -337,8 +344,7 @@ class PrivateSelection:
         return SelectionResult(
             config=None if best is None else best[1], score=None if best is None else best[2],
             epsilon=float(epsilon), delta=self.delta, mean_trials=self.mean_trials,
-            eta=self.eta, trials_run=self.trials_done,
-            candidate_index=None if best is None or best[0] < 0 else best[0], output=output)
+            eta=self.eta, candidate_index=None if best is None or best[0] < 0 else best[0], output=output)
 
     def _progress_note(self) -> str:
         eps = "?" if self._epsilon is None else f"{self._epsilon:.3g}"

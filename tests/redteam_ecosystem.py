@@ -54,6 +54,11 @@ from opacus_structured.schemes.poisson import PoissonScheme
 
 SHAPES = ("restore_earlier", "resume_same_seed", "phase_resume", "two_modules_one_engine",
           "two_modules_two_engines")
+#: The same restores through Lightning: ``fit`` with checkpoints, then ``fit(ckpt_path=<an
+#: earlier step>)`` with the same callback or a new one (repro 17), and a new callback built
+#: for twice the rate resuming the last checkpoint (a phase).
+LIGHTNING_SHAPES = ("lightning_restore_earlier", "lightning_restore_earlier_new_callback",
+                    "lightning_phase_resume")
 #: The schemes of the grid (the structured windows run through tests/redteam.py).
 GRID_SCHEMES = [name for name, s in SCHEMES.items() if not isinstance(s, str)]
 K = 4  # steps per segment: three segments stay inside every planned run (18 steps)
@@ -67,6 +72,13 @@ DOCUMENTED = {
     ("bandmf-banded", "phase_resume"): (NoiseReplayError, ValueError),  # the strategy differs
     ("random-allocation-bandmf", "phase_resume"): PhaseNotComposableError,
     ("random-allocation-identity", "phase_resume"): PhaseNotComposableError,
+    ("bandmf-banded", "lightning_restore_earlier"): NoiseReplayError,
+    ("bandmf-banded", "lightning_restore_earlier_new_callback"): NoiseReplayError,
+    ("random-allocation-bandmf", "lightning_restore_earlier"): NoiseReplayError,
+    ("random-allocation-bandmf", "lightning_restore_earlier_new_callback"): NoiseReplayError,
+    ("bandmf-banded", "lightning_phase_resume"): (NoiseReplayError, ValueError),
+    ("random-allocation-bandmf", "lightning_phase_resume"): PhaseNotComposableError,
+    ("random-allocation-identity", "lightning_phase_resume"): PhaseNotComposableError,
 }
 
 
@@ -188,6 +200,9 @@ def run_case(scheme_name: str, shape: str) -> Outcome:
 
 
 def _run(shape, scheme, out: Outcome, path: str) -> None:
+    if shape.startswith("lightning"):
+        _run_lightning(shape, scheme, out, os.path.dirname(path))
+        return
     if shape.startswith("two_modules"):
         enc, head = _model(4, 8), _model(8, 2)
         e1, enc, opt_e, loader = _private(scheme, enc, None)
@@ -236,6 +251,77 @@ def _poisson_lower(parts) -> float:
             value_discretization_interval=1e-3, use_connect_dots=False).self_compose(n)
         total = pld if total is None else total.compose(pld)
     return float(total.get_epsilon_for_delta(DELTA))
+
+
+def _callback(scheme):
+    from lightning_callbacks import DPCallback
+    from opacus_structured.schemes.truncated_poisson import TruncatedPoissonScheme
+
+    kwargs = {}
+    if scheme.correlated_noise:
+        from opacus_structured.optim.correlated_noise import CorrelatedNoiseDPOptimizer
+        kwargs = {"optimizer_class": CorrelatedNoiseDPOptimizer,
+                  "optimizer_kwargs": {"noise_correlation": scheme.noise_correlation(
+                      EPOCHS * (N // B))}}
+    extra = {"pad": False} if isinstance(scheme, TruncatedPoissonScheme) else {}
+    sampler = scheme.sampler(N, generator=torch.Generator().manual_seed(SEED), **extra)
+    return DPCallback(delta=DELTA, noise_multiplier=SIGMA, max_grad_norm=1.0, scheme=scheme,
+                      sampler=sampler, discretization=1e-3, seed=SEED, **kwargs)
+
+
+def _phase_scheme(scheme):
+    """The scheme at twice the batch size (a phase schedule), where one is defined."""
+    replace = {"poisson": {"sample_rate": 2 * B / N}, "shuffle": {"batch_size": 2 * B},
+               "truncated-poisson": {"sample_rate": 2 * B / N, "max_batch_size": 4 * B},
+               "balls-in-bins": {"num_bins": N // (2 * B)},
+               "bandmf-cyclic-poisson": {"batch_size": float(2 * B)},
+               "random-allocation-mf": {"batches_per_epoch": N // (2 * B)}}.get(scheme.name)
+    return scheme if replace is None else dataclasses.replace(scheme, **replace)
+
+
+def _run_lightning(shape, scheme, out: Outcome, tmp: str) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(4, 2)
+
+        def training_step(self, batch, i):
+            x, y, _ = batch
+            out.releases += 1
+            return nn.functional.cross_entropy(self.layer(x), y) if len(x) else \
+                self.layer.weight.sum() * 0.0
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def fit(cb, module, steps, ckpt=None, every=None):
+        callbacks = [cb] + ([ModelCheckpoint(dirpath=tmp, every_n_train_steps=every,
+                                             save_top_k=-1, filename="{step}")] if every else [])
+        pl.Trainer(max_steps=steps, callbacks=callbacks, logger=False,
+                   enable_checkpointing=bool(every), enable_progress_bar=False,
+                   enable_model_summary=False, accelerator="cpu", num_sanity_val_steps=0
+                   ).fit(module, DataLoader(_data(), batch_size=B), ckpt_path=ckpt)
+
+    torch.manual_seed(0)
+    module, cb = Module(), _callback(scheme)
+    if shape == "lightning_phase_resume":
+        fit(cb, module, K, every=K)
+        first = out.releases
+        cb2 = _callback(_phase_scheme(scheme))
+        fit(cb2, Module(), K + K // 2, ckpt=os.path.join(tmp, f"step={K}.ckpt"))
+        out.phases = ((scheme, first), (cb2.scheme, out.releases - first))
+        out.printed = [float(cb2.epsilon())]
+        return
+    fit(cb, module, 2 * K, every=K)
+    again = cb if shape == "lightning_restore_earlier" else _callback(scheme)
+    fit(again, module, 3 * K if again is cb else 2 * K, ckpt=os.path.join(tmp, f"step={K}.ckpt"))
+    # the same callback keeps every release (the accountant goes on); a new one prices its own
+    # run (the checkpoint's K steps and its own), whose noise must be fresh all the same
+    out.releases = out.releases if again is cb else 2 * K
+    out.printed = [float(again.epsilon())]
 
 
 def _price(scheme, sigma: float, releases: int) -> float:

@@ -8,11 +8,18 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from redteam_ecosystem import DOCUMENTED, GRID_SCHEMES, SHAPES, judge, run_case
+from redteam_ecosystem import (
+    DOCUMENTED,
+    GRID_SCHEMES,
+    LIGHTNING_SHAPES,
+    SHAPES,
+    judge,
+    run_case,
+)
 
 #: independent (Poisson, GDP's closed form), span (shuffle), exact (BandMF)
 COVERING = {"poisson", "shuffle", "bandmf-banded", "gdp"}
-CASES = list(itertools.product(GRID_SCHEMES, SHAPES))
+CASES = list(itertools.product(GRID_SCHEMES, SHAPES + LIGHTNING_SHAPES))
 
 
 @pytest.mark.parametrize("scheme,shape", [

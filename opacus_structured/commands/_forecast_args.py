@@ -192,6 +192,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seed only the public randomness (weight initialisation, dropout, "
                         "forecast sampling at evaluation); the run stays private. Default: "
                         "--seed, else fresh")
+    p.add_argument("--budget", default=None, metavar="PATH",
+                   help="the panel's dataset budget file (opacus_structured.DatasetBudget): "
+                        "every DP run of this command (the sweep, the search) is charged to it "
+                        "before its noise, and stops before the step that would pass its cap; "
+                        "a file that does not exist is created with --budget-epsilon and "
+                        "--delta. The non-private reference rows are not charged (skip them "
+                        "with --no-baselines --no-ets)")
+    p.add_argument("--budget-epsilon", type=float, default=None, metavar="E",
+                   help="the cap ε of a new --budget file (its δ is --delta); checked against "
+                        "an existing one")
     p.add_argument("--output", default="forecast-report",
                    help="directory for report.json and forecasts.png (default %(default)s)")
     p.add_argument("--no-plot", action="store_true", help="do not write forecasts.png")

@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 from .. import _progress
 from ..cli import register_command
+from ..dataset_budget import DatasetBudget
 from ..forecasting.model_defaults import model_defaults
 from ..forecasting.seasonality import season_length as default_season_length
 from ..forecasting.warning_filters import known_harmless_warnings_filtered
@@ -164,6 +165,7 @@ class _Job:
     progress: bool
     log: Any
     tune_gate: Any = None  # --tune: private_tuning.TuneGate (public quantities only)
+    dataset_budget: Any = None  # --budget: the panel's DatasetBudget (charges every DP run)
 
 
 class _Rows:
@@ -275,7 +277,20 @@ def _prepare_job(args) -> _Job:
                 season_length=season_length, season_source=season_source, seed=seed,
                 given_init=given_init, init_seed=init_seed, dp_sgd=dp_sgd,
                 seeded_dp=dp_sgd and seed is not None, seeded_any=seeded_any,
-                budgets=budgets, progress=progress, log=log, tune_gate=tune_gate)
+                budgets=budgets, progress=progress, log=log, tune_gate=tune_gate,
+                dataset_budget=_dataset_budget(args))
+
+
+def _dataset_budget(args) -> Optional[DatasetBudget]:
+    """``--budget PATH``: the existing file (its cap, checked against ``--budget-epsilon`` and
+    ``--delta`` when given), or a new one with ``--budget-epsilon`` and ``--delta``."""
+    path = getattr(args, "budget", None)
+    if path is None:
+        return None
+    cap = getattr(args, "budget_epsilon", None)
+    if cap is None:
+        return DatasetBudget.open(path)
+    return DatasetBudget(path, epsilon=cap, delta=args.delta)
 
 
 def _train_at(job: _Job, budget):
@@ -286,7 +301,8 @@ def _train_at(job: _Job, budget):
     return train_forecaster(args.model, job.checked.train,
                             epsilon=budget if math.isfinite(budget) else None,
                             delta=args.delta if private_run else None,
-                            noise_multiplier=args.noise_multiplier, log=job.log, **job.common)
+                            noise_multiplier=args.noise_multiplier, log=job.log,
+                            budget=job.dataset_budget, **job.common)
 
 
 def _row_label(job: _Job, res, budget, tuned=False) -> str:
@@ -413,6 +429,10 @@ def _report(job: _Job, release: dict, baselines: dict, table: _Rows) -> dict:
     }
     if job.tune_gate is not None:
         report["tuning"] = tuning_record(job.tune_gate, tuned)
+    if job.dataset_budget is not None:  # the panel's total, read back from its file
+        b = job.dataset_budget
+        report["dataset_budget"] = {"path": b.path, "epsilon": b.epsilon, "delta": b.delta,
+                                    "spent": b.spent(), "route": b.route}
     if tuned is not None:
         report["bound"] = "upper"  # Papernot & Steinke's RDP bound of the search
         report["lr"] = tuned.candidate.lr

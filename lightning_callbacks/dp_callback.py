@@ -468,11 +468,19 @@ class DPCallback(pl.Callback):
         return self._budget.exhausted(*self._next_step())
 
     # ---- training hooks -----------------------------------------------------------------
+    def _dataset_budget_exhausted(self) -> bool:
+        """The next step does not fit the dataset's budget (it is reserved when it does)."""
+        return self.budget_guard is not None and not self.budget_guard.admits_next()
+
     def on_train_start(self, trainer, pl_module) -> None:
         self._sampler_goes_on = False  # Lightning has restored its loader state by now
         if self.sampler is not None:
             self.sampler.hold_position = False
-        if self._budget_exhausted():
+        if self._dataset_budget_exhausted():
+            log.warning("DPCallback: the next step does not fit the dataset budget %s; not "
+                        "training", self.dataset_budget.path)
+            trainer.should_stop = True
+        elif self._budget_exhausted():
             log.warning("DPCallback: one more step would take ε above target_epsilon=%s "
                         "(ε now %.4f); not training", self.target_epsilon, self.epsilon())
             trainer.should_stop = True
@@ -488,8 +496,7 @@ class DPCallback(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.sampler is not None:
             self.sampler.batch_trained()
-        exhausted = self._budget_exhausted() or (self.budget_guard is not None
-                                                  and not self.budget_guard.admits_next())
+        exhausted = self._budget_exhausted() or self._dataset_budget_exhausted()
         last = exhausted or (0 < trainer.max_steps <= trainer.global_step)
         if last or self.steps % self.log_every_n_steps == 0:
             eps = self.epsilon()

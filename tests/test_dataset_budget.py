@@ -655,3 +655,55 @@ def test_forecast_budget_flags_accept_a_file_or_a_new_cap(tmp_path):
     reopened = _forecast_args("--budget", str(tmp_path / "p.budget"))
     check_arguments(reopened)
     assert _dataset_budget(reopened).id == created.id
+
+
+# ---- train_forecaster and forecast --budget -------------------------------------------------
+@pytest.mark.slow  # 10-25 s (gluonts, Lightning); the same wiring as DPCallback's test above
+def test_train_forecaster_charges_the_panel_and_stops_at_its_cap(tmp_path):
+    pytest.importorskip("gluonts")
+    from opacus_structured.accountants.budget_curves import accountant_rdp
+    from opacus_structured.forecasting.data import load_us_employment, train_test_split
+    from opacus_structured.forecasting.training import train_forecaster
+
+    train, _ = train_test_split(load_us_employment().subset(range(0, 148, 18)), 6)
+    common = dict(prediction_length=6, context_length=8, batch_size=4, delta=DELTA,
+                  noise_multiplier=2.0, discretization=1e-3,
+                  estimator_kwargs=dict(hidden_dimension=2, kernel_size=5))
+    budget = DatasetBudget(tmp_path / "panel.budget", epsilon=6.0, delta=DELTA)
+    first = train_forecaster("dlinear", train, max_steps=2, budget=budget, **common)
+    assert first.steps == 2
+    charged = budget.spent()
+    second = train_forecaster("dlinear", train, max_steps=500, budget=budget, **common)
+    assert 0 < second.steps < 500  # stopped before the step that would pass the cap
+    assert charged < budget.spent() <= 6.0
+    # each run's charge is its accountant's structured-subsampling curve (PLD route, tail)
+    runs = list(budget.runs())
+    curves = [accountant_rdp(res.accountant, budget.orders) for res in (first, second)]
+    total = sum(c for c, _ in curves)
+    tail = sum(t for _, t in curves)
+    assert len(runs) == 2 and tail > 0
+    assert budget.spent() == pytest.approx(budget.filter.epsilon_of(total, tail), rel=1e-12)
+    with pytest.raises(ValueError, match="non-private training"):
+        train_forecaster("dlinear", train, max_steps=1, budget=budget,
+                         **{**common, "noise_multiplier": None, "delta": None})
+
+
+@pytest.mark.slow
+@pytest.mark.long  # two forecast runs (~30-60 s): left out of CI's 30-minute budget (-m long)
+def test_forecast_command_charges_its_runs_to_the_budget_file(tmp_path, capsys):
+    pytest.importorskip("gluonts")
+    from opacus_structured.cli import main
+
+    path = tmp_path / "panel.budget"
+    argv = ["forecast", "--model", "dlinear", "--epsilon", "2", "--delta", "1e-5",
+            "--num-series", "10", "--max-steps", "2", "--batch-size", "4",
+            "--prediction-length", "6", "--context-length", "8", "--num-samples", "10",
+            "--init-from", "none", "--no-baselines", "--no-ets", "--json", "--no-progress",
+            "--output", str(tmp_path / "rep"), "--budget", str(path)]
+    assert main([*argv, "--budget-epsilon", "6"]) == 0
+    first = json.loads(capsys.readouterr().out)["dataset_budget"]
+    assert main(argv) == 0  # the file exists: its cap is read from it
+    second = json.loads(capsys.readouterr().out)["dataset_budget"]
+    assert 0 < first["spent"] < second["spent"] <= 6.0
+    assert second["epsilon"] == 6.0 and second["route"].startswith("rdp-filter")
+    assert len(DatasetBudget.open(path).runs()) == 2

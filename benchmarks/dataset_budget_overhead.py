@@ -33,6 +33,7 @@ import warnings
 import numpy as np
 import torch
 from _machine import cpu_name  # benchmarks/_machine.py (scripts run from benchmarks/)
+from _timing import median_us as _median_us  # benchmarks/_timing.py
 from opacus import PrivacyEngine
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -69,15 +70,6 @@ def _loop(args, budget):
         opt.step()
 
     return step, opt
-
-
-def _median_us(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e6 * statistics.median(times)
 
 
 def measure(args) -> dict:

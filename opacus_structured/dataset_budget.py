@@ -604,8 +604,10 @@ class DatasetBudget:
         """A guard's settle function (held weakly when it is a bound method)."""
         try:
             ref = weakref.WeakMethod(settle)
-        except TypeError:
-            ref = (lambda fn=settle: fn)
+        except TypeError:  # a plain function: held strongly
+
+            def ref(fn=settle):
+                return fn
         self._settlers.append(ref)
 
     def settle(self, *, exclude: Optional[Callable] = None) -> bool:

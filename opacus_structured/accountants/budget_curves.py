@@ -119,7 +119,7 @@ def run_units(scheme, history) -> list[tuple[float, Optional[float], int]]:
     starts = np.arange(0, total, per_unit)
     lows = np.minimum.reduceat(sigmas, starts) if total else []
     counts: dict = {}
-    for start, low in zip(starts, lows):
+    for start, low in zip(starts, lows, strict=True):
         key = (float(low), rates[int(start)])
         counts[key] = counts.get(key, 0) + 1
     return [(s, q, n) for (s, q), n in counts.items()]

@@ -178,12 +178,12 @@ class RenyiFilter:
 
     @property
     def rdp_delta(self) -> float:
-        """δ of the RDP part, :math:`(1-\text{tail\_share})\delta`."""
+        r"""δ of the RDP part, :math:`(1-\text{tail\_share})\delta`."""
         return self.delta * (1.0 - self.tail_share)
 
     @property
     def tail_budget(self) -> float:
-        """δ set aside for tail masses, :math:`\text{tail\_share}\cdot\delta`."""
+        r"""δ set aside for tail masses, :math:`\text{tail\_share}\cdot\delta`."""
         return self.delta * self.tail_share
 
     def offsets(self) -> np.ndarray:

@@ -483,6 +483,52 @@ def test_make_private_with_epsilon_charges_too(tmp_path):
     assert budget.spent() >= engine.accountant.get_epsilon(DELTA)
 
 
+def test_history_charged_continues_a_run_without_charging_its_record_twice(tmp_path):
+    import torch
+    from opacus import PrivacyEngine
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from opacus_structured.accountants.budget_curves import accountant_rdp
+    from opacus_structured.accountants.budget_guard import guard_budget
+
+    torch.manual_seed(0)
+    x = torch.randn(N, 5)
+    data = DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=BATCH)
+    model = nn.Linear(5, 2)
+    engine = PrivacyEngine(accountant="poisson")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = opacus_structured.make_private(
+            engine, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=data, noise_multiplier=SIGMA, max_grad_norm=1.0)
+
+        def epoch():
+            for xb, yb in loader:
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(xb), yb).backward()
+                opt.step()
+
+        epoch()  # the record of an earlier part of the run, charged under "A" below
+        acc = engine.accountant
+        budget = DatasetBudget(tmp_path / "b.budget", epsilon=50.0, delta=DELTA)
+        with pytest.raises(ValueError, match="has no charge"):
+            guard_budget(budget, opt, acc, sample_rate=1 / 6, run_id="A",
+                         history_charged=True)
+        budget.charge("A", rdp=0.5 * accountant_rdp(acc, budget.orders)[0])
+        with pytest.raises(ValueError, match="does not cover the accountant's record"):
+            guard_budget(budget, opt, acc, sample_rate=1 / 6, run_id="A",
+                         history_charged=True)
+        budget.charge("A", rdp=0.5 * accountant_rdp(acc, budget.orders)[0])
+        first = len(acc)
+        guard_budget(budget, opt, acc, sample_rate=1 / 6, run_id="A", history_charged=True)
+        epoch()
+    budget.settle()
+    step = rf.poisson_gaussian_rdp(Q, SIGMA, budget.orders)
+    assert len(acc) > first
+    np.testing.assert_allclose(budget.run_rdp("A")[0], len(acc) * step, rtol=1e-9)
+
+
 def test_budget_argument_is_checked():
     from opacus_structured.accountants.budget_guard import guard_budget
 

@@ -122,7 +122,10 @@ class BudgetGuard:
             if existing is None:
                 raise ValueError(f"history_charged=True but run {self.run_id!r} has no charge "
                                  f"in {budget.path}")
-            base, base_tail = existing - attached, existing_tail - attached_tail
+            both = np.isinf(existing) & np.isinf(attached)  # no bound at that order either way
+            with np.errstate(invalid="ignore"):
+                base = np.where(both, 0.0, existing - attached)
+            base_tail = existing_tail - attached_tail
             if np.any(base < -1e-9 * np.maximum(1.0, existing)) or base_tail < -1e-300:
                 raise ValueError(
                     f"history_charged=True but run {self.run_id!r}'s charge in {budget.path} "

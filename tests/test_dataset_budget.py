@@ -96,6 +96,11 @@ def test_nothing_charged_is_zero_and_inf_orders_are_skipped():
     assert filt.epsilon_of(curve) == math.inf and not filt.admits(curve)
     curve[5] = 0.1
     assert math.isfinite(filt.epsilon_of(curve)) and filt.best_order(curve) == filt.orders[5]
+    # a tail within B = 1 % of δ adds log(1/(1-B)) to ε; past B nothing is admitted
+    base = filt.epsilon_of(curve)
+    assert filt.epsilon_of(curve, 1e-12) == pytest.approx(base - math.log1p(-1e-7), rel=1e-12)
+    assert filt.epsilon_of(curve, 1e-12) > base
+    assert filt.epsilon_of(curve, 2e-7) == math.inf and not filt.admits(curve, 2e-7)
 
 
 def test_rdp_at_orders_takes_the_next_order_up():
@@ -746,10 +751,14 @@ def test_forecast_command_charges_its_runs_to_the_budget_file(tmp_path, capsys):
             "--prediction-length", "6", "--context-length", "8", "--num-samples", "10",
             "--init-from", "none", "--no-baselines", "--no-ets", "--json", "--no-progress",
             "--output", str(tmp_path / "rep"), "--budget", str(path)]
-    assert main([*argv, "--budget-epsilon", "6"]) == 0
-    first = json.loads(capsys.readouterr().out)["dataset_budget"]
+    # two steps of structured subsampling (substitution, rate 0.4): each run costs ~17 through
+    # the RDP filter (its PLD epsilon is 2: RDP is loose for few large steps; see the guide)
+    assert main([*argv, "--budget-epsilon", "60"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    first = report["dataset_budget"]
     assert main(argv) == 0  # the file exists: its cap is read from it
     second = json.loads(capsys.readouterr().out)["dataset_budget"]
-    assert 0 < first["spent"] < second["spent"] <= 6.0
-    assert second["epsilon"] == 6.0 and second["route"].startswith("rdp-filter")
+    assert report["steps"] == 2 and report["epsilon"] <= first["spent"]
+    assert 0 < first["spent"] < second["spent"] <= 60.0
+    assert second["epsilon"] == 60.0 and second["route"].startswith("rdp-filter")
     assert len(DatasetBudget.open(path).runs()) == 2

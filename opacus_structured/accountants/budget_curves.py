@@ -42,7 +42,7 @@ from ..accounting import renyi_filter as rf
 from ..accounting.bounds import BoundKind
 from ..schemes.poisson import PoissonScheme
 
-__all__ = ["accountant_rdp", "unit_rdp", "run_units"]
+__all__ = ["accountant_rdp", "unit_rdp", "run_units", "curve_route"]
 
 
 def _guarantee_scheme(scheme):
@@ -162,3 +162,16 @@ def accountant_rdp(accountant, orders: Sequence[float], *, history=None,
         curve = curve + units * unit
         tail += units * unit_tail
     return curve, tail
+
+
+def curve_route(accountant) -> str:
+    """Which curve :func:`accountant_rdp` charges for ``accountant`` (recorded in the file)."""
+    scheme = getattr(accountant, "scheme", None)
+    if callable(getattr(accountant, "mu", None)):
+        return "mu-GDP: alpha mu^2 / 2 (exact)"
+    if type(scheme) is PoissonScheme:
+        return "Poisson-subsampled Gaussian: dp_accounting RDP (exact)"
+    source = scheme.renyi_scheme() if hasattr(scheme, "renyi_scheme") else scheme
+    if callable(getattr(source, "renyi", None)):
+        return "the scheme's Renyi accountant"
+    return "RDP of the pessimistic PLD's finite part, tail mass charged"

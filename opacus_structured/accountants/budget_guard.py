@@ -57,7 +57,7 @@ import numpy as np
 
 from .._warnings import warn
 from ..dataset_budget import BudgetExhaustedError, DatasetBudget
-from .budget_curves import accountant_rdp
+from .budget_curves import accountant_rdp, curve_route
 
 __all__ = ["BudgetGuard", "guard_budget", "guards_of", "BudgetOverrunWarning",
            "FIRST_BLOCK", "MAX_BLOCK"]
@@ -203,7 +203,8 @@ class BudgetGuard:
 
         event = {"accountant": type(self.accountant).__name__,
                  "scheme": getattr(self.accountant.scheme, "name", None),
-                 "noise_multiplier": sigma, "sample_rate": rate, "steps_priced": length}
+                 "noise_multiplier": sigma, "sample_rate": rate, "steps_priced": length,
+                 "curve": curve_route(self.accountant)}
         try:
             k, _ = self.budget.reserve(self.run_id, total_for, self._block, event=event)
         except BudgetExhaustedError:

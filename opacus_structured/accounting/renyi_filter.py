@@ -52,13 +52,20 @@ Fatou).
   in ε, e.g. 0.15 at α = 21 with the 21 default orders.)
 * **Tail masses** (releases priced from a pessimistic PLD whose grid leaves mass
   :math:`\beta_P` where :math:`Q` has none, and :math:`\beta_Q` the reverse;
-  :mod:`~opacus_structured.accounting.private_selection`): each such release is coupled with
-  its finite part, which it differs from with probability at most :math:`\beta_P` under
-  :math:`x` (:math:`\beta_Q` under :math:`x'`); with predictable tail masses the union bound
-  over releases gives :math:`\delta \le \delta_{\rm rdp} + \sum_t \beta_{P,t} +
-  e^\varepsilon\sum_t\beta_{Q,t}`. A fixed share of δ (:data:`TAIL_SHARE`, 1 %) is set aside
-  for them and the filter also refuses a release that would take
-  :math:`e^\varepsilon\sum_t(\beta_{P,t}+\beta_{Q,t})` past it. Poisson-subsampled Gaussian
+  :mod:`~opacus_structured.accounting.private_selection`): release :math:`t`'s laws are
+  :math:`P_t = (1-\beta_{P,t})P_{f,t} + \beta_{P,t}P_{\infty,t}` and
+  :math:`Q_t = (1-\beta_{Q,t})Q_{f,t} + \beta_{Q,t}Q_{\infty,t}`, and the curve charged is the
+  Rényi divergence of the finite parts. A fixed share of δ (:data:`TAIL_SHARE`, 1 %),
+  :math:`B = \text{tail\_share}\cdot\delta`, bounds the tail masses: the filter also refuses a
+  release that would take :math:`\sum_t(\beta_{P,t}+\beta_{Q,t})` past :math:`B`, so along
+  every transcript both sums stay :math:`\le B` (the β are predictable). Then, for any set
+  :math:`S` of transcripts, :math:`P(S) \le P_f(S) + B` (the transcript leaves the finite parts
+  with probability :math:`\le B`) and :math:`Q(S) \ge (1-B)\,Q_f(S)` (transcript by transcript,
+  :math:`\prod_t(1-\beta_{Q,t}) \ge 1-B`); with the finite parts
+  :math:`(\varepsilon, \delta_{\rm rdp})`-close as above,
+  :math:`P(S) \le \tfrac{e^\varepsilon}{1-B}Q(S) + \delta_{\rm rdp} + B`. So a total with a tail
+  is reported at :math:`\varepsilon + \log\tfrac{1}{1-B}` (:math:`B \approx 10^{-7}`: in the
+  seventh decimal) and δ is :math:`\delta_{\rm rdp} + B = \delta`. Poisson-subsampled Gaussian
   and Gaussian releases have exact RDP curves and no tail.
 
 **Why not the other filters the issue names.** Smith & Thakurta's fully adaptive GDP
@@ -199,29 +206,30 @@ class RenyiFilter:
         filter admits a total while some order is within its budget)."""
         return self.epsilon - self.offsets()
 
-    def tail_cost(self, tail_mass: float) -> float:
-        r"""δ charged for a total tail mass :math:`\sum_t(\beta_{P,t}+\beta_{Q,t})`:
-        :math:`e^\varepsilon` times it (covers :math:`\beta_P + e^\varepsilon\beta_Q`)."""
-        return math.exp(self.epsilon) * float(tail_mass)
+    def tail_epsilon(self) -> float:
+        r"""What a total with a tail adds to ε: :math:`\log\frac{1}{1-B}`, :math:`B` the tail
+        budget (module docstring)."""
+        return -math.log1p(-self.tail_budget)
 
     def epsilon_of(self, curve, tail_mass: float = 0.0) -> float:
         r"""ε reported for a total ``curve`` (per order) and total ``tail_mass``:
-        :math:`\max(0, \min_\alpha R(\alpha) + \mathrm{off}_\alpha)`, rounded up by a relative
-        :math:`10^{-12}` (never below the exact value); ``inf`` when no order is finite or the
-        tail mass is over its share of δ; 0 for nothing charged."""
+        :math:`\max(0, \min_\alpha R(\alpha) + \mathrm{off}_\alpha)`, plus
+        :meth:`tail_epsilon` when ``tail_mass`` > 0, rounded up by a relative :math:`10^{-12}`
+        (never below the exact value); ``inf`` when no order is finite or the tail mass is over
+        its share of δ; 0 for nothing charged."""
         values = check_curve("curve", curve, self.orders)
         tail_mass = check_finite("tail_mass", tail_mass)
         if tail_mass < 0:
             raise ValueError(f"tail_mass must be >= 0, got {tail_mass!r}")
         if tail_mass == 0 and not np.any(values):
             return 0.0  # nothing released: no privacy loss (the conversion's floor is not one)
-        if tail_mass > 0 and self.tail_cost(tail_mass) > self.tail_budget:
+        if tail_mass > self.tail_budget:
             return math.inf
         eps = values + self.offsets()
         best = float(np.min(eps))
         if not math.isfinite(best):
             return math.inf
-        best = max(best, 0.0)
+        best = max(best, 0.0) + (self.tail_epsilon() if tail_mass > 0 else 0.0)
         return best + 1e-12 * max(abs(best), 1e-300) if best > 0 else 0.0
 
     def admits(self, curve, tail_mass: float = 0.0) -> bool:

@@ -580,6 +580,29 @@ def test_curves_of_other_schemes_bound_their_accountants(tmp_path):
                                np.asarray(filt.orders) * mu * mu / 2, rtol=1e-12)
 
 
+def test_earlier_phases_are_charged_too():
+    """A run resumed under another scheme (accountants/phases.py): its earlier phases are
+    priced by their own schemes and added to the run's curve."""
+    from opacus_structured.accountants.base import SchemeAccountant
+    from opacus_structured.accountants.budget_curves import accountant_rdp
+    from opacus_structured.schemes.gdp import GDPScheme
+    from opacus_structured.schemes.poisson import PoissonScheme
+
+    orders = rf.DEFAULT_ORDERS
+    poisson = SchemeAccountant(PoissonScheme(sample_rate=0.1), discretization=1e-3)
+    poisson.step(noise_multiplier=SIGMA, sample_rate=0.1, num_steps=20)
+    gdp = SchemeAccountant(GDPScheme(), discretization=1e-3)
+    gdp.load_state_dict(poisson.state_dict())   # a new phase: full batch, μ-GDP
+    gdp.step(noise_multiplier=4.0, sample_rate=1.0, num_steps=3)
+    assert len(gdp.phases) == 1
+    curve, tail = accountant_rdp(gdp, orders)
+    expected = 20 * rf.poisson_gaussian_rdp(0.1, SIGMA, orders) + 3 * rf.gaussian_rdp(4.0, orders)
+    np.testing.assert_allclose(curve, expected, rtol=1e-12)
+    assert tail == 0.0
+    filt = rf.RenyiFilter(100.0, DELTA)
+    assert filt.epsilon_of(curve) >= float(gdp.get_epsilon(DELTA))
+
+
 # ---- PrivateSelection ---------------------------------------------------------------------
 def test_private_selection_is_charged_once_as_one_mechanism(tmp_path):
     import dp_accounting

@@ -21,7 +21,10 @@ history of ``(σ, q, steps)`` chunked into accounting units exactly as
   mass (:func:`~opacus_structured.accounting.renyi_filter.pld_rdp`; why it is an upper bound:
   :mod:`~opacus_structured.accounting.private_selection`). Truncated Poisson's ``baseline``
   analysis has no PLD; the same mechanism is priced by its tight analysis;
-* an unamplified Gaussian part at multiplier σ: :math:`\alpha/(2\sigma^2)` per part.
+* an unamplified Gaussian part at multiplier σ: :math:`\alpha/(2\sigma^2)` per part;
+* the earlier phases of a run resumed under another scheme
+  (:mod:`~opacus_structured.accountants.phases`): each by the accountant of its own scheme,
+  added (:func:`phases_rdp`).
 
 A Monte Carlo estimate (``bminsep-mc``), a lower bound, or an accountant that is not one of
 the package's scheme accountants raises ``ValueError``: nothing is charged that is not a
@@ -42,7 +45,7 @@ from ..accounting import renyi_filter as rf
 from ..accounting.bounds import BoundKind
 from ..schemes.poisson import PoissonScheme
 
-__all__ = ["accountant_rdp", "unit_rdp", "run_units", "curve_route"]
+__all__ = ["accountant_rdp", "phases_rdp", "unit_rdp", "run_units", "curve_route"]
 
 
 def _guarantee_scheme(scheme):
@@ -125,6 +128,17 @@ def run_units(scheme, history) -> list[tuple[float, Optional[float], int]]:
     return [(s, q, n) for (s, q), n in counts.items()]
 
 
+def phases_rdp(accountant, orders: Sequence[float]) -> tuple[np.ndarray, float]:
+    """``(curve, tail_mass)`` of the earlier phases of a run resumed under another scheme
+    (:mod:`~opacus_structured.accountants.phases`): each phase priced by the accountant of its
+    own scheme, their curves added (sequential composition). Zeros without phases."""
+    curve, tail = np.zeros(len(orders)), 0.0
+    for phase in getattr(accountant, "phases", None) or []:
+        c, t = accountant_rdp(accountant._phase_accountant(phase), orders)  # noqa: SLF001
+        curve, tail = curve + c, tail + t
+    return curve, tail
+
+
 def accountant_rdp(accountant, orders: Sequence[float], *, history=None,
                    discretization: Optional[float] = None) -> tuple[np.ndarray, float]:
     """``(curve, tail_mass)`` upper-bounding what ``accountant`` prices (module docstring),
@@ -141,7 +155,7 @@ def accountant_rdp(accountant, orders: Sequence[float], *, history=None,
     history = list(accountant.history if history is None else history)
     if any(float(s) == 0.0 for s, _, n in history if int(n)):
         return np.full(len(orders), np.inf), 0.0  # a step without noise: no bound
-    curve, tail = np.zeros(len(orders)), 0.0
+    curve, tail = phases_rdp(accountant, orders)
     for sigma, n in (getattr(accountant, "unamplified", None) or {}).items():
         curve = curve + int(n) * rf.gaussian_rdp(sigma, arr)
     mu_of = getattr(accountant, "mu", None)
@@ -154,7 +168,7 @@ def accountant_rdp(accountant, orders: Sequence[float], *, history=None,
             accountant.history = saved
         if not math.isfinite(mu):
             return np.full(len(orders), np.inf), 0.0
-        return curve + arr * mu * mu / 2.0, 0.0
+        return curve + arr * mu * mu / 2.0, tail
     d = float(discretization if discretization is not None
               else getattr(accountant, "discretization", 1e-4))
     for sigma, rate, units in run_units(scheme, history):

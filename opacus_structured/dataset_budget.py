@@ -277,12 +277,28 @@ class DatasetBudget:
                 os.link(tmp, self.path)
             except FileExistsError:
                 pass
+            except OSError:  # a file system without hard links: exclusive create, then write
+                self._create_exclusive(header)
         except OSError as err:
             raise BudgetFileError(f"{self.path}: cannot create the budget file ({err})") \
                 from None
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+    def _create_exclusive(self, header: dict) -> None:
+        """Create the file with ``O_EXCL`` and write its header under an exclusive lock (a
+        reader that opens it in between waits on the lock, then sees the whole header)."""
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(fd, (json.dumps(header, allow_nan=False) + "\n").encode("utf-8"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _parse_header(line: bytes, path: str) -> dict:

@@ -278,6 +278,17 @@ def test_corrupted_record_and_torn_tail(tmp_path):
         DatasetBudget(path, epsilon=5.0, delta=DELTA)
 
 
+def test_created_without_hard_links(tmp_path, monkeypatch):
+    def no_link(*args, **kwargs):
+        raise OSError("hard links not supported")
+
+    monkeypatch.setattr(os, "link", no_link)
+    budget = DatasetBudget(tmp_path / "b.budget", epsilon=2.0, delta=DELTA)
+    budget.charge("a", rdp=rf.gaussian_rdp(10.0, budget.orders))
+    assert DatasetBudget.open(tmp_path / "b.budget").spent() == budget.spent() > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["b.budget"]  # no temporary file left
+
+
 def test_another_cap_is_refused(tmp_path):
     path = tmp_path / "b.budget"
     DatasetBudget(path, epsilon=2.0, delta=DELTA)

@@ -61,20 +61,15 @@ processes, or serves Opacus.
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import json
 import math
 import os
 import threading
-import uuid
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from ._validation import check_finite
-from ._warnings import warn
 from .accounting.renyi_filter import (
     DEFAULT_ORDERS,
     TAIL_SHARE,
@@ -82,18 +77,18 @@ from .accounting.renyi_filter import (
     check_curve,
     event_rdp,
 )
-
-try:  # POSIX advisory locks (Linux, macOS)
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None
+from .budget_file import (
+    FORMAT,
+    VERSION,
+    BudgetFile,
+    BudgetFileError,
+    BudgetState,
+    encode_curve,
+    now,
+)
 
 __all__ = ["DatasetBudget", "BudgetExhaustedError", "BudgetFileError", "FORMAT", "VERSION"]
 
-#: The header's ``format`` value.
-FORMAT = "opacus-structured/dataset-budget"
-#: The file format version this module writes (and the newest it reads).
-VERSION = 1
 #: Record keys the budget sets itself (``**fields`` may not override them).
 _RESERVED = frozenset({"seq", "run", "kind", "time", "pid", "run_rdp", "run_tail", "epsilon",
                        "event", "reserved"})
@@ -112,77 +107,11 @@ class BudgetExhaustedError(RuntimeError):
         self.requested = requested
 
 
-class BudgetFileError(ValueError):
-    """The budget file cannot be used: unreadable, not a budget file, a malformed record, or
-    created with another cap (ε, δ, orders) than the one asked for."""
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
-
-
-def _encode_curve(curve: np.ndarray) -> list:
-    return [float(v) if math.isfinite(v) else None for v in curve]
-
-
-def _decode_curve(values, orders, where: str) -> np.ndarray:
-    if not isinstance(values, list):
-        raise BudgetFileError(f"{where}: run_rdp must be a list of {len(orders)} numbers")
-    try:
-        return check_curve("run_rdp", [math.inf if v is None else v for v in values], orders)
-    except ValueError as err:
-        raise BudgetFileError(f"{where}: {err}") from None
-
-
 def _check_run_id(run_id) -> str:
     if not isinstance(run_id, str) or not run_id or len(run_id) > 200:
         raise ValueError(f"run_id must be a non-empty string of at most 200 characters, got "
                          f"{run_id!r}")
     return run_id
-
-
-class _State:
-    """What the file says so far: the header, the records, each run's last total."""
-
-    def __init__(self, header: dict, filt: RenyiFilter):
-        self.header = header
-        self.filter = filt
-        self.offset = 0          # bytes of the file consumed (complete lines only)
-        self.line = 0            # lines consumed
-        self.records: list[dict] = []
-        self.runs: dict[str, tuple[np.ndarray, float]] = {}
-        self.total = np.zeros(len(filt.orders))
-        self.tail = 0.0
-
-    def apply(self, record: dict, where: str) -> None:
-        if not isinstance(record, dict):
-            raise BudgetFileError(f"{where}: a record must be a JSON object")
-        seq = record.get("seq")
-        if seq != len(self.records) + 1:
-            raise BudgetFileError(f"{where}: record seq {seq!r}, expected "
-                                  f"{len(self.records) + 1} (records lost or reordered)")
-        if not isinstance(record.get("run"), str) or not isinstance(record.get("kind"), str):
-            raise BudgetFileError(f"{where}: a record needs a string 'run' and 'kind'")
-        if "run_rdp" in record:
-            curve = _decode_curve(record["run_rdp"], self.filter.orders, where)
-            tail = record.get("run_tail", 0.0)
-            if isinstance(tail, bool) or not isinstance(tail, (int, float)) \
-                    or not math.isfinite(tail) or tail < 0:
-                raise BudgetFileError(f"{where}: run_tail must be a finite number >= 0, got "
-                                      f"{tail!r}")
-            self.runs[record["run"]] = (curve, float(tail))
-            self.total, self.tail = self.sum_runs()
-        self.records.append(record)
-
-    def sum_runs(self, without: Optional[str] = None) -> tuple[np.ndarray, float]:
-        """The total curve and tail mass of every run's last charge (but ``without``'s)."""
-        total = np.zeros(len(self.filter.orders))
-        tail = 0.0
-        for run, (curve, t) in self.runs.items():
-            if run != without:
-                total = total + curve
-                tail += t
-        return total, tail
 
 
 class DatasetBudget:
@@ -210,9 +139,6 @@ class DatasetBudget:
 
     def __init__(self, path, *, epsilon: float, delta: float,
                  orders: Optional[Sequence[float]] = None, tail_share: Optional[float] = None):
-        if fcntl is None:  # pragma: no cover
-            raise OSError("DatasetBudget needs POSIX file locks (fcntl), which this platform "
-                          "lacks")
         try:
             self.path = os.fspath(path)
         except TypeError:
@@ -222,9 +148,10 @@ class DatasetBudget:
                             TAIL_SHARE if tail_share is None else tail_share)
         self._mutex = threading.RLock()
         self._settlers: list = []
+        self._file = BudgetFile(self.path)
         if not os.path.exists(self.path):
-            self._create(asked)
-        self._state = self._open_state()
+            self._file.create(asked)
+        self._state = self._file.open_state()
         filt = self._state.filter
         mismatch = [name for name, mine, theirs in (
             ("epsilon", asked.epsilon, filt.epsilon), ("delta", asked.delta, filt.delta),
@@ -254,150 +181,15 @@ class DatasetBudget:
         if not os.path.exists(path):
             raise BudgetFileError(f"{path}: no such budget file (create it with "
                                   f"DatasetBudget(path, epsilon=..., delta=...))")
-        header = cls._read_header(path)
+        header = BudgetFile(path).read_header()
         return cls(path, epsilon=header["epsilon"], delta=header["delta"],
                    orders=header["orders"], tail_share=header["tail_share"])
 
-    # ---- the file --------------------------------------------------------------------------
-    def _create(self, filt: RenyiFilter) -> None:
-        header = {"format": FORMAT, "version": VERSION, "epsilon": filt.epsilon,
-                  "delta": filt.delta, "orders": list(filt.orders),
-                  "tail_share": filt.tail_share, "route": filt.route, "created": _now(),
-                  "id": uuid.uuid4().hex}
-        directory = os.path.dirname(os.path.abspath(self.path))
-        if not os.path.isdir(directory):
-            raise BudgetFileError(f"{self.path}: the directory {directory} does not exist")
-        tmp = f"{self.path}.{uuid.uuid4().hex}.tmp"
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(json.dumps(header, allow_nan=False) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            try:  # atomic: the file appears with its header, or another process made it first
-                os.link(tmp, self.path)
-            except FileExistsError:
-                pass
-            except OSError:  # a file system without hard links: exclusive create, then write
-                self._create_exclusive(header)
-        except OSError as err:
-            raise BudgetFileError(f"{self.path}: cannot create the budget file ({err})") \
-                from None
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-
-    def _create_exclusive(self, header: dict) -> None:
-        """Create the file with ``O_EXCL`` and write its header under an exclusive lock (a
-        reader that opens it in between waits on the lock, then sees the whole header)."""
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            os.write(fd, (json.dumps(header, allow_nan=False) + "\n").encode("utf-8"))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    @staticmethod
-    def _parse_header(line: bytes, path: str) -> dict:
-        try:
-            header = json.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise BudgetFileError(f"{path}: line 1 is not a dataset budget header ({err})") \
-                from None
-        if not isinstance(header, dict) or header.get("format") != FORMAT:
-            raise BudgetFileError(f"{path}: not a dataset budget file (line 1 has no "
-                                  f"'format': {FORMAT!r})")
-        version = header.get("version")
-        if not isinstance(version, int) or version < 1 or version > VERSION:
-            raise BudgetFileError(f"{path}: budget file version {version!r}; this version of "
-                                  f"opacus-structured reads versions 1..{VERSION}")
-        for key in ("epsilon", "delta", "orders", "tail_share", "route"):
-            if key not in header:
-                raise BudgetFileError(f"{path}: the header has no {key!r}")
-        return header
-
-    @classmethod
-    def _read_header(cls, path: str) -> dict:
-        try:
-            with open(path, "rb") as f:
-                if fcntl is not None:
-                    fcntl.flock(f.fileno(), fcntl.LOCK_SH)
-                first = f.readline()
-        except OSError as err:
-            raise BudgetFileError(f"{path}: cannot read the budget file ({err})") from None
-        if not first.endswith(b"\n"):
-            raise BudgetFileError(f"{path}: the budget file has no complete header line")
-        return cls._parse_header(first, path)
-
-    def _open_state(self) -> _State:
-        header = self._read_header(self.path)
-        try:
-            filt = RenyiFilter(header["epsilon"], header["delta"], tuple(header["orders"]),
-                               header["tail_share"])
-        except (TypeError, ValueError) as err:
-            raise BudgetFileError(f"{self.path}: invalid header ({err})") from None
-        state = _State(header, filt)
-        with self._locked(exclusive=False) as fd:
-            self._refresh(state, fd)
-        return state
-
-    @contextlib.contextmanager
-    def _locked(self, *, exclusive: bool):
-        flags = os.O_RDWR | os.O_APPEND if exclusive else os.O_RDONLY
-        try:
-            fd = os.open(self.path, flags)
-        except OSError as err:
-            raise BudgetFileError(f"{self.path}: cannot open the budget file ({err})") \
-                from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-            yield fd
-        finally:
-            os.close(fd)  # closing releases the lock
-
-    def _refresh(self, state: _State, fd: int, *, repair: bool = False) -> None:
-        """Read what was appended since ``state.offset`` (complete lines only)."""
-        size = os.fstat(fd).st_size
-        if size < state.offset:  # cut by another process (a torn tail): read it all again
-            fresh = _State(state.header, state.filter)
-            self._refresh(fresh, fd, repair=repair)
-            state.__dict__.update(fresh.__dict__)
-            return
-        if size == state.offset:
-            return
-        data = os.pread(fd, size - state.offset, state.offset)
-        end = data.rfind(b"\n") + 1
-        for raw in data[:end].split(b"\n")[:-1]:
-            state.line += 1
-            where = f"{self.path}, line {state.line}"
-            if state.line == 1:
-                self._parse_header(raw + b"\n", self.path)
-                continue
-            try:
-                record = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                raise BudgetFileError(f"{where}: malformed record ({err}); the budget file is "
-                                      f"corrupted and cannot be read safely") from None
-            state.apply(record, where)
-        state.offset += end
-        if end < len(data):  # a torn last line: a crash before its release; never charged
-            if repair:
-                os.ftruncate(fd, state.offset)
-                warn(f"{self.path}: cut an incomplete last line (a write interrupted before "
-                     f"its release) of {len(data) - end} bytes", RuntimeWarning)
-
-    def _read(self) -> _State:
-        """A snapshot of the file's state now (records and runs copied, shallowly)."""
-        with self._mutex, self._locked(exclusive=False) as fd:
-            self._refresh(self._state, fd)
-            state = self._state
-            snap = _State(state.header, state.filter)
-            snap.records, snap.runs = list(state.records), dict(state.runs)
-            snap.total, snap.tail = state.total.copy(), state.tail
-            return snap
+    def _read(self) -> BudgetState:
+        """A snapshot of the file's state now."""
+        with self._mutex, self._file.locked(exclusive=False) as fd:
+            self._file.refresh(self._state, fd)
+            return self._state.snapshot()
 
     # ---- reading ---------------------------------------------------------------------------
     def spent(self) -> float:
@@ -513,10 +305,10 @@ class DatasetBudget:
         if not isinstance(kind, str) or not kind or kind in _CHARGING:
             raise ValueError(f"kind must be a non-empty string other than {_CHARGING}, got "
                              f"{kind!r}")
-        with self._mutex, self._locked(exclusive=True) as fd:
+        with self._mutex, self._file.locked(exclusive=True) as fd:
             state = self._state
-            self._refresh(state, fd, repair=True)
-            return self._append(state, fd, self._new_record(state, run_id, kind, fields))
+            self._file.refresh(state, fd, repair=True)
+            return self._file.append(state, fd, self._new_record(state, run_id, kind, fields))
 
     def reserve(self, run_id: str, total_for: Callable[[int], tuple], max_count: int, *,
                 kind: str = "reserve", event: Optional[dict] = None, **fields) -> tuple:
@@ -528,9 +320,9 @@ class DatasetBudget:
         run_id = _check_run_id(run_id)
         if not isinstance(max_count, int) or max_count < 1:
             raise ValueError(f"max_count must be an integer >= 1, got {max_count!r}")
-        with self._mutex, self._locked(exclusive=True) as fd:
+        with self._mutex, self._file.locked(exclusive=True) as fd:
             state = self._state
-            self._refresh(state, fd, repair=True)
+            self._file.refresh(state, fd, repair=True)
             others, others_tail = state.sum_runs(without=run_id)
 
             def priced(k):
@@ -562,9 +354,9 @@ class DatasetBudget:
 
     def _commit(self, run_id: str, kind: str, total_of: Callable, *, check: bool,
                 fields: dict) -> float:
-        with self._mutex, self._locked(exclusive=True) as fd:
+        with self._mutex, self._file.locked(exclusive=True) as fd:
             state = self._state
-            self._refresh(state, fd, repair=True)
+            self._file.refresh(state, fd, repair=True)
             old_curve, old_tail = state.runs.get(run_id, (None, 0.0))
             curve, tail = total_of(old_curve, old_tail)
             others, others_tail = state.sum_runs(without=run_id)
@@ -575,7 +367,7 @@ class DatasetBudget:
             self._write_total(state, fd, run_id, kind, curve, tail, eps_after, fields)
             return eps_after
 
-    def _refuse(self, state: _State, eps_after: float) -> None:
+    def _refuse(self, state: BudgetState, eps_after: float) -> None:
         spent = self.filter.epsilon_of(state.total, state.tail)
         raise BudgetExhaustedError(
             f"dataset budget {self.path}: this release would take the total to "
@@ -584,36 +376,22 @@ class DatasetBudget:
             f"happened. The cap is fixed when the budget file is created",
             spent=spent, cap=self.epsilon, requested=eps_after)
 
-    def _write_total(self, state: _State, fd: int, run_id: str, kind: str, curve, tail: float,
+    def _write_total(self, state: BudgetState, fd: int, run_id: str, kind: str, curve, tail: float,
                      eps_after: float, fields: dict) -> None:
         record = self._new_record(state, run_id, kind, fields)
-        record["run_rdp"] = _encode_curve(curve)
+        record["run_rdp"] = encode_curve(curve)
         record["run_tail"] = float(tail)
         record["epsilon"] = eps_after if math.isfinite(eps_after) else None
-        self._append(state, fd, record)
+        self._file.append(state, fd, record)
 
-    def _new_record(self, state: _State, run_id: str, kind: str, fields: dict) -> dict:
+    def _new_record(self, state: BudgetState, run_id: str, kind: str, fields: dict) -> dict:
         bad = sorted(set(fields) & _RESERVED - {"event", "reserved"})
         if bad:
             raise ValueError(f"record fields {bad} are set by the budget itself")
-        record = {"seq": len(state.records) + 1, "run": run_id, "kind": kind, "time": _now(),
+        record = {"seq": len(state.records) + 1, "run": run_id, "kind": kind, "time": now(),
                   "pid": os.getpid()}
         record.update(fields)
         return record
-
-    def _append(self, state: _State, fd: int, record: dict) -> dict:
-        try:
-            line = json.dumps(record, allow_nan=False, default=_json_default)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"record fields must be JSON values (finite numbers, strings, "
-                             f"lists, dicts): {err}") from None
-        data = (line + "\n").encode("utf-8")
-        os.write(fd, data)
-        os.fsync(fd)
-        state.apply(json.loads(line), f"{self.path}, line {state.line + 1}")
-        state.line += 1
-        state.offset += len(data)
-        return dict(record)
 
     # ---- guards of this process ------------------------------------------------------------
     def _register_settler(self, settle: Callable[[], None]) -> None:
@@ -652,11 +430,3 @@ def _check_tail(tail_mass) -> float:
     if tail < 0:
         raise ValueError(f"tail_mass must be >= 0, got {tail_mass!r}")
     return tail
-
-
-def _json_default(value: Any):
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")

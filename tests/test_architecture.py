@@ -41,7 +41,7 @@ LAYERS = {
     "opacus_structured._lazy": 0,
     "opacus_structured.accounting": 1,
     # the file-backed dataset budget over the accounting core's Renyi filter (no torch)
-    "opacus_structured.dataset_budget": 1,
+    "opacus_structured.dataset_budget": 1, "opacus_structured.budget_file": 1,
     "opacus_structured.schemes": 2,
     "opacus_structured.distributed": 3, "opacus_structured.samplers": 3,
     # runs Monte Carlo pricing at scale (process pool, shard files, torch backend); schemes

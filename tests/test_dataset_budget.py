@@ -592,26 +592,24 @@ def test_curves_of_other_schemes_bound_their_accountants(tmp_path):
 
 
 def test_earlier_phases_are_charged_too():
-    """A run resumed under another scheme (accountants/phases.py): its earlier phases are
-    priced by their own schemes and added to the run's curve."""
+    """A run resumed under another batch size (accountants/phases.py): its earlier phases are
+    priced by their own schemes and added to the run's curve (shuffle: μ-GDP, exact)."""
     from opacus_structured.accountants.base import SchemeAccountant
     from opacus_structured.accountants.budget_curves import accountant_rdp
-    from opacus_structured.schemes.gdp import GDPScheme
-    from opacus_structured.schemes.poisson import PoissonScheme
+    from opacus_structured.schemes.shuffle import ShuffleScheme
 
     orders = rf.DEFAULT_ORDERS
-    poisson = SchemeAccountant(PoissonScheme(sample_rate=0.1), discretization=1e-3)
-    poisson.step(noise_multiplier=SIGMA, sample_rate=0.1, num_steps=20)
-    gdp = SchemeAccountant(GDPScheme(), discretization=1e-3)
-    gdp.load_state_dict(poisson.state_dict())   # a new phase: full batch, μ-GDP
-    gdp.step(noise_multiplier=4.0, sample_rate=1.0, num_steps=3)
-    assert len(gdp.phases) == 1
-    curve, tail = accountant_rdp(gdp, orders)
-    expected = 20 * rf.poisson_gaussian_rdp(0.1, SIGMA, orders) + 3 * rf.gaussian_rdp(4.0, orders)
-    np.testing.assert_allclose(curve, expected, rtol=1e-12)
+    first = SchemeAccountant(ShuffleScheme(dataset_size=N, batch_size=10), discretization=1e-3)
+    first.step(noise_multiplier=2.0, sample_rate=1 / 12, num_steps=24)   # 2 epochs
+    second = SchemeAccountant(ShuffleScheme(dataset_size=N, batch_size=20), discretization=1e-3)
+    second.load_state_dict(first.state_dict())   # a new phase
+    second.step(noise_multiplier=4.0, sample_rate=1 / 6, num_steps=6)   # 1 epoch
+    assert len(second.phases) == 1
+    curve, tail = accountant_rdp(second, orders)
+    mus = first.mu() ** 2 + second.mu() ** 2
+    np.testing.assert_allclose(curve, np.asarray(orders) * mus / 2, rtol=1e-12)
     assert tail == 0.0
-    filt = rf.RenyiFilter(100.0, DELTA)
-    assert filt.epsilon_of(curve) >= float(gdp.get_epsilon(DELTA))
+    assert rf.RenyiFilter(100.0, DELTA).epsilon_of(curve) >= float(second.get_epsilon(DELTA))
 
 
 # ---- PrivateSelection ---------------------------------------------------------------------

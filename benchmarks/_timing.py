@@ -31,3 +31,13 @@ def median_ms(step, device: torch.device, warmup: int, repeats: int):
         times.append((time.perf_counter() - t0) * 1e3)
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
     return statistics.median(times), peak
+
+
+def median_us(fn, reps: int) -> float:
+    """Median wall time of ``fn()`` in µs over ``reps`` calls (host work: no CUDA sync)."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e6 * statistics.median(times)

@@ -30,6 +30,7 @@ import warnings
 
 import torch
 from _machine import cpu_name  # benchmarks/_machine.py (scripts run from benchmarks/)
+from _timing import median_us as _median_us  # benchmarks/_timing.py
 from opacus import GradSampleModule
 from opacus.optimizers import DPOptimizer
 from torch import nn
@@ -37,15 +38,6 @@ from torch import nn
 from opacus_structured.accountants.release_guard import guard_optimizer
 from opacus_structured.accountants.release_rows import install_recorder
 from opacus_structured.samplers.row_provenance import tag_batch
-
-
-def _median_us(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e6 * statistics.median(times)
 
 
 def components(batch: int, reps: int) -> dict:

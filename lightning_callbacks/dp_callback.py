@@ -98,6 +98,7 @@ from opacus.optimizers import DPOptimizer
 from opacus_structured._validation import check_int, check_open_unit, check_positive
 from opacus_structured.accountants import noise_lineage, parameter_guard
 from opacus_structured.accountants.base import AccountantNotAttachedError, SchemeAccountant
+from opacus_structured.accountants.budget_guard import guard_budget
 from opacus_structured.accounting import pld as pld_lib
 from opacus_structured.samplers import public_sizes
 from opacus_structured.samplers._generator import fresh_seed
@@ -214,6 +215,12 @@ class DPCallback(pl.Callback):
             :class:`~opacus_structured.accountants.parameter_guard.UncoveredParametersError`
             naming them; during the fit no other optimizer may step them
             (:mod:`~opacus_structured.accountants.parameter_guard`).
+        budget: a :class:`~opacus_structured.dataset_budget.DatasetBudget`: every noisy step
+            is charged to the dataset's budget file before its noise; training stops before
+            the step that would take the dataset's total past the cap (as for
+            ``target_epsilon``), and a step released anyway raises
+            :class:`~opacus_structured.dataset_budget.BudgetExhaustedError` before its noise
+            (:mod:`~opacus_structured.accountants.budget_guard`; the run settles at fit end).
     """
 
     #: Its batch sampler records each batch's dataset indices (``batch_indices``).
@@ -232,8 +239,11 @@ class DPCallback(pl.Callback):
                  grad_sample_mode: str = "hooks", allow_estimate: bool = False,
                  stop_on_estimate: bool = False, log_every_n_steps: int = 1,
                  dataset_size: Optional[int] = None,
-                 expected_batch_size: Optional[float] = None, public_parameters=None):
+                 expected_batch_size: Optional[float] = None, public_parameters=None,
+                 budget=None):
         super().__init__()
+        #: The dataset's budget (``None``: none) and the guard charging it (set at fit start).
+        self.dataset_budget, self.budget_guard = budget, None
         #: Parameters (or names in ``pl_module.named_parameters()``) declared public.
         self.public_parameters = _public_list(public_parameters)
         self.dataset_size, _, self.expected_batch_size = public_sizes.check_declared(
@@ -362,6 +372,8 @@ class DPCallback(pl.Callback):
         # them during the fit
         parameter_guard.guard_parameters(pl_module, self.optimizer, where="DPCallback")
         self._module_part.attach(pl_module)
+        self.budget_guard = guard_budget(self.dataset_budget, self.optimizer, self.accountant,
+                                         sample_rate=self.sample_rate, label="DPCallback")
         if self.grad_sample_mode == "ghost":
             self.optimizer.attach_bookkeeper(self._module_part.hooks)
         self._ready = True
@@ -462,11 +474,19 @@ class DPCallback(pl.Callback):
         return self._budget.exhausted(*self._next_step())
 
     # ---- training hooks -----------------------------------------------------------------
+    def _dataset_budget_exhausted(self) -> bool:
+        """The next step does not fit the dataset's budget (it is reserved when it does)."""
+        return self.budget_guard is not None and not self.budget_guard.admits_next()
+
     def on_train_start(self, trainer, pl_module) -> None:
         self._sampler_goes_on = False  # Lightning has restored its loader state by now
         if self.sampler is not None:
             self.sampler.hold_position = False
-        if self._budget_exhausted():
+        if self._dataset_budget_exhausted():
+            log.warning("DPCallback: the next step does not fit the dataset budget %s; not "
+                        "training", self.dataset_budget.path)
+            trainer.should_stop = True
+        elif self._budget_exhausted():
             log.warning("DPCallback: one more step would take ε above target_epsilon=%s "
                         "(ε now %.4f); not training", self.target_epsilon, self.epsilon())
             trainer.should_stop = True
@@ -482,7 +502,7 @@ class DPCallback(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.sampler is not None:
             self.sampler.batch_trained()
-        exhausted = self._budget_exhausted()
+        exhausted = self._budget_exhausted() or self._dataset_budget_exhausted()
         last = exhausted or (0 < trainer.max_steps <= trainer.global_step)
         if last or self.steps % self.log_every_n_steps == 0:
             eps = self.epsilon()
@@ -491,7 +511,8 @@ class DPCallback(pl.Callback):
             self._epsilon_steps = self.steps
         if exhausted:
             log.info("DPCallback: stopping at ε=%.4f, the next step would exceed "
-                     "target_epsilon=%s", self.epsilon(), self.target_epsilon)
+                     "target_epsilon=%s or the dataset budget", self.epsilon(),
+                     self.target_epsilon)
             trainer.should_stop = True
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
@@ -503,6 +524,8 @@ class DPCallback(pl.Callback):
             self._epsilon_steps = self.steps
 
     def on_fit_end(self, trainer, pl_module) -> None:
+        if self.budget_guard is not None:
+            self.budget_guard.settle()
         self._module_part.remove()
         parameter_guard.release_parameters(pl_module)
 

@@ -14,6 +14,8 @@ build the scheme from the DataLoader, install its sampler and its accountant. Su
 * :mod:`opacus_structured.engine` — ``make_private`` / ``make_private_with_epsilon`` for every
   scheme by name.
 * :mod:`opacus_structured.advisor` — which scheme gives the least noise for a setting.
+* :class:`DatasetBudget` (:mod:`opacus_structured.dataset_budget`) — one privacy budget per
+  private dataset, in a file shared by runs, processes and searches (a privacy filter).
 
 Lazy loading (docs/architecture.md, "Lazy loading"): ``import opacus_structured`` itself imports
 neither torch, opacus nor dp_accounting, so the ``opacus-structured`` command starts fast. The
@@ -42,14 +44,16 @@ __version__ = "0.1.0"
 
 __all__ = ["__version__", "accounting", "accountants", "schemes", "PoissonAccountant",
            "SchemeAccountant", "register_scheme_accountant", "PoissonScheme", "Scheme",
-           "make_private", "make_private_with_epsilon", "public", "public_rows"]
+           "make_private", "make_private_with_epsilon", "public", "public_rows",
+           "DatasetBudget", "BudgetExhaustedError"]
 
 #: Public names defined in a layer -> that layer (imported on first access).
 _LAZY_NAMES = {"PoissonAccountant": "accountants", "SchemeAccountant": "accountants",
                "register_scheme_accountant": "accountants", "make_private": "engine",
                "make_private_with_epsilon": "engine", "PoissonScheme": "schemes",
                "Scheme": "schemes", "public": "samplers.row_provenance",
-               "public_rows": "samplers.row_provenance"}
+               "public_rows": "samplers.row_provenance", "DatasetBudget": "dataset_budget",
+               "BudgetExhaustedError": "dataset_budget"}
 #: Submodules an eager ``import opacus_structured`` used to bind as attributes.
 _LAZY_SUBMODULES = ("accounting", "accountants", "advisor", "distributed", "engine", "optim",
                     "runners", "samplers", "schemes")

@@ -135,6 +135,7 @@ from torch.utils.data import DataLoader
 
 from ._validation import check_int, check_open_unit, check_positive
 from .accountants import parameter_guard
+from .accountants.budget_guard import guard_budget
 from .accountants.release_guard import refuse_adaptive
 from .accounting import truncated_poisson as tp_lib
 from .accounting.calibration import calibrate_within_tolerance
@@ -187,7 +188,7 @@ def make_private(engine: PrivacyEngine, *, module: nn.Module, optimizer: torch.o
                  discretization: Optional[float] = None, dataset_size: Optional[int] = None,
                  sample_rate: Optional[float] = None,
                  expected_batch_size: Optional[float] = None, public_parameters=None,
-                 **kwargs):
+                 budget=None, **kwargs):
     """``engine.make_private(...)`` for the scheme of ``engine``'s accountant (module docstring).
 
     ``module``, ``optimizer``, ``data_loader``, ``noise_multiplier``, ``max_grad_norm``,
@@ -230,6 +231,11 @@ def make_private(engine: PrivacyEngine, *, module: nn.Module, optimizer: torch.o
             (:class:`~opacus_structured.accountants.parameter_guard.ForeignOptimizerStepError`;
             :mod:`~opacus_structured.accountants.parameter_guard`). ``None`` keeps an earlier
             :func:`~opacus_structured.accountants.parameter_guard.declare_public_parameters`.
+        budget: a :class:`~opacus_structured.dataset_budget.DatasetBudget`: every noisy step
+            of the run is charged to the dataset's budget file before its noise is added, and
+            a step that would take the dataset's total past the cap raises
+            :class:`~opacus_structured.dataset_budget.BudgetExhaustedError` instead
+            (:mod:`~opacus_structured.accountants.budget_guard`).
         **kwargs: the scheme's options (module table), the rest go to Opacus (e.g.
             ``noise_correlation`` to override the strategy's).
 
@@ -275,10 +281,10 @@ def make_private(engine: PrivacyEngine, *, module: nn.Module, optimizer: torch.o
                    criterion=criterion, batch_first=batch_first, loss_reduction=loss_reduction,
                    clipping=clipping, noise_generator=noise_generator,
                    grad_sample_mode=grad_sample_mode, wrap_model=wrap_model,
-                   rand_on_empty=rand_on_empty)
+                   rand_on_empty=rand_on_empty, budget=budget)
 
 
-def _finish(engine, plan: _Plan, *, criterion, **make_private_kwargs):
+def _finish(engine, plan: _Plan, *, criterion, budget=None, **make_private_kwargs):
     plan.install(engine)
     if criterion is None:
         criterion = nn.CrossEntropyLoss()  # Opacus' default
@@ -293,6 +299,9 @@ def _finish(engine, plan: _Plan, *, criterion, **make_private_kwargs):
         # the DPOptimizer stores that argument as .expected_batch_size, which scale_grad divides
         # by: set it to the public constant before any step
         out[1].expected_batch_size = plan.normaliser
+    # the dataset's budget: each noisy step charged before its noise (Opacus' hook rate)
+    guard_budget(budget, out[1], engine.accountant, sample_rate=1.0 / len(plan.loader),
+                 label="make_private")
     return out
 
 
@@ -309,7 +318,7 @@ def make_private_with_epsilon(engine: PrivacyEngine, *, module: nn.Module,
                               dataset_size: Optional[int] = None,
                               sample_rate: Optional[float] = None,
                               expected_batch_size: Optional[float] = None,
-                              public_parameters=None, **kwargs):
+                              public_parameters=None, budget=None, **kwargs):
     """``engine.make_private_with_epsilon(...)`` priced by the scheme's own accountant.
 
     Builds the scheme and its DataLoader as :func:`make_private` does, then finds the noise
@@ -325,7 +334,9 @@ def make_private_with_epsilon(engine: PrivacyEngine, *, module: nn.Module,
     pass it to :func:`make_private`), and
     :class:`~opacus_structured.accounting.calibration.CalibrationError` if no σ ≤ 10⁴ meets the
     target. ``public_parameters``: as in :func:`make_private` (trainable parameters that
-    ``optimizer`` does not step are refused unless declared public).
+    ``optimizer`` does not step are refused unless declared public). ``budget``: as in
+    :func:`make_private` (the calibrated run is charged step by step to the dataset's budget;
+    σ is calibrated for ``target_epsilon`` alone, not for what is left of the budget).
     """
     target_epsilon = check_positive("target_epsilon", target_epsilon)
     target_delta = check_open_unit("target_delta", target_delta)
@@ -377,4 +388,4 @@ def make_private_with_epsilon(engine: PrivacyEngine, *, module: nn.Module,
                    max_grad_norm=max_grad_norm, criterion=criterion, batch_first=batch_first,
                    loss_reduction=loss_reduction, clipping=clipping,
                    noise_generator=noise_generator, grad_sample_mode=grad_sample_mode,
-                   wrap_model=wrap_model, rand_on_empty=False)
+                   wrap_model=wrap_model, rand_on_empty=False, budget=budget)

@@ -4,7 +4,8 @@ The order (docs/architecture.md, "Layers"), lowest first; a module may import mo
 own layer or lower ones, never higher:
 
 0. ``_validation``, ``_discovery``  — argument checks, submodule discovery
-1. ``accounting``                   — the math (numpy / scipy / dp_accounting; no torch)
+1. ``accounting``, ``dataset_budget`` — the math (numpy / scipy / dp_accounting; no torch);
+                                      the file-backed dataset budget over its Renyi filter
 2. ``schemes``                      — pure descriptions + the registry of what implements them
 3. ``distributed``, ``samplers``,   — torch samplers and torch.distributed helpers;
    ``runners``, ``advisor``           Monte Carlo pricing at scale (process pool, shards, torch
@@ -39,6 +40,8 @@ LAYERS = {
     # the lazy-loading hook the package facade sets and the registry calls (no imports)
     "opacus_structured._lazy": 0,
     "opacus_structured.accounting": 1,
+    # the file-backed dataset budget over the accounting core's Renyi filter (no torch)
+    "opacus_structured.dataset_budget": 1, "opacus_structured.budget_file": 1,
     "opacus_structured.schemes": 2,
     "opacus_structured.distributed": 3, "opacus_structured.samplers": 3,
     # runs Monte Carlo pricing at scale (process pool, shard files, torch backend); schemes

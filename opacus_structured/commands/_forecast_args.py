@@ -208,6 +208,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "without noise, publishable) and DIR/diagnostics/ (report.json, "
                         "forecasts.png: scores on the private test split, NOT for "
                         "publication)")
+    p.add_argument("--budget", default=None, metavar="PATH",
+                   help="the panel's dataset budget file (opacus_structured.DatasetBudget): "
+                        "every DP run of this command (the sweep, the search) is charged to it "
+                        "before its noise, and stops before the step that would pass its cap; "
+                        "a file that does not exist is created with --budget-epsilon and "
+                        "--delta. The non-private reference rows are not charged (skip them "
+                        "with --no-baselines --no-ets), nor the verdict's reruns, which are "
+                        "never released (their test-split scores are diagnostics)")
+    p.add_argument("--budget-epsilon", type=float, default=None, metavar="E",
+                   help="the cap ε of a new --budget file (its δ is --delta); checked against "
+                        "an existing one")
     p.add_argument("--no-plot", action="store_true", help="do not write forecasts.png")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--json", action="store_true",

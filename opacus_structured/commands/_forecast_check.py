@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Optional
 
 from .._validation import check_finite, check_int, check_positive
@@ -245,6 +246,33 @@ def _check_data_flags(args) -> None:
             raise ValueError(f"--freq {given['freq']!r}: {exc}") from None
 
 
+def _check_budget_flags(args) -> None:
+    """``--budget PATH`` and ``--budget-epsilon``: the file (read when it exists, created at
+    the run otherwise) and a DP run to charge."""
+    path, cap = _get(args, "budget"), _get(args, "budget_epsilon")
+    if path is None:
+        if cap is not None:
+            raise ValueError("--budget-epsilon sets the cap of a --budget file: give --budget")
+        return
+    if cap is not None and not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"--budget-epsilon must be finite and > 0, got {cap}")
+    if not math.isfinite(args.epsilon) and _get(args, "noise_multiplier") is None:
+        raise ValueError("--budget charges DP runs; --epsilon inf without --noise-multiplier "
+                         "trains without privacy, whose epsilon no budget can pay for")
+    if os.path.isdir(path):
+        raise ValueError(f"--budget {path}: is a directory, not a budget file")
+    if os.path.exists(path):
+        if not os.access(path, os.R_OK | os.W_OK):
+            raise ValueError(f"--budget {path}: the file is not readable and writable")
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"--budget {path}: the directory {parent} does not exist")
+    if cap is None:
+        raise ValueError(f"--budget {path} does not exist: give --budget-epsilon E to create it "
+                         f"(with --delta as its delta)")
+
+
 def check_arguments(args) -> Optional[list]:
     """Check every flag of the forecast command (ranges and combinations) and every path
     (``--data``, ``--init-from PATH``, ``--output``, ``--save-weights``); returns the
@@ -255,6 +283,7 @@ def check_arguments(args) -> Optional[list]:
     _check_inference_flags(args)
     _check_tune_flags(args)
     _check_data_flags(args)
+    _check_budget_flags(args)
     check_paths(args)
     return budgets
 

@@ -58,7 +58,8 @@ def run_search(job):
                            delta=args.delta, season_length=job.season_length,
                            mean_trials=args.tune_trials, eta=args.tune_eta,
                            num_samples=args.num_samples, log=job.log,
-                           search_progress=False if args.no_progress else None, **job.common)
+                           search_progress=False if args.no_progress else None,
+                           budget=job.dataset_budget, **job.common)
 
 
 def tuning_record(gate, tuned: Optional[Any]) -> dict:

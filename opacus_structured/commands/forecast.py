@@ -34,6 +34,7 @@ import time
 from typing import Any, Optional
 
 from .. import _progress
+from ..dataset_budget import DatasetBudget
 from ..forecasting.model_defaults import model_defaults
 from ..forecasting.seasonality import season_length as default_season_length
 from ..forecasting.warning_filters import known_harmless_warnings_filtered
@@ -173,6 +174,7 @@ class _Job:
     progress: bool
     log: Any
     tune_gate: Any = None  # --tune: private_tuning.TuneGate (public quantities only)
+    dataset_budget: Any = None  # --budget: the panel's DatasetBudget (charges every DP run)
 
 
 class _Rows:
@@ -284,7 +286,20 @@ def _prepare_job(args) -> _Job:
                 season_length=season_length, season_source=season_source, seed=seed,
                 given_init=given_init, init_seed=init_seed, dp_sgd=dp_sgd,
                 seeded_dp=dp_sgd and seed is not None, seeded_any=seeded_any,
-                budgets=budgets, progress=progress, log=log, tune_gate=tune_gate)
+                budgets=budgets, progress=progress, log=log, tune_gate=tune_gate,
+                dataset_budget=_dataset_budget(args))
+
+
+def _dataset_budget(args) -> Optional[DatasetBudget]:
+    """``--budget PATH``: the existing file (its cap, checked against ``--budget-epsilon`` and
+    ``--delta`` when given), or a new one with ``--budget-epsilon`` and ``--delta``."""
+    path = getattr(args, "budget", None)
+    if path is None:
+        return None
+    cap = getattr(args, "budget_epsilon", None)
+    if cap is None:
+        return DatasetBudget.open(path)
+    return DatasetBudget(path, epsilon=cap, delta=args.delta)
 
 
 def _train_at(job: _Job, budget):
@@ -297,7 +312,7 @@ def _train_at(job: _Job, budget):
                                 epsilon=budget if math.isfinite(budget) else None,
                                 delta=args.delta if private_run else None,
                                 noise_multiplier=args.noise_multiplier, log=job.log,
-                                **job.common)
+                                budget=job.dataset_budget, **job.common)
     except ValueError as exc:  # the calibration's answer to an ε it cannot reach: name the flag
         text = str(exc)
         if not any(k in text for k in ("out of reach", "grid points", "in a single step")):
@@ -441,6 +456,10 @@ def _report(job: _Job, release: dict, baselines: dict, table: _Rows) -> dict:
     }
     if job.tune_gate is not None:
         report["tuning"] = tuning_record(job.tune_gate, tuned)
+    if job.dataset_budget is not None:  # the panel's total, read back from its file
+        b = job.dataset_budget
+        report["dataset_budget"] = {"path": b.path, "epsilon": b.epsilon, "delta": b.delta,
+                                    "spent": b.spent(), "route": b.route}
     if tuned is not None:
         report["bound"] = "upper"  # Papernot & Steinke's RDP bound of the search
         report["lr"] = tuned.candidate.lr

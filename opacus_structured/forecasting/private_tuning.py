@@ -425,6 +425,7 @@ def tune_forecaster(model: str, train: Panel, *, epsilon: float, delta: float,
 
     t0 = time.perf_counter()
     say = log or (lambda m: None)
+    budget = common.pop("budget", None)  # the whole search is charged, never a trial
     common = {k: v for k, v in common.items() if k not in _SET_HERE}
     h = check_int("prediction_length", prediction_length, minimum=1)
     fit, _ = train_test_split(train, h)  # fit = every training series minus its last h steps
@@ -475,7 +476,7 @@ def tune_forecaster(model: str, train: Panel, *, epsilon: float, delta: float,
     search = PrivateSelection(candidates, train_and_score, mean_trials=mean_trials, eta=eta,
                               delta=delta, maximize=False, expected_trial=expected,
                               progress=search_progress, rng=rng,
-                              discretization=discretization)
+                              discretization=discretization, budget=budget)
     outcome = search.run()
     return TuneResult(outcome.output, outcome.config, float(outcome.score), plan, candidates,
                       time.perf_counter() - t0, init_state, model, fit.freq, h, context_length)

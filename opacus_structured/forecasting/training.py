@@ -163,7 +163,7 @@ def train_forecaster(model: Optional[str], train: Panel, *,
                      trainer_options: Optional[dict] = None,
                      skip_lr: Optional[float] = None,
                      skip_lr_scaling: Optional[str] = None,
-                     zero_shot_weight: Optional[float] = None) -> TrainResult:
+                     zero_shot_weight: Optional[float] = None, budget=None) -> TrainResult:
     """Train a gluonts model on ``train`` with structured-subsampling DP-SGD (or without DP).
 
     Privacy modes:
@@ -274,6 +274,10 @@ def train_forecaster(model: Optional[str], train: Panel, *,
             callbacks. They must not change the training (see
             :class:`~opacus_structured.forecasting.dp_estimator.DPEstimator` for the ones it
             accepts).
+        budget: a :class:`~opacus_structured.dataset_budget.DatasetBudget` of the panel: every
+            noisy step is charged to it before its noise (``DPCallback(budget=...)``), and
+            training stops before the step that would pass its cap (``result.steps`` says
+            how many ran). Refused for non-private training (its ε is unbounded).
     """
     import torch
 
@@ -510,7 +514,10 @@ def train_forecaster(model: Optional[str], train: Panel, *,
             scheme=scheme, accountant=accountant, install_sampler=False, seed=seed,
             discretization=discretization, loss_reduction="mean",
             grad_sample_mode=grad_sample_mode, log_every_n_steps=max(1, steps),
-            expected_batch_size=float(scheme.batch_size))
+            expected_batch_size=float(scheme.batch_size), budget=budget)
+    elif budget is not None:
+        raise ValueError("budget= with non-private training (no epsilon, no noise_multiplier): "
+                         "its epsilon is unbounded, so no dataset budget can pay for it")
     label = (f"{model} DP (sigma={noise_multiplier:.3g})" if dp_sgd else f"{model} non-DP")
     with _quiet_lightning():
         trainer = pl.Trainer(

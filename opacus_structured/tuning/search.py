@@ -48,6 +48,7 @@ import numpy as np
 from .. import _progress
 from .._validation import check_open_unit
 from ..accounting import private_selection as ps
+from .budget import selection_rdp
 from .pricing import selection_epsilon, trial_signature
 
 __all__ = ["PrivateSelection", "SelectionResult", "draw_num_trials", "candidate_list"]
@@ -171,6 +172,13 @@ class PrivateSelection:
             draws from OS entropy).
         pricing: keyword arguments of :func:`selection_epsilon` (``orders``,
             ``discretization``).
+        budget: a :class:`~opacus_structured.dataset_budget.DatasetBudget`: the *whole*
+            search is charged to the dataset's budget once, as one mechanism
+            (:mod:`~opacus_structured.tuning.budget`: never per trial, which would count
+            :math:`K`), before any trial runs when ``expected_trial`` is given, else right
+            after the first trial (whose output is then withheld if the budget refuses);
+            :class:`~opacus_structured.dataset_budget.BudgetExhaustedError` when it does not
+            fit. The trials must not charge the budget themselves.
     """
 
     def __init__(self, candidates, train_and_score: Callable[[Any], tuple], *,
@@ -178,7 +186,7 @@ class PrivateSelection:
                  maximize: bool = False, expected_trial=None,
                  checkpoint: Optional[str | os.PathLike] = None,
                  progress: Optional[bool] = None, rng: Optional[np.random.Generator] = None,
-                 **pricing):
+                 budget=None, **pricing):
         self.mean_trials = ps.check_mean_trials(mean_trials)
         self.eta = ps.check_eta(eta)
         self.delta = check_open_unit("delta", delta)
@@ -197,6 +205,8 @@ class PrivateSelection:
                              "expected_trial= (the trial every run will be) so the search's "
                              "epsilon is known before any trial runs")
         self._progress = progress
+        self.budget, self._budget_run = budget, f"selection-{secrets.token_hex(6)}"
+        self._expected, self._first_trial = expected_trial, None  # what the budget prices
         self._k: Optional[int] = None
         self._results: list[tuple[int, Any, float]] = []
         self._output: Optional[tuple[int, Any]] = None  # (position, output) of the best
@@ -234,7 +244,8 @@ class PrivateSelection:
                 "results": [list(r) for r in self._results], "signature": self._signature,
                 "epsilon": self._epsilon, "mean_trials": self.mean_trials, "eta": self.eta,
                 "delta": self.delta, "maximize": self.maximize,
-                "candidates": None if self._list is None else repr(self._list)}
+                "candidates": None if self._list is None else repr(self._list),
+                "budget_run": self._budget_run}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume: keep the saved :math:`K` and results; raises if the search differs."""
@@ -253,6 +264,7 @@ class PrivateSelection:
                 and state["signature"] != self._signature):
             raise ValueError("the saved search's trials differ from expected_trial")
         self._k = int(state["num_trials"])
+        self._budget_run = state.get("budget_run", self._budget_run)
         self._results = [(int(i), c, float(s)) for i, c, s in state["results"]]
         self._signature = state.get("signature") or self._signature
         self._epsilon = state.get("epsilon") if self._epsilon is None else self._epsilon
@@ -273,6 +285,7 @@ class PrivateSelection:
         return index, self._list[index]
 
     def _check_trial(self, trial) -> None:
+        self._first_trial = trial if self._first_trial is None else self._first_trial
         signature = trial_signature(trial)
         if self._signature is None:
             self._signature = signature
@@ -324,9 +337,11 @@ class PrivateSelection:
         plain = self._progress is not False and not show_bar
         start = last = time.monotonic()
         first = True
+        self._charge_budget()  # before any trial when the trial is known up front
         with _progress.elapsed("private selection", show=show_bar) as bar:
             while self.trials_done < self._k:
                 self._run_one()
+                self._charge_budget()
                 note = self._progress_note()
                 bar.set_description_str(f"private selection ({note})", refresh=False)
                 if plain and (first or time.monotonic() - last >= 10.0):
@@ -345,6 +360,22 @@ class PrivateSelection:
             config=None if best is None else best[1], score=None if best is None else best[2],
             epsilon=float(epsilon), delta=self.delta, mean_trials=self.mean_trials,
             eta=self.eta, candidate_index=None if best is None or best[0] < 0 else best[0], output=output)
+
+    def _charge_budget(self) -> None:
+        """Charge the whole search to :attr:`budget` once (its run id is in the state, so a
+        resumed search is not charged twice); a no-op without a budget or before the trial
+        is known."""
+        if self.budget is None or (self._expected is None and self._first_trial is None):
+            return
+        if self.budget.last_record(self._budget_run, kind="charge") is not None:
+            return
+        trial = self._expected if self._expected is not None else self._first_trial
+        curve, tail = selection_rdp(trial, self.budget.orders, mean_trials=self.mean_trials,
+                                    eta=self.eta)
+        self.budget.charge(self._budget_run, rdp=curve, tail_mass=tail,
+                           what="private selection (one mechanism: the best of a secret "
+                                "number of trials)", law=ps.law_name(self.eta),
+                           mean_trials=self.mean_trials, epsilon_alone=self._epsilon)
 
     def _progress_note(self) -> str:
         eps = "?" if self._epsilon is None else f"{self._epsilon:.3g}"

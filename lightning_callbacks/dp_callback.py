@@ -537,7 +537,8 @@ class DPCallback(pl.Callback):
     def _live_parts(self) -> dict[str, Any]:
         return dict(accountant=self.accountant, noise_generator=self.noise_generator,
                     lineage=self._noise_lineage, own_lineage=self._own_lineage,
-                    sampler=self.sampler, optimizer=self.optimizer)
+                    sampler=self.sampler, optimizer=self.optimizer,
+                    journal=self.dataset_budget)
 
     def state_dict(self) -> dict[str, Any]:
         return self._checkpoint.state_dict(**self._live_parts())

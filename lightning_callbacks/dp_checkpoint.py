@@ -32,7 +32,9 @@ difference of two such releases carries no noise (true ε = ∞). The generator 
 from OS entropy instead (a :class:`~opacus_structured.accountants.noise_lineage.FreshNoiseWarning`
 says so), and the run continues under a new lineage id. In a new process the checkpoint's run
 is unknown (it may have released steps after the checkpoint), so the noise is fresh too: the
-resumed run is not bit-identical to an uninterrupted one, and nothing is replayed. A
+resumed run is not bit-identical to an uninterrupted one, and nothing is replayed; with the
+run's :class:`~opacus_structured.DatasetBudget` (``DPCallback(budget=...)``) its journal proves
+where the run's draws ended, and a resume from that step is exact in a new process too. A
 correlated-noise state restored behind noise already released raises
 :class:`~opacus_structured.accountants.noise_lineage.NoiseReplayError` (its noise needs its
 positions).
@@ -66,7 +68,7 @@ class DPCheckpoint:
         self.pending: Optional[dict[str, Any]] = None
 
     def state_dict(self, *, accountant, noise_generator: torch.Generator, lineage,
-                   own_lineage: bool = False, sampler=None, optimizer=None) -> dict[str, Any]:
+                   own_lineage: bool = False, sampler=None, optimizer=None, journal=None) -> dict[str, Any]:
         """The checkpoint entry of the run (``sampler`` is the tracked batch sampler;
         ``lineage`` the run's noise lineage, saved here too when ``own_lineage``: the
         accountant keeps none)."""
@@ -90,7 +92,7 @@ class DPCheckpoint:
         return Scheme.from_dict(state["scheme"]) != self.scheme
 
     def defer(self, state: dict[str, Any], *, accountant, lineage=None,
-              own_lineage: bool = False) -> None:
+              own_lineage: bool = False, journal=None) -> None:
         """Before fit start: restore the accountant now, the rest at :meth:`apply_pending`."""
         accountant.load_state_dict(state["accountant"])
         if own_lineage and lineage is not None:
@@ -106,7 +108,8 @@ class DPCheckpoint:
 
     @staticmethod
     def apply(state: dict[str, Any], *, accountant, noise_generator: torch.Generator,
-              lineage, own_lineage: bool = False, sampler=None, optimizer=None) -> bool:
+              lineage, own_lineage: bool = False, sampler=None, optimizer=None,
+              journal=None) -> bool:
         """Restore every part of ``state`` into the live run; the noise generator only where
         the resume provably continues the run (module docstring). Returns whether the live run
         had gone on past the checkpoint (its accountant keeps the later steps): its sampler
@@ -127,10 +130,10 @@ class DPCheckpoint:
         # sampler goes on too, drawing new batches (restoring it would release batches of the
         # later steps a second time)
         went_on = _went_on(lineage, tag)
-        if noise_lineage.may_restore(tag):
+        if noise_lineage.may_restore(tag, journal):
             noise_generator.set_state(state["noise_generator"])
         else:
-            noise_lineage.explain_restore(tag, "DPCallback")
+            noise_lineage.explain_restore(tag, "DPCallback", journal)
             noise_lineage.reseed_fresh(noise_generator)
             if tag and lineage.lineage == tag.get("lineage"):
                 lineage.fork()  # a branch of the run, with noise of its own
@@ -141,7 +144,7 @@ class DPCheckpoint:
             if not callable(loader):
                 raise ValueError("the checkpoint holds correlated-noise state but the optimizer "
                                  "has no load_noise_state_dict(); use the same optimizer_class")
-            loader(state["optimizer_noise"])
+            loader(state["optimizer_noise"], journal=journal)
         return went_on or new_phase
 
 

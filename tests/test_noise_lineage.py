@@ -359,3 +359,27 @@ def test_private_selection_resumed_from_its_checkpoint_draws_no_noise_twice(tmp_
     assert resumed.trials_done == 1
     resumed.run()
     assert _replays(drawn) == []
+
+
+def test_a_dataset_budget_journal_proves_a_resume_in_a_new_process(tmp_path, drawn):
+    """With the run's DatasetBudget, a new process can prove that a checkpoint is where the
+    run's draws ended (the journal's last lease / settle): that resume is bit-identical; an
+    earlier checkpoint of the same run is not (fresh noise)."""
+    from opacus_structured import DatasetBudget
+
+    budget = DatasetBudget(os.path.join(tmp_path, "panel.budget"), epsilon=50.0, delta=1e-5)
+    uninterrupted = _callback(budget=budget)
+    _lightning_fit(uninterrupted, _module(), 8)
+    reference = drawn[-8:]  # steps 5-8: two tensors each
+    cb = _callback(budget=budget)
+    _lightning_fit(cb, _module(), 4, tmp_path, every=2)
+    noise_lineage._DRAWN.clear()  # a new process
+    del drawn[:]
+    resumed = _callback(budget=budget)
+    _lightning_fit(resumed, _module(), 8, ckpt_path=os.path.join(tmp_path, "step=4.ckpt"))
+    assert all(torch.equal(a, b) for a, b in zip(reference, drawn, strict=True))
+    noise_lineage._DRAWN.clear()
+    del drawn[:]
+    early = _callback(budget=budget)
+    _lightning_fit(early, _module(), 6, ckpt_path=os.path.join(tmp_path, "step=2.ckpt"))
+    assert not any(torch.equal(a, b) for a in drawn for b in reference)

@@ -57,6 +57,7 @@ import numpy as np
 
 from .._warnings import warn
 from ..dataset_budget import BudgetExhaustedError, DatasetBudget
+from . import noise_lineage
 from .budget_curves import accountant_rdp, curve_route
 
 __all__ = ["BudgetGuard", "guard_budget", "guards_of", "BudgetOverrunWarning",
@@ -205,14 +206,17 @@ class BudgetGuard:
                  "scheme": getattr(self.accountant.scheme, "name", None),
                  "noise_multiplier": sigma, "sample_rate": rate, "steps_priced": length,
                  "curve": curve_route(self.accountant)}
+        journal = self._journal()  # the noise this reservation lets the run draw
         try:
-            k, _ = self.budget.reserve(self.run_id, total_for, self._block, event=event)
+            k, _ = self.budget.reserve(self.run_id, total_for, self._block, event=event,
+                                       **journal)
         except BudgetExhaustedError:
             # other runs of this process may hold reservations ahead they will not use (a
             # finished loop whose optimizer is still alive): settle them, then try once more
             if not self.budget.settle(exclude=self.settle):
                 raise
-            k, _ = self.budget.reserve(self.run_id, total_for, self._block, event=event)
+            k, _ = self.budget.reserve(self.run_id, total_for, self._block, event=event,
+                                       **journal)
         if k == self._block:
             self._block = min(2 * self._block, MAX_BLOCK)
         self._reservation = (sigma, rate, length, k, form)
@@ -266,8 +270,17 @@ class BudgetGuard:
         if charged is not None and np.array_equal(charged, actual) and charged_tail == tail:
             return False
         self.budget.set_run_total(self.run_id, actual, tail_mass=tail, kind="settle",
-                                  check=False, steps_priced=len(self.accountant))
+                                  check=False, steps_priced=len(self.accountant),
+                                  **self._journal())
         return True
+
+    def _journal(self) -> dict:
+        """The ``noise_stream`` field of a record: the noise lineage and position of the run
+        (so a resume in another process can prove it continues from the last release:
+        :func:`~opacus_structured.accountants.noise_lineage.may_restore`)."""
+        optimizer = self._optimizer()
+        entry = None if optimizer is None else noise_lineage.journal_entry(optimizer)
+        return {} if entry is None else {"noise_stream": entry}
 
     # ---- installation ----------------------------------------------------------------------
     def _install(self, optimizer) -> None:

@@ -231,14 +231,47 @@ class NoiseLineage:
 
 
 # ---- restoring a saved generator state ------------------------------------------------------
-def may_restore(tag: Optional[dict[str, Any]]) -> bool:
+def may_restore(tag: Optional[dict[str, Any]], journal=None) -> bool:
     """Whether a generator state saved with ``tag`` (:meth:`NoiseLineage.tag`) may be restored:
-    only when this process drew that lineage up to exactly the tagged position (rule 2)."""
+    only when this process drew that lineage up to exactly the tagged position (rule 2), or,
+    for a lineage this process has not drawn (a new process), when ``journal`` (the run's
+    :class:`~opacus_structured.DatasetBudget`) shows that the lineage's draws end exactly there
+    (:func:`journal_high_water`)."""
     if not tag or tag.get("lineage") is None:
         return False
+    lineage, position = str(tag["lineage"]), int(tag.get("position", -1))
     with _LOCK:
-        drawn = _DRAWN.get(str(tag["lineage"]))
-        return drawn is not None and drawn.high_water == int(tag.get("position", -1))
+        drawn = _DRAWN.get(lineage)
+        if drawn is not None:
+            return drawn.high_water == position
+    return journal is not None and journal_high_water(journal, lineage) == position
+
+
+def journal_high_water(journal, lineage: str) -> Optional[int]:
+    """How far ``lineage`` may have drawn, by the dataset budget's journal: its latest
+    ``noise_stream`` record's position, plus the steps a reservation let it draw beyond it
+    (a run reserves blocks of steps before drawing them, and settles to what it drew when it
+    ends). ``None``: the journal never saw the lineage."""
+    try:
+        records = journal.records()
+    except (AttributeError, OSError, ValueError):
+        return None
+    for record in reversed(records):
+        stream = record.get("noise_stream")
+        if isinstance(stream, dict) and stream.get("lineage") == lineage:
+            ahead = int(record.get("reserved", 0)) if record.get("kind") == "reserve" else 0
+            return int(stream.get("position", 0)) + ahead
+    return None
+
+
+def journal_entry(optimizer) -> Optional[dict[str, Any]]:
+    """``{"lineage", "position"}`` of the lineage ``optimizer`` draws in, for a journal record
+    (``None`` where the journal cannot vouch for it: no lineage, or several optimizers drawing
+    in one lineage, whose position counts the draws of all of them)."""
+    lineage = lineage_of_optimizer(optimizer)
+    if lineage is None or len(lineage._optimizers) > 1:
+        return None
+    return lineage.tag()
 
 
 def rewinds(tag: Optional[dict[str, Any]]) -> bool:
@@ -257,7 +290,7 @@ def reseed_fresh(generator: torch.Generator) -> torch.Generator:
     return generator
 
 
-def explain_restore(tag: Optional[dict[str, Any]], owner: str) -> None:
+def explain_restore(tag: Optional[dict[str, Any]], owner: str, journal=None) -> None:
     """Say why a saved generator state was not restored (a warning for a rewind, a log line for
     an unknown lineage)."""
     if rewinds(tag):
@@ -269,10 +302,12 @@ def explain_restore(tag: Optional[dict[str, Any]], owner: str) -> None:
              f"steps draw fresh noise from OS entropy instead; the accountant keeps every "
              f"released step", FreshNoiseWarning)
     else:
+        how = ("its dataset budget's journal shows draws past it" if journal is not None
+               else "pass the run's DatasetBudget (budget=) to resume exactly")
         log.info("%s: the checkpoint's run is not known to this process (it may have released "
-                 "steps after this checkpoint), so its noise generator is reseeded from OS "
+                 "steps after this checkpoint; %s), so its noise generator is reseeded from OS "
                  "entropy instead of restored: the resumed run is not bit-identical to an "
-                 "uninterrupted one, and no noise value is added twice", owner)
+                 "uninterrupted one, and no noise value is added twice", owner, how)
 
 
 # ---- where an optimizer's noise comes from ---------------------------------------------------

@@ -79,7 +79,7 @@ from opacus.optimizers.optimizer import (
     _mark_as_processed,
 )
 
-from ..accountants import noise_lineage
+from ..accountants import budget_guard, noise_lineage
 from ..accountants.release_guard import (
     CORRELATED_CLIP_MESSAGE,
     ClipNormChangedError,
@@ -399,7 +399,7 @@ class CorrelatedNoiseMixin:
             "generator_state": gen_state,
         }
 
-    def load_noise_state_dict(self, state: dict) -> None:
+    def load_noise_state_dict(self, state: dict, *, journal=None) -> None:
         """Restore :meth:`noise_state_dict`. The ring buffers and step index are restored; the
         generator state only where the resume provably continues the run from its last
         released step (:func:`~opacus_structured.accountants.noise_lineage.may_restore`), else
@@ -428,7 +428,9 @@ class CorrelatedNoiseMixin:
             raise ValueError(f"checkpoint has noise buffers for {len(buffers)} parameters, "
                              f"this optimizer has {len(self.params)}")
         self.noise_step = int(state["noise_step"])
-        proven = noise_lineage.may_restore(tag)
+        if journal is None:  # the dataset budget charging this optimizer keeps the journal
+            journal = next((g.budget for g in budget_guard.guards_of(self).values()), None)
+        proven = noise_lineage.may_restore(tag, journal)
         clip = state.get("clip_norm")
         self.noise_clip_norm = None if clip is None else float(clip)
         self._noise_buffers = [
@@ -442,7 +444,7 @@ class CorrelatedNoiseMixin:
             if proven:
                 self.generator.set_state(state["generator_state"])
             else:
-                noise_lineage.explain_restore(tag, type(self).__name__)
+                noise_lineage.explain_restore(tag, type(self).__name__, journal)
                 noise_lineage.reseed_fresh(self.generator)
         if noise_lineage.lineage_of_optimizer(self) is None:
             self._own_lineage.adopt(tag or {"position": self.noise_step}, proven=proven)

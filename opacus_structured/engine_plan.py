@@ -164,18 +164,9 @@ class _Plan:
         self.user_loader = data_loader
         self._public_normaliser(data_loader, public_n, public_q, public_e, steps_per_epoch)
         # the accountant
-        old = engine.accountant
         self.accountant_class = accountant_class_for(self.scheme)
-        if discretization is None:
-            discretization = (old.discretization if isinstance(old, SchemeAccountant)
-                              else pld_lib.DEFAULT_DISCRETIZATION)
-        self.discretization = check_positive("discretization", discretization)
-        self.keep_accountant = (isinstance(old, SchemeAccountant) and old.scheme is self.scheme
-                                and old.discretization == self.discretization)
-        if not self.keep_accountant and len(old) > 0:
-            raise ValueError(f"the engine's accountant has already recorded {len(old)} steps; "
-                             f"installing the scheme's accountant would drop them and "
-                             f"under-report epsilon: use a fresh PrivacyEngine")
+        self.discretization, self.keep_accountant = _engine_accountant(
+            engine, self.scheme, discretization, pld_lib.DEFAULT_DISCRETIZATION)
         # correlated noise
         self.opacus_kwargs = dict(opacus_kwargs)
         c = self.opacus_kwargs.get("noise_correlation")
@@ -292,17 +283,8 @@ class _Plan:
                              f"would be ignored; drop them")
         plan = copy.copy(self)
         plan.opacus_kwargs = {**self.opacus_kwargs, **kwargs}
-        old = engine.accountant
-        if discretization is None:
-            discretization = (old.discretization if isinstance(old, SchemeAccountant)
-                              else self.discretization)
-        plan.discretization = check_positive("discretization", discretization)
-        plan.keep_accountant = (isinstance(old, SchemeAccountant) and old.scheme is self.scheme
-                                and old.discretization == plan.discretization)
-        if not plan.keep_accountant and len(old) > 0:
-            raise ValueError(f"the engine's accountant has already recorded {len(old)} steps "
-                             f"under another scheme; installing the shared loader's would "
-                             f"drop them: use a fresh PrivacyEngine")
+        plan.discretization, plan.keep_accountant = _engine_accountant(
+            engine, self.scheme, discretization, self.discretization)
         return plan
 
     def install(self, engine) -> None:
@@ -317,6 +299,24 @@ class _Plan:
                 how="make_private(..., dataset_size=N) with a public N (the rate is then "
                     "1/ceil(N/batch_size), the normaliser N*rate), or sample_rate=1/k and "
                     "expected_batch_size=E")
+
+
+def _engine_accountant(engine, scheme: Scheme, discretization, default: float):
+    """``(discretization, keep)``: the discretisation of the run's accountant (the argument,
+    else the engine's scheme accountant's, else ``default``) and whether the engine's
+    accountant already prices ``scheme`` at it (then it is kept: e.g. a second private module
+    on one engine). Raises rather than drop steps an accountant already recorded."""
+    old = engine.accountant
+    if discretization is None:
+        discretization = old.discretization if isinstance(old, SchemeAccountant) else default
+    discretization = check_positive("discretization", discretization)
+    keep = (isinstance(old, SchemeAccountant) and old.scheme is scheme
+            and old.discretization == discretization)
+    if not keep and len(old) > 0:
+        raise ValueError(f"the engine's accountant has already recorded {len(old)} steps; "
+                         f"installing the scheme's accountant would drop them and "
+                         f"under-report epsilon: use a fresh PrivacyEngine")
+    return discretization, keep
 
 
 def _is_distributed(module) -> bool:

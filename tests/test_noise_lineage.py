@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from lightning_small import fit, small_module
 from opacus import PrivacyEngine
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -264,38 +265,12 @@ def test_a_stand_alone_correlated_optimizer_resumes_only_its_last_state():
 
 # ---- Lightning: a new process, a later fit of the same callback ------------------------------
 def _lightning_fit(cb, model, max_steps, tmp_path=None, ckpt_path=None, every=None):
-    pl = pytest.importorskip("lightning.pytorch")
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    callbacks = [cb]
-    if every:
-        callbacks.append(ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=every,
-                                         save_top_k=-1, filename="{step}"))
-    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False,
-                         callbacks=callbacks, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=bool(every),
-                         num_sanity_val_steps=0)
-    trainer.fit(model, DataLoader(_data(), batch_size=BATCH), ckpt_path=ckpt_path)
+    fit(cb, model, DataLoader(_data(), batch_size=BATCH), max_steps, dirpath=tmp_path,
+        every=every, ckpt_path=ckpt_path)
 
 
 def _module():
-    pl = pytest.importorskip("lightning.pytorch")
-
-    class Small(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = nn.Linear(3, 2)
-
-        def training_step(self, batch, i):
-            x, y = batch
-            return nn.functional.cross_entropy(self.layer(x), y) if len(x) else \
-                self.layer.weight.sum() * 0
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    torch.manual_seed(0)
-    return Small()
+    return small_module()
 
 
 def _callback(**kw):

@@ -16,6 +16,8 @@ import warnings
 import pytest
 import torch
 from dp_accounting.pld import privacy_loss_distribution as dp_pld
+from lightning_small import fit as small_fit
+from lightning_small import small_module
 from opacus import PrivacyEngine
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -126,41 +128,18 @@ def test_a_phase_without_a_pld_is_refused_naming_the_cause():
 
 
 def test_lightning_resume_with_another_rate_is_a_new_phase(tmp_path):
-    pl = pytest.importorskip("lightning.pytorch")
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     from lightning_callbacks import DPCallback
 
-    class Small(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = nn.Linear(3, 2)
-
-        def training_step(self, batch, i):
-            x, y = batch
-            return nn.functional.cross_entropy(self.layer(x), y) if len(x) else \
-                self.layer.weight.sum() * 0
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     def fit(cb, steps, **kw):
-        callbacks = kw.pop("callbacks", [])
-        trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False,
-                             callbacks=[cb, *callbacks], enable_progress_bar=False,
-                             enable_model_summary=False, enable_checkpointing=bool(callbacks),
-                             num_sanity_val_steps=0)
         torch.manual_seed(0)
-        trainer.fit(Small(), DataLoader(_data(), batch_size=10), **kw)
+        small_fit(cb, small_module(), DataLoader(_data(), batch_size=10), steps, **kw)
 
     def callback(q):
         return DPCallback(delta=DELTA, noise_multiplier=SIGMA, max_grad_norm=1.0,
                           scheme=PoissonScheme(sample_rate=q), dataset_size=N,
                           discretization=D)
 
-    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1,
-                           filename="{step}")
-    fit(callback(1 / 6), 4, callbacks=[ckpt])
+    fit(callback(1 / 6), 4, dirpath=tmp_path, every=4)
     cb = callback(1 / 3)
     fit(cb, 7, ckpt_path=os.path.join(tmp_path, "step=4.ckpt"))
     assert len(cb.accountant.phases) == 1 and len(cb.accountant) == 3

@@ -26,10 +26,9 @@ from opacus_structured.accounting import mixture_renyi as mr
 from opacus_structured.accounting import private_selection as ps
 from opacus_structured.accounting import structured as st
 from opacus_structured.accounting.mixture import MixturePair
-from opacus_structured.accounting.profiles import PairProfile, WeightedProfile, PERFECT_PRIVACY
+from opacus_structured.accounting.profiles import PERFECT_PRIVACY, PairProfile, WeightedProfile
 from opacus_structured.schemes.structured import StructuredScheme
-from opacus_structured.tuning import ROUTES, calibrate_selection, selection_epsilon
-from opacus_structured.tuning import pricing
+from opacus_structured.tuning import ROUTES, calibrate_selection, pricing, selection_epsilon
 
 DELTA = 1e-5
 ORDERS = ps.DEFAULT_ORDERS
@@ -48,7 +47,7 @@ def _accountant(steps=100, sigma=2.0, **overrides):
 
 def _log_density(means, weights, sigma):
     """log of Σ w N(x; m, σ²), written out (math module only, for scalar quadrature)."""
-    terms = [(float(m), math.log(float(w))) for m, w in zip(means, weights)]
+    terms = [(float(m), math.log(float(w))) for m, w in zip(means, weights, strict=True)]
     const = -math.log(sigma) - 0.5 * math.log(2 * math.pi)
 
     def f(x):
@@ -75,7 +74,8 @@ def _quad_log_moment(pair, lam):
     peak = float(xs[int(np.argmax([g(x) for x in xs]))])
     cuts = np.unique(np.concatenate([np.linspace(lo, hi, 17), [peak]]))
     total = sum(integrate.quad(lambda x: math.exp(g(x) - top), a, b, epsabs=0.0,
-                               epsrel=1e-12, limit=200)[0] for a, b in zip(cuts[:-1], cuts[1:]))
+                               epsrel=1e-12, limit=200)[0]
+                for a, b in zip(cuts[:-1], cuts[1:], strict=True))
     return top + math.log(total)
 
 
@@ -113,7 +113,7 @@ def test_moment_bounds_hold_the_quadrature(name):
     pair = PAIRS[name]
     orders = np.array([1.1, 2.0, 3.5, 10.0])
     lower, upper = mr.log_moment_bounds(pair, orders)
-    for lam, lo, hi in zip(orders, lower, upper):
+    for lam, lo, hi in zip(orders, lower, upper, strict=True):
         truth = _quad_log_moment(pair, lam)
         assert lo - 1e-9 * abs(truth) <= truth <= hi + 1e-9 * abs(truth), (lam, lo, truth, hi)
         assert hi - lo <= 2e-3 * max(hi, 1e-3) + 1e-8

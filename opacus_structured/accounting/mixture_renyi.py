@@ -171,7 +171,7 @@ def _scans(p: GaussianMixture, q: GaussianMixture, orders: np.ndarray) -> list[t
     flat = np.concatenate(points)
     values = (flat, *_posterior(p, flat), *_posterior(q, flat))
     ends = np.cumsum([len(x) for x in points])[:-1]
-    return list(zip(*(np.split(v, ends) for v in values)))
+    return list(zip(*(np.split(v, ends) for v in values), strict=True))
 
 
 def _regions(scans: list, orders: np.ndarray, h: float, var: float) -> list[np.ndarray]:
@@ -183,7 +183,7 @@ def _regions(scans: list, orders: np.ndarray, h: float, var: float) -> list[np.n
     :math:`j` is the largest (at most ``_MAX_LEVEL``) keeping that below ``_TOLERANCE`` times
     :math:`\\max(\\log M_\\lambda, 10^{-3})`, the moment also estimated on the scan."""
     out = []
-    for lam, (x, log_p, mean_p, log_q, mean_q) in zip(orders, scans):
+    for lam, (x, log_p, mean_p, log_q, mean_q) in zip(orders, scans, strict=True):
         g = lam * log_p + (1.0 - lam) * log_q
         dx = x[1] - x[0]
         estimate = float(special.logsumexp(g)) + math.log(dx)
@@ -218,7 +218,7 @@ def _orders_bounds(p: GaussianMixture, q: GaussianMixture, orders: np.ndarray) -
         # scan points off the lattice's span by at least half a lattice cell (no sliver cells)
         below, above = scans[i][0] < lo_x - h / 2, scans[i][0] > hi_x + h / 2
         parts.append([np.concatenate([s[below], lat[at], s[above]])
-                      for s, lat in zip(scans[i], lattice)])
+                      for s, lat in zip(scans[i], lattice, strict=True)])
         sizes.append(len(parts[-1][0]))
     x, log_p, mp, log_q, mq = (np.concatenate([part[j] for part in parts]) for j in range(5))
     sizes = np.asarray(sizes)
@@ -355,7 +355,7 @@ def profile_pairs(profile: PrivacyProfile) -> Optional[list[tuple[float, Mixture
     if not isinstance(profile, WeightedProfile):
         return None
     out = []
-    for weight, part in zip(profile.weights, profile.profiles):
+    for weight, part in zip(profile.weights, profile.profiles, strict=True):
         if weight == 0 or isinstance(part, PerfectPrivacyProfile):
             continue
         inner = profile_pairs(part)

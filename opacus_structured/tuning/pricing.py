@@ -19,9 +19,14 @@ One *trial* is one DP training run plus its DP score. It is described by
   Poisson-subsampled Gaussian (structured subsampling under Theorems 4.2, 4.4 and 4.5/G.1)
   by the Rényi divergence of that dominating pair, computed without a PLD grid
   (:mod:`~opacus_structured.accounting.switching_renyi`: the equivalent event's exact curve
-  plus a correction bounded from above); every other scheme from the pessimistic PLD of each
-  accounting unit (:func:`~opacus_structured.accounting.private_selection.pld_renyi`, which
-  explains why that is an upper bound and how the grid's tail mass is charged to δ).
+  plus a correction bounded from above); a unit whose profile is that of a two-sided
+  Gaussian-mixture pair, possibly behind a top level's perfect-privacy share (Theorems E.1,
+  E.8, F.1, F.2: a Poisson bottom level, or several windows per series) by that pair's Rényi
+  divergence in both directions, bounded above by x-space quadrature with certified cells
+  (:mod:`~opacus_structured.accounting.mixture_renyi`; one route per tail cut, as for the PLD);
+  every other scheme from the pessimistic PLD of each accounting unit
+  (:func:`~opacus_structured.accounting.private_selection.pld_renyi`, which explains why that
+  is an upper bound and how the grid's tail mass is charged to δ).
 
 :func:`selection_epsilon` returns a
 :class:`~opacus_structured.accounting.resource_guard.PricedEpsilon` whose ``route`` names what
@@ -44,8 +49,8 @@ from opacus.accountants import RDPAccountant
 
 from .._validation import check_open_unit, check_positive
 from ..accountants.base import SchemeAccountant
-from ..accounting import private_selection as ps
 from ..accounting import mixture_renyi as mr
+from ..accounting import private_selection as ps
 from ..accounting import switching_renyi as sw
 from ..accounting.bounds import BoundKind
 from ..accounting.resource_guard import PricedEpsilon
@@ -352,7 +357,7 @@ def selection_epsilon(trial, *, mean_trials: float, eta: Optional[float], delta:
         ε as a :class:`~opacus_structured.accounting.resource_guard.PricedEpsilon` (a float):
         an upper bound (never the winner's own ε); its ``route`` names what priced the trial
         (:data:`ROUTES`: ``"event"``, ``"pure-dp"``, ``"gdp"``, ``"renyi-accountant"``,
-        ``"switching-pair"`` or ``"pld-renyi"``).
+        ``"switching-pair"``, ``"mixture-pair"`` or ``"pld-renyi"``).
     """
     mean_trials, eta, delta = _check_common(mean_trials, eta, delta)
     orders = ps.DEFAULT_ORDERS if orders is None else np.asarray(orders, dtype=np.float64)

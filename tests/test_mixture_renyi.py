@@ -10,7 +10,7 @@ pairs (Schuchardt et al. 2025, Theorems E.1, E.8, F.1, F.2) bounded in x-space,
 * the curve non-decreasing in the order, the tail cuts' masses, bad input;
 * the pricing: the issue's setting for E.8, F.2 and F.1 (λ = 2) now priced (refused before),
   never below the same pricing from the quadrature's lower bounds nor below one run; where
-  the PLD route works, never above it.
+  the PLD route works, below it at small σ and within 1e-3 of it at large σ.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import math
 import numpy as np
 import pytest
 from scipy import integrate
+from test_switching_renyi import DELTA, SETTING, _accountant  # the issue's setting
 
 from opacus_structured.accountants.base import SchemeAccountant
 from opacus_structured.accounting import mixture_renyi as mr
@@ -30,19 +31,7 @@ from opacus_structured.accounting.profiles import PERFECT_PRIVACY, PairProfile, 
 from opacus_structured.schemes.structured import StructuredScheme
 from opacus_structured.tuning import ROUTES, calibrate_selection, pricing, selection_epsilon
 
-DELTA = 1e-5
 ORDERS = ps.DEFAULT_ORDERS
-#: the issue's setting: 100 series of length 50, context 10, horizon 5, batch 5, sigma 2, 100 steps
-SETTING = dict(num_series=100, series_length=50, context_length=10, forecast_length=5,
-               batch_size=5)
-
-
-def _accountant(steps=100, sigma=2.0, **overrides):
-    scheme = StructuredScheme(**{**SETTING, **overrides})
-    acc = SchemeAccountant(scheme, discretization=1e-3)
-    acc.step(noise_multiplier=sigma, sample_rate=scheme.expected_sample_rate(),
-             num_steps=steps)
-    return acc
 
 
 def _log_density(means, weights, sigma):
@@ -245,16 +234,17 @@ def test_a_search_costs_at_least_one_run(theorem):
     assert ours >= float(acc.get_epsilon(DELTA))
 
 
-@pytest.mark.parametrize("steps,overrides", [
-    (40, dict(top_level="deterministic", bound="upper")),  # E.1, lambda = 1, per epoch
-    (10, dict(bound="upper")),  # F.1, lambda = 1, per step
+@pytest.mark.parametrize("steps,sigma,mean,overrides,ratio", [
+    (40, 2.0, 3, dict(top_level="deterministic", bound="upper"), 0.95),  # E.1, λ = 1, epochs
+    (10, 2.0, 3, dict(bound="upper"), 0.95),  # F.1, λ = 1, steps
+    (100, 10.0, 10, dict(bound="upper"), 1.001),  # F.1 at a large σ: both near the pair
 ])
-def test_never_above_the_pld_route_where_it_works(steps, overrides):
-    """Where the PLD route prices the trial (E.1/F.1 at λ = 1, few steps), the mixture route
-    is at most it (measured 0.81 and 0.71 of it): it prices the pair itself, without the grid's
-    pessimism."""
-    acc = _accountant(steps=steps, **overrides)
-    ours = selection_epsilon(acc, mean_trials=3, eta=1, delta=DELTA)
+def test_against_the_pld_route_where_it_works(steps, sigma, mean, overrides, ratio):
+    """Where the PLD route prices the trial (E.1/F.1 at λ = 1), the mixture route is below it
+    at σ = 2 (measured 0.81 and 0.71 of it: the PLD grid's pessimism) and within its
+    quadrature tolerance of it at σ = 10 (measured 1.0001 ×)."""
+    acc = _accountant(steps=steps, sigma=sigma, **overrides)
+    ours = selection_epsilon(acc, mean_trials=mean, eta=1, delta=DELTA)
     assert ours.route == "mixture-pair"
     parts = pricing._unit_parts(acc, 1e-3)
     best = math.inf
@@ -263,15 +253,14 @@ def test_never_above_the_pld_route_where_it_works(steps, overrides):
         for pld, count in parts:
             r, t = ps.pld_renyi(pld, ORDERS, cut=cut)[0]
             rdp, tail = rdp + count * r, tail + count * t
-        selected = ps.repeat_and_select_rdp(ORDERS, rdp, mean_trials=3, eta=1)
+        selected = ps.repeat_and_select_rdp(ORDERS, rdp, mean_trials=mean, eta=1)
         try:
             best = min(best, ps.epsilon_with_tail(ORDERS, selected, DELTA, tail_mass=tail,
-                                                  mean_trials=3))
+                                                  mean_trials=mean))
         except ValueError:
             continue
     assert math.isfinite(best)
-    assert ours <= best * (1 + 1e-9)
-    assert ours >= 0.6 * best
+    assert 0.6 * best <= ours <= ratio * best
 
 
 @pytest.mark.slow

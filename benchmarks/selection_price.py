@@ -1,6 +1,6 @@
 """The price of a private selection over structured-subsampling trials (issue 47, item 5).
 
-Three parts, all pricing only (nothing is trained):
+Four parts, all pricing only (nothing is trained):
 
 1. **The issue's setting** (100 series of length 50, context 10, horizon 5, batch 5, σ = 2, 100
    steps, E[K] = 10, η = 1, δ = 1e-5): the selection's ε by the switching-pair route (what
@@ -15,6 +15,12 @@ Three parts, all pricing only (nothing is trained):
    ε = 1, the 4 study panels at ε = 1 and 4), through the ``forecast`` command's own set-up
    (DLinear, δ = 1e-7): the search's σ now and with the PLD route (as before), over the σ of
    one untuned run.
+4. **Two-sided pairs** (the issue's setting under Theorems E.8, F.2, F.1 with λ = 2, and E.1 /
+   F.1 at λ = 1): the selection's ε by the mixture-pair route
+   (:mod:`~opacus_structured.accounting.mixture_renyi`, what ``selection_epsilon`` takes now),
+   by the PLD route (the route before; refused where the PLD is not a pair's), one run's ε,
+   and the quadrature's gap (upper over lower bound of the unit pair's log-moment, largest over
+   the default orders).
 
 Run::
 
@@ -51,12 +57,13 @@ def pld_route():
     """Price structured trials as before issue 47: the pessimistic PLD's Rényi divergences."""
     from opacus_structured.tuning import pricing
 
-    saved = pricing._switching_route
+    saved = pricing._switching_route, pricing._mixture_routes
     pricing._switching_route = lambda *args: None
+    pricing._mixture_routes = lambda *args: None
     try:
         yield
     finally:
-        pricing._switching_route = saved
+        pricing._switching_route, pricing._mixture_routes = saved
 
 
 def part_setting() -> dict:
@@ -92,6 +99,52 @@ def part_setting() -> dict:
     acc.compose(dp_event.RepeatAndSelectDpEvent(event, 10, 1.0))
     out["equivalent_event"] = float(acc.get_epsilon(DELTA_SETTING))
     return out
+
+
+#: Part 4: (label, scheme overrides, selection law's E[K])
+TWO_SIDED = (("thm_e_8", dict(top_level="deterministic", bottom_level="poisson"), 10),
+             ("thm_f_2", dict(bottom_level="poisson", bound="upper"), 10),
+             ("thm_f_1 (lambda=2)", dict(bound="upper", instances_per_series=2), 10),
+             ("thm_f_1 (lambda=1)", dict(bound="upper"), 10),
+             ("thm_e_1 (lambda=1)", dict(top_level="deterministic", bound="upper"), 10),
+             ("thm_f_1 (lambda=1), E[K]=3, 10 steps", dict(bound="upper"), 3))
+
+
+def part_two_sided() -> list:
+    import numpy as np
+
+    from opacus_structured.accountants.base import SchemeAccountant
+    from opacus_structured.accounting import mixture_renyi as mr
+    from opacus_structured.accounting import private_selection as ps
+    from opacus_structured.schemes.structured import StructuredScheme
+    from opacus_structured.tuning import selection_epsilon
+
+    rows = []
+    for label, overrides, mean in TWO_SIDED:
+        scheme = StructuredScheme(**SETTING, **overrides)
+        acc = SchemeAccountant(scheme, discretization=1e-3)
+        acc.step(noise_multiplier=2.0, sample_rate=scheme.expected_sample_rate(),
+                 num_steps=10 if "10 steps" in label else 100)
+        law = dict(mean_trials=mean, eta=1.0, delta=DELTA_SETTING)
+        t0 = time.perf_counter()
+        now = selection_epsilon(acc, **law)
+        t1 = time.perf_counter()
+        try:
+            with pld_route():
+                before = float(selection_epsilon(acc, **law))
+            refusal = None
+        except ValueError as err:
+            before, refusal = None, str(err)
+        t2 = time.perf_counter()
+        _, pair = mr.profile_pairs(scheme.profile(2.0))[0]
+        lower, upper = mr.log_moment_bounds(pair, ps.DEFAULT_ORDERS)
+        gap = float(np.max((upper - lower) / np.maximum(upper, 1e-3)))
+        rows.append({"theorem": label, "unit": scheme.unit, "mean_trials": mean,
+                     "one_run": float(acc.get_epsilon(DELTA_SETTING)),
+                     "mixture_pair": float(now), "route": now.route, "pld_renyi": before,
+                     "pld_refusal": refusal, "quadrature_gap": gap,
+                     "seconds_mixture": t1 - t0, "seconds_pld": t2 - t1})
+    return rows
 
 
 def part_gate(panels: dict) -> dict:
@@ -183,6 +236,19 @@ def report(state: dict) -> str:
                          f"{row['pld_renyi']:.3f} | {s['equivalent_event']:.3f} | "
                          f"{row['switching_pair'] / s['equivalent_event']:.3f} |")
         lines.append("")
+    rows = state.get("two_sided") or []
+    if rows:
+        lines += ["| theorem (unit) | E[K] | one run | selection, mixture pair (now) | "
+                  "selection, PLD Rényi (before) | now / before | quadrature gap |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            before = ("refused" if r["pld_renyi"] is None else f"{r['pld_renyi']:.3f}")
+            ratio = ("-" if r["pld_renyi"] is None
+                     else f"{r['mixture_pair'] / r['pld_renyi']:.3f}")
+            lines.append(f"| {r['theorem']} ({r['unit']}) | {r['mean_trials']:g} | "
+                         f"{r['one_run']:.3f} | {r['mixture_pair']:.3f} | {before} | {ratio} | "
+                         f"{r['quadrature_gap']:.1e} |")
+        lines.append("")
     g = state.get("gate")
     if g:
         lines += [f"gate (MAX_SCORE_NOISE = {g['max_score_noise']}):", "",
@@ -216,7 +282,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="results file (resumable)")
     parser.add_argument("--report", action="store_true", help="print the tables only")
-    parser.add_argument("--parts", default="setting,gate,sigma")
+    parser.add_argument("--parts", default="setting,two_sided,gate,sigma")
     args = parser.parse_args(argv)
     state = {}
     if args.json and os.path.isfile(args.json):
@@ -236,6 +302,9 @@ def main(argv=None) -> int:
     parts = args.parts.split(",")
     if "setting" in parts and "setting" not in state:
         state["setting"] = part_setting()
+        save()
+    if "two_sided" in parts and "two_sided" not in state:
+        state["two_sided"] = part_two_sided()
         save()
     if "sigma" in parts:
         done = {(r["panel"], r["epsilon"]) for r in state.get("sigma", [])}

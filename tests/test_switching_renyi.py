@@ -268,12 +268,12 @@ def test_per_epoch_and_augmented_units_take_the_switching_route():
     assert selection_epsilon(aug, mean_trials=5, eta=1, delta=DELTA).route == "switching-pair"
 
 
-def test_two_sided_pairs_keep_the_pld_route_above_the_pair():
-    """Theorem E.1 (``bound="upper"``, a two-sided pair): no switching form, so the PLD route
-    prices it; its Rényi divergence is at least the pair's own (quadrature), an independent
-    lower bound."""
+def test_two_sided_pairs_take_the_mixture_route_and_the_pld_stays_above_the_pair():
+    """Theorem E.1 (``bound="upper"``, a two-sided pair) has no switching form: the mixture
+    route prices it (``tests/test_mixture_renyi.py``); the PLD route's Rényi divergence is at
+    least the pair's own (quadrature), an independent lower bound."""
     acc = _accountant(steps=40, top_level="deterministic", bound="upper")
-    assert selection_epsilon(acc, mean_trials=3, eta=1, delta=DELTA).route == "pld-renyi"
+    assert selection_epsilon(acc, mean_trials=3, eta=1, delta=DELTA).route == "mixture-pair"
     pair = acc.scheme.profile(2.0).pair
     orders = np.array([2.0, 4.0])
     (rdp, _), = ps.pld_renyi(acc.scheme.pld(2.0, discretization=1e-3), orders)
@@ -284,8 +284,8 @@ def test_two_sided_pairs_keep_the_pld_route_above_the_pair():
                                + (1 - lam) * pair.lower.logpdf(np.array([x]))[0]),
             lo, hi, epsabs=1e-14, epsrel=1e-10, limit=400)[0]
         assert bound >= math.log(moment) / (lam - 1)
-    upper = _accountant(steps=10, bound="upper")  # Thm F.1, weighted two-sided: PLD route
-    assert selection_epsilon(upper, mean_trials=3, eta=1, delta=DELTA).route == "pld-renyi"
+    upper = _accountant(steps=10, bound="upper")  # Thm F.1, weighted two-sided
+    assert selection_epsilon(upper, mean_trials=3, eta=1, delta=DELTA).route == "mixture-pair"
 
 
 def test_every_route_is_labelled():
@@ -295,4 +295,4 @@ def test_every_route_is_labelled():
     assert selection_epsilon(PureDpTrial(0.5), mean_trials=3, eta=1, delta=DELTA).route \
         == "pure-dp"
     assert set(ROUTES) == {"event", "pure-dp", "gdp", "renyi-accountant", "switching-pair",
-                           "pld-renyi"}
+                           "mixture-pair", "pld-renyi"}

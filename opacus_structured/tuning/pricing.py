@@ -19,9 +19,14 @@ One *trial* is one DP training run plus its DP score. It is described by
   Poisson-subsampled Gaussian (structured subsampling under Theorems 4.2, 4.4 and 4.5/G.1)
   by the Rényi divergence of that dominating pair, computed without a PLD grid
   (:mod:`~opacus_structured.accounting.switching_renyi`: the equivalent event's exact curve
-  plus a correction bounded from above); every other scheme from the pessimistic PLD of each
-  accounting unit (:func:`~opacus_structured.accounting.private_selection.pld_renyi`, which
-  explains why that is an upper bound and how the grid's tail mass is charged to δ).
+  plus a correction bounded from above); a unit whose profile is that of a two-sided
+  Gaussian-mixture pair, possibly behind a top level's perfect-privacy share (Theorems E.1,
+  E.8, F.1, F.2: a Poisson bottom level, or several windows per series) by that pair's Rényi
+  divergence in both directions, bounded above by x-space quadrature with certified cells
+  (:mod:`~opacus_structured.accounting.mixture_renyi`; one route per tail cut, as for the PLD);
+  every other scheme from the pessimistic PLD of each accounting unit
+  (:func:`~opacus_structured.accounting.private_selection.pld_renyi`, which explains why that
+  is an upper bound and how the grid's tail mass is charged to δ).
 
 :func:`selection_epsilon` returns a
 :class:`~opacus_structured.accounting.resource_guard.PricedEpsilon` whose ``route`` names what
@@ -44,6 +49,7 @@ from opacus.accountants import RDPAccountant
 
 from .._validation import check_open_unit, check_positive
 from ..accountants.base import SchemeAccountant
+from ..accounting import mixture_renyi as mr
 from ..accounting import private_selection as ps
 from ..accounting import switching_renyi as sw
 from ..accounting.bounds import BoundKind
@@ -64,6 +70,10 @@ ROUTES = {
     "switching-pair": "the Renyi divergence of the switching dominating pair of each unit (the "
                       "equivalent Poisson-subsampled Gaussian's exact curve plus the switching "
                       "correction, bounded above), no PLD grid",
+    "mixture-pair": "the Renyi divergence of each unit's two-sided Gaussian-mixture dominating "
+                    "pair (structured subsampling's Theorems E.1, E.8, F.1, F.2), both "
+                    "directions, bounded above by x-space quadrature with certified cell bounds, "
+                    "no PLD grid",
     "pld-renyi": "the Renyi divergences of each unit's pessimistic PLD (an upper bound; loose "
                  "at moderate orders, where the grid's tail dominates)",
 }
@@ -206,6 +216,30 @@ def _switching_route(run, orders, gaussian) -> Optional[tuple]:
     return orders, rdp, 0.0, "switching-pair"
 
 
+def _mixture_routes(run, orders, gaussian) -> Optional[list[tuple]]:
+    """The ``"mixture-pair"`` routes, one per tail cut (:data:`CUTS`), when every accounting
+    unit's profile is that of a two-sided Gaussian-mixture pair, possibly behind a top
+    level's perfect-privacy share (:func:`~opacus_structured.accounting.mixture_renyi.
+    profile_worlds`: Theorems E.1, E.8, F.1, F.2); ``None`` otherwise."""
+    scheme = run.scheme
+    if not callable(getattr(scheme, "profile", None)):
+        return None
+    units = []
+    for sigma, rate, count in _unit_sigmas(run):
+        scheme.check_sample_rate(rate)
+        worlds = mr.profile_worlds(scheme.profile(sigma), orders, CUTS)
+        if worlds is None:
+            return None
+        units.append((count, worlds))
+    routes = []
+    for c in range(len(CUTS)):
+        rdp, tail = gaussian.copy(), 0.0
+        for count, worlds in units:
+            rdp, tail = rdp + count * worlds[c][0], tail + count * worlds[c][1]
+        routes.append((orders, rdp, tail, "mixture-pair"))
+    return routes
+
+
 def _gaussian_rdp(orders, extras, unamplified) -> np.ndarray:
     """RDP of the score's Gaussian releases and the unamplified parts: λ/(2σ²) each."""
     out = np.zeros_like(orders)
@@ -272,6 +306,9 @@ def _accountant_worlds(run, extras, orders, discretization
     switching = _switching_route(run, orders, gaussian)
     if switching is not None:  # at most the PLD's Rényi at every order, and no grid to build
         return [switching]
+    mixture = _mixture_routes(run, orders, gaussian)
+    if mixture is not None:  # the pair's own divergence; the PLD route is refused or looser
+        return mixture
     routes = [(o, r + _gaussian_rdp(o, extras, unamplified), t, label)
               for o, r, t, label in _renyi_routes(run)]
     try:
@@ -320,7 +357,7 @@ def selection_epsilon(trial, *, mean_trials: float, eta: Optional[float], delta:
         ε as a :class:`~opacus_structured.accounting.resource_guard.PricedEpsilon` (a float):
         an upper bound (never the winner's own ε); its ``route`` names what priced the trial
         (:data:`ROUTES`: ``"event"``, ``"pure-dp"``, ``"gdp"``, ``"renyi-accountant"``,
-        ``"switching-pair"`` or ``"pld-renyi"``).
+        ``"switching-pair"``, ``"mixture-pair"`` or ``"pld-renyi"``).
     """
     mean_trials, eta, delta = _check_common(mean_trials, eta, delta)
     orders = ps.DEFAULT_ORDERS if orders is None else np.asarray(orders, dtype=np.float64)

@@ -24,8 +24,25 @@ the mix. ``w`` is the weight of one ``nn.Linear(2, 1, bias=False)`` (``baseline_
 has its per-window gradients, and DP-SGD prices it like any other weight. The released forecast is a
 function of the DP weights and of the series' own context only, as DLinear's is.
 
-Public weights are pretrained without the skip: :meth:`BaselineSkipDLinearModel.load_state_dict`
-accepts a plain DLinear state and starts the skip at ``(0, 0)``.
+**Local forecasts** (issue 47). ``skip_features`` chooses the inputs of the skip from the local
+methods of :mod:`.local_forecasts`, each fitted on the window's own context: besides seasonal
+naive and naive, the drift forecast, a damped-trend additive-seasonal ETS(A,Ad,A) and the Theta
+method. The location becomes
+
+.. math::
+
+    \mu'_h = \mu_h + \sum_k w_k \cdot g\,(f_{k,h} - \mu_h),
+
+a learned combination of the network and the local forecasts (as FFORMA combines forecasts,
+Montero-Manso et al. 2020, with global rather than per-series weights), with ``g`` the gain.
+The local forecasts are a deterministic function of the window's context (no parameter, no
+other window), so per-window clipping bounds one window's influence as before: the privacy
+analysis is unchanged. :data:`LOCAL_FEATURES` is the set the DLinear recipe uses; its public
+weights are pretrained with the skip (:mod:`.pretraining`), so the zero-shot model already
+combines the local methods and DP fine-tuning adapts the combination.
+
+Public weights pretrained without the skip load with it at zero:
+:meth:`BaselineSkipDLinearModel.load_state_dict` accepts a plain DLinear state.
 
 :class:`BaselineSkipDLinearEstimator` is gluonts' ``DLinearEstimator`` building this network
 (``season_length`` is one more constructor argument, so gluonts' serialization of a predictor
@@ -33,7 +50,7 @@ rebuilds the same network).
 """
 
 # no ``from __future__ import annotations``: gluonts' @validated reads the annotations
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -45,15 +62,19 @@ from gluonts.torch.model.d_linear.module import DLinearModel
 from gluonts.transform import InstanceSampler
 
 from .._validation import check_int, check_positive
+from .local_forecasts import check_methods, local_forecasts
 
 __all__ = ["BaselineSkipDLinearModel", "BaselineSkipDLinearLightningModule",
-           "BaselineSkipDLinearEstimator", "SKIP_PARAMETER", "SKIP_FEATURES",
+           "BaselineSkipDLinearEstimator", "SKIP_PARAMETER", "SKIP_FEATURES", "LOCAL_FEATURES",
            "skip_parameters", "describe_skip"]
 
 #: The state_dict key of the skip's weight ``w`` (shape (1, 2)).
 SKIP_PARAMETER = "baseline_skip.weight"
-#: What the inputs of the skip are, in order (each minus DLinear's own location ``μ_h``).
+#: The inputs of the original baseline skip, in order (each minus DLinear's own location
+#: ``μ_h``): the default of the model and estimator classes.
 SKIP_FEATURES = ("seasonal_naive", "naive")
+#: The local forecasts of the DLinear recipe (``model_defaults``' ``skip_features``).
+LOCAL_FEATURES = ("seasonal_naive", "naive", "drift", "ets", "theta")
 
 
 class BaselineSkipDLinearModel(DLinearModel):
@@ -65,12 +86,14 @@ class BaselineSkipDLinearModel(DLinearModel):
     def __init__(self, prediction_length: int, context_length: int, hidden_dimension: int,
                  distr_output: DistributionOutput = StudentTOutput(),  # noqa: B008
                  kernel_size: int = 25, scaling: Optional[str] = "mean",
-                 season_length: int = 1, skip_gain: float = 1.0) -> None:
+                 season_length: int = 1, skip_gain: float = 1.0,
+                 skip_features: Tuple[str, ...] = SKIP_FEATURES) -> None:
         super().__init__(prediction_length=prediction_length, context_length=context_length,
                          hidden_dimension=hidden_dimension, distr_output=distr_output,
                          kernel_size=kernel_size, scaling=scaling)
         season_length = check_int("season_length", season_length, minimum=1)
         skip_gain = check_positive("skip_gain", skip_gain)
+        self.skip_features = check_methods(skip_features)
         names = list(distr_output.args_dim)
         if "loc" not in names:
             raise ValueError(f"the baseline skip shifts the distribution's location, but "
@@ -86,8 +109,18 @@ class BaselineSkipDLinearModel(DLinearModel):
             index = [context_length - 1] * prediction_length
         self.register_buffer("_seasonal_index", torch.tensor(index, dtype=torch.long),
                              persistent=False)
-        self.baseline_skip = nn.Linear(len(SKIP_FEATURES), 1, bias=False)
+        self.baseline_skip = nn.Linear(len(self.skip_features), 1, bias=False)
         nn.init.zeros_(self.baseline_skip.weight)
+
+    def local_forecasts(self, past_target_scaled: torch.Tensor,
+                        past_observed_values: torch.Tensor) -> torch.Tensor:
+        """``(B, H, K)``: the skip's local forecasts of every window (its own context only)."""
+        if self.skip_features == SKIP_FEATURES:  # the original skip: two gathers
+            seasonal = past_target_scaled[:, self._seasonal_index]
+            naive = past_target_scaled[:, -1:].expand_as(seasonal)
+            return torch.stack([seasonal, naive], dim=-1)
+        return local_forecasts(past_target_scaled, past_observed_values, self.season_length,
+                               self.prediction_length, self.skip_features)
 
     def forward(self, past_target: torch.Tensor, past_observed_values: torch.Tensor):
         args, loc, scale = super().forward(past_target, past_observed_values)
@@ -95,9 +128,8 @@ class BaselineSkipDLinearModel(DLinearModel):
         # the context in the scaler's units: every gluonts scaler returns (x - loc) / scale
         past_target_scaled = (past_target - loc) / scale
         mu = distr_args[self._loc_index]                                    # (B, H)
-        seasonal = past_target_scaled[:, self._seasonal_index]              # (B, H)
-        naive = past_target_scaled[:, -1:].expand_as(mu)                    # (B, H)
-        features = self.skip_gain * torch.stack([seasonal - mu, naive - mu], dim=-1)  # (B,H,2)
+        local = self.local_forecasts(past_target_scaled.detach(), past_observed_values)
+        features = self.skip_gain * (local - mu.unsqueeze(-1))             # (B, H, K)
         distr_args[self._loc_index] = mu + self.baseline_skip(features).squeeze(-1)
         return tuple(distr_args), loc, scale
 
@@ -106,7 +138,7 @@ class BaselineSkipDLinearModel(DLinearModel):
         e.g. the public weights) loads with the skip at ``(0, 0)``."""
         if SKIP_PARAMETER not in state_dict:
             state_dict = dict(state_dict)
-            state_dict[SKIP_PARAMETER] = torch.zeros(1, len(SKIP_FEATURES))
+            state_dict[SKIP_PARAMETER] = torch.zeros(1, len(self.skip_features))
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
 
@@ -116,7 +148,7 @@ class BaselineSkipDLinearLightningModule(DLinearLightningModule):
     @validated()
     def __init__(self, model_kwargs: dict, lr: float = 1e-3, weight_decay: float = 1e-8):
         plain = {k: v for k, v in model_kwargs.items()
-                 if k not in ("season_length", "skip_gain")}
+                 if k not in ("season_length", "skip_gain", "skip_features")}
         super().__init__(model_kwargs=plain, lr=lr, weight_decay=weight_decay)
         self.model = BaselineSkipDLinearModel(**model_kwargs)
         self.inputs = self.model.describe_inputs()
@@ -128,6 +160,7 @@ class BaselineSkipDLinearEstimator(DLinearEstimator):
 
     @validated()
     def __init__(self, prediction_length: int, season_length: int = 1, skip_gain: float = 1.0,
+                 skip_features: Tuple[str, ...] = SKIP_FEATURES,
                  context_length: Optional[int] = None, hidden_dimension: Optional[int] = None,
                  lr: float = 1e-3, weight_decay: float = 1e-8, scaling: Optional[str] = "mean",
                  distr_output: DistributionOutput = StudentTOutput(),  # noqa: B008
@@ -143,6 +176,7 @@ class BaselineSkipDLinearEstimator(DLinearEstimator):
                          validation_sampler=validation_sampler)
         self.season_length = check_int("season_length", season_length, minimum=1)
         self.skip_gain = check_positive("skip_gain", skip_gain)
+        self.skip_features = check_methods(skip_features)
 
     def create_lightning_module(self):
         return BaselineSkipDLinearLightningModule(
@@ -153,7 +187,8 @@ class BaselineSkipDLinearEstimator(DLinearEstimator):
                           "distr_output": self.distr_output,
                           "kernel_size": self.kernel_size, "scaling": self.scaling,
                           "season_length": self.season_length,
-                          "skip_gain": self.skip_gain})
+                          "skip_gain": self.skip_gain,
+                          "skip_features": self.skip_features})
 
 
 def skip_parameters(network) -> list:
@@ -170,5 +205,5 @@ def describe_skip(network) -> Optional[dict]:
         return None
     weights = (network.skip_gain * network.baseline_skip.weight.detach().cpu()).flatten()
     return {"season_length": network.season_length, "skip_gain": network.skip_gain,
-            "weights": {name: float(w) for name, w in zip(SKIP_FEATURES, weights.tolist(),
-                                                          strict=True)}}
+            "weights": {name: float(w) for name, w in zip(network.skip_features,
+                                                          weights.tolist(), strict=True)}}

@@ -31,7 +31,7 @@ import dataclasses
 from typing import Any, Optional
 
 from .._validation import check_int
-from .baseline_skip import BaselineSkipDLinearEstimator
+from .baseline_skip import SKIP_FEATURES, BaselineSkipDLinearEstimator
 from .fast_rnn import replace_lstm
 from .model_defaults import default_context_length as _table_context_length
 from .model_defaults import model_defaults
@@ -156,19 +156,24 @@ def build_estimator(model: str, *, freq: str, prediction_length: int,
         skip = kwargs.pop("baseline_skip", True)
         season = kwargs.pop("season_length", None)
         gain = kwargs.pop("skip_gain", None)
+        features = kwargs.pop("skip_features", None)
         params = dict(hidden_dimension=20, kernel_size=13)
         params.update(common, **kwargs)
         if params["kernel_size"] % 2 == 0:
             raise ValueError(f"kernel_size must be odd, got {params['kernel_size']}")
         if not skip:
-            if season is not None or gain is not None:
-                raise ValueError("season_length and skip_gain are read by the baseline skip "
-                                 "only: drop them or keep baseline_skip=True")
+            if season is not None or gain is not None or features is not None:
+                raise ValueError("season_length, skip_gain and skip_features are read by the "
+                                 "baseline skip only: drop them or keep baseline_skip=True")
             return DLinearEstimator(**params)
         season = (default_season_length(freq) if season is None
                   else check_int("season_length", season, minimum=1))
-        gain = model_defaults("dlinear")["skip_gain"] if gain is None else gain
-        return BaselineSkipDLinearEstimator(season_length=season, skip_gain=gain, **params)
+        recipe = model_defaults("dlinear")
+        gain = recipe["skip_gain"] if gain is None else gain
+        features = tuple(recipe.get("skip_features", SKIP_FEATURES) if features is None
+                         else features)
+        return BaselineSkipDLinearEstimator(season_length=season, skip_gain=gain,
+                                            skip_features=features, **params)
     if model == "simpleff":
         from gluonts.torch.model.simple_feedforward import SimpleFeedForwardEstimator
 

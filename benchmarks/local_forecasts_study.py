@@ -1,0 +1,238 @@
+"""Issue 47's levers on the PUBLIC study panels: local forecasts in the window, pretrained.
+
+Each variant is a DLinear design: the local forecasts its baseline skip combines
+(``--features``: :data:`~opacus_structured.forecasting.baseline_skip.SKIP_FEATURES`, the shipped
+two, or the five of :mod:`~opacus_structured.forecasting.local_forecasts`), whether the public
+weights are pretrained **with** that skip (``pre``: the zero-shot model already combines the
+local methods) or without it (``plain``: the skip starts at zero), the pretraining corpus
+(``synthetic`` or ``synthetic+competition[:N]``), the skip's Adam step ``skip_lr`` and the
+context (``c<L>``). A variant is written ``features/pretrain/corpus/skip_lr/context``, e.g.
+``local5/pre/synthetic/1e-4/36``.
+
+For each variant, study panel (txhousing, economics, the synthetic study panel of
+``forecast_recipe.py``: test = last 12 months, Λ = round(N·64/148)) and seed, the model is
+fine-tuned at ε = 1 (δ = 1e-7) with the rest of DLinear's recipe and scored at every zero-shot
+share ``w`` of ``--weights`` (the product's ``create_predictor(zero_shot_weight=w)``), next to
+its zero-shot model, seasonal naive and statsmodels ETS fitted per series (NOT PRIVATE,
+:mod:`~opacus_structured.forecasting.ets`). The score of a design is the mean over the panels
+of (CRPS/SN + MASE/SN)/2 (lower is better), as in the earlier studies; the table also counts
+the panels where the release beats ETS on CRPS. The benchmark panels and the bundled panel
+are never read here::
+
+    OMP_NUM_THREADS=1 nice -n 5 python benchmarks/local_forecasts_study.py \\
+        --variants skip2/plain/synthetic/default/36 local5/pre/synthetic/1e-4/36 \\
+        --seeds 0 1 2 --json local_study.json
+
+Public weights of each pretraining are cached under ``$OPACUS_STRUCTURED_CACHE`` (their key
+carries the recipe). ``--amplification`` prints σ at ε = 1 for each context on the study
+panels' and the bundled panel's public geometry (its series lengths): the price of a longer
+context (more windows contain a protected step: ``r = (L_C + L_F)/(L − L_F + 1)`` grows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+from forecast_recipe import study_split, study_score
+
+PANELS = ("txhousing", "economics", "synthetic")
+WEIGHTS = (0.0, 0.1, 0.25, 0.5)
+H = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    features: str      # skip2 | local5 | ets-only ...
+    pretrain: str      # plain | pre
+    corpus: str        # synthetic | synthetic+competition[:N]
+    skip_lr: str       # default | a float
+    context: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Variant":
+        f, p, c, lr, ctx = text.split("/")
+        return cls(f, p, c, lr, int(ctx))
+
+    def __str__(self):
+        return f"{self.features}/{self.pretrain}/{self.corpus}/{self.skip_lr}/{self.context}"
+
+
+FEATURE_SETS = {"skip2": ("seasonal_naive", "naive"),
+                "local5": ("seasonal_naive", "naive", "drift", "ets", "theta"),
+                "local3": ("seasonal_naive", "ets", "theta"),
+                "ets": ("seasonal_naive", "naive", "ets")}
+
+
+def configure(variant: Variant):
+    """Set DLinear's recipe row and pretraining recipe to ``variant`` (in this process)."""
+    from opacus_structured.forecasting import model_defaults as md
+    from opacus_structured.forecasting import pretraining
+
+    features = FEATURE_SETS[variant.features]
+    md.MODEL_DEFAULTS["dlinear"]["skip_features"] = features
+    name, _, count = variant.corpus.partition(":")
+    base = pretraining.PretrainRecipe()
+    pretraining.PRETRAIN_RECIPE["dlinear"] = dataclasses.replace(
+        base, corpus=name, competition_series=int(count) if count else None,
+        skip_features=features if variant.pretrain == "pre" else None)
+    return None if variant.skip_lr == "default" else float(variant.skip_lr)
+
+
+def ets_scores(train, test_targets):
+    """statsmodels ETS (NOT PRIVATE) of a study panel: its CRPS and MASE."""
+    import numpy as np
+    import pandas as pd
+
+    from opacus_structured.forecasting.ets import ets_reference
+    from opacus_structured.forecasting.seasonality import season_length
+
+    truth = [pd.DataFrame(np.asarray(y, dtype=np.float32),
+                          index=pd.period_range(s, periods=len(y), freq=train.freq))
+             for y, s in test_targets]
+    ets = ets_reference(train, truth, H, season_length(train.freq))
+    return {"crps": ets["crps"], "mase": ets["mase"]}
+
+
+def amplification(contexts, epsilon=1.0, delta=1e-7, steps=100):
+    """σ at ε for each context on the public geometry of the study panels and the bundled
+    panel (N, shortest training series, Λ), DLinear's window (context + 12)."""
+    from forecast_recipe import _panel
+
+    from opacus_structured.accounting.calibration import calibrate_noise_multiplier
+    from opacus_structured.forecasting.data import train_test_split
+    from opacus_structured.schemes.structured import StructuredScheme
+
+    out = []
+    for name in (*PANELS, "employment"):
+        train, _ = train_test_split(_panel(name), H)
+        n = len(train)
+        batch = 64 if name in ("synthetic", "employment") else max(1, round(n * 64 / 148))
+        shortest = train.min_length
+        for ctx in contexts:
+            scheme = StructuredScheme(num_series=n, series_length=shortest, context_length=ctx,
+                                      forecast_length=H, batch_size=batch)
+            sigma = calibrate_noise_multiplier(
+                lambda s: scheme.epsilon(s, steps, delta, discretization=1e-3), epsilon,
+                rtol=1e-2)
+            out.append({"panel": name, "context": ctx, "N": n, "L": shortest, "batch": batch,
+                        "sigma": sigma})
+            print(f"{name:10s} context {ctx:3d}: N {n}, shortest L {shortest}, Λ {batch}, "
+                  f"σ(ε={epsilon:g}) = {sigma:.3f}", flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", nargs="+", default=["skip2/plain/synthetic/default/36",
+                                                       "local5/pre/synthetic/1e-4/36"])
+    ap.add_argument("--panels", nargs="+", default=list(PANELS))
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--weights", nargs="+", type=float, default=list(WEIGHTS))
+    ap.add_argument("--nonprivate", action="store_true", help="also fine-tune without DP")
+    ap.add_argument("--amplification", nargs="*", type=int, default=None, metavar="CONTEXT",
+                    help="print σ at ε = 1 per context (e.g. 36 60) and exit")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    if args.amplification is not None:
+        rows = amplification(args.amplification or [36, 60])
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"machine": platform.platform(), "amplification": rows}, fh, indent=1)
+        return 0
+
+    from opacus_structured.forecasting.data import train_test_split  # noqa: F401
+    from opacus_structured.forecasting.pretraining import pretrained_weights, zero_shot_predictor
+    from opacus_structured.forecasting.training import train_forecaster
+
+    variants = [Variant.parse(v) for v in args.variants]
+    rows, refs = [], {}
+    for panel in args.panels:
+        train, batch, score, sn = study_split(panel)
+        from forecast_recipe import _panel
+
+        from opacus_structured.forecasting.data import train_test_split as split
+        _, test = split(_panel(panel), H)
+        ets = ets_scores(train, list(zip(test.targets, test.starts, strict=True)))
+        refs[panel] = {"seasonal_naive": sn, "ets": ets}
+        print(f"{panel:10s} seasonal naive CRPS {sn['crps']:.5f} MASE {sn['mase']:.3f}; ETS "
+              f"(NOT PRIVATE) CRPS {ets['crps']:.5f} MASE {ets['mase']:.3f}", flush=True)
+        for variant in variants:
+            skip_lr = configure(variant)
+            ctx = variant.context
+            state, _ = pretrained_weights("dlinear", freq=train.freq, prediction_length=H,
+                                          context_length=ctx, log=print)
+            zs = score(zero_shot_predictor("dlinear", state, freq=train.freq,
+                                           prediction_length=H, context_length=ctx))
+            rows.append({"panel": panel, "variant": str(variant), "kind": "zero-shot",
+                         "crps": zs["crps"], "mase": zs["mase"], "rel": study_score(zs, sn)})
+            print(f"{panel:10s} {variant!s:45s} zero-shot CRPS {zs['crps']:.5f} MASE "
+                  f"{zs['mase']:.3f}", flush=True)
+            for private in (True, False) if args.nonprivate else (True,):
+                for seed in args.seeds:
+                    t0 = time.perf_counter()
+                    res = train_forecaster(
+                        "dlinear", train, prediction_length=H, context_length=ctx,
+                        batch_size=batch, max_steps=100, lr=1e-4, max_grad_norm=1e-4,
+                        tail_average=0.5, epsilon=1.0 if private else None,
+                        delta=1e-7 if private else None, seed=seed, init_seed=seed,
+                        init_state=state, skip_lr=skip_lr)
+                    secs = time.perf_counter() - t0
+                    for w in args.weights:
+                        m = score(res.create_predictor(zero_shot_weight=w))
+                        rows.append({"panel": panel, "variant": str(variant),
+                                     "kind": "DP" if private else "non-private", "seed": seed,
+                                     "w": w, "crps": m["crps"], "mase": m["mase"],
+                                     "rel": study_score(m, sn), "seconds": secs,
+                                     "sigma": res.noise_multiplier})
+                        print(f"{panel:10s} {variant!s:45s} {'DP' if private else 'non-DP'} "
+                              f"seed {seed} w={w:<4g} CRPS {m['crps']:.5f} MASE "
+                              f"{m['mase']:.3f} ({secs:.0f} s)", flush=True)
+    print()
+    summary = summarize(rows, refs, variants, args)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"machine": platform.platform(), "panels": args.panels, "refs": refs,
+                       "rows": rows, "summary": summary}, fh, indent=1)
+    return 0
+
+
+def summarize(rows, refs, variants, args):
+    """Per variant and w: the study score, per-panel CRPS and wins over ETS (printed)."""
+    out = []
+    for variant in map(str, variants):
+        zs = [r for r in rows if r["variant"] == variant and r["kind"] == "zero-shot"]
+        zs_score = statistics.fmean(r["rel"] for r in zs) if zs else None
+        for kind in ("DP", "non-private"):
+            for w in args.weights:
+                sel = [r for r in rows if r["variant"] == variant and r["kind"] == kind
+                       and r.get("w") == w]
+                if not sel:
+                    continue
+                panels = [p for p in args.panels if any(r["panel"] == p for r in sel)]
+                crps = {p: statistics.fmean(r["crps"] for r in sel if r["panel"] == p)
+                        for p in panels}
+                crps_sd = {p: statistics.pstdev([r["crps"] for r in sel if r["panel"] == p])
+                           for p in panels}
+                score = statistics.fmean(statistics.fmean(r["rel"] for r in sel
+                                                          if r["panel"] == p) for p in panels)
+                beats_ets = [p for p in panels if crps[p] < refs[p]["ets"]["crps"]]
+                out.append({"variant": variant, "kind": kind, "w": w, "score": score,
+                            "zero_shot_score": zs_score, "crps": crps, "crps_std": crps_sd,
+                            "beats_ets": beats_ets})
+                print(f"{variant:45s} {kind:11s} w={w:<4g} score {score:.4f} (zero-shot "
+                      f"{zs_score:.4f})  " + "  ".join(
+                          f"{p} {crps[p]:.5f}±{crps_sd[p]:.5f}" for p in panels)
+                      + f"  beats ETS on {len(beats_ets)}/{len(panels)}", flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,7 +4,9 @@ Each variant is a DLinear design: the local forecasts its baseline skip combines
 (``--features``: :data:`~opacus_structured.forecasting.baseline_skip.SKIP_FEATURES`, the shipped
 two, or the five of :mod:`~opacus_structured.forecasting.local_forecasts`), whether the public
 weights are pretrained **with** that skip (``pre``: the zero-shot model already combines the
-local methods) or without it (``plain``: the skip starts at zero), the pretraining corpus
+local methods) or without it (``plain``: the skip starts at zero; ``prior-<name>``: it starts
+at the public prior combination :data:`PRIORS`; a suffix ``+s<v>`` adds the scale skip at
+initial weight ``v``, which moves the predictive scale towards ETS's), the pretraining corpus
 (``synthetic`` or ``synthetic+competition[:N]``), the skip's Adam step ``skip_lr`` and the
 context (``c<L>``). A variant is written ``features/pretrain/corpus/skip_lr/context``, e.g.
 ``local5/pre/synthetic/1e-4/36``.
@@ -70,6 +72,15 @@ FEATURE_SETS = {"skip2": ("seasonal_naive", "naive"),
                 "ets": ("seasonal_naive", "naive", "ets")}
 
 
+#: Initial effective skip weights (``prior-<name>``): public priors for the combination; the
+#: network's own location keeps the weight ``1 - sum``.
+PRIORS = {"ets": {"ets": 1.0}, "theta": {"theta": 1.0},
+          "etsth": {"ets": 0.5, "theta": 0.5},
+          "etsthmu": {"ets": 1 / 3, "theta": 1 / 3},
+          "etsthsn": {"ets": 1 / 3, "theta": 1 / 3, "seasonal_naive": 1 / 3},
+          "etsthsnmu": {"ets": 0.25, "theta": 0.25, "seasonal_naive": 0.25}}
+
+
 def configure(variant: Variant):
     """Set DLinear's recipe row and pretraining recipe to ``variant`` (in this process)."""
     from opacus_structured.forecasting import model_defaults as md
@@ -77,12 +88,21 @@ def configure(variant: Variant):
 
     features = FEATURE_SETS[variant.features]
     md.MODEL_DEFAULTS["dlinear"]["skip_features"] = features
+    prior, _, scale = variant.pretrain.partition("+s")
+    md.MODEL_DEFAULTS["dlinear"]["skip_init"] = (
+        PRIORS[prior.split("-", 1)[1]] if prior.startswith("prior-") else None)
+    md.MODEL_DEFAULTS["dlinear"]["skip_scale"] = float(scale) if scale else None
     name, _, count = variant.corpus.partition(":")
     base = pretraining.PretrainRecipe()
     pretraining.PRETRAIN_RECIPE["dlinear"] = dataclasses.replace(
         base, corpus=name, competition_series=int(count) if count else None,
-        skip_features=features if variant.pretrain == "pre" else None)
+        skip_features=features if prior == "pre" else None)
     return None if variant.skip_lr == "default" else float(variant.skip_lr)
+
+
+def noise_rule_weight(sigma, batch, w_max=0.25):
+    """The noise-aware zero-shot share ``w_max · min(1, σ/Λ)``: public quantities only."""
+    return w_max * min(1.0, float(sigma) / float(batch))
 
 
 def ets_scores(train, test_targets):
@@ -185,15 +205,18 @@ def main(argv=None) -> int:
                         delta=1e-7 if private else None, seed=seed, init_seed=seed,
                         init_state=state, skip_lr=skip_lr)
                     secs = time.perf_counter() - t0
-                    for w in args.weights:
-                        m = score(res.create_predictor(zero_shot_weight=w))
+                    rule = (noise_rule_weight(res.noise_multiplier, batch) if private
+                            else 0.0)
+                    for w in (*args.weights, "rule"):
+                        m = score(res.create_predictor(
+                            zero_shot_weight=rule if w == "rule" else w))
                         rows.append({"panel": panel, "variant": str(variant),
                                      "kind": "DP" if private else "non-private", "seed": seed,
                                      "w": w, "crps": m["crps"], "mase": m["mase"],
                                      "rel": study_score(m, sn), "seconds": secs,
                                      "sigma": res.noise_multiplier})
                         print(f"{panel:10s} {variant!s:45s} {'DP' if private else 'non-DP'} "
-                              f"seed {seed} w={w:<4g} CRPS {m['crps']:.5f} MASE "
+                              f"seed {seed} w={str(w):<4s} CRPS {m['crps']:.5f} MASE "
                               f"{m['mase']:.3f} ({secs:.0f} s)", flush=True)
     print()
     summary = summarize(rows, refs, variants, args)
@@ -211,7 +234,7 @@ def summarize(rows, refs, variants, args):
         zs = [r for r in rows if r["variant"] == variant and r["kind"] == "zero-shot"]
         zs_score = statistics.fmean(r["rel"] for r in zs) if zs else None
         for kind in ("DP", "non-private"):
-            for w in args.weights:
+            for w in (*args.weights, "rule"):
                 sel = [r for r in rows if r["variant"] == variant and r["kind"] == kind
                        and r.get("w") == w]
                 if not sel:
@@ -227,7 +250,7 @@ def summarize(rows, refs, variants, args):
                 out.append({"variant": variant, "kind": kind, "w": w, "score": score,
                             "zero_shot_score": zs_score, "crps": crps, "crps_std": crps_sd,
                             "beats_ets": beats_ets})
-                print(f"{variant:45s} {kind:11s} w={w:<4g} score {score:.4f} (zero-shot "
+                print(f"{variant:45s} {kind:11s} w={str(w):<4s} score {score:.4f} (zero-shot "
                       f"{zs_score:.4f})  " + "  ".join(
                           f"{p} {crps[p]:.5f}±{crps_sd[p]:.5f}" for p in panels)
                       + f"  beats ETS on {len(beats_ets)}/{len(panels)}", flush=True)

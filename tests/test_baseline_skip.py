@@ -201,3 +201,96 @@ def test_ghost_and_hooks_release_the_same_skip_network():
     assert states["hooks"][SKIP_PARAMETER].abs().sum() > 0
     for key, value in states["hooks"].items():
         torch.testing.assert_close(states["ghost"][key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def _local_model(scale=0.5):
+    from opacus_structured.forecasting.baseline_skip import LOCAL_FEATURES
+
+    torch.manual_seed(0)
+    return BaselineSkipDLinearModel(prediction_length=H, context_length=CTX, hidden_dimension=6,
+                                    kernel_size=3, season_length=M, skip_gain=10.0,
+                                    skip_features=LOCAL_FEATURES,
+                                    skip_init=(0.25, 0.0, 0.0, 0.25, 0.25), skip_scale=scale)
+
+
+def test_local_skip_starts_at_its_prior_and_reaches_ets_exactly():
+    """``skip_init`` sets the effective weights ``gain · w`` (also when a plain public state
+    is loaded); at weight 1 on ETS the location is the window's ETS forecast, and at scale
+    weight 1 the Student-t scale is ETS's h-step standard deviation."""
+    from opacus_structured.forecasting.baseline_skip import SCALE_SKIP_PARAMETER
+    from opacus_structured.forecasting.local_forecasts import ets_forecast
+
+    net = _local_model()
+    torch.testing.assert_close(10.0 * net.baseline_skip.weight,
+                               torch.tensor([[0.25, 0.0, 0.0, 0.25, 0.25]]))
+    plain = DLinearModel(prediction_length=H, context_length=CTX, hidden_dimension=6,
+                         kernel_size=3)
+    with torch.no_grad():
+        net.baseline_skip.weight.zero_()
+    net.load_state_dict(plain.state_dict())  # no skip in the state: the prior again
+    torch.testing.assert_close(10.0 * net.baseline_skip.weight,
+                               torch.tensor([[0.25, 0.0, 0.0, 0.25, 0.25]]))
+    assert float(10.0 * net.scale_skip.weight.detach()) == pytest.approx(0.5)
+    assert SCALE_SKIP_PARAMETER in net.state_dict()
+    with torch.no_grad():
+        net.baseline_skip.weight.copy_(torch.tensor([[0.0, 0.0, 0.0, 0.1, 0.0]]))
+        net.scale_skip.weight.fill_(0.1)
+    past, obs = _inputs()
+    args, loc, scale = net(past, obs)
+    ets, std = ets_forecast(((past - loc) / scale).double(), obs.double(), M, H)
+    torch.testing.assert_close(args[1].double(), ets, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(args[2].double(), std.clamp(min=1e-4), rtol=1e-4, atol=1e-6)
+    described = describe_skip(net)
+    assert described["weights"]["ets"] == pytest.approx(1.0)
+    assert described["scale_weight"] == pytest.approx(1.0)
+
+
+def test_local_skip_per_window_gradients_depend_on_their_own_window_only():
+    """The privacy claim: with the local forecasts (fitted inside each window) and the scale
+    skip, Opacus' per-window gradient of every parameter equals the gradient of that window
+    alone, whatever the other windows of the batch hold, padded windows included."""
+    from opacus import GradSampleModule
+
+    net = _local_model()
+    past, obs = _inputs(batch=4)
+    past[2, :5] = 0.0
+    obs = obs.clone()
+    obs[2, :5] = 0.0
+    future = past[:, -H:] + 0.5
+    fobs = torch.ones_like(future)
+    expected = []
+    for i in range(4):
+        net.zero_grad()
+        net.loss(past[i:i + 1], obs[i:i + 1], future[i:i + 1], fobs[i:i + 1]).sum().backward()
+        expected.append({n: p.grad.clone() for n, p in net.named_parameters()})
+    gsm = GradSampleModule(net, loss_reduction="sum")
+    for other in (past, past * torch.tensor([1.0, 7.0, 1.0, 0.1])[:, None]):
+        gsm.zero_grad()
+        batch = other.clone()
+        batch[0] = past[0]
+        gsm._module.loss(batch, obs, future, fobs).sum().backward()
+        for name, param in net.named_parameters():
+            torch.testing.assert_close(param.grad_sample[0], expected[0][name], rtol=1e-4,
+                                       atol=1e-7)
+        for param in net.parameters():
+            param.grad_sample = None
+    gsm._close()
+
+
+def test_local_skip_predictor_serializes(tmp_path):
+    from gluonts.model.predictor import Predictor
+
+    from opacus_structured.forecasting.baseline_skip import LOCAL_FEATURES
+
+    prepared = prepare_estimator("dlinear", freq="M", prediction_length=H, context_length=CTX,
+                                 skip_features=LOCAL_FEATURES, skip_init=(0.2,) * 5,
+                                 skip_scale=0.7)
+    prepared.create_predictor().serialize(tmp_path)
+    rebuilt = Predictor.deserialize(tmp_path).prediction_net.model
+    net = prepared.module.model
+    assert rebuilt.skip_features == LOCAL_FEATURES and rebuilt.skip_scale == 0.7
+    for key, value in net.state_dict().items():
+        assert torch.equal(rebuilt.state_dict()[key], value), key
+    with pytest.raises(ValueError, match="skip_init must give one finite"):
+        BaselineSkipDLinearModel(prediction_length=H, context_length=CTX, hidden_dimension=4,
+                                 skip_features=LOCAL_FEATURES, skip_init=(1.0,))

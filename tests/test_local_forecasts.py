@@ -7,6 +7,7 @@ own context only), also through the skip's per-window gradients."""
 import warnings
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -35,21 +36,27 @@ def test_ets_smoother_equals_statsmodels_at_fixed_parameters(seed):
     y = _series(T, m, seed)
     yt = torch.tensor(y[None])
     params = (0.3, 0.03, 0.1, 0.9)
-    fc, _ = ets_forecast(yt, _ones(yt), m, H, grid=[params])
+    fc, std = ets_forecast(yt, _ones(yt), m, H, grid=[params])
     k = torch.zeros(1, dtype=torch.long)
     level, trend, seas = _initial_states(yt, k, torch.tensor([float(T)]), m,
                                          torch.tensor([True]))
     # statsmodels' initial seasonal states are s_{1-m}, ..., s_0 in time order, and step t
     # reads s_{t-m}: the state of phase p (step t = p reads it) is the p-th entry
     initial_seasonal = seas[0].numpy()
-    model = sm.ETSModel(y, error="add", trend="add", damped_trend=True, seasonal="add",
-                        seasonal_periods=m, initialization_method="known",
+    model = sm.ETSModel(pd.Series(y), error="add", trend="add", damped_trend=True,
+                        seasonal="add", seasonal_periods=m, initialization_method="known",
                         initial_level=float(level[0]), initial_trend=float(trend[0]),
                         initial_seasonal=initial_seasonal)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = model.smooth(list(params))
     np.testing.assert_allclose(fc[0].numpy(), res.forecast(H), rtol=1e-9, atol=1e-9)
+    # the h-step standard deviation: statsmodels' exact forecast variance at the same σ²
+    sigma2 = float(std[0, 0]) ** 2
+    pred = res.get_prediction(start=T, end=T + H - 1)
+    assert pred.method == "exact"
+    factor = np.asarray(pred.forecast_variance) / float(res.mse)
+    np.testing.assert_allclose(std[0].numpy() ** 2 / sigma2, factor, rtol=1e-9)
 
 
 def test_ets_grid_fit_is_close_to_statsmodels_maximum_likelihood():
@@ -68,7 +75,7 @@ def test_ets_grid_fit_is_close_to_statsmodels_maximum_likelihood():
                               seasonal_periods=m, initialization_method="heuristic"
                               ).fit(disp=False)
         rmse = float(np.sqrt(np.mean(np.asarray(ref.resid) ** 2)))
-        assert float(sigma[i]) < 1.3 * rmse, (i, float(sigma[i]), rmse)
+        assert float(sigma[i, 0]) < 1.3 * rmse, (i, float(sigma[i, 0]), rmse)
         assert np.max(np.abs(fc[i].numpy() - ref.forecast(H))) < 0.1, i
 
 

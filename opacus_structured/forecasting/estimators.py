@@ -157,23 +157,31 @@ def build_estimator(model: str, *, freq: str, prediction_length: int,
         season = kwargs.pop("season_length", None)
         gain = kwargs.pop("skip_gain", None)
         features = kwargs.pop("skip_features", None)
+        init = kwargs.pop("skip_init", None)
+        scale_init = kwargs.pop("skip_scale", None)
         params = dict(hidden_dimension=20, kernel_size=13)
         params.update(common, **kwargs)
         if params["kernel_size"] % 2 == 0:
             raise ValueError(f"kernel_size must be odd, got {params['kernel_size']}")
         if not skip:
-            if season is not None or gain is not None or features is not None:
-                raise ValueError("season_length, skip_gain and skip_features are read by the "
-                                 "baseline skip only: drop them or keep baseline_skip=True")
+            if (season, gain, features, init, scale_init) != (None,) * 5:
+                raise ValueError("season_length, skip_gain, skip_features, skip_init and "
+                                 "skip_scale are read by the baseline skip only: drop them or "
+                                 "keep baseline_skip=True")
             return DLinearEstimator(**params)
         season = (default_season_length(freq) if season is None
                   else check_int("season_length", season, minimum=1))
         recipe = model_defaults("dlinear")
         gain = recipe["skip_gain"] if gain is None else gain
-        features = tuple(recipe.get("skip_features", SKIP_FEATURES) if features is None
-                         else features)
+        if features is None:  # the recipe's features and their initial weights
+            features = tuple(recipe.get("skip_features", SKIP_FEATURES))
+            if init is None and recipe.get("skip_init"):
+                init = tuple(float(recipe["skip_init"].get(f, 0.0)) for f in features)
+            if scale_init is None:
+                scale_init = recipe.get("skip_scale")
         return BaselineSkipDLinearEstimator(season_length=season, skip_gain=gain,
-                                            skip_features=features, **params)
+                                            skip_features=tuple(features), skip_init=init,
+                                            skip_scale=scale_init, **params)
     if model == "simpleff":
         from gluonts.torch.model.simple_feedforward import SimpleFeedForwardEstimator
 

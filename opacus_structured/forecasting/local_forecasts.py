@@ -158,9 +158,11 @@ def _initial_states(y, k, n_obs, m, season):
 
 def ets_forecast(y: torch.Tensor, observed: torch.Tensor, m: int, horizon: int,
                  grid: Sequence[tuple] = ETS_GRID) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(forecasts (B, H), sigma (B,))``: ETS(A,Ad,A) (ETS(A,Ad,N) where no two seasons are
-    observed) fitted per row on a grid (module docstring); ``sigma`` is the root mean squared
-    one-step error of the chosen fit."""
+    """``(forecasts (B, H), std (B, H))``: ETS(A,Ad,A) (ETS(A,Ad,N) where no two seasons are
+    observed) fitted per row on a grid (module docstring). ``std`` is the model's ``h``-step
+    forecast standard deviation ``σ·sqrt(1 + Σ_{j<h} c_j²)`` with
+    ``c_j = α + β(φ + … + φ^j) + γ·[j mod m = 0]`` (Hyndman et al. 2008, Table 6.1, class 1)
+    and ``σ`` the root mean squared one-step error of the chosen fit."""
     with torch.no_grad():
         B, T = y.shape
         dtype = y.dtype
@@ -195,6 +197,9 @@ def ets_forecast(y: torch.Tensor, observed: torch.Tensor, m: int, horizon: int,
         lv = level.gather(1, pick).squeeze(1)
         tr = trend.gather(1, pick).squeeze(1)
         ph = phi.expand(B, G).gather(1, pick).squeeze(1)
+        al = alpha.expand(B, G).gather(1, pick).squeeze(1)
+        be = beta.expand(B, G).gather(1, pick).squeeze(1)
+        ga = gamma.expand(B, G).gather(1, pick).squeeze(1)
         ss = seas[torch.arange(B, device=y.device), best]                      # (B, m)
         h = torch.arange(1, horizon + 1, device=y.device, dtype=dtype)
         # φ + φ² + … + φ^h
@@ -202,7 +207,14 @@ def ets_forecast(y: torch.Tensor, observed: torch.Tensor, m: int, horizon: int,
         phases = [(T + i) % m_eff for i in range(horizon)]
         fc = lv[:, None] + damp_sum * tr[:, None] + ss[:, phases]
         sigma = torch.sqrt(sse.gather(1, pick).squeeze(1) / n_obs.clamp(min=1))
-        return fc, sigma
+        # c_j for j = 1 .. H-1, then the cumulated variance factor of step h = 1 .. H
+        j = h[:-1]
+        seasonal_hit = ((j.long() % m_eff) == 0).to(dtype) if m_eff > 1 else torch.zeros_like(j)
+        c = (al[:, None] + be[:, None] * damp_sum[:, :-1]
+             + ga[:, None] * seasonal_hit[None, :])
+        factor = torch.cat([torch.ones(B, 1, dtype=dtype, device=y.device),
+                            1 + torch.cumsum(c * c, dim=1)], dim=1)
+        return fc, sigma[:, None] * torch.sqrt(factor)
 
 
 def _weighted_line(y, obs):
@@ -266,16 +278,20 @@ def theta_forecast(y: torch.Tensor, observed: torch.Tensor, m: int, horizon: int
 
 
 def local_forecasts(y: torch.Tensor, observed: torch.Tensor, m: int, horizon: int,
-                    methods: Sequence[str] = METHODS) -> torch.Tensor:
+                    methods: Sequence[str] = METHODS, *, with_ets_std: bool = False):
     """``(B, H, K)`` forecasts of the ``K`` local ``methods`` (:data:`METHODS`) fitted on each
     row of the contexts ``y`` ``(B, T)`` with observed mask ``observed`` ``(B, T)``; season
-    length ``m >= 1``. Computed without autograd (they are inputs, not parameters)."""
+    length ``m >= 1``. Computed without autograd (they are inputs, not parameters).
+    ``with_ets_std``: also return ETS's ``(B, H)`` forecast standard deviation
+    (:func:`ets_forecast`; ETS is fitted even when not among ``methods``)."""
     methods = check_methods(methods)
     if y.dim() != 2 or observed.shape != y.shape:
         raise ValueError(f"y and observed must both be (batch, context) tensors, got "
                          f"{tuple(y.shape)} and {tuple(observed.shape)}")
     with torch.no_grad():
         out = []
+        ets = ets_forecast(y, observed, m, horizon) if (
+            with_ets_std or "ets" in methods) else None
         for name in methods:
             if name == "seasonal_naive":
                 out.append(seasonal_naive_forecast(y, m, horizon))
@@ -284,7 +300,8 @@ def local_forecasts(y: torch.Tensor, observed: torch.Tensor, m: int, horizon: in
             elif name == "drift":
                 out.append(drift_forecast(y, observed, horizon))
             elif name == "ets":
-                out.append(ets_forecast(y, observed, m, horizon)[0])
+                out.append(ets[0])
             else:
                 out.append(theta_forecast(y, observed, m, horizon))
-        return torch.stack(out, dim=-1)
+        stacked = torch.stack(out, dim=-1)
+        return (stacked, ets[1]) if with_ets_std else stacked

@@ -25,6 +25,8 @@ are never read here::
         --variants skip2/plain/synthetic/default/36 local5/pre/synthetic/1e-4/36 \\
         --seeds 0 1 2 --json local_study.json
 
+``--local-accuracy 36 60`` prints the MASE of each local method fitted on the last 36 or 60
+steps of every study series (no network): whether a longer context helps the local fits.
 Public weights of each pretraining are cached under ``$OPACUS_STRUCTURED_CACHE`` (their key
 carries the recipe). ``--amplification`` prints σ at ε = 1 for each context on the study
 panels' and the bundled panel's public geometry (its series lengths): the price of a longer
@@ -148,6 +150,45 @@ def amplification(contexts, epsilon=1.0, delta=1e-7, steps=100):
     return out
 
 
+def local_accuracy(contexts, panels=PANELS):
+    """MASE of every local method fitted on the last ``context`` training steps of each series
+    of the study panels (point forecasts, no network): how much context the local fits need."""
+    import numpy as np
+    import torch
+
+    from forecast_recipe import _panel
+
+    from opacus_structured.forecasting.data import train_test_split
+    from opacus_structured.forecasting.local_forecasts import METHODS, local_forecasts
+    from opacus_structured.forecasting.seasonality import season_length
+
+    out = []
+    for name in panels:
+        train, test = train_test_split(_panel(name), H)
+        m = season_length(train.freq)
+        for ctx in contexts:
+            ys, obs, truth, scales = [], [], [], []
+            for tr, te in zip(train.targets, test.targets, strict=True):
+                tr = np.asarray(tr, float)
+                c = tr[-ctx:]
+                o = np.r_[np.zeros(ctx - len(c)), np.ones(len(c))]
+                c = np.r_[np.zeros(ctx - len(c)), c]
+                s = max(np.abs(c[o > 0]).mean(), 1e-10)
+                ys.append(c / s)
+                obs.append(o)
+                truth.append(np.asarray(te, float)[-H:] / s)
+                scales.append(np.mean(np.abs(tr[m:] - tr[:-m])) / s)
+            f = local_forecasts(torch.tensor(np.array(ys)), torch.tensor(np.array(obs)), m,
+                                H).numpy()
+            err = np.abs(f - np.array(truth)[:, :, None]).mean(1) / np.array(scales)[:, None]
+            row = {"panel": name, "context": ctx,
+                   **{k: float(err[:, i].mean()) for i, k in enumerate(METHODS)}}
+            out.append(row)
+            print(f"{name:10s} context {ctx:3d} MASE: " + "  ".join(
+                f"{k} {row[k]:.3f}" for k in METHODS), flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", nargs="+", default=["skip2/plain/synthetic/default/36",
@@ -158,9 +199,14 @@ def main(argv=None) -> int:
     ap.add_argument("--nonprivate", action="store_true", help="also fine-tune without DP")
     ap.add_argument("--amplification", nargs="*", type=int, default=None, metavar="CONTEXT",
                     help="print σ at ε = 1 per context (e.g. 36 60) and exit")
+    ap.add_argument("--local-accuracy", nargs="*", type=int, default=None, metavar="CONTEXT",
+                    help="print the MASE of every local method per context and exit")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
+    if args.local_accuracy is not None:
+        local_accuracy(args.local_accuracy or [36, 60])
+        return 0
     if args.amplification is not None:
         rows = amplification(args.amplification or [36, 60])
         if args.json:

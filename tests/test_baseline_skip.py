@@ -116,7 +116,7 @@ def test_estimator_predictor_serializes_with_the_skip(tmp_path):
     assert isinstance(net, BaselineSkipDLinearModel)
     assert net.season_length == 12 and net.skip_gain == model_defaults("dlinear")["skip_gain"]
     with torch.no_grad():
-        net.baseline_skip.weight.copy_(torch.tensor([[1e-4, 2e-4]]))
+        net.baseline_skip.weight.add_(torch.linspace(1e-4, 5e-4, net.baseline_skip.weight.numel()))
     prepared.create_predictor().serialize(tmp_path)
     back = Predictor.deserialize(tmp_path)
     rebuilt = back.prediction_net.model

@@ -82,6 +82,16 @@ def test_skip_reaches_the_baselines_exactly(season_length, weight, expected):
     torch.testing.assert_close(_mean(skip, past, obs), expected(past), rtol=1e-5, atol=1e-5)
 
 
+def _gradients_one_window_at_a_time(net, past, obs, future, fobs):
+    """The autograd gradient of every parameter for each window on its own."""
+    out = []
+    for i in range(past.shape[0]):
+        net.zero_grad()
+        net.loss(past[i:i + 1], obs[i:i + 1], future[i:i + 1], fobs[i:i + 1]).sum().backward()
+        out.append({n: p.grad.clone() for n, p in net.named_parameters()})
+    return out
+
+
 def test_per_window_gradients_of_the_skip_are_the_autograd_ones():
     from opacus import GradSampleModule
 
@@ -91,11 +101,7 @@ def test_per_window_gradients_of_the_skip_are_the_autograd_ones():
     past, obs = _inputs(batch=4)
     future = past[:, -H:] + 0.5
     fobs = torch.ones_like(future)
-    expected = []
-    for i in range(4):
-        skip.zero_grad()
-        skip.loss(past[i:i + 1], obs[i:i + 1], future[i:i + 1], fobs[i:i + 1]).sum().backward()
-        expected.append({n: p.grad.clone() for n, p in skip.named_parameters()})
+    expected = _gradients_one_window_at_a_time(skip, past, obs, future, fobs)
     gsm = GradSampleModule(skip, loss_reduction="sum")
     gsm.zero_grad()
     gsm._module.loss(past, obs, future, fobs).sum().backward()
@@ -258,11 +264,7 @@ def test_local_skip_per_window_gradients_depend_on_their_own_window_only():
     obs[2, :5] = 0.0
     future = past[:, -H:] + 0.5
     fobs = torch.ones_like(future)
-    expected = []
-    for i in range(4):
-        net.zero_grad()
-        net.loss(past[i:i + 1], obs[i:i + 1], future[i:i + 1], fobs[i:i + 1]).sum().backward()
-        expected.append({n: p.grad.clone() for n, p in net.named_parameters()})
+    expected = _gradients_one_window_at_a_time(net, past, obs, future, fobs)
     gsm = GradSampleModule(net, loss_reduction="sum")
     for other in (past, past * torch.tensor([1.0, 7.0, 1.0, 0.1])[:, None]):
         gsm.zero_grad()

@@ -120,6 +120,17 @@ def _season_ok(n_obs: torch.Tensor, m: int) -> torch.Tensor:
     return n_obs >= 2 * m
 
 
+def _window_summary(y, observed, m):
+    """``(obs, k, n_obs, m_eff, season)`` of each row: the observed mask as ``y``'s dtype, the
+    first observed index, the number of observed steps, the season length in use (1 where
+    ``m = 1`` or ``m`` exceeds the context) and whether two full seasons are observed."""
+    T = y.shape[1]
+    obs = (observed > 0).to(y.dtype)
+    n_obs = obs.sum(1)
+    m_eff = m if 1 < m <= T else 1
+    return obs, _first_observed(observed), n_obs, m_eff, _season_ok(n_obs, m_eff)
+
+
 def _initial_states(y, k, n_obs, m, season):
     """Heuristic initial level, trend and seasonal state (by phase ``t mod m``) per row."""
     B, T = y.shape
@@ -168,11 +179,7 @@ def ets_forecast(y: torch.Tensor, observed: torch.Tensor, m: int, horizon: int,
     with torch.no_grad():
         B, T = y.shape
         dtype = y.dtype
-        obs = (observed > 0).to(dtype)
-        k = _first_observed(observed)
-        n_obs = obs.sum(1)
-        m_eff = m if 1 < m <= T else 1
-        season = _season_ok(n_obs, m_eff)
+        obs, k, n_obs, m_eff, season = _window_summary(y, observed, m)
         level0, trend0, seas0 = _initial_states(y, k, n_obs, m_eff, season)
         params = torch.tensor(grid, dtype=dtype, device=y.device)              # (G, 4)
         alpha, beta, gamma, phi = (params[:, i][None, :] for i in range(4))    # (1, G)
@@ -243,11 +250,7 @@ def theta_forecast(y: torch.Tensor, observed: torch.Tensor, m: int, horizon: int
     with torch.no_grad():
         B, T = y.shape
         dtype = y.dtype
-        obs = (observed > 0).to(dtype)
-        k = _first_observed(observed)
-        n_obs = obs.sum(1)
-        m_eff = m if 1 < m <= T else 1
-        season = _season_ok(n_obs, m_eff)
+        obs, k, n_obs, m_eff, season = _window_summary(y, observed, m)
         intercept, slope = _weighted_line(y, obs)
         t = torch.arange(T, device=y.device)
         if m_eff > 1:

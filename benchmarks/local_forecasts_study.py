@@ -26,7 +26,9 @@ are never read here::
         --seeds 0 1 2 --json local_study.json
 
 ``--local-accuracy 36 60`` prints the MASE of each local method fitted on the last 36 or 60
-steps of every study series (no network): whether a longer context helps the local fits.
+steps of every study series (no network): whether a longer context helps the local fits
+(``-3``: 3·H steps, ``0``: the whole training part). With ``--panels`` naming panels of
+``forecast_panels.py`` it is a diagnostic of the benchmark (used to explain, never to choose).
 Public weights of each pretraining are cached under ``$OPACUS_STRUCTURED_CACHE`` (their key
 carries the recipe). ``--amplification`` prints σ at ε = 1 for each context on the study
 panels' and the bundled panel's public geometry (its series lengths): the price of a longer
@@ -150,23 +152,44 @@ def amplification(contexts, epsilon=1.0, delta=1e-7, steps=100):
     return out
 
 
-def local_accuracy(contexts, panels=PANELS):
-    """MASE of every local method fitted on the last ``context`` training steps of each series
-    of the study panels (point forecasts, no network): how much context the local fits need."""
-    import numpy as np
-    import torch
-
+def _accuracy_panel(name):
+    """``(train, test, H, m)`` of a study panel, or of a benchmark panel of
+    ``forecast_panels.py`` (a diagnostic only: the benchmark chooses nothing)."""
     from forecast_recipe import _panel
 
     from opacus_structured.forecasting.data import train_test_split
-    from opacus_structured.forecasting.local_forecasts import METHODS, local_forecasts
     from opacus_structured.forecasting.seasonality import season_length
+
+    if name in (*PANELS, "employment"):
+        train, test = train_test_split(_panel(name), H)
+        return train, test, H, season_length(train.freq)
+    import forecast_panels
+
+    from opacus_structured.forecasting.user_data import load_panel
+
+    spec = forecast_panels.PANELS[name]
+    path, _ = forecast_panels.panel_csv(name)
+    h = spec.prediction_length
+    panel, _ = load_panel(path, freq=spec.freq, min_length=2 * h)
+    train, test = train_test_split(panel, h)
+    return train, test, h, season_length(train.freq)
+
+
+def local_accuracy(contexts, panels=PANELS):
+    """MASE of every local method fitted on the last ``context`` training steps of each series
+    (point forecasts, no network): how much context the local fits need. ``contexts`` are
+    multiples of the horizon when negative (``-3``: 3·H, the DLinear default; ``0``: the whole
+    training part)."""
+    import numpy as np
+    import torch
+
+    from opacus_structured.forecasting.local_forecasts import METHODS, local_forecasts
 
     out = []
     for name in panels:
-        train, test = train_test_split(_panel(name), H)
-        m = season_length(train.freq)
-        for ctx in contexts:
+        train, test, h, m = _accuracy_panel(name)
+        for given in contexts:
+            ctx = (-given * h if given < 0 else given) or max(train.lengths)
             ys, obs, truth, scales = [], [], [], []
             for tr, te in zip(train.targets, test.targets, strict=True):
                 tr = np.asarray(tr, float)
@@ -176,15 +199,16 @@ def local_accuracy(contexts, panels=PANELS):
                 s = max(np.abs(c[o > 0]).mean(), 1e-10)
                 ys.append(c / s)
                 obs.append(o)
-                truth.append(np.asarray(te, float)[-H:] / s)
-                scales.append(np.mean(np.abs(tr[m:] - tr[:-m])) / s)
+                truth.append(np.asarray(te, float)[-h:] / s)
+                lag = m if len(tr) > m else 1
+                scales.append(max(np.mean(np.abs(tr[lag:] - tr[:-lag])) / s, 1e-10))
             f = local_forecasts(torch.tensor(np.array(ys)), torch.tensor(np.array(obs)), m,
-                                H).numpy()
+                                h).numpy()
             err = np.abs(f - np.array(truth)[:, :, None]).mean(1) / np.array(scales)[:, None]
-            row = {"panel": name, "context": ctx,
+            row = {"panel": name, "context": int(ctx),
                    **{k: float(err[:, i].mean()) for i, k in enumerate(METHODS)}}
             out.append(row)
-            print(f"{name:10s} context {ctx:3d} MASE: " + "  ".join(
+            print(f"{name:15s} context {ctx:5d} MASE: " + "  ".join(
                 f"{k} {row[k]:.3f}" for k in METHODS), flush=True)
     return out
 
@@ -193,7 +217,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", nargs="+", default=["skip2/plain/synthetic/default/36",
                                                        "local5/pre/synthetic/1e-4/36"])
-    ap.add_argument("--panels", nargs="+", default=list(PANELS))
+    ap.add_argument("--panels", nargs="+", default=list(PANELS),
+                    help="study panels (the benchmark's for --local-accuracy diagnostics only)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--weights", nargs="+", type=float, default=list(WEIGHTS))
     ap.add_argument("--nonprivate", action="store_true", help="also fine-tune without DP")
@@ -205,7 +230,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     if args.local_accuracy is not None:
-        local_accuracy(args.local_accuracy or [36, 60])
+        local_accuracy(args.local_accuracy or [36, 60], args.panels)
         return 0
     if args.amplification is not None:
         rows = amplification(args.amplification or [36, 60])

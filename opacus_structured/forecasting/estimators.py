@@ -139,7 +139,9 @@ def build_estimator(model: str, *, freq: str, prediction_length: int,
 
     Defaults: DLinear hidden 20, kernel 13, with the baseline skip of
     :mod:`~opacus_structured.forecasting.baseline_skip` (``baseline_skip=False``: gluonts'
-    plain ``DLinearEstimator``; ``season_length`` default from ``freq``); SimpleFeedForward hidden [64, 64], no batch norm;
+    plain ``DLinearEstimator``; ``season_length`` default from ``freq``; the recipe's
+    ``skip_features`` with its prior ``skip_init`` and ``skip_scale`` unless ``skip_features``
+    is given, then ``skip_init`` and ``skip_scale`` are the given ones, default none); SimpleFeedForward hidden [64, 64], no batch norm;
     DeepAR 2 layers × 40, dropout 0, lags ``[1, 2, 3, 12, 13]`` (monthly seasonality) and
     ``default_scale=1.0``. All output Student-t distributions (gluonts' default).
     """

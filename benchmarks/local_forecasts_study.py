@@ -46,7 +46,7 @@ import sys
 import time
 import warnings
 
-from forecast_recipe import study_split, study_score
+from forecast_recipe import study_score, study_split
 
 PANELS = ("txhousing", "economics", "synthetic")
 WEIGHTS = (0.0, 0.1, 0.25, 0.5)
@@ -143,7 +143,8 @@ def amplification(contexts, epsilon=1.0, delta=1e-7, steps=100):
             scheme = StructuredScheme(num_series=n, series_length=shortest, context_length=ctx,
                                       forecast_length=H, batch_size=batch)
             sigma = calibrate_noise_multiplier(
-                lambda s: scheme.epsilon(s, steps, delta, discretization=1e-3), epsilon,
+                lambda s, scheme=scheme: scheme.epsilon(s, steps, delta, discretization=1e-3),
+                epsilon,
                 rtol=1e-2)
             out.append({"panel": name, "context": ctx, "N": n, "L": shortest, "batch": batch,
                         "sigma": sigma})

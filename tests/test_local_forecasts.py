@@ -12,8 +12,16 @@ import pytest
 import torch
 
 from opacus_structured.forecasting.local_forecasts import (
-    ETS_GRID, METHODS, _initial_states, check_methods, drift_forecast, ets_forecast,
-    local_forecasts, seasonal_naive_forecast, theta_forecast)
+    ETS_GRID,
+    METHODS,
+    _initial_states,
+    check_methods,
+    drift_forecast,
+    ets_forecast,
+    local_forecasts,
+    seasonal_naive_forecast,
+    theta_forecast,
+)
 
 
 def _series(n, m=12, seed=0, trend=0.01, amp=0.2, noise=0.03):

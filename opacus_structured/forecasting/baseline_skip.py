@@ -31,18 +31,32 @@ method. The location becomes
 
 .. math::
 
-    \mu'_h = \mu_h + \sum_k w_k \cdot g\,(f_{k,h} - \mu_h),
+    \\mu'_h = \\mu_h + \\sum_k w_k \\cdot g\\,(f_{k,h} - \\mu_h),
 
 a learned combination of the network and the local forecasts (as FFORMA combines forecasts,
 Montero-Manso et al. 2020, with global rather than per-series weights), with ``g`` the gain.
 The local forecasts are a deterministic function of the window's context (no parameter, no
 other window), so per-window clipping bounds one window's influence as before: the privacy
-analysis is unchanged. :data:`LOCAL_FEATURES` is the set the DLinear recipe uses; its public
-weights are pretrained with the skip (:mod:`.pretraining`), so the zero-shot model already
-combines the local methods and DP fine-tuning adapts the combination.
+analysis is unchanged. :data:`LOCAL_FEATURES` is the set the DLinear recipe uses.
 
-Public weights pretrained without the skip load with it at zero:
-:meth:`BaselineSkipDLinearModel.load_state_dict` accepts a plain DLinear state.
+``skip_init`` gives the effective weights ``g·w`` the skip starts at (a public prior; the
+recipe's is ¼ seasonal naive + ¼ ETS + ¼ Theta, leaving ¼ to the network), so the zero-shot
+model already combines the local methods and DP fine-tuning adapts the combination.
+``skip_scale`` adds a **scale skip**: the distribution's scale ``s_h`` (in the scaler's units)
+becomes
+
+.. math::
+
+    \\log s'_h = \\log s_h + v \\cdot g\\,(\\log \\sigma_h - \\log s_h),
+
+with ``σ_h`` ETS's ``h``-step forecast standard deviation in the window
+(:func:`~.local_forecasts.ets_forecast`, floored at :data:`MIN_ETS_STD`) and ``v`` the weight
+of one more ``nn.Linear(1, 1, bias=False)`` (``scale_skip``) starting at ``skip_scale / g``.
+
+Public weights are plain DLinear's (pretrained without the skip):
+:meth:`BaselineSkipDLinearModel.load_state_dict` accepts such a state and starts the skip at
+its initial weights (``skip_init``, else zero; the scale skip at ``skip_scale``).
+``PretrainRecipe(skip_features=...)`` pretrains with the skip instead (:mod:`.pretraining`).
 
 :class:`BaselineSkipDLinearEstimator` is gluonts' ``DLinearEstimator`` building this network
 (``season_length`` is one more constructor argument, so gluonts' serialization of a predictor
@@ -67,7 +81,8 @@ from .local_forecasts import check_methods, local_forecasts
 
 __all__ = ["BaselineSkipDLinearModel", "BaselineSkipDLinearLightningModule",
            "BaselineSkipDLinearEstimator", "SKIP_PARAMETER", "SKIP_FEATURES", "LOCAL_FEATURES",
-           "SCALE_SKIP_PARAMETER", "MIN_ETS_STD", "skip_parameters", "describe_skip", "check_skip_init"]
+           "SCALE_SKIP_PARAMETER", "MIN_ETS_STD", "skip_parameters", "describe_skip",
+           "check_skip_init"]
 
 #: The state_dict key of the skip's weight ``w`` (shape (1, K)).
 SKIP_PARAMETER = "baseline_skip.weight"
@@ -83,7 +98,8 @@ LOCAL_FEATURES = ("seasonal_naive", "naive", "drift", "ets", "theta")
 
 
 class BaselineSkipDLinearModel(DLinearModel):
-    """gluonts' ``DLinearModel`` whose location mixes in seasonal naive and naive (module
+    """gluonts' ``DLinearModel`` whose location mixes in local forecasts (seasonal naive and
+    naive by default; ``skip_features``) and whose scale can follow ETS's (module
     docstring). ``season_length`` ``m >= 1``; the distribution must have a ``loc`` argument
     (Student-t, normal, Laplace, ...)."""
 

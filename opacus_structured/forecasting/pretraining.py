@@ -43,8 +43,8 @@ from .._validation import check_int
 from .competition_corpus import competition_kind, competition_panel
 from .data import Panel
 from .estimators import default_context_length, prepare_estimator
-from .local_forecasts import check_methods
 from .lightning_parts import _lightning
+from .local_forecasts import check_methods
 from .provenance import public_record, register_public_weights
 from .public_corpus import synthetic_panel
 from .public_weights import (

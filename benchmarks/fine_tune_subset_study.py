@@ -6,7 +6,8 @@ coordinates that move. This study fine-tunes DLinear from the public weights at 
 (δ = 1e-7) with its recipe, training only:
 
 * ``all``: every parameter (the recipe);
-* ``head``: the distribution head (``args_proj``, 63 parameters) and the baseline skip (2);
+* ``head``: the distribution head (``args_proj``, 63 parameters) and the baseline skip (2 when
+  the study ran; 5 + the scale skip's 1 with issue 47's local forecasts);
 * ``bias``: the head, the skip and the biases of the two linear maps (545 parameters);
 * ``lora-R``: the head, the skip and rank-R adapters ``W + B·A`` of the two linear maps
   (``B`` starts at zero; merged into ``W`` after training, so the released network has

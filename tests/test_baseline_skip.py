@@ -82,6 +82,16 @@ def test_skip_reaches_the_baselines_exactly(season_length, weight, expected):
     torch.testing.assert_close(_mean(skip, past, obs), expected(past), rtol=1e-5, atol=1e-5)
 
 
+def _gradients_one_window_at_a_time(net, past, obs, future, fobs):
+    """The autograd gradient of every parameter for each window on its own."""
+    out = []
+    for i in range(past.shape[0]):
+        net.zero_grad()
+        net.loss(past[i:i + 1], obs[i:i + 1], future[i:i + 1], fobs[i:i + 1]).sum().backward()
+        out.append({n: p.grad.clone() for n, p in net.named_parameters()})
+    return out
+
+
 def test_per_window_gradients_of_the_skip_are_the_autograd_ones():
     from opacus import GradSampleModule
 
@@ -91,11 +101,7 @@ def test_per_window_gradients_of_the_skip_are_the_autograd_ones():
     past, obs = _inputs(batch=4)
     future = past[:, -H:] + 0.5
     fobs = torch.ones_like(future)
-    expected = []
-    for i in range(4):
-        skip.zero_grad()
-        skip.loss(past[i:i + 1], obs[i:i + 1], future[i:i + 1], fobs[i:i + 1]).sum().backward()
-        expected.append({n: p.grad.clone() for n, p in skip.named_parameters()})
+    expected = _gradients_one_window_at_a_time(skip, past, obs, future, fobs)
     gsm = GradSampleModule(skip, loss_reduction="sum")
     gsm.zero_grad()
     gsm._module.loss(past, obs, future, fobs).sum().backward()
@@ -116,7 +122,7 @@ def test_estimator_predictor_serializes_with_the_skip(tmp_path):
     assert isinstance(net, BaselineSkipDLinearModel)
     assert net.season_length == 12 and net.skip_gain == model_defaults("dlinear")["skip_gain"]
     with torch.no_grad():
-        net.baseline_skip.weight.copy_(torch.tensor([[1e-4, 2e-4]]))
+        net.baseline_skip.weight.add_(torch.linspace(1e-4, 5e-4, net.baseline_skip.weight.numel()))
     prepared.create_predictor().serialize(tmp_path)
     back = Predictor.deserialize(tmp_path)
     rebuilt = back.prediction_net.model
@@ -164,12 +170,15 @@ def _periodic_panel(n=8, length=60, m=4):
 @pytest.mark.parametrize("grad_sample_mode", ["hooks", "ghost"])
 def test_dp_training_moves_the_skip_towards_an_exact_seasonal_naive(grad_sample_mode):
     """On exactly periodic series seasonal naive is perfect: the skip's seasonal weight must
-    grow under DP-SGD (σ = 0.5, its own step size), and Adam steps it with ``skip_lr``."""
+    grow under DP-SGD (σ = 0.5, its own step size), and Adam steps it with ``skip_lr``. The
+    original two-input skip from zero (the recipe's local forecasts start at a prior that ETS
+    and Theta, exact here too, already share)."""
     res = train_forecaster("dlinear", _periodic_panel(), prediction_length=4,
                            context_length=12, batch_size=4, max_steps=30, lr=1e-4,
                            noise_multiplier=0.5, delta=1e-5, max_grad_norm=1e-4, seed=0,
                            skip_lr=3e-4, grad_sample_mode=grad_sample_mode,
-                           estimator_kwargs={"season_length": 4})
+                           estimator_kwargs={"season_length": 4,
+                                             "skip_features": ("seasonal_naive", "naive")})
     net = res.prepared.module.model
     w = net.skip_gain * net.baseline_skip.weight.detach()
     assert w[0, 0] > 0.3, w
@@ -201,3 +210,92 @@ def test_ghost_and_hooks_release_the_same_skip_network():
     assert states["hooks"][SKIP_PARAMETER].abs().sum() > 0
     for key, value in states["hooks"].items():
         torch.testing.assert_close(states["ghost"][key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def _local_model(scale=0.5):
+    from opacus_structured.forecasting.baseline_skip import LOCAL_FEATURES
+
+    torch.manual_seed(0)
+    return BaselineSkipDLinearModel(prediction_length=H, context_length=CTX, hidden_dimension=6,
+                                    kernel_size=3, season_length=M, skip_gain=10.0,
+                                    skip_features=LOCAL_FEATURES,
+                                    skip_init=(0.25, 0.0, 0.0, 0.25, 0.25), skip_scale=scale)
+
+
+def test_local_skip_starts_at_its_prior_and_reaches_ets_exactly():
+    """``skip_init`` sets the effective weights ``gain · w`` (also when a plain public state
+    is loaded); at weight 1 on ETS the location is the window's ETS forecast, and at scale
+    weight 1 the Student-t scale is ETS's h-step standard deviation."""
+    from opacus_structured.forecasting.baseline_skip import SCALE_SKIP_PARAMETER
+    from opacus_structured.forecasting.local_forecasts import ets_forecast
+
+    net = _local_model()
+    torch.testing.assert_close(10.0 * net.baseline_skip.weight,
+                               torch.tensor([[0.25, 0.0, 0.0, 0.25, 0.25]]))
+    plain = DLinearModel(prediction_length=H, context_length=CTX, hidden_dimension=6,
+                         kernel_size=3)
+    with torch.no_grad():
+        net.baseline_skip.weight.zero_()
+    net.load_state_dict(plain.state_dict())  # no skip in the state: the prior again
+    torch.testing.assert_close(10.0 * net.baseline_skip.weight,
+                               torch.tensor([[0.25, 0.0, 0.0, 0.25, 0.25]]))
+    assert float(10.0 * net.scale_skip.weight.detach()) == pytest.approx(0.5)
+    assert SCALE_SKIP_PARAMETER in net.state_dict()
+    with torch.no_grad():
+        net.baseline_skip.weight.copy_(torch.tensor([[0.0, 0.0, 0.0, 0.1, 0.0]]))
+        net.scale_skip.weight.fill_(0.1)
+    past, obs = _inputs()
+    args, loc, scale = net(past, obs)
+    ets, std = ets_forecast(((past - loc) / scale).double(), obs.double(), M, H)
+    torch.testing.assert_close(args[1].double(), ets, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(args[2].double(), std.clamp(min=1e-4), rtol=1e-4, atol=1e-6)
+    described = describe_skip(net)
+    assert described["weights"]["ets"] == pytest.approx(1.0)
+    assert described["scale_weight"] == pytest.approx(1.0)
+
+
+def test_local_skip_per_window_gradients_depend_on_their_own_window_only():
+    """The privacy claim: with the local forecasts (fitted inside each window) and the scale
+    skip, Opacus' per-window gradient of every parameter equals the gradient of that window
+    alone, whatever the other windows of the batch hold, padded windows included."""
+    from opacus import GradSampleModule
+
+    net = _local_model()
+    past, obs = _inputs(batch=4)
+    past[2, :5] = 0.0
+    obs = obs.clone()
+    obs[2, :5] = 0.0
+    future = past[:, -H:] + 0.5
+    fobs = torch.ones_like(future)
+    expected = _gradients_one_window_at_a_time(net, past, obs, future, fobs)
+    gsm = GradSampleModule(net, loss_reduction="sum")
+    for other in (past, past * torch.tensor([1.0, 7.0, 1.0, 0.1])[:, None]):
+        gsm.zero_grad()
+        batch = other.clone()
+        batch[0] = past[0]
+        gsm._module.loss(batch, obs, future, fobs).sum().backward()
+        for name, param in net.named_parameters():
+            torch.testing.assert_close(param.grad_sample[0], expected[0][name], rtol=1e-4,
+                                       atol=1e-7)
+        for param in net.parameters():
+            param.grad_sample = None
+    gsm._close()
+
+
+def test_local_skip_predictor_serializes(tmp_path):
+    from gluonts.model.predictor import Predictor
+
+    from opacus_structured.forecasting.baseline_skip import LOCAL_FEATURES
+
+    prepared = prepare_estimator("dlinear", freq="M", prediction_length=H, context_length=CTX,
+                                 skip_features=LOCAL_FEATURES, skip_init=(0.2,) * 5,
+                                 skip_scale=0.7)
+    prepared.create_predictor().serialize(tmp_path)
+    rebuilt = Predictor.deserialize(tmp_path).prediction_net.model
+    net = prepared.module.model
+    assert rebuilt.skip_features == LOCAL_FEATURES and rebuilt.skip_scale == 0.7
+    for key, value in net.state_dict().items():
+        assert torch.equal(rebuilt.state_dict()[key], value), key
+    with pytest.raises(ValueError, match="skip_init must give one finite"):
+        BaselineSkipDLinearModel(prediction_length=H, context_length=CTX, hidden_dimension=4,
+                                 skip_features=LOCAL_FEATURES, skip_init=(1.0,))

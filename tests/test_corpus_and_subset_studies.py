@@ -42,12 +42,14 @@ def _public_state():
 
 @pytest.mark.slow  # 5-30 s: out of the README command (issue 41: <= 5 min); CI runs it
 @pytest.mark.parametrize("subset,moved", [
-    ("head", {"args_proj", "baseline_skip"}),
-    pytest.param("bias", {"args_proj", "baseline_skip", "linear_seasonal.bias",
+    # the skip (baseline_skip and, with the recipe's local forecasts, scale_skip) always trains
+    ("head", {"args_proj", "baseline_skip", "scale_skip"}),
+    pytest.param("bias", {"args_proj", "baseline_skip", "scale_skip", "linear_seasonal.bias",
                           "linear_trend.bias"}, marks=pytest.mark.slow),
-    ("lora-2", {"args_proj", "baseline_skip", "linear_seasonal.weight", "linear_trend.weight"}),
-    pytest.param("all", {"args_proj", "baseline_skip", "linear_seasonal", "linear_trend"},
-                 marks=pytest.mark.slow),
+    ("lora-2", {"args_proj", "baseline_skip", "scale_skip", "linear_seasonal.weight",
+                "linear_trend.weight"}),
+    pytest.param("all", {"args_proj", "baseline_skip", "scale_skip", "linear_seasonal",
+                         "linear_trend"}, marks=pytest.mark.slow),
 ])
 def test_subset_harness_trains_only_its_subset_and_releases_dlinear(subset, moved):
     state = _public_state()

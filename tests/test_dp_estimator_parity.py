@@ -292,10 +292,10 @@ def test_dlinear_round_trip_from_the_public_weights(split12):
     # fine-tuned from the public weights: an Adam step (β = 0.9, 0.999) moves a coordinate by
     # at most lr·(1 − β1)/√(1 − β2) = 3.17·lr, so 5 steps of lr 1e-4 stay within 5 × 3.17e-4
     public, _ = pretrained_weights("dlinear", freq="M", prediction_length=12)
-    # the recipe's forecast mixes in the zero-shot model (public weights, share 0.25): the
+    # the recipe's forecast mixes in the zero-shot model (public weights, share 0.5): the
     # fine-tuned network is the mixture's private half, the public half is exactly `public`
     mixture = predictor.prediction_net
-    assert rep["zero_shot_mixture"]["weight"] == mixture.public_weight == 0.25
+    assert rep["zero_shot_mixture"]["weight"] == mixture.public_weight == 0.5
     assert all(torch.equal(mixture.public.model.state_dict()[k].cpu(), public[k])
                for k in public)
     tuned = mixture.private.model.state_dict()

@@ -206,7 +206,7 @@ def test_forecast_from_weights_file_reports_the_source(tmp_path, capsys):
     # public weights: the forecast mixes in the zero-shot model at the recipe's share, and the
     # fine-tuned weights alone are scored in the row after the main one
     mix = rep["zero_shot_mixture"]
-    assert mix["weight"] == 0.25 and mix["public_start"] is True and mix["note"] is None
+    assert mix["weight"] == 0.5 and mix["public_start"] is True and mix["note"] is None
     assert methods[1].endswith(", weights alone)") and methods[1].startswith("dlinear (DP")
     assert rep["rows"][1]["crps"] == mix["model_alone"]["crps"]
     assert rep["crps"] == rep["rows"][0]["crps"] != mix["model_alone"]["crps"]

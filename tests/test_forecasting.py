@@ -299,7 +299,9 @@ def test_forecast_command_json(tmp_path, capsys):
     assert rep["bound"] == "tight"
     # DLinear's baseline skip: season from the frequency, weights of the released DP model
     skip = rep["baseline_skip"]
-    assert skip["season_length"] == 12 and set(skip["weights"]) == {"seasonal_naive", "naive"}
+    assert skip["season_length"] == 12 and set(skip["weights"]) == {
+        "seasonal_naive", "naive", "drift", "ets", "theta"}
+    assert math.isfinite(skip["scale_weight"])
     assert all(math.isfinite(w) for w in skip["weights"].values())
     # from random weights there is no zero-shot model to mix in: the recipe's share is off
     mix = rep["zero_shot_mixture"]

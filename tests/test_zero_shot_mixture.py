@@ -59,7 +59,7 @@ def test_every_prefix_holds_the_public_share(weight):
 def test_recipe_rows_have_a_valid_weight_and_dlinear_mixes():
     for name in ("dlinear", "deepar", "simpleff"):
         check_zero_shot_weight(model_defaults(name)["zero_shot_weight"])
-    assert model_defaults("dlinear")["zero_shot_weight"] == 0.25
+    assert model_defaults("dlinear")["zero_shot_weight"] == 0.5
 
 
 @pytest.mark.parametrize("bad", [1.0, -0.1, float("nan"), float("inf"), "x", None])

@@ -24,8 +24,39 @@ the mix. ``w`` is the weight of one ``nn.Linear(2, 1, bias=False)`` (``baseline_
 has its per-window gradients, and DP-SGD prices it like any other weight. The released forecast is a
 function of the DP weights and of the series' own context only, as DLinear's is.
 
-Public weights are pretrained without the skip: :meth:`BaselineSkipDLinearModel.load_state_dict`
-accepts a plain DLinear state and starts the skip at ``(0, 0)``.
+**Local forecasts** (issue 47). ``skip_features`` chooses the inputs of the skip from the local
+methods of :mod:`.local_forecasts`, each fitted on the window's own context: besides seasonal
+naive and naive, the drift forecast, a damped-trend additive-seasonal ETS(A,Ad,A) and the Theta
+method. The location becomes
+
+.. math::
+
+    \\mu'_h = \\mu_h + \\sum_k w_k \\cdot g\\,(f_{k,h} - \\mu_h),
+
+a learned combination of the network and the local forecasts (as FFORMA combines forecasts,
+Montero-Manso et al. 2020, with global rather than per-series weights), with ``g`` the gain.
+The local forecasts are a deterministic function of the window's context (no parameter, no
+other window), so per-window clipping bounds one window's influence as before: the privacy
+analysis is unchanged. :data:`LOCAL_FEATURES` is the set the DLinear recipe uses.
+
+``skip_init`` gives the effective weights ``g·w`` the skip starts at (a public prior; the
+recipe's is ¼ seasonal naive + ¼ ETS + ¼ Theta, leaving ¼ to the network), so the zero-shot
+model already combines the local methods and DP fine-tuning adapts the combination.
+``skip_scale`` adds a **scale skip**: the distribution's scale ``s_h`` (in the scaler's units)
+becomes
+
+.. math::
+
+    \\log s'_h = \\log s_h + v \\cdot g\\,(\\log \\sigma_h - \\log s_h),
+
+with ``σ_h`` ETS's ``h``-step forecast standard deviation in the window
+(:func:`~.local_forecasts.ets_forecast`, floored at :data:`MIN_ETS_STD`) and ``v`` the weight
+of one more ``nn.Linear(1, 1, bias=False)`` (``scale_skip``) starting at ``skip_scale / g``.
+
+Public weights are plain DLinear's (pretrained without the skip):
+:meth:`BaselineSkipDLinearModel.load_state_dict` accepts such a state and starts the skip at
+its initial weights (``skip_init``, else zero; the scale skip at ``skip_scale``).
+``PretrainRecipe(skip_features=...)`` pretrains with the skip instead (:mod:`.pretraining`).
 
 :class:`BaselineSkipDLinearEstimator` is gluonts' ``DLinearEstimator`` building this network
 (``season_length`` is one more constructor argument, so gluonts' serialization of a predictor
@@ -33,7 +64,8 @@ rebuilds the same network).
 """
 
 # no ``from __future__ import annotations``: gluonts' @validated reads the annotations
-from typing import Any, Dict, Optional
+import math
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -44,20 +76,30 @@ from gluonts.torch.model.d_linear.lightning_module import DLinearLightningModule
 from gluonts.torch.model.d_linear.module import DLinearModel
 from gluonts.transform import InstanceSampler
 
-from .._validation import check_int, check_positive
+from .._validation import check_finite, check_int, check_positive
+from .local_forecasts import check_methods, local_forecasts
 
 __all__ = ["BaselineSkipDLinearModel", "BaselineSkipDLinearLightningModule",
-           "BaselineSkipDLinearEstimator", "SKIP_PARAMETER", "SKIP_FEATURES",
-           "skip_parameters", "describe_skip"]
+           "BaselineSkipDLinearEstimator", "SKIP_PARAMETER", "SKIP_FEATURES", "LOCAL_FEATURES",
+           "SCALE_SKIP_PARAMETER", "MIN_ETS_STD", "skip_parameters", "describe_skip",
+           "check_skip_init"]
 
-#: The state_dict key of the skip's weight ``w`` (shape (1, 2)).
+#: The state_dict key of the skip's weight ``w`` (shape (1, K)).
 SKIP_PARAMETER = "baseline_skip.weight"
-#: What the inputs of the skip are, in order (each minus DLinear's own location ``μ_h``).
+#: The state_dict key of the scale skip's weight ``v`` (shape (1, 1)).
+SCALE_SKIP_PARAMETER = "scale_skip.weight"
+#: ETS's standard deviation is floored here (in the scaler's units) before its logarithm.
+MIN_ETS_STD = 1e-4
+#: The inputs of the original baseline skip, in order (each minus DLinear's own location
+#: ``μ_h``): the default of the model and estimator classes.
 SKIP_FEATURES = ("seasonal_naive", "naive")
+#: The local forecasts of the DLinear recipe (``model_defaults``' ``skip_features``).
+LOCAL_FEATURES = ("seasonal_naive", "naive", "drift", "ets", "theta")
 
 
 class BaselineSkipDLinearModel(DLinearModel):
-    """gluonts' ``DLinearModel`` whose location mixes in seasonal naive and naive (module
+    """gluonts' ``DLinearModel`` whose location mixes in local forecasts (seasonal naive and
+    naive by default; ``skip_features``) and whose scale can follow ETS's (module
     docstring). ``season_length`` ``m >= 1``; the distribution must have a ``loc`` argument
     (Student-t, normal, Laplace, ...)."""
 
@@ -65,12 +107,18 @@ class BaselineSkipDLinearModel(DLinearModel):
     def __init__(self, prediction_length: int, context_length: int, hidden_dimension: int,
                  distr_output: DistributionOutput = StudentTOutput(),  # noqa: B008
                  kernel_size: int = 25, scaling: Optional[str] = "mean",
-                 season_length: int = 1, skip_gain: float = 1.0) -> None:
+                 season_length: int = 1, skip_gain: float = 1.0,
+                 skip_features: Tuple[str, ...] = SKIP_FEATURES,
+                 skip_init: Optional[Tuple[float, ...]] = None,
+                 skip_scale: Optional[float] = None) -> None:
         super().__init__(prediction_length=prediction_length, context_length=context_length,
                          hidden_dimension=hidden_dimension, distr_output=distr_output,
                          kernel_size=kernel_size, scaling=scaling)
         season_length = check_int("season_length", season_length, minimum=1)
         skip_gain = check_positive("skip_gain", skip_gain)
+        self.skip_features = check_methods(skip_features)
+        self.skip_init = check_skip_init(skip_init, self.skip_features)
+        self.skip_scale = None if skip_scale is None else check_finite("skip_scale", skip_scale)
         names = list(distr_output.args_dim)
         if "loc" not in names:
             raise ValueError(f"the baseline skip shifts the distribution's location, but "
@@ -78,6 +126,10 @@ class BaselineSkipDLinearModel(DLinearModel):
         self.season_length = season_length
         self.skip_gain = skip_gain
         self._loc_index = names.index("loc")
+        if self.skip_scale is not None and "scale" not in names:
+            raise ValueError(f"skip_scale moves the distribution's scale towards ETS's, but "
+                             f"{type(distr_output).__name__} has no 'scale' argument ({names})")
+        self._scale_index = names.index("scale") if "scale" in names else None
         # seasonal-naive source index of each forecast step (naive when m = 1 or m > context)
         m = self.season_length
         if 1 < m <= context_length:
@@ -86,8 +138,32 @@ class BaselineSkipDLinearModel(DLinearModel):
             index = [context_length - 1] * prediction_length
         self.register_buffer("_seasonal_index", torch.tensor(index, dtype=torch.long),
                              persistent=False)
-        self.baseline_skip = nn.Linear(len(SKIP_FEATURES), 1, bias=False)
-        nn.init.zeros_(self.baseline_skip.weight)
+        self.baseline_skip = nn.Linear(len(self.skip_features), 1, bias=False)
+        with torch.no_grad():
+            self.baseline_skip.weight.copy_(self.initial_skip_weight())
+        # the scale skip: log s' = log s + v·g·(log σ_h − log s), σ_h ETS's h-step std
+        self.scale_skip = None
+        if self.skip_scale is not None:
+            self.scale_skip = nn.Linear(1, 1, bias=False)
+            with torch.no_grad():
+                self.scale_skip.weight.fill_(self.skip_scale / self.skip_gain)
+
+    def initial_skip_weight(self) -> torch.Tensor:
+        """The skip's weight ``w`` (shape (1, K)) before training: ``skip_init / skip_gain``
+        (the effective weights ``gain · w`` are ``skip_init``), zeros without one."""
+        if self.skip_init is None:
+            return torch.zeros(1, len(self.skip_features))
+        return torch.tensor([self.skip_init], dtype=torch.float32) / self.skip_gain
+
+    def local_forecasts(self, past_target_scaled: torch.Tensor,
+                        past_observed_values: torch.Tensor) -> torch.Tensor:
+        """``(B, H, K)``: the skip's local forecasts of every window (its own context only)."""
+        if self.skip_features == SKIP_FEATURES:  # the original skip: two gathers
+            seasonal = past_target_scaled[:, self._seasonal_index]
+            naive = past_target_scaled[:, -1:].expand_as(seasonal)
+            return torch.stack([seasonal, naive], dim=-1)
+        return local_forecasts(past_target_scaled, past_observed_values, self.season_length,
+                               self.prediction_length, self.skip_features)
 
     def forward(self, past_target: torch.Tensor, past_observed_values: torch.Tensor):
         args, loc, scale = super().forward(past_target, past_observed_values)
@@ -95,18 +171,33 @@ class BaselineSkipDLinearModel(DLinearModel):
         # the context in the scaler's units: every gluonts scaler returns (x - loc) / scale
         past_target_scaled = (past_target - loc) / scale
         mu = distr_args[self._loc_index]                                    # (B, H)
-        seasonal = past_target_scaled[:, self._seasonal_index]              # (B, H)
-        naive = past_target_scaled[:, -1:].expand_as(mu)                    # (B, H)
-        features = self.skip_gain * torch.stack([seasonal - mu, naive - mu], dim=-1)  # (B,H,2)
+        context = past_target_scaled.detach()
+        if self.scale_skip is None:
+            local = self.local_forecasts(context, past_observed_values)
+        else:
+            local, ets_std = local_forecasts(context, past_observed_values, self.season_length,
+                                             self.prediction_length, self.skip_features,
+                                             with_ets_std=True)
+        features = self.skip_gain * (local - mu.unsqueeze(-1))             # (B, H, K)
         distr_args[self._loc_index] = mu + self.baseline_skip(features).squeeze(-1)
+        if self.scale_skip is not None:
+            s = distr_args[self._scale_index]                               # (B, H), > 0
+            log_ratio = torch.log(ets_std.clamp(min=MIN_ETS_STD)) - torch.log(s)
+            shift = self.scale_skip(self.skip_gain * log_ratio.unsqueeze(-1)).squeeze(-1)
+            distr_args[self._scale_index] = s * torch.exp(shift)
         return tuple(distr_args), loc, scale
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """As ``nn.Module.load_state_dict``; a plain DLinear state (no ``baseline_skip.weight``,
-        e.g. the public weights) loads with the skip at ``(0, 0)``."""
+        e.g. the public weights) loads with the skip at its initial weight
+        (:meth:`initial_skip_weight`: ``skip_init``, else zero)."""
         if SKIP_PARAMETER not in state_dict:
             state_dict = dict(state_dict)
-            state_dict[SKIP_PARAMETER] = torch.zeros(1, len(SKIP_FEATURES))
+            state_dict[SKIP_PARAMETER] = self.initial_skip_weight()
+        if self.scale_skip is not None and SCALE_SKIP_PARAMETER not in state_dict:
+            state_dict = dict(state_dict)
+            state_dict[SCALE_SKIP_PARAMETER] = torch.full((1, 1),
+                                                          self.skip_scale / self.skip_gain)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
 
@@ -116,7 +207,8 @@ class BaselineSkipDLinearLightningModule(DLinearLightningModule):
     @validated()
     def __init__(self, model_kwargs: dict, lr: float = 1e-3, weight_decay: float = 1e-8):
         plain = {k: v for k, v in model_kwargs.items()
-                 if k not in ("season_length", "skip_gain")}
+                 if k not in ("season_length", "skip_gain", "skip_features", "skip_init",
+                              "skip_scale")}
         super().__init__(model_kwargs=plain, lr=lr, weight_decay=weight_decay)
         self.model = BaselineSkipDLinearModel(**model_kwargs)
         self.inputs = self.model.describe_inputs()
@@ -128,6 +220,9 @@ class BaselineSkipDLinearEstimator(DLinearEstimator):
 
     @validated()
     def __init__(self, prediction_length: int, season_length: int = 1, skip_gain: float = 1.0,
+                 skip_features: Tuple[str, ...] = SKIP_FEATURES,
+                 skip_init: Optional[Tuple[float, ...]] = None,
+                 skip_scale: Optional[float] = None,
                  context_length: Optional[int] = None, hidden_dimension: Optional[int] = None,
                  lr: float = 1e-3, weight_decay: float = 1e-8, scaling: Optional[str] = "mean",
                  distr_output: DistributionOutput = StudentTOutput(),  # noqa: B008
@@ -143,6 +238,9 @@ class BaselineSkipDLinearEstimator(DLinearEstimator):
                          validation_sampler=validation_sampler)
         self.season_length = check_int("season_length", season_length, minimum=1)
         self.skip_gain = check_positive("skip_gain", skip_gain)
+        self.skip_features = check_methods(skip_features)
+        self.skip_init = check_skip_init(skip_init, self.skip_features)
+        self.skip_scale = None if skip_scale is None else check_finite("skip_scale", skip_scale)
 
     def create_lightning_module(self):
         return BaselineSkipDLinearLightningModule(
@@ -153,13 +251,32 @@ class BaselineSkipDLinearEstimator(DLinearEstimator):
                           "distr_output": self.distr_output,
                           "kernel_size": self.kernel_size, "scaling": self.scaling,
                           "season_length": self.season_length,
-                          "skip_gain": self.skip_gain})
+                          "skip_gain": self.skip_gain,
+                          "skip_features": self.skip_features,
+                          "skip_init": self.skip_init,
+                          "skip_scale": self.skip_scale})
+
+
+def check_skip_init(skip_init, features) -> Optional[tuple]:
+    """``skip_init`` as a tuple of finite floats, one per feature (None stays None); a
+    ValueError names the argument otherwise."""
+    if skip_init is None:
+        return None
+    values = tuple(float(v) for v in skip_init)
+    if len(values) != len(features) or not all(math.isfinite(v) for v in values):
+        raise ValueError(f"skip_init must give one finite effective weight per skip feature "
+                         f"{tuple(features)}, got {skip_init!r}")
+    return values
 
 
 def skip_parameters(network) -> list:
     """The parameters of ``network``'s baseline skip (empty for a network without one)."""
-    skip = getattr(network, "baseline_skip", None)
-    return list(skip.parameters()) if isinstance(skip, nn.Module) else []
+    params = []
+    for name in ("baseline_skip", "scale_skip"):
+        skip = getattr(network, name, None)
+        if isinstance(skip, nn.Module):
+            params += list(skip.parameters())
+    return params
 
 
 def describe_skip(network) -> Optional[dict]:
@@ -169,6 +286,9 @@ def describe_skip(network) -> Optional[dict]:
     if not isinstance(network, BaselineSkipDLinearModel):
         return None
     weights = (network.skip_gain * network.baseline_skip.weight.detach().cpu()).flatten()
-    return {"season_length": network.season_length, "skip_gain": network.skip_gain,
-            "weights": {name: float(w) for name, w in zip(SKIP_FEATURES, weights.tolist(),
-                                                          strict=True)}}
+    out = {"season_length": network.season_length, "skip_gain": network.skip_gain,
+           "weights": {name: float(w) for name, w in zip(network.skip_features,
+                                                         weights.tolist(), strict=True)}}
+    if network.scale_skip is not None:
+        out["scale_weight"] = float(network.skip_gain * network.scale_skip.weight.detach())
+    return out

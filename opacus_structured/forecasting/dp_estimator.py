@@ -215,7 +215,7 @@ class DPEstimator(Estimator):
         zero_shot_weight: share ``w`` in [0, 1) of the public zero-shot model in the trained
             predictor's forecast, ``(1 − w)·fine-tuned + w·zero-shot``
             (:mod:`~opacus_structured.forecasting.zero_shot_mixture`; post-processing, no
-            privacy cost; public initial weights only). Default: the recipe's (DLinear 0.25,
+            privacy cost; public initial weights only). Default: the recipe's (DLinear 0.5,
             DeepAR 0.1); ``0``: the fine-tuned network alone.
         season_length: the seasonal period of the public pretraining corpus (default from the
             frequency); used only with ``init_from="public"``.

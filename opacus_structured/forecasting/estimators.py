@@ -31,7 +31,7 @@ import dataclasses
 from typing import Any, Optional
 
 from .._validation import check_int
-from .baseline_skip import BaselineSkipDLinearEstimator
+from .baseline_skip import SKIP_FEATURES, BaselineSkipDLinearEstimator
 from .fast_rnn import replace_lstm
 from .model_defaults import default_context_length as _table_context_length
 from .model_defaults import model_defaults
@@ -139,7 +139,9 @@ def build_estimator(model: str, *, freq: str, prediction_length: int,
 
     Defaults: DLinear hidden 20, kernel 13, with the baseline skip of
     :mod:`~opacus_structured.forecasting.baseline_skip` (``baseline_skip=False``: gluonts'
-    plain ``DLinearEstimator``; ``season_length`` default from ``freq``); SimpleFeedForward hidden [64, 64], no batch norm;
+    plain ``DLinearEstimator``; ``season_length`` default from ``freq``; the recipe's
+    ``skip_features`` with its prior ``skip_init`` and ``skip_scale`` unless ``skip_features``
+    is given, then ``skip_init`` and ``skip_scale`` are the given ones, default none); SimpleFeedForward hidden [64, 64], no batch norm;
     DeepAR 2 layers × 40, dropout 0, lags ``[1, 2, 3, 12, 13]`` (monthly seasonality) and
     ``default_scale=1.0``. All output Student-t distributions (gluonts' default).
     """
@@ -156,19 +158,32 @@ def build_estimator(model: str, *, freq: str, prediction_length: int,
         skip = kwargs.pop("baseline_skip", True)
         season = kwargs.pop("season_length", None)
         gain = kwargs.pop("skip_gain", None)
+        features = kwargs.pop("skip_features", None)
+        init = kwargs.pop("skip_init", None)
+        scale_init = kwargs.pop("skip_scale", None)
         params = dict(hidden_dimension=20, kernel_size=13)
         params.update(common, **kwargs)
         if params["kernel_size"] % 2 == 0:
             raise ValueError(f"kernel_size must be odd, got {params['kernel_size']}")
         if not skip:
-            if season is not None or gain is not None:
-                raise ValueError("season_length and skip_gain are read by the baseline skip "
-                                 "only: drop them or keep baseline_skip=True")
+            if (season, gain, features, init, scale_init) != (None,) * 5:
+                raise ValueError("season_length, skip_gain, skip_features, skip_init and "
+                                 "skip_scale are read by the baseline skip only: drop them or "
+                                 "keep baseline_skip=True")
             return DLinearEstimator(**params)
         season = (default_season_length(freq) if season is None
                   else check_int("season_length", season, minimum=1))
-        gain = model_defaults("dlinear")["skip_gain"] if gain is None else gain
-        return BaselineSkipDLinearEstimator(season_length=season, skip_gain=gain, **params)
+        recipe = model_defaults("dlinear")
+        gain = recipe["skip_gain"] if gain is None else gain
+        if features is None:  # the recipe's features and their initial weights
+            features = tuple(recipe.get("skip_features", SKIP_FEATURES))
+            if init is None and recipe.get("skip_init"):
+                init = tuple(float(recipe["skip_init"].get(f, 0.0)) for f in features)
+            if scale_init is None:
+                scale_init = recipe.get("skip_scale")
+        return BaselineSkipDLinearEstimator(season_length=season, skip_gain=gain,
+                                            skip_features=tuple(features), skip_init=init,
+                                            skip_scale=scale_init, **params)
     if model == "simpleff":
         from gluonts.torch.model.simple_feedforward import SimpleFeedForwardEstimator
 

@@ -44,6 +44,7 @@ from .competition_corpus import competition_kind, competition_panel
 from .data import Panel
 from .estimators import default_context_length, prepare_estimator
 from .lightning_parts import _lightning
+from .local_forecasts import check_methods
 from .provenance import public_record, register_public_weights
 from .public_corpus import synthetic_panel
 from .public_weights import (
@@ -77,6 +78,10 @@ class PretrainRecipe:
     panel); at other frequencies the two are the same corpus (:meth:`for_freq`).
     ``competition_series``: how many of those series to use (a draw without replacement
     seeded by ``corpus_seed``: public randomness), None for all of them.
+    ``skip_features`` (DLinear): pretrain the network **with** the baseline skip over these
+    local forecasts (:mod:`.baseline_skip`, :mod:`.local_forecasts`), so the public weights
+    carry a combination of the network and the local methods; None pretrains plain DLinear (its
+    skip then starts at zero when fine-tuning).
     """
 
     num_series: int = 2000
@@ -90,12 +95,15 @@ class PretrainRecipe:
     sampler_seed: int = 0
     corpus: str = "synthetic"
     competition_series: Optional[int] = None
+    skip_features: Optional[tuple] = None
 
     def __post_init__(self):
         if self.corpus not in CORPORA:
             raise ValueError(f"corpus must be one of {CORPORA}, got {self.corpus!r}")
         if self.competition_series is not None:
             check_int("competition_series", self.competition_series, minimum=1)
+        if self.skip_features is not None:
+            object.__setattr__(self, "skip_features", check_methods(self.skip_features))
 
     def uses_competition(self, freq: str) -> bool:
         """Whether the corpus at ``freq`` includes the competition series."""
@@ -114,6 +122,10 @@ class PretrainRecipe:
         d = dataclasses.asdict(self)
         if d["corpus"] == "synthetic":
             del d["corpus"], d["competition_series"]
+        if d["skip_features"] is None:
+            del d["skip_features"]
+        else:
+            d["skip_features"] = list(d["skip_features"])
         return d
 
 
@@ -292,8 +304,10 @@ def pretraining_panel(model: str, recipe: PretrainRecipe, *, freq: str, season_l
 
 def _pretrain_run(model, corpus, prediction_length, context_length, recipe, progress,
                   estimator_kwargs, log):
-    if model == "dlinear":  # public weights are DLinear's own; the skip starts at (0, 0)
+    if model == "dlinear" and recipe.skip_features is None:  # DLinear's own; skip starts at 0
         estimator_kwargs = {"baseline_skip": False, **(estimator_kwargs or {})}
+    elif model == "dlinear":  # pretrained with the skip over the recipe's local forecasts
+        estimator_kwargs = {"skip_features": recipe.skip_features, **(estimator_kwargs or {})}
     return train_forecaster(model, corpus, prediction_length=prediction_length,
                             context_length=context_length, batch_size=recipe.batch_size,
                             max_steps=recipe.steps, lr=recipe.lr, seed=recipe.sampler_seed,

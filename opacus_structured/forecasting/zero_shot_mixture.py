@@ -27,8 +27,9 @@ it forecasts from is read by both models alike (as by the DP model alone; see
 with :math:`\mathcal E(F_1, F_2) = 2\mathbb E|X_1 - X_2| - \mathbb E|X_1 - X_1'| -
 \mathbb E|X_2 - X_2'| \ge 0` the energy distance: the mixture gains where the two models
 disagree. The DP model has learned from the panel but carries the DP noise; the public model has
-no noise but has not seen the panel. ``w = 0.25`` for DLinear was chosen on the public study
-panels only (docs/guides/forecasting.md, "Mixing in the zero-shot model").
+no noise but has not seen the panel. ``w = 0.5`` for DLinear (0.25 before its local
+forecasts, issue 47) was chosen on the public study panels only (docs/guides/forecasting.md,
+"Mixing in the zero-shot model", "Local forecasts in the window").
 
 **Samples.** The mixture is released as sample paths (gluonts' ``SampleForecast``). Of every
 ``num_samples`` paths a fraction ``w`` comes from the public model, interleaved so that every

@@ -1,0 +1,333 @@
+"""Issue 47's levers on the PUBLIC study panels: local forecasts in the window, pretrained.
+
+Each variant is a DLinear design: the local forecasts its baseline skip combines
+(``--features``: :data:`~opacus_structured.forecasting.baseline_skip.SKIP_FEATURES`, the shipped
+two, or the five of :mod:`~opacus_structured.forecasting.local_forecasts`), whether the public
+weights are pretrained **with** that skip (``pre``: the zero-shot model already combines the
+local methods) or without it (``plain``: the skip starts at zero; ``prior-<name>``: it starts
+at the public prior combination :data:`PRIORS`; a suffix ``+s<v>`` adds the scale skip at
+initial weight ``v``, which moves the predictive scale towards ETS's), the pretraining corpus
+(``synthetic`` or ``synthetic+competition[:N]``), the skip's Adam step ``skip_lr`` and the
+context (``c<L>``). A variant is written ``features/pretrain/corpus/skip_lr/context``, e.g.
+``local5/pre/synthetic/1e-4/36``.
+
+For each variant, study panel (txhousing, economics, the synthetic study panel of
+``forecast_recipe.py``: test = last 12 months, Λ = round(N·64/148)) and seed, the model is
+fine-tuned at ε = 1 (δ = 1e-7) with the rest of DLinear's recipe and scored at every zero-shot
+share ``w`` of ``--weights`` (the product's ``create_predictor(zero_shot_weight=w)``), next to
+its zero-shot model, seasonal naive and statsmodels ETS fitted per series (NOT PRIVATE,
+:mod:`~opacus_structured.forecasting.ets`). The score of a design is the mean over the panels
+of (CRPS/SN + MASE/SN)/2 (lower is better), as in the earlier studies; the table also counts
+the panels where the release beats ETS on CRPS. The benchmark panels and the bundled panel
+are never read here::
+
+    OMP_NUM_THREADS=1 nice -n 5 python benchmarks/local_forecasts_study.py \\
+        --variants skip2/plain/synthetic/default/36 local5/pre/synthetic/1e-4/36 \\
+        --seeds 0 1 2 --json local_study.json
+
+``--local-accuracy 36 60`` prints the MASE of each local method fitted on the last 36 or 60
+steps of every study series (no network): whether a longer context helps the local fits
+(``-3``: 3·H steps, ``0``: the whole training part). With ``--panels`` naming panels of
+``forecast_panels.py`` it is a diagnostic of the benchmark (used to explain, never to choose).
+Public weights of each pretraining are cached under ``$OPACUS_STRUCTURED_CACHE`` (their key
+carries the recipe). ``--amplification`` prints σ at ε = 1 for each context on the study
+panels' and the bundled panel's public geometry (its series lengths): the price of a longer
+context (more windows contain a protected step: ``r = (L_C + L_F)/(L − L_F + 1)`` grows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+from forecast_recipe import study_score, study_split
+
+PANELS = ("txhousing", "economics", "synthetic")
+WEIGHTS = (0.0, 0.1, 0.25, 0.5)
+H = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    features: str      # skip2 | local5 | ets-only ...
+    pretrain: str      # plain | pre
+    corpus: str        # synthetic | synthetic+competition[:N]
+    skip_lr: str       # default | a float
+    context: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Variant":
+        f, p, c, lr, ctx = text.split("/")
+        return cls(f, p, c, lr, int(ctx))
+
+    def __str__(self):
+        return f"{self.features}/{self.pretrain}/{self.corpus}/{self.skip_lr}/{self.context}"
+
+
+FEATURE_SETS = {"skip2": ("seasonal_naive", "naive"),
+                "local5": ("seasonal_naive", "naive", "drift", "ets", "theta"),
+                "local3": ("seasonal_naive", "ets", "theta"),
+                "ets": ("seasonal_naive", "naive", "ets")}
+
+
+#: Initial effective skip weights (``prior-<name>``): public priors for the combination; the
+#: network's own location keeps the weight ``1 - sum``.
+PRIORS = {"ets": {"ets": 1.0}, "theta": {"theta": 1.0},
+          "etsth": {"ets": 0.5, "theta": 0.5},
+          "etsthmu": {"ets": 1 / 3, "theta": 1 / 3},
+          "etsthsn": {"ets": 1 / 3, "theta": 1 / 3, "seasonal_naive": 1 / 3},
+          "etsthsnmu": {"ets": 0.25, "theta": 0.25, "seasonal_naive": 0.25}}
+
+
+def configure(variant: Variant):
+    """Set DLinear's recipe row and pretraining recipe to ``variant`` (in this process)."""
+    from opacus_structured.forecasting import model_defaults as md
+    from opacus_structured.forecasting import pretraining
+
+    features = FEATURE_SETS[variant.features]
+    md.MODEL_DEFAULTS["dlinear"]["skip_features"] = features
+    prior, _, scale = variant.pretrain.partition("+s")
+    md.MODEL_DEFAULTS["dlinear"]["skip_init"] = (
+        PRIORS[prior.split("-", 1)[1]] if prior.startswith("prior-") else None)
+    md.MODEL_DEFAULTS["dlinear"]["skip_scale"] = float(scale) if scale else None
+    name, _, count = variant.corpus.partition(":")
+    base = pretraining.PretrainRecipe()
+    pretraining.PRETRAIN_RECIPE["dlinear"] = dataclasses.replace(
+        base, corpus=name, competition_series=int(count) if count else None,
+        skip_features=features if prior == "pre" else None)
+    return None if variant.skip_lr == "default" else float(variant.skip_lr)
+
+
+def noise_rule_weight(sigma, batch, w_max=0.25):
+    """The noise-aware zero-shot share ``w_max · min(1, σ/Λ)``: public quantities only."""
+    return w_max * min(1.0, float(sigma) / float(batch))
+
+
+def ets_scores(train, test_targets):
+    """statsmodels ETS (NOT PRIVATE) of a study panel: its CRPS and MASE."""
+    import numpy as np
+    import pandas as pd
+
+    from opacus_structured.forecasting.ets import ets_reference
+    from opacus_structured.forecasting.seasonality import season_length
+
+    truth = [pd.DataFrame(np.asarray(y, dtype=np.float32),
+                          index=pd.period_range(s, periods=len(y), freq=train.freq))
+             for y, s in test_targets]
+    ets = ets_reference(train, truth, H, season_length(train.freq))
+    return {"crps": ets["crps"], "mase": ets["mase"]}
+
+
+def amplification(contexts, epsilon=1.0, delta=1e-7, steps=100):
+    """σ at ε for each context on the public geometry of the study panels and the bundled
+    panel (N, shortest training series, Λ), DLinear's window (context + 12)."""
+    from forecast_recipe import _panel
+
+    from opacus_structured.accounting.calibration import calibrate_noise_multiplier
+    from opacus_structured.forecasting.data import train_test_split
+    from opacus_structured.schemes.structured import StructuredScheme
+
+    out = []
+    for name in (*PANELS, "employment"):
+        train, _ = train_test_split(_panel(name), H)
+        n = len(train)
+        batch = 64 if name in ("synthetic", "employment") else max(1, round(n * 64 / 148))
+        shortest = train.min_length
+        for ctx in contexts:
+            scheme = StructuredScheme(num_series=n, series_length=shortest, context_length=ctx,
+                                      forecast_length=H, batch_size=batch)
+            sigma = calibrate_noise_multiplier(
+                lambda s, scheme=scheme: scheme.epsilon(s, steps, delta, discretization=1e-3),
+                epsilon,
+                rtol=1e-2)
+            out.append({"panel": name, "context": ctx, "N": n, "L": shortest, "batch": batch,
+                        "sigma": sigma})
+            print(f"{name:10s} context {ctx:3d}: N {n}, shortest L {shortest}, Λ {batch}, "
+                  f"σ(ε={epsilon:g}) = {sigma:.3f}", flush=True)
+    return out
+
+
+def _accuracy_panel(name):
+    """``(train, test, H, m)`` of a study panel, or of a benchmark panel of
+    ``forecast_panels.py`` (a diagnostic only: the benchmark chooses nothing)."""
+    from forecast_recipe import _panel
+
+    from opacus_structured.forecasting.data import train_test_split
+    from opacus_structured.forecasting.seasonality import season_length
+
+    if name in (*PANELS, "employment"):
+        train, test = train_test_split(_panel(name), H)
+        return train, test, H, season_length(train.freq)
+    import forecast_panels
+
+    from opacus_structured.forecasting.user_data import load_panel
+
+    spec = forecast_panels.PANELS[name]
+    path, _ = forecast_panels.panel_csv(name)
+    h = spec.prediction_length
+    panel, _ = load_panel(path, freq=spec.freq, min_length=2 * h)
+    train, test = train_test_split(panel, h)
+    return train, test, h, season_length(train.freq)
+
+
+def local_accuracy(contexts, panels=PANELS):
+    """MASE of every local method fitted on the last ``context`` training steps of each series
+    (point forecasts, no network): how much context the local fits need. ``contexts`` are
+    multiples of the horizon when negative (``-3``: 3·H, the DLinear default; ``0``: the whole
+    training part)."""
+    import numpy as np
+    import torch
+
+    from opacus_structured.forecasting.local_forecasts import METHODS, local_forecasts
+
+    out = []
+    for name in panels:
+        train, test, h, m = _accuracy_panel(name)
+        for given in contexts:
+            ctx = (-given * h if given < 0 else given) or max(train.lengths)
+            ys, obs, truth, scales = [], [], [], []
+            for tr, te in zip(train.targets, test.targets, strict=True):
+                tr = np.asarray(tr, float)
+                c = tr[-ctx:]
+                o = np.r_[np.zeros(ctx - len(c)), np.ones(len(c))]
+                c = np.r_[np.zeros(ctx - len(c)), c]
+                s = max(np.abs(c[o > 0]).mean(), 1e-10)
+                ys.append(c / s)
+                obs.append(o)
+                truth.append(np.asarray(te, float)[-h:] / s)
+                lag = m if len(tr) > m else 1
+                scales.append(max(np.mean(np.abs(tr[lag:] - tr[:-lag])) / s, 1e-10))
+            f = local_forecasts(torch.tensor(np.array(ys)), torch.tensor(np.array(obs)), m,
+                                h).numpy()
+            err = np.abs(f - np.array(truth)[:, :, None]).mean(1) / np.array(scales)[:, None]
+            row = {"panel": name, "context": int(ctx),
+                   **{k: float(err[:, i].mean()) for i, k in enumerate(METHODS)}}
+            out.append(row)
+            print(f"{name:15s} context {ctx:5d} MASE: " + "  ".join(
+                f"{k} {row[k]:.3f}" for k in METHODS), flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", nargs="+", default=["skip2/plain/synthetic/default/36",
+                                                       "local5/pre/synthetic/1e-4/36"])
+    ap.add_argument("--panels", nargs="+", default=list(PANELS),
+                    help="study panels (the benchmark's for --local-accuracy diagnostics only)")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--weights", nargs="+", type=float, default=list(WEIGHTS))
+    ap.add_argument("--nonprivate", action="store_true", help="also fine-tune without DP")
+    ap.add_argument("--amplification", nargs="*", type=int, default=None, metavar="CONTEXT",
+                    help="print σ at ε = 1 per context (e.g. 36 60) and exit")
+    ap.add_argument("--local-accuracy", nargs="*", type=int, default=None, metavar="CONTEXT",
+                    help="print the MASE of every local method per context and exit")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    if args.local_accuracy is not None:
+        local_accuracy(args.local_accuracy or [36, 60], args.panels)
+        return 0
+    if args.amplification is not None:
+        rows = amplification(args.amplification or [36, 60])
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"machine": platform.platform(), "amplification": rows}, fh, indent=1)
+        return 0
+
+    from opacus_structured.forecasting.data import train_test_split  # noqa: F401
+    from opacus_structured.forecasting.pretraining import pretrained_weights, zero_shot_predictor
+    from opacus_structured.forecasting.training import train_forecaster
+
+    variants = [Variant.parse(v) for v in args.variants]
+    rows, refs = [], {}
+    for panel in args.panels:
+        train, batch, score, sn = study_split(panel)
+        from forecast_recipe import _panel
+
+        from opacus_structured.forecasting.data import train_test_split as split
+        _, test = split(_panel(panel), H)
+        ets = ets_scores(train, list(zip(test.targets, test.starts, strict=True)))
+        refs[panel] = {"seasonal_naive": sn, "ets": ets}
+        print(f"{panel:10s} seasonal naive CRPS {sn['crps']:.5f} MASE {sn['mase']:.3f}; ETS "
+              f"(NOT PRIVATE) CRPS {ets['crps']:.5f} MASE {ets['mase']:.3f}", flush=True)
+        for variant in variants:
+            skip_lr = configure(variant)
+            ctx = variant.context
+            state, _ = pretrained_weights("dlinear", freq=train.freq, prediction_length=H,
+                                          context_length=ctx, log=print)
+            zs = score(zero_shot_predictor("dlinear", state, freq=train.freq,
+                                           prediction_length=H, context_length=ctx))
+            rows.append({"panel": panel, "variant": str(variant), "kind": "zero-shot",
+                         "crps": zs["crps"], "mase": zs["mase"], "rel": study_score(zs, sn)})
+            print(f"{panel:10s} {variant!s:45s} zero-shot CRPS {zs['crps']:.5f} MASE "
+                  f"{zs['mase']:.3f}", flush=True)
+            for private in (True, False) if args.nonprivate else (True,):
+                for seed in args.seeds:
+                    t0 = time.perf_counter()
+                    res = train_forecaster(
+                        "dlinear", train, prediction_length=H, context_length=ctx,
+                        batch_size=batch, max_steps=100, lr=1e-4, max_grad_norm=1e-4,
+                        tail_average=0.5, epsilon=1.0 if private else None,
+                        delta=1e-7 if private else None, seed=seed, init_seed=seed,
+                        init_state=state, skip_lr=skip_lr)
+                    secs = time.perf_counter() - t0
+                    rule = (noise_rule_weight(res.noise_multiplier, batch) if private
+                            else 0.0)
+                    for w in (*args.weights, "rule"):
+                        m = score(res.create_predictor(
+                            zero_shot_weight=rule if w == "rule" else w))
+                        rows.append({"panel": panel, "variant": str(variant),
+                                     "kind": "DP" if private else "non-private", "seed": seed,
+                                     "w": w, "crps": m["crps"], "mase": m["mase"],
+                                     "rel": study_score(m, sn), "seconds": secs,
+                                     "sigma": res.noise_multiplier})
+                        print(f"{panel:10s} {variant!s:45s} {'DP' if private else 'non-DP'} "
+                              f"seed {seed} w={str(w):<4s} CRPS {m['crps']:.5f} MASE "
+                              f"{m['mase']:.3f} ({secs:.0f} s)", flush=True)
+    print()
+    summary = summarize(rows, refs, variants, args)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"machine": platform.platform(), "panels": args.panels, "refs": refs,
+                       "rows": rows, "summary": summary}, fh, indent=1)
+    return 0
+
+
+def summarize(rows, refs, variants, args):
+    """Per variant and w: the study score, per-panel CRPS and wins over ETS (printed)."""
+    out = []
+    for variant in map(str, variants):
+        zs = [r for r in rows if r["variant"] == variant and r["kind"] == "zero-shot"]
+        zs_score = statistics.fmean(r["rel"] for r in zs) if zs else None
+        for kind in ("DP", "non-private"):
+            for w in (*args.weights, "rule"):
+                sel = [r for r in rows if r["variant"] == variant and r["kind"] == kind
+                       and r.get("w") == w]
+                if not sel:
+                    continue
+                panels = [p for p in args.panels if any(r["panel"] == p for r in sel)]
+                crps = {p: statistics.fmean(r["crps"] for r in sel if r["panel"] == p)
+                        for p in panels}
+                crps_sd = {p: statistics.pstdev([r["crps"] for r in sel if r["panel"] == p])
+                           for p in panels}
+                score = statistics.fmean(statistics.fmean(r["rel"] for r in sel
+                                                          if r["panel"] == p) for p in panels)
+                beats_ets = [p for p in panels if crps[p] < refs[p]["ets"]["crps"]]
+                out.append({"variant": variant, "kind": kind, "w": w, "score": score,
+                            "zero_shot_score": zs_score, "crps": crps, "crps_std": crps_sd,
+                            "beats_ets": beats_ets})
+                print(f"{variant:45s} {kind:11s} w={str(w):<4s} score {score:.4f} (zero-shot "
+                      f"{zs_score:.4f})  " + "  ".join(
+                          f"{p} {crps[p]:.5f}±{crps_sd[p]:.5f}" for p in panels)
+                      + f"  beats ETS on {len(beats_ets)}/{len(panels)}", flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

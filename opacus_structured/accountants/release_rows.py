@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ..samplers import row_provenance as rp
+from ..samplers.torch_calls import eager_only
 
 __all__ = ["ForwardRecord", "ReleaseRows", "RowRecorder", "recorder_of", "install_recorder",
            "PublicRowsError"]
@@ -156,6 +157,7 @@ class RowRecorder:
         self._handles: list = []
 
     # ---- the module ------------------------------------------------------------------------
+    @eager_only  # run at every forward, also of a torch.compile'd model (samplers/torch_calls)
     def forward_pre_hook(self, module, args, kwargs):
         """Unwrap the row tokens of the input; record the forward (gradients enabled)."""
         plain, found = rp.untag((args, kwargs))
@@ -227,10 +229,23 @@ def recorder_of(optimizer) -> Optional[RowRecorder]:
 _MODULES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def _hooked_module(module) -> Optional[torch.nn.Module]:
+    """The module whose forward the recorder observes: Opacus' ``GradSampleModule`` itself,
+    or, for the hooks object of ``make_private(..., wrap_model=False)`` (Opacus 1.6's
+    ``GradSampleHooks``, not a module), the user's module it hooks, which the loop calls."""
+    if isinstance(module, torch.nn.Module):
+        return module
+    inner = getattr(module, "_module", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
+
+
 def install_recorder(optimizer, module) -> Optional[RowRecorder]:
     """Install (once) a :class:`RowRecorder` on ``optimizer`` observing ``module`` (the
-    private model Opacus wrapped). Returns it, or ``None`` without a module."""
-    if module is None or not isinstance(module, torch.nn.Module):
+    private model Opacus wrapped, or the hooks object Opacus attached to it). Returns it, or
+    ``None`` without a module."""
+    batch_first = bool(getattr(module, "batch_first", True))
+    module = _hooked_module(module)
+    if module is None:
         return None
     rec = recorder_of(optimizer)
     if rec is not None:
@@ -238,7 +253,7 @@ def install_recorder(optimizer, module) -> Optional[RowRecorder]:
     previous = _MODULES.get(module)
     if previous is not None:  # make_private again on the same module: one recorder
         previous.remove()
-    rec = RowRecorder(batch_first=bool(getattr(module, "batch_first", True)))
+    rec = RowRecorder(batch_first=batch_first)
     rec._handles.append(module.register_forward_pre_hook(rec.forward_pre_hook,
                                                          with_kwargs=True))
     optimizer.__dict__[_KEY] = rec

@@ -43,6 +43,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .torch_calls import call_reporting_at_caller, eager_only
+
 __all__ = ["PrivateRows", "Provenance", "tag_batch", "untag", "public", "public_rows",
            "in_public_block", "UNTRACKED", "PUBLIC", "POSITION_BITS", "token_draws",
            "provenance_of"]
@@ -217,7 +219,7 @@ _ROWWISE = _names(
     "float", "double", "half", "bfloat16", "long", "int", "short", "bool", "byte", "char", "to",
     "type", "cuda", "cpu", "clone", "contiguous", "detach", "detach_", "requires_grad_",
     "pin_memory", "round", "floor", "ceil", "trunc", "sign", "nan_to_num", "square",
-    "reciprocal", "lerp", "addcmul", "addcdiv", "erf", "exp2", "expm1", "frac", "maximum",
+    "reciprocal", "lerp", "addcmul", "addcdiv", "erf", "exp2", "expm1", "frac", "maximum", "data",
     "minimum", "one_hot", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
     "logical_not", "logical_xor", "isnan", "isfinite", "isinf", "bitwise_and", "bitwise_or",
     "bitwise_not", "bitwise_xor", "copy_", "fill_", "zero_", "normal_", "uniform_",
@@ -229,7 +231,8 @@ _ROWWISE = _names(
 #: Factories that read only the shape / dtype / device of their input.
 _NO_DATA = _names("zeros_like", "ones_like", "empty_like", "full_like", "rand_like",
                   "randn_like", "randint_like", "new_zeros", "new_ones", "new_empty",
-                  "new_full", "size", "dim", "numel", "__len__", "shape", "dtype", "device")
+                  "new_full", "size", "dim", "numel", "__len__", "shape", "dtype", "device",
+                  "_base")
 _RESHAPE = _names("view", "reshape", "flatten", "view_as", "reshape_as", "expand",
                   "expand_as")
 _CONCAT = _names("cat", "concat", "concatenate")
@@ -239,7 +242,7 @@ _OWN_ROWS = _names("__setitem__", "index_put_", "masked_scatter_")
 
 def _func_name(func) -> str:
     name = getattr(func, "__name__", None)
-    if name is None:  # a property getter such as Tensor.shape.__get__
+    if name is None or name == "__get__":  # a property getter such as Tensor.shape.__get__
         name = getattr(getattr(func, "__self__", None), "__name__", None) or repr(func)
     return name
 
@@ -493,10 +496,11 @@ class PrivateRows(torch.Tensor):
     _rows: Provenance
 
     @classmethod
+    @eager_only  # outside torch.compile graphs, at every call (samplers/torch_calls.py)
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():  # torch's warnings: at the user's line
+            out = call_reporting_at_caller(_TORCH_FUNCTION_CODE, func, args, kwargs)
         name = _func_name(func)
         if name in _NO_DATA:
             return out
@@ -533,6 +537,9 @@ class PrivateRows(torch.Tensor):
             return type(out)(_wrap(o, mixed) if isinstance(o, torch.Tensor) else o
                              for o in out) if not hasattr(out, "_fields") else out
         return out
+
+
+_TORCH_FUNCTION_CODE = PrivateRows.__torch_function__.__func__._eager_only_code
 
 
 def _attach(out, prov: Optional[Provenance], tracked, name: str):

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..samplers import row_provenance as rp
-from ..samplers.torch_calls import eager_only
+from ..samplers.torch_calls import eager_only, skip_wrapper_frames
 
 __all__ = ["ForwardRecord", "ReleaseRows", "RowRecorder", "recorder_of", "install_recorder",
            "PublicRowsError"]
@@ -253,6 +253,7 @@ def install_recorder(optimizer, module) -> Optional[RowRecorder]:
     previous = _MODULES.get(module)
     if previous is not None:  # make_private again on the same module: one recorder
         previous.remove()
+    skip_wrapper_frames()  # a model compiled before make_private (samplers/torch_calls)
     rec = RowRecorder(batch_first=batch_first)
     rec._handles.append(module.register_forward_pre_hook(rec.forward_pre_hook,
                                                          with_kwargs=True))

@@ -43,7 +43,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .torch_calls import call_reporting_at_caller, eager_only
+from .torch_calls import call_reporting_at_caller, eager_only, skip_wrapper_frames
 
 __all__ = ["PrivateRows", "Provenance", "tag_batch", "untag", "public", "public_rows",
            "in_public_block", "UNTRACKED", "PUBLIC", "POSITION_BITS", "token_draws",
@@ -175,6 +175,7 @@ def tag_batch(batch, draw: int, rows: Optional[int] = None):
     (scalars, per-batch metadata) are mixed over ``draw``."""
     if draw is None or draw < 0:
         return batch
+    skip_wrapper_frames()  # torch.compile: tokens enter the program here (torch_calls)
     rows = _first_rows(batch) if rows is None else int(rows)
     if rows is None or rows >= _POSITIONS:
         return batch

@@ -45,7 +45,7 @@ import threading
 import warnings
 from typing import Callable, Optional
 
-__all__ = ["eager_only", "call_reporting_at_caller", "reporting_frame"]
+__all__ = ["eager_only", "skip_wrapper_frames", "call_reporting_at_caller", "reporting_frame"]
 
 
 # ---- torch.compile --------------------------------------------------------------------------
@@ -60,6 +60,7 @@ def eager_only(fn: Callable) -> Callable:
         if not disabled:
             import torch._dynamo  # already imported: costs nothing
 
+            skip_wrapper_frames()
             disabled.append(torch._dynamo.disable(fn))
         return disabled[0](*args, **kwargs)
 
@@ -67,7 +68,26 @@ def eager_only(fn: Callable) -> Callable:
     call.__module__ = fn.__module__
     call._torchdynamo_disable = True  # Dynamo's tracer: graph break, call it eagerly
     call._eager_only_code = fn.__code__
+    _WRAPPER_CODE[:] = [call.__code__]  # one code object for every wrapper
     return call
+
+
+_WRAPPER_CODE: list = []
+_SKIPPING: list = []
+
+
+def skip_wrapper_frames() -> None:
+    """Once Dynamo is imported: tell its frame evaluation to run the wrappers of
+    :func:`eager_only` as they are (``torch._dynamo.eval_frame.skip_code``) instead of
+    compiling each call that follows a graph break (recompiles up to its limit, with
+    warnings). Called where row tokens enter a program, before a compiled region can see
+    them: when a batch is tagged and when the recorder is installed; a no-op until then."""
+    if _SKIPPING or "torch._dynamo" not in sys.modules or not _WRAPPER_CODE:
+        return
+    skip = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
+    if skip is not None:
+        skip(_WRAPPER_CODE[0])
+    _SKIPPING.append(True)
 
 
 # ---- warnings at the caller's line --------------------------------------------------------------

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -60,13 +60,17 @@ class Provenance:
     """Where the rows of one tensor come from.
 
     ``tokens``: one token per row along ``dim`` (exact provenance), or ``None`` (mixed: every
-    row may depend on every example of ``draws``; ``lost_at`` names the operation).
+    row may depend on every example of ``draws``; ``lost_at`` names the operation). ``span``:
+    set only by :func:`tag_batch` on the tokens of a batch as delivered, ``draw`` when
+    ``tokens`` is ``draw · 2**24 + arange(len(tokens))`` (one draw, each row once, in order:
+    the recorder then needs no pass over them); operations that keep the rows keep this object.
     """
 
     tokens: Optional[np.ndarray]
     draws: frozenset
     dim: int = 0
     lost_at: Optional[str] = None
+    span: Optional[int] = field(default=None, compare=False)
 
     @staticmethod
     def exact(tokens: np.ndarray, dim: int = 0) -> "Provenance":
@@ -176,18 +180,30 @@ def tag_batch(batch, draw: int, rows: Optional[int] = None):
     if draw is None or draw < 0:
         return batch
     skip_wrapper_frames()  # torch.compile: tokens enter the program here (torch_calls)
-    rows = _first_rows(batch) if rows is None else int(rows)
+    flat = type(batch) in (tuple, list) and all(type(t) is torch.Tensor for t in batch)
+    if rows is None:  # the first leaf's leading size
+        rows = (next((int(t.shape[0]) for t in batch if t.dim() > 0), None) if flat
+                else _first_rows(batch))
+    else:
+        rows = int(rows)
     if rows is None or rows >= _POSITIONS:
         return batch
     draws = frozenset((int(draw),))  # known: no pass over the tokens
-    exact = Provenance(int(draw) * _POSITIONS + np.arange(rows, dtype=np.int64), draws)
-    mixed = Provenance(None, draws, 0, "a batch leaf of another size")
+    exact = Provenance(int(draw) * _POSITIONS + np.arange(rows, dtype=np.int64), draws,
+                       span=int(draw))
+    mixed: list = []
 
     def tag(t):
         if isinstance(t, PrivateRows):
             return t
-        return _wrap(t, exact if t.dim() > 0 and t.shape[0] == rows else mixed)
+        if t.dim() > 0 and t.shape[0] == rows:
+            return _wrap(t, exact)
+        if not mixed:
+            mixed.append(Provenance(None, draws, 0, "a batch leaf of another size"))
+        return _wrap(t, mixed[0])
 
+    if flat:  # the common (x, y): no walk over a nested batch
+        return type(batch)(tag(t) for t in batch)
     return _leaves(batch, tag)
 
 
@@ -503,7 +519,7 @@ class PrivateRows(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():  # torch's warnings: at the user's line
             out = call_reporting_at_caller(_TORCH_FUNCTION_CODE, func, args, kwargs)
         name = _func_name(func)
-        if name in _NO_DATA:
+        if name in _NO_DATA or (out is None and name not in _OWN_ROWS):  # loss.backward()
             return out
         tracked = _tracked(args, kwargs)
         if not tracked:
@@ -549,45 +565,6 @@ def _attach(out, prov: Optional[Provenance], tracked, name: str):
     if prov is None:
         prov = Provenance.mixed(_union_draws(tracked), name)
     return _wrap(out.as_subclass(torch.Tensor) if isinstance(out, PrivateRows) else out, prov)
-
-
-def row_count(found: list[tuple[torch.Tensor, Optional[Provenance]]], batch_dim: int) -> int:
-    """The number of rows of a forward (Opacus' rule: the largest size along the batch
-    dimension among the input tensors)."""
-    sizes = [int(t.shape[batch_dim]) for t, _ in found if t.dim() > batch_dim]
-    return max(sizes) if sizes else 0
-
-
-def forward_tokens(found, batch_dim: int) -> tuple[Optional[np.ndarray], Optional[Provenance]]:
-    """``(tokens, mixed)`` of a forward's input leaves: the per-row tokens of the rows (exact,
-    with ``UNTRACKED`` for rows of untracked leaves), or the mixed provenance that makes the
-    rows untraceable."""
-    n = row_count(found, batch_dim)
-    tokens: Optional[np.ndarray] = None
-    mixed: Optional[Provenance] = None
-    for t, prov in found:
-        if prov is None:
-            continue
-        if not prov.is_exact or (t.dim() > batch_dim and prov.dim != batch_dim) \
-                or len(prov.tokens) != (t.shape[batch_dim] if t.dim() > batch_dim else -1):
-            draws = prov.draws
-            lost = prov.lost_at or "a row dimension other than the model's batch dimension"
-            mixed = Provenance.mixed((mixed.draws if mixed else frozenset()) | draws, lost)
-            continue
-        if len(prov.tokens) != n:
-            mixed = Provenance.mixed((mixed.draws if mixed else frozenset()) | prov.draws,
-                                     "input tensors with different row counts")
-            continue
-        if tokens is None:
-            tokens = prov.tokens
-        elif not np.array_equal(tokens, prov.tokens):
-            both = np.where(tokens == prov.tokens, tokens, UNTRACKED)
-            if (both != tokens).any() and ((tokens >= 0) & (prov.tokens >= 0)).any():
-                mixed = Provenance.mixed(
-                    (mixed.draws if mixed else frozenset()) | prov.draws
-                    | token_draws(tokens), "input tensors whose rows hold different examples")
-            tokens = np.maximum(tokens, prov.tokens)
-    return tokens, mixed
 
 
 def describe_token(token: int) -> str:

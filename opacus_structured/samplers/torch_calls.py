@@ -96,12 +96,20 @@ _PACKAGE_MODULES = re.compile(r"opacus_structured\.samplers\.")
 _ALWAYS = ("always", None, Warning, _PACKAGE_MODULES, 0)
 _LOCK = threading.Lock()
 _STATE = {"depth": 0, "showwarning": None}
-_SKIPPED = (os.sep + os.path.join("torch", "_dynamo") + os.sep,)
+_SKIPPED = os.sep + os.path.join("torch", "_dynamo") + os.sep  # Dynamo's disable wrapper
 _DISPATCH = os.sep + os.path.join("torch", "overrides.py")
 
 
+_OURS: dict = {}
+
+
 def _ours(filename: str) -> bool:
-    return os.path.abspath(filename).startswith(_PACKAGE_DIR)
+    """Whether ``filename`` is a file of this package (cached: frames are walked per
+    warning)."""
+    known = _OURS.get(filename)
+    if known is None:
+        known = _OURS[filename] = os.path.abspath(filename).startswith(_PACKAGE_DIR)
+    return known
 
 
 def reporting_frame(frame, code) -> Optional[object]:
@@ -114,7 +122,7 @@ def reporting_frame(frame, code) -> Optional[object]:
         return None
     frame = frame.f_back
     while frame is not None and (_ours(frame.f_code.co_filename)
-                                 or any(s in frame.f_code.co_filename for s in _SKIPPED)):
+                                 or _SKIPPED in frame.f_code.co_filename):
         frame = frame.f_back
     dispatched = False
     while frame is not None and frame.f_code.co_filename.endswith(_DISPATCH):

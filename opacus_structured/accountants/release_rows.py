@@ -151,6 +151,14 @@ class ReleaseRows:
         return out
 
 
+_EAGER_REASON = (
+    "opacus_structured records the rows of every forward of the private module in this forward "
+    "pre-hook, outside the compiled graph. torch.compile(fullgraph=True) of a torch.nn container "
+    "(e.g. nn.Sequential) traces module hooks into the graph, which cannot break there: compile "
+    "without fullgraph=True, or compile a module of your own class (its hooks run outside the "
+    "graph), or make_private(..., wrap_model=True) and compile what it returns")
+
+
 class RowRecorder:
     """The forwards and clippings of one DP optimizer's private module (module docstring)."""
 
@@ -164,7 +172,7 @@ class RowRecorder:
         self._handles: list = []
 
     # ---- the module ------------------------------------------------------------------------
-    @eager_only  # run at every forward, also of a torch.compile'd model (samplers/torch_calls)
+    @eager_only(_EAGER_REASON)  # at every forward, also of a compiled model (torch_calls)
     def forward_pre_hook(self, module, args, kwargs):
         """Unwrap the row tokens of the input; record the forward (gradients enabled)."""
         plain, found = rp.untag((args, kwargs))

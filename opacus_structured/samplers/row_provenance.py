@@ -505,6 +505,14 @@ def _split_provenances(name, args, kwargs, out) -> Optional[list]:
     return provs
 
 
+_EAGER_REASON = (
+    "opacus_structured tracks which example each row of a private batch comes from in "
+    "PrivateRows.__torch_function__, which runs outside the compiled graph at every call. With "
+    "fullgraph=True Dynamo cannot leave it out: operate on the batch outside the fullgraph "
+    "region (compile the model, not the code that builds its input), or compile without "
+    "fullgraph=True")
+
+
 class PrivateRows(torch.Tensor):
     """A ``torch.Tensor`` whose rows carry the sampler draw and position they come from (module
     docstring). It behaves as a tensor everywhere; the private model's forward receives plain
@@ -513,7 +521,7 @@ class PrivateRows(torch.Tensor):
     _rows: Provenance
 
     @classmethod
-    @eager_only  # outside torch.compile graphs, at every call (samplers/torch_calls.py)
+    @eager_only(_EAGER_REASON)  # outside torch.compile graphs, at every call (torch_calls.py)
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():  # torch's warnings: at the user's line

@@ -49,9 +49,14 @@ __all__ = ["eager_only", "skip_wrapper_frames", "call_reporting_at_caller", "rep
 
 
 # ---- torch.compile --------------------------------------------------------------------------
-def eager_only(fn: Callable) -> Callable:
-    """``fn`` left out of ``torch.compile`` graphs and run eagerly at every call (module
-    docstring); no import of Dynamo until the program imports it."""
+def eager_only(reason: str) -> Callable[[Callable], Callable]:
+    """Decorator: the function left out of ``torch.compile`` graphs and run eagerly at every
+    call (module docstring); no import of Dynamo until the program imports it. ``reason`` is
+    what Dynamo says where it cannot leave the function out (``fullgraph=True``)."""
+    return lambda fn: _eager_only(fn, reason)
+
+
+def _eager_only(fn: Callable, reason: str) -> Callable:
     disabled: list = []
 
     def call(*args, **kwargs):
@@ -67,6 +72,7 @@ def eager_only(fn: Callable) -> Callable:
     call.__name__, call.__qualname__, call.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
     call.__module__ = fn.__module__
     call._torchdynamo_disable = True  # Dynamo's tracer: graph break, call it eagerly
+    call._torchdynamo_disable_msg = reason  # in its error where it cannot break (fullgraph)
     call._eager_only_code = fn.__code__
     _WRAPPER_CODE[:] = [call.__code__]  # one code object for every wrapper
     return call

@@ -24,7 +24,7 @@ included) and lists every failure. A failure is **documented** when it is one of
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/opacus_own_tests.py \\
         [--modules privacy_engine_test ...] [--max-examples 5] [-k EXPR] [--json PATH]
 
-Out of the default test suite (it takes 10-40 min on 2 cores); ``tests/test_opacus_suite.py``
+Out of the default test suite (3-6 min on 2 cores); ``tests/test_opacus_suite.py``
 keeps a fast subset in it.
 """
 

@@ -211,3 +211,45 @@ def test_cli_calibrate_and_errors(capsys):
     assert cli_main(["epsilon", "poisson", "--sample-rate", "2", "--noise-multiplier", "1",
                      "--steps", "10", "--delta", "1e-5"]) == 2
     assert "sample_rate" in capsys.readouterr().err
+
+
+# ---- the Rényi route is left out where a cheap lower bound proves it cannot win (issue 46) ----
+@pytest.mark.parametrize("sigma,q", [(0.8, 0.001), (1.0, 0.02), (1.0, 0.125), (2.0, 0.3)])
+def test_rdp_lower_curve_is_below_dp_accountings_curve(sigma, q):
+    """Order by order, the anchored lower curve (exact at the anchors, convexity of
+    (α-1)ρ(α), monotonicity in α, Pinsker) never exceeds dp_accounting's own curve, and the ε
+    bound built from it never exceeds the route's ε."""
+    import numpy as np
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+    from opacus_structured.schemes import poisson
+
+    lower = poisson._rdp_lower_curve(sigma, q)
+    exact = rdp._compute_rdp_poisson_subsampled_gaussian(
+        q=q, noise_multiplier=sigma, orders=np.array(poisson.RDP_ORDERS))
+    finite = np.isfinite(exact)
+    assert np.all(lower[finite] <= exact[finite] * (1 + 1e-12))
+    anchors = [poisson.RDP_ORDERS.index(a) for a in poisson._ANCHORS if a in poisson.RDP_ORDERS]
+    assert np.allclose(lower[anchors], exact[anchors], rtol=1e-12)
+    for steps in (10, 300):
+        parts = ((sigma, q, steps),)
+        assert poisson.rdp_lower_bound(parts, 1e-5) <= poisson._rdp_of_parts(parts, 1e-5)[0]
+
+
+@pytest.mark.parametrize("sigma,q,steps,skips", [(1.0, 64 / 60000, 55, True),
+                                                 (1.0, 0.1, 100, True), (0.7, 0.01, 300, True),
+                                                 (1.0, 1 / 6, 100, False)])
+def test_skipping_the_rdp_route_changes_no_epsilon(sigma, q, steps, skips, monkeypatch):
+    """get_epsilon with the skip equals get_epsilon computing every route (route included);
+    the route is skipped in the usual regimes, computed at ε ≈ 12 (q = 1/6)."""
+    from opacus_structured.schemes.base import Scheme
+
+    acc = PoissonAccountant(discretization=D)
+    acc.history = [(sigma, q, steps)]
+    fast = acc.get_epsilon(1e-5)
+    alternatives = PoissonScheme().certified_alternatives_below(acc.history, 1e-5, float(fast))
+    assert (alternatives == []) == skips
+    monkeypatch.setattr(PoissonScheme, "certified_alternatives_below",
+                        Scheme.certified_alternatives_below)
+    full = acc.get_epsilon(1e-5)
+    assert float(fast) == float(full) and fast.route == full.route

@@ -96,6 +96,38 @@ def test_unmasked_fused_clipping_is_bit_identical_to_opacus():
         assert torch.equal(a, b)
 
 
+def test_finite_norms_whose_sum_overflows_are_not_zeroed():
+    """Issue 46: the non-finite check reads one sum (finite iff every norm is); two finite
+    per-example norms of 2e38, whose float32 sum overflows, are still clipped as Opacus clips
+    them (none zeroed), and an inf row is zeroed."""
+    x = torch.randn(B, 1)
+    for rows, zeroed in (([2e38, 2e38], False), ([2e38, float("inf")], True)):
+        sums = []
+        for guard in (False, True):
+            torch.manual_seed(0)
+            gsm = GradSampleModule(nn.Linear(1, 1, bias=False), loss_reduction="sum")
+            opt = DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.1), noise_multiplier=0.0,
+                              max_grad_norm=CLIP, expected_batch_size=B, loss_reduction="sum")
+            if guard:
+                guard_optimizer(opt)
+            opt.zero_grad()
+            gsm(x).sum().backward()
+            (p,) = opt.params
+            p.grad_sample = p.grad_sample.clone()
+            p.grad_sample[:2] = torch.tensor(rows).view(2, 1, 1)
+            assert torch.isinf(p.grad_sample.flatten(1).norm(dim=1).sum())
+            opt.clip_and_accumulate()
+            sums.append(p.summed_grad.clone())
+        stock, ours = sums
+        expected = p.grad_sample[2:].flatten() * (CLIP / (p.grad_sample[2:].abs().flatten()
+                                                          + 1e-6)).clamp(max=1.0)
+        if zeroed:  # Opacus: 0 * inf = NaN; ours: the row is zeroed (clip factor 0)
+            assert not torch.isfinite(stock).all()
+            assert torch.allclose(ours.flatten(), expected.sum() + CLIP, rtol=1e-5)
+        else:
+            assert torch.isfinite(ours).all() and torch.equal(stock, ours)
+
+
 def test_mask_is_bit_identical_to_zeroed_rows_and_matches_per_example_grads():
     x, y = _data()
     keep = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.bool)

@@ -29,7 +29,7 @@ import os
 
 import pytest
 from conftest import default_subset
-from opacus_released import torchvision_standin
+from opacus_released import swap, torchvision_standin
 
 import opacus_structured  # noqa: F401  (registers the accountants with Opacus)
 from opacus_structured.accountants.poisson import PoissonAccountant
@@ -55,29 +55,12 @@ from opacus.tests import privacy_engine_validation_test as _pev  # noqa: E402
 if STAND_IN:  # the released modules hold their references; nothing else may see it
     torchvision_standin.uninstall()
 
-_ORIGINAL_INIT = PrivacyEngine.__init__
-_ORIGINAL_MAKE_PRIVATE = PrivacyEngine.make_private
-
-
-def _init(self, *, accountant: str = "poisson", secure_mode: bool = False):
-    """Opacus' ``PrivacyEngine.__init__`` with our ``"poisson"`` as the default accountant."""
-    _ORIGINAL_INIT(self, accountant=accountant, secure_mode=secure_mode)
-
-
-def _make_private(self, *args, poisson_sampling: bool = True, **kwargs):
-    """Opacus' ``make_private``; a fresh ``"poisson"`` accountant becomes ``"shuffle"`` when the
-    caller keeps its own (shuffled / sequential) loader."""
-    if not poisson_sampling and isinstance(self.accountant, PoissonAccountant) \
-            and len(self.accountant) == 0:
-        self.accountant = ShuffleAccountant()
-    return _ORIGINAL_MAKE_PRIVATE(self, *args, poisson_sampling=poisson_sampling, **kwargs)
-
-
 @pytest.fixture(autouse=True)
 def _our_accountants(monkeypatch, request):
+    """``opacus_released.swap``: ``"poisson"`` by default, ``"shuffle"`` for a kept loader."""
     if not getattr(request.cls, "opacus_unchanged", False):
-        monkeypatch.setattr(PrivacyEngine, "__init__", _init)
-        monkeypatch.setattr(PrivacyEngine, "make_private", _make_private)
+        monkeypatch.setattr(PrivacyEngine, "__init__", swap.init)
+        monkeypatch.setattr(PrivacyEngine, "make_private", swap.make_private)
     yield
 
 
@@ -112,12 +95,33 @@ def _one_example(name, kwargs):
     return test
 
 
-TestOpacusEngineFast = type("TestOpacusEngineFast", (_pe.PrivacyEngineConvNetTest,), {
-    "__module__": __name__, "setUp": _fast_setup,
-    "__doc__": "Opacus' PrivacyEngineConvNetTest on 256 examples (FAST_TESTS and EXAMPLES).",
-    **{n: None for n in dir(_pe.PrivacyEngineConvNetTest)
-       if n.startswith("test") and n not in FAST_TESTS},
-    **{f"{n}_one_example": _one_example(n, kw) for n, kw in EXAMPLES.items()}})
+def _fast_class(name: str, released, setup, tests=FAST_TESTS, examples=EXAMPLES):
+    """``released`` on 256 examples: ``tests`` and one example of each of ``examples``."""
+    return type(name, (released,), {
+        "__module__": __name__, "setUp": setup,
+        "__doc__": f"Opacus' {released.__name__} on 256 examples ({', '.join(tests)}; one "
+                   f"example of {', '.join(examples) or 'no hypothesis test'}).",
+        **{n: None for n in dir(released) if n.startswith("test") and n not in tests},
+        **{f"{n}_one_example": _one_example(n, kw) for n, kw in examples.items()}})
+
+
+TestOpacusEngineFast = _fast_class("TestOpacusEngineFast", _pe.PrivacyEngineConvNetTest,
+                                   _fast_setup)
+
+
+def _fast_hooks_setup(self):
+    _pe.PrivacyEngineConvNetHooksTest.setUp(self)
+    self.DATA_SIZE, self.BATCH_SIZE = 256, 32
+
+
+#: Issue 46: ``make_private(..., wrap_model=False)`` (Opacus 1.6's ``GradSampleHooks``) in the
+#: default suite: the released hooks class with the fast subset, and the ε calibration of
+#: ``make_private_with_epsilon`` through our accountant.
+TestOpacusEngineHooksFast = _fast_class(
+    "TestOpacusEngineHooksFast", _pe.PrivacyEngineConvNetHooksTest, _fast_hooks_setup,
+    tests=("test_flat_clipping", "test_sample_grad_aggregation",
+           "test_noise_changes_every_time", "test_make_private_with_epsilon"),
+    examples={"test_checkpoints": EXAMPLES["test_checkpoints"]})
 
 
 #: Every released engine class at the released sizes takes hours on 2 cores (the three ConvNet

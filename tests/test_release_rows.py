@@ -92,7 +92,11 @@ def test_tokens_follow_rows_through_a_loop_s_operations():
     assert pos(x[x[:, 0] > 0]) == [i for i in range(5) if x[i, 0] > 0]
     assert pos(x.view(5, -1)[:, :2]) == [0, 1, 2, 3, 4]
     assert [pos(p) for p in x.split([2, 3])] == [[0, 1], [2, 3, 4]]
-    assert x.transpose(0, 1)._rows.dim == 1
+    assert x.transpose(0, 1)._rows.dim == 1 and x.T._rows.dim == 1   # a property: its name
+    assert pos(x.data) == [0, 1, 2, 3, 4] and type(x.shape) is torch.Size
+    z = x.clone()
+    z[:2] = x.flip(0)[:2]                                        # __setitem__ returns None
+    assert not z._rows.is_exact and z._rows.lost_at == "__setitem__"
     assert not x.mean(0)._rows.is_exact and x.mean(0)._rows.lost_at == "mean"
     assert not torch.softmax(x, 0)._rows.is_exact               # mixes examples
     assert torch.softmax(x, -1)._rows.is_exact                  # within each example

@@ -78,3 +78,87 @@ def test_caller_stacklevel_walks_out_of_the_package():
 
     (w,) = user_line()
     assert w.filename == __file__ and str(w.message) == "from inside"
+
+
+# ---- torch's own warnings inside a loop on row-tagged batches (issue 46) --------------------
+def _tagged():
+    from opacus_structured.samplers.row_provenance import tag_batch
+
+    return tag_batch(torch.randn(5, 3), draw=0)
+
+
+def _lines_of(caught, text):
+    return [(w.filename, w.lineno) for w in caught if text in str(w.message)]
+
+
+def test_torch_warnings_on_tagged_rows_name_the_user_s_line():
+    """A C++ ``TORCH_WARN`` (``new_tensor`` of a tensor) and a Python ``warnings.warn(...,
+    stacklevel=2)`` of ``torch.nn.functional`` (softmax without ``dim``), raised inside the
+    ``__torch_function__`` of the row tokens, are reported at the user's line, as for a plain
+    tensor."""
+    import inspect
+
+    x, plain = _tagged(), torch.randn(5, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        here = inspect.currentframe().f_lineno
+        x.new_tensor(x)
+        plain.new_tensor(plain)
+        torch.nn.functional.softmax(x)
+        torch.nn.functional.softmax(plain)
+    assert _lines_of(caught, "copy construct") == [(__file__, here + 1), (__file__, here + 2)]
+    assert _lines_of(caught, "Implicit dimension") == [(__file__, here + 3),
+                                                       (__file__, here + 4)]
+
+
+def test_torch_warnings_keep_the_user_s_filters_and_once_per_line():
+    """The user's filters apply at the user's line: ``"default"`` shows a warning once per line
+    (two lines: twice; a loop on one line: once), ``"ignore"`` for the user's module hides it,
+    ``"error"`` raises at the operation; ``warnings`` is left as it was."""
+    x = _tagged()
+    before = (warnings.showwarning, list(warnings.filters))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        globals().pop("__warningregistry__", None)
+        for _ in range(3):
+            x.new_tensor(x)
+        x.new_tensor(x)
+    assert len(_lines_of(caught, "copy construct")) == 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", module=__name__)
+        x.new_tensor(x)
+    assert not caught
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="copy construct"):
+            x.new_tensor(x)
+    assert (warnings.showwarning, list(warnings.filters)) == before
+
+
+def _python_op(t, stacklevel):
+    """A torch-style Python function (dispatched through ``handle_torch_function``, as
+    ``torch.nn.functional``'s are) that warns at ``stacklevel``."""
+    if torch.overrides.has_torch_function((t,)):
+        return torch.overrides.handle_torch_function(_python_op, (t,), t, stacklevel)
+    warnings.warn(f"op at stacklevel {stacklevel}", UserWarning, stacklevel=stacklevel)
+    return t + 1
+
+
+def test_python_dispatch_warnings_keep_their_stack_level():
+    """Through ``handle_torch_function``: ``stacklevel=2`` names the caller of the function
+    (the user's line, as for a plain tensor); ``stacklevel=1`` names the function's own line,
+    which is not the package's and is left alone."""
+    import inspect
+
+    x = _tagged()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        here = inspect.currentframe().f_lineno
+        _python_op(x, 2)
+        _python_op(torch.randn(5, 3), 2)
+        _python_op(x, 1)
+        _python_op(torch.randn(5, 3), 1)
+    own = inspect.getsourcelines(_python_op)[1] + 5  # its warnings.warn line
+    assert _lines_of(caught, "stacklevel 2") == [(__file__, here + 1), (__file__, here + 2)]
+    assert _lines_of(caught, "stacklevel 1") == [(__file__, own), (__file__, own)]

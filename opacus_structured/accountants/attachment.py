@@ -74,7 +74,8 @@ def _check_covered(module, optimizer) -> None:
     try:
         parameter_guard.check_coverage(module, optimizer, where="make_private")
     except parameter_guard.UncoveredParametersError:
-        close = getattr(module, "_close", None)
+        # a GradSampleModule closes; the hooks of wrap_model=False clean up
+        close = getattr(module, "_close", None) or getattr(module, "cleanup", None)
         if callable(close) and module is not parameter_guard.unwrap_module(module):
             close()
         raise

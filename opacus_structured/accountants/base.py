@@ -379,7 +379,8 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, PhasesMixin, IAcco
         if self.unamplified:  # the scheme's other routes price its history alone
             return value
         # the smallest certified route (monotone in δ across the PLD's round-off floor)
-        return best_route(value, self.scheme.certified_alternatives(self.history, delta))
+        return best_route(value, self.scheme.certified_alternatives_below(self.history, delta,
+                                                                          float(value)))
 
     def _epsilon_below_precision(self, error: NumericalPrecisionError, delta: float,
                                  discretization: float) -> float:

@@ -25,8 +25,9 @@ passes (the same kernels, in the same order) plus work on the :math:`B` norms on
   :mod:`opacus_structured.accountants.release_guard`) such an example also gets
   :math:`c_b = 0`, and on a step that holds one its rows are replaced by zeros before the sum
   (:math:`0 \cdot \infty` is NaN, and stock Opacus would release a NaN step). Finding out costs
-  one host synchronisation on ``B`` bools per step; without ``zero_nonfinite`` the step has
-  none.
+  one host synchronisation per step (the sum of the ``B`` norms is finite iff every norm is,
+  unless it overflows; then the per-example test decides); without ``zero_nonfinite`` the
+  step has none.
 
 A mask or observer therefore costs :math:`O(B)` work on the step and never touches a
 ``grad_sample`` tensor: the number of kernels that read or write per-sample gradients is the
@@ -42,6 +43,7 @@ book-keeping have their own coefficient hooks (:mod:`opacus_structured.optim.gho
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -139,11 +141,16 @@ def clip_and_accumulate(optimizer) -> None:
         device = per_param[0].device
         norms = torch.stack([n.to(device) for n in per_param], dim=1).norm(2, dim=1)
         factor = (optimizer.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-        finite = torch.isfinite(norms)
-        if hooks.zero_nonfinite and not bool(finite.all()):
-            bad = ~finite  # (one host sync on B bools)
-            factor = torch.where(finite, factor, torch.zeros_like(factor))
-        if hooks.masks or hooks.observers:
+        finite = None
+        # one host sync: the sum of the norms is finite iff every norm is (or it overflows:
+        # norms near 1e308, and the exact test finds them all finite)
+        if hooks.zero_nonfinite and not math.isfinite(float(norms.sum())):
+            finite = torch.isfinite(norms)
+            if not bool(finite.all()):
+                bad = ~finite
+                factor = torch.where(finite, factor, torch.zeros_like(factor))
+        if hooks.masks or hooks.observers:  # no host sync
+            finite = torch.isfinite(norms) if finite is None else finite
             norms = torch.where(finite, norms, torch.full_like(norms, float("inf")))
     for mask in list(hooks.masks.values()):
         m = mask(optimizer, norms)

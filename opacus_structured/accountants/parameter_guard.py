@@ -76,17 +76,23 @@ class ForeignOptimizerStepError(RuntimeError):
 
 
 # ---- the module the optimizer trains -----------------------------------------------------
-def unwrap_module(module: nn.Module) -> nn.Module:
+def unwrap_module(module) -> nn.Module:
     """The user's module inside Opacus' wrappers (``GradSampleModule`` and its ghost variant,
-    ``DPDDP``) and torch's ``DistributedDataParallel``: the one whose parameter names the
-    user knows."""
+    ``DPDDP``), the hooks object of ``make_private(..., wrap_model=False)`` (Opacus 1.6's
+    ``GradSampleHooks`` and its ghost variant, which are not modules), torch's
+    ``DistributedDataParallel`` and a ``torch.compile`` wrapper: the one whose parameter
+    names the user knows."""
     from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
-    from opacus.grad_sample import AbstractGradSampleModule
+    from opacus.grad_sample.gsm_base import AbstractGradSampleHooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    # torch.compile's wrapper exists only once Dynamo is imported (not imported here: ~1.5 s)
+    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", ())
     for _ in range(8):
-        if isinstance(module, AbstractGradSampleModule):
+        if isinstance(module, AbstractGradSampleHooks):  # GradSampleModule too
             module = module._module
+        elif compiled and isinstance(module, compiled):
+            module = module._orig_mod
         elif isinstance(module, (DPDDP, DDP)):
             module = module.module
         else:

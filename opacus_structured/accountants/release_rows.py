@@ -35,9 +35,10 @@ import numpy as np
 import torch
 
 from ..samplers import row_provenance as rp
+from ..samplers.torch_calls import eager_only, skip_wrapper_frames
 
 __all__ = ["ForwardRecord", "ReleaseRows", "RowRecorder", "recorder_of", "install_recorder",
-           "PublicRowsError"]
+           "PublicRowsError", "row_count", "forward_tokens"]
 
 
 class PublicRowsError(ValueError):
@@ -52,6 +53,7 @@ class ForwardRecord:
     tokens: Optional[np.ndarray] = None   # per-row tokens (exact provenance), if any
     mixed: Optional[rp.Provenance] = None  # rows whose examples are mixed
     public: bool = False                   # inside opacus_structured.public_rows()
+    span: Optional[int] = None             # the tokens are a delivered batch's (Provenance.span)
 
 
 @dataclass
@@ -114,6 +116,12 @@ class ReleaseRows:
     def of(records: list[ForwardRecord], clipped: Optional[int],
            clippings: int) -> "ReleaseRows":
         out = ReleaseRows(clipped=clipped, clippings=clippings)
+        if len(records) == 1 and records[0].span is not None and (clipped is None
+                                                                  or clipped <= records[0].rows):
+            # one delivered batch as delivered: its draw, each row once (Provenance.span)
+            out.multiplicity[records[0].span] = 1
+            out._row_counts[records[0].span] = records[0].rows
+            return out
         tokens = []
         recorded = 0
         for rec in records:
@@ -143,6 +151,14 @@ class ReleaseRows:
         return out
 
 
+_EAGER_REASON = (
+    "opacus_structured records the rows of every forward of the private module in this forward "
+    "pre-hook, outside the compiled graph. torch.compile(fullgraph=True) of a torch.nn container "
+    "(e.g. nn.Sequential) traces module hooks into the graph, which cannot break there: compile "
+    "without fullgraph=True, or compile a module of your own class (its hooks run outside the "
+    "graph), or make_private(..., wrap_model=True) and compile what it returns")
+
+
 class RowRecorder:
     """The forwards and clippings of one DP optimizer's private module (module docstring)."""
 
@@ -156,6 +172,7 @@ class RowRecorder:
         self._handles: list = []
 
     # ---- the module ------------------------------------------------------------------------
+    @eager_only(_EAGER_REASON)  # at every forward, also of a compiled model (torch_calls)
     def forward_pre_hook(self, module, args, kwargs):
         """Unwrap the row tokens of the input; record the forward (gradients enabled)."""
         plain, found = rp.untag((args, kwargs))
@@ -164,8 +181,15 @@ class RowRecorder:
         return plain
 
     def _record(self, found) -> ForwardRecord:
-        n = rp.row_count(found, self.batch_dim)
-        tokens, mixed = rp.forward_tokens(found, self.batch_dim)
+        if len(found) == 1:  # one input, a delivered batch as delivered (Provenance.span)
+            t, prov = found[0]
+            if prov is not None and prov.span is not None and prov.dim == self.batch_dim \
+                    and t.dim() > self.batch_dim \
+                    and t.shape[self.batch_dim] == len(prov.tokens) \
+                    and not rp.in_public_block():
+                return ForwardRecord(rows=len(prov.tokens), tokens=prov.tokens, span=prov.span)
+        n = row_count(found, self.batch_dim)
+        tokens, mixed = forward_tokens(found, self.batch_dim)
         if rp.in_public_block():
             private = mixed is not None or (tokens is not None and bool((tokens >= 0).any()))
             if private:
@@ -227,10 +251,23 @@ def recorder_of(optimizer) -> Optional[RowRecorder]:
 _MODULES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def _hooked_module(module) -> Optional[torch.nn.Module]:
+    """The module whose forward the recorder observes: Opacus' ``GradSampleModule`` itself,
+    or, for the hooks object of ``make_private(..., wrap_model=False)`` (Opacus 1.6's
+    ``GradSampleHooks``, not a module), the user's module it hooks, which the loop calls."""
+    if isinstance(module, torch.nn.Module):
+        return module
+    inner = getattr(module, "_module", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
+
+
 def install_recorder(optimizer, module) -> Optional[RowRecorder]:
     """Install (once) a :class:`RowRecorder` on ``optimizer`` observing ``module`` (the
-    private model Opacus wrapped). Returns it, or ``None`` without a module."""
-    if module is None or not isinstance(module, torch.nn.Module):
+    private model Opacus wrapped, or the hooks object Opacus attached to it). Returns it, or
+    ``None`` without a module."""
+    batch_first = bool(getattr(module, "batch_first", True))
+    module = _hooked_module(module)
+    if module is None:
         return None
     rec = recorder_of(optimizer)
     if rec is not None:
@@ -238,7 +275,8 @@ def install_recorder(optimizer, module) -> Optional[RowRecorder]:
     previous = _MODULES.get(module)
     if previous is not None:  # make_private again on the same module: one recorder
         previous.remove()
-    rec = RowRecorder(batch_first=bool(getattr(module, "batch_first", True)))
+    skip_wrapper_frames()  # a model compiled before make_private (samplers/torch_calls)
+    rec = RowRecorder(batch_first=batch_first)
     rec._handles.append(module.register_forward_pre_hook(rec.forward_pre_hook,
                                                          with_kwargs=True))
     optimizer.__dict__[_KEY] = rec
@@ -251,6 +289,48 @@ def install_recorder(optimizer, module) -> Optional[RowRecorder]:
 
     optimizer.zero_grad = zero_grad
     return rec
+
+
+# ---- the rows of a forward (moved from samplers/row_provenance.py, which passed 600 lines) --
+def row_count(found: list[tuple[torch.Tensor, Optional[rp.Provenance]]], batch_dim: int) -> int:
+    """The number of rows of a forward (Opacus' rule: the largest size along the batch
+    dimension among the input tensors)."""
+    sizes = [int(t.shape[batch_dim]) for t, _ in found if t.dim() > batch_dim]
+    return max(sizes) if sizes else 0
+
+
+def forward_tokens(found, batch_dim: int) -> tuple[Optional[np.ndarray],
+                                                   Optional[rp.Provenance]]:
+    """``(tokens, mixed)`` of a forward's input leaves (``found``, as
+    :func:`~opacus_structured.samplers.row_provenance.untag` returns them): the per-row tokens
+    of the rows (exact, with ``UNTRACKED`` for rows of untracked leaves), or the mixed
+    provenance that makes the rows untraceable."""
+    n = row_count(found, batch_dim)
+    tokens: Optional[np.ndarray] = None
+    mixed: Optional[rp.Provenance] = None
+    for t, prov in found:
+        if prov is None:
+            continue
+        if not prov.is_exact or (t.dim() > batch_dim and prov.dim != batch_dim) \
+                or len(prov.tokens) != (t.shape[batch_dim] if t.dim() > batch_dim else -1):
+            draws = prov.draws
+            lost = prov.lost_at or "a row dimension other than the model's batch dimension"
+            mixed = rp.Provenance.mixed((mixed.draws if mixed else frozenset()) | draws, lost)
+            continue
+        if len(prov.tokens) != n:
+            mixed = rp.Provenance.mixed((mixed.draws if mixed else frozenset()) | prov.draws,
+                                     "input tensors with different row counts")
+            continue
+        if tokens is None:
+            tokens = prov.tokens
+        elif not np.array_equal(tokens, prov.tokens):
+            both = np.where(tokens == prov.tokens, tokens, rp.UNTRACKED)
+            if (both != tokens).any() and ((tokens >= 0) & (prov.tokens >= 0)).any():
+                mixed = rp.Provenance.mixed(
+                    (mixed.draws if mixed else frozenset()) | prov.draws
+                    | rp.token_draws(tokens), "input tensors whose rows hold different examples")
+            tokens = np.maximum(tokens, prov.tokens)
+    return tokens, mixed
 
 
 def rows_in_grad_samples(optimizer) -> tuple[int, bool]:

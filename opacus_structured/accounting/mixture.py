@@ -168,6 +168,7 @@ class MixturePair:
                 "MixturePair needs separated means (max(P means) <= min(Q means) or the "
                 f"reverse) for a monotone privacy loss; got P means {a} and Q means {b}")
         object.__setattr__(self, "_direction", direction)
+        object.__setattr__(self, "_closed", self._closed_form())
 
     @classmethod
     def from_components(cls, upper_means, upper_weights, lower_means, lower_weights,
@@ -204,8 +205,46 @@ class MixturePair:
         vals = self.privacy_loss(np.array([lo, hi]))
         return float(vals.min()), float(vals.max())
 
+    def _closed_form(self):
+        r"""``(mid, scale, w1, sign)`` when :math:`L(x) = \mathrm{sign}\cdot\log(1 + w_1
+        (e^{u} - 1))` with :math:`u = (x - \mathrm{mid})/\mathrm{scale}` (the pair solves in
+        closed form), else ``None``.
+
+        That is the case of the Poisson-subsampled Gaussian and of the Gaussian mechanism: one
+        side a single Gaussian :math:`\mathcal{N}(m, \sigma^2)`, the other
+        :math:`w_0\mathcal{N}(m, \sigma^2) + w_1\mathcal{N}(m_1, \sigma^2)` (or a single
+        Gaussian, :math:`w_1 = 1`). Then :math:`p/q = w_0 + w_1 e^{u}` with
+        :math:`u = (m_1 - m)(x - (m + m_1)/2)/\sigma^2`, and ``sign`` is +1 when the mixture is
+        :math:`P`, -1 when it is :math:`Q`."""
+        up, low = self.upper, self.lower
+        for sign, single, other in ((1, low, up), (-1, up, low)):
+            if len(single.means) != 1:
+                continue
+            m = float(single.means[0])
+            if len(other.means) == 1:
+                m1, w1 = float(other.means[0]), 1.0
+            elif len(other.means) == 2 and m in (float(other.means[0]), float(other.means[1])):
+                k = 1 if float(other.means[0]) == m else 0
+                m1, w1 = float(other.means[k]), float(other.weights[k])
+            else:
+                continue
+            if m1 == m:
+                return None
+            return 0.5 * (m + m1), self.sigma ** 2 / (m1 - m), w1, sign
+        return None
+
     def _threshold(self, eps: np.ndarray) -> np.ndarray:
-        """Solve L(x) = eps for x (L monotone); eps inside the loss range of the grid."""
+        r"""Solve L(x) = eps for x (L monotone); eps inside the loss range of the grid.
+
+        In closed form where the pair allows it (:meth:`_closed_form`:
+        :math:`u = \log(1 + (e^{\mathrm{sign}\,\varepsilon} - 1)/w_1)`, exact up to
+        rounding); otherwise bracketed on a grid, then safeguarded Newton steps."""
+        if self._closed is not None:
+            mid, scale, w1, sign = self._closed
+            with np.errstate(divide="ignore", invalid="ignore"):
+                x = mid + scale * np.log1p(np.expm1(sign * eps) / w1)
+            if np.all(np.isfinite(x)):
+                return x
         lo, hi = self.x_range()
         pad = 4.0 * self.sigma
         grid = np.linspace(lo - pad, hi + pad, 4097)

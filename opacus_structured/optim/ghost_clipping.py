@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
-    GradSampleModuleFastGradientClipping,
+    GradSampleHooksFastGradientClipping,
 )
 from opacus.optimizers import DPOptimizerFastGradientClipping
 
@@ -43,11 +43,12 @@ CorrelatedNoiseDPOptimizerFastGradientClipping = correlated_optimizer_class(
     DPOptimizerFastGradientClipping)
 
 
-def _ghost_module(module) -> GradSampleModuleFastGradientClipping:
-    if not isinstance(module, GradSampleModuleFastGradientClipping):
-        raise ValueError(f"module must be Opacus' GradSampleModuleFastGradientClipping (what "
-                         f"make_private(grad_sample_mode='ghost') returns), got "
-                         f"{type(module).__name__}")
+def _ghost_module(module) -> GradSampleHooksFastGradientClipping:
+    if not isinstance(module, GradSampleHooksFastGradientClipping):
+        raise ValueError(f"module must be Opacus' GradSampleModuleFastGradientClipping or "
+                         f"GradSampleHooksFastGradientClipping (what "
+                         f"make_private(grad_sample_mode='ghost') returns, with wrap_model="
+                         f"True or False), got {type(module).__name__}")
     return module
 
 

@@ -37,11 +37,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import torch
+
+from .torch_calls import call_reporting_at_caller, eager_only, skip_wrapper_frames
 
 __all__ = ["PrivateRows", "Provenance", "tag_batch", "untag", "public", "public_rows",
            "in_public_block", "UNTRACKED", "PUBLIC", "POSITION_BITS", "token_draws",
@@ -58,13 +60,17 @@ class Provenance:
     """Where the rows of one tensor come from.
 
     ``tokens``: one token per row along ``dim`` (exact provenance), or ``None`` (mixed: every
-    row may depend on every example of ``draws``; ``lost_at`` names the operation).
+    row may depend on every example of ``draws``; ``lost_at`` names the operation). ``span``:
+    set only by :func:`tag_batch` on the tokens of a batch as delivered, ``draw`` when
+    ``tokens`` is ``draw · 2**24 + arange(len(tokens))`` (one draw, each row once, in order:
+    the recorder then needs no pass over them); operations that keep the rows keep this object.
     """
 
     tokens: Optional[np.ndarray]
     draws: frozenset
     dim: int = 0
     lost_at: Optional[str] = None
+    span: Optional[int] = field(default=None, compare=False)
 
     @staticmethod
     def exact(tokens: np.ndarray, dim: int = 0) -> "Provenance":
@@ -173,18 +179,31 @@ def tag_batch(batch, draw: int, rows: Optional[int] = None):
     (scalars, per-batch metadata) are mixed over ``draw``."""
     if draw is None or draw < 0:
         return batch
-    rows = _first_rows(batch) if rows is None else int(rows)
+    skip_wrapper_frames()  # torch.compile: tokens enter the program here (torch_calls)
+    flat = type(batch) in (tuple, list) and all(type(t) is torch.Tensor for t in batch)
+    if rows is None:  # the first leaf's leading size
+        rows = (next((int(t.shape[0]) for t in batch if t.dim() > 0), None) if flat
+                else _first_rows(batch))
+    else:
+        rows = int(rows)
     if rows is None or rows >= _POSITIONS:
         return batch
     draws = frozenset((int(draw),))  # known: no pass over the tokens
-    exact = Provenance(int(draw) * _POSITIONS + np.arange(rows, dtype=np.int64), draws)
-    mixed = Provenance(None, draws, 0, "a batch leaf of another size")
+    exact = Provenance(int(draw) * _POSITIONS + np.arange(rows, dtype=np.int64), draws,
+                       span=int(draw))
+    mixed: list = []
 
     def tag(t):
         if isinstance(t, PrivateRows):
             return t
-        return _wrap(t, exact if t.dim() > 0 and t.shape[0] == rows else mixed)
+        if t.dim() > 0 and t.shape[0] == rows:
+            return _wrap(t, exact)
+        if not mixed:
+            mixed.append(Provenance(None, draws, 0, "a batch leaf of another size"))
+        return _wrap(t, mixed[0])
 
+    if flat:  # the common (x, y): no walk over a nested batch
+        return type(batch)(tag(t) for t in batch)
     return _leaves(batch, tag)
 
 
@@ -217,7 +236,7 @@ _ROWWISE = _names(
     "float", "double", "half", "bfloat16", "long", "int", "short", "bool", "byte", "char", "to",
     "type", "cuda", "cpu", "clone", "contiguous", "detach", "detach_", "requires_grad_",
     "pin_memory", "round", "floor", "ceil", "trunc", "sign", "nan_to_num", "square",
-    "reciprocal", "lerp", "addcmul", "addcdiv", "erf", "exp2", "expm1", "frac", "maximum",
+    "reciprocal", "lerp", "addcmul", "addcdiv", "erf", "exp2", "expm1", "frac", "maximum", "data",
     "minimum", "one_hot", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
     "logical_not", "logical_xor", "isnan", "isfinite", "isinf", "bitwise_and", "bitwise_or",
     "bitwise_not", "bitwise_xor", "copy_", "fill_", "zero_", "normal_", "uniform_",
@@ -229,7 +248,8 @@ _ROWWISE = _names(
 #: Factories that read only the shape / dtype / device of their input.
 _NO_DATA = _names("zeros_like", "ones_like", "empty_like", "full_like", "rand_like",
                   "randn_like", "randint_like", "new_zeros", "new_ones", "new_empty",
-                  "new_full", "size", "dim", "numel", "__len__", "shape", "dtype", "device")
+                  "new_full", "size", "dim", "numel", "__len__", "shape", "dtype", "device",
+                  "_base")
 _RESHAPE = _names("view", "reshape", "flatten", "view_as", "reshape_as", "expand",
                   "expand_as")
 _CONCAT = _names("cat", "concat", "concatenate")
@@ -239,7 +259,7 @@ _OWN_ROWS = _names("__setitem__", "index_put_", "masked_scatter_")
 
 def _func_name(func) -> str:
     name = getattr(func, "__name__", None)
-    if name is None:  # a property getter such as Tensor.shape.__get__
+    if name is None or name == "__get__":  # a property getter such as Tensor.shape.__get__
         name = getattr(getattr(func, "__self__", None), "__name__", None) or repr(func)
     return name
 
@@ -485,6 +505,14 @@ def _split_provenances(name, args, kwargs, out) -> Optional[list]:
     return provs
 
 
+_EAGER_REASON = (
+    "opacus_structured tracks which example each row of a private batch comes from in "
+    "PrivateRows.__torch_function__, which runs outside the compiled graph at every call. With "
+    "fullgraph=True Dynamo cannot leave it out: operate on the batch outside the fullgraph "
+    "region (compile the model, not the code that builds its input), or compile without "
+    "fullgraph=True")
+
+
 class PrivateRows(torch.Tensor):
     """A ``torch.Tensor`` whose rows carry the sampler draw and position they come from (module
     docstring). It behaves as a tensor everywhere; the private model's forward receives plain
@@ -493,12 +521,13 @@ class PrivateRows(torch.Tensor):
     _rows: Provenance
 
     @classmethod
+    @eager_only(_EAGER_REASON)  # outside torch.compile graphs, at every call (torch_calls.py)
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():  # torch's warnings: at the user's line
+            out = call_reporting_at_caller(_TORCH_FUNCTION_CODE, func, args, kwargs)
         name = _func_name(func)
-        if name in _NO_DATA:
+        if name in _NO_DATA or (out is None and name not in _OWN_ROWS):  # loss.backward()
             return out
         tracked = _tracked(args, kwargs)
         if not tracked:
@@ -535,51 +564,15 @@ class PrivateRows(torch.Tensor):
         return out
 
 
+_TORCH_FUNCTION_CODE = PrivateRows.__torch_function__.__func__._eager_only_code
+
+
 def _attach(out, prov: Optional[Provenance], tracked, name: str):
     if not isinstance(out, torch.Tensor):
         return out
     if prov is None:
         prov = Provenance.mixed(_union_draws(tracked), name)
     return _wrap(out.as_subclass(torch.Tensor) if isinstance(out, PrivateRows) else out, prov)
-
-
-def row_count(found: list[tuple[torch.Tensor, Optional[Provenance]]], batch_dim: int) -> int:
-    """The number of rows of a forward (Opacus' rule: the largest size along the batch
-    dimension among the input tensors)."""
-    sizes = [int(t.shape[batch_dim]) for t, _ in found if t.dim() > batch_dim]
-    return max(sizes) if sizes else 0
-
-
-def forward_tokens(found, batch_dim: int) -> tuple[Optional[np.ndarray], Optional[Provenance]]:
-    """``(tokens, mixed)`` of a forward's input leaves: the per-row tokens of the rows (exact,
-    with ``UNTRACKED`` for rows of untracked leaves), or the mixed provenance that makes the
-    rows untraceable."""
-    n = row_count(found, batch_dim)
-    tokens: Optional[np.ndarray] = None
-    mixed: Optional[Provenance] = None
-    for t, prov in found:
-        if prov is None:
-            continue
-        if not prov.is_exact or (t.dim() > batch_dim and prov.dim != batch_dim) \
-                or len(prov.tokens) != (t.shape[batch_dim] if t.dim() > batch_dim else -1):
-            draws = prov.draws
-            lost = prov.lost_at or "a row dimension other than the model's batch dimension"
-            mixed = Provenance.mixed((mixed.draws if mixed else frozenset()) | draws, lost)
-            continue
-        if len(prov.tokens) != n:
-            mixed = Provenance.mixed((mixed.draws if mixed else frozenset()) | prov.draws,
-                                     "input tensors with different row counts")
-            continue
-        if tokens is None:
-            tokens = prov.tokens
-        elif not np.array_equal(tokens, prov.tokens):
-            both = np.where(tokens == prov.tokens, tokens, UNTRACKED)
-            if (both != tokens).any() and ((tokens >= 0) & (prov.tokens >= 0)).any():
-                mixed = Provenance.mixed(
-                    (mixed.draws if mixed else frozenset()) | prov.draws
-                    | token_draws(tokens), "input tensors whose rows hold different examples")
-            tokens = np.maximum(tokens, prov.tokens)
-    return tokens, mixed
 
 
 def describe_token(token: int) -> str:

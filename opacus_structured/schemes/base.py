@@ -237,8 +237,14 @@ class Scheme(abc.ABC):
             return self.epsilon_below_precision(exc, noise_multiplier, steps, delta,
                                                 discretization=discretization,
                                                 sample_rate=sample_rate)
-        return best_route(value, self.certified_alternatives(
-            [(noise_multiplier, sample_rate, steps)], delta))
+        return best_route(value, self.certified_alternatives_below(
+            [(noise_multiplier, sample_rate, steps)], delta, float(value)))
+
+    def certified_alternatives_below(self, history, delta: float, below: float) -> list:
+        """:meth:`certified_alternatives` for :func:`best_route` against a PLD value
+        ``below``: a scheme may leave out a route it proves to be at least ``below`` (it could
+        not be chosen) without computing it. Default: every route."""
+        return self.certified_alternatives(history, delta)
 
     def certified_alternatives(self, history, delta: float) -> list:
         """Routes other than the PLD that are certified at every δ for a run described by

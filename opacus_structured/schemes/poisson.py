@@ -129,6 +129,85 @@ def _rdp_of_parts(parts: tuple, delta: float) -> tuple[float, float]:
     return float(eps), float(order)
 
 
+#: Integer orders where :func:`_rdp_lower_curve` evaluates the RDP curve exactly.
+_ANCHORS = (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 40, 48, 56, 63)
+
+
+@functools.lru_cache(maxsize=1024)
+def _rdp_lower_curve(sigma: float, q: float):
+    r"""A lower bound of the one-step RDP curve :math:`\rho(\alpha)` over :data:`RDP_ORDERS`
+    (``None`` when dp_accounting has no curve function, or for ``q = 1``, whose curve is
+    cheap), a few milliseconds where the curve itself takes up to ~0.5 s.
+
+    dp_accounting's integer-order formula (the one that computes the curve there) gives
+    :math:`\rho` exactly at :data:`_ANCHORS`. Three facts bound it elsewhere, the largest
+    value is kept: :math:`h(\alpha) = (\alpha - 1)\rho(\alpha) = \log
+    \mathbb{E}_Q[(P/Q)^\alpha]` is convex with :math:`h(1) = 0`, so it lies above every
+    secant line of two consecutive known points outside their segment; Rényi divergences are
+    non-decreasing in the order (:math:`\rho(\alpha) \ge \rho(a)` for an anchor
+    :math:`a \le \alpha`); and :math:`\rho(\alpha) \ge \mathrm{KL}(P\|Q) \ge
+    2\,\mathrm{TV}(P, Q)^2` (Pinsker) with :math:`\mathrm{TV} = q\,(2\Phi(1/(2\sigma)) -
+    1)` exactly (:math:`P - Q = q(\mathcal{N}(1, \sigma^2) - \mathcal{N}(0, \sigma^2))`)."""
+    import numpy as np
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp
+    from scipy import special
+
+    curve_of = getattr(rdp, "_compute_rdp_poisson_subsampled_gaussian", None)
+    if curve_of is None or not 0.0 < q < 1.0:
+        return None
+    anchors = np.array(_ANCHORS, dtype=float)
+    with _quiet_rdp_orders():
+        rho = np.asarray(curve_of(q=q, noise_multiplier=sigma, orders=anchors), dtype=float)
+    if not np.all(np.isfinite(rho)):
+        return None
+    knots = np.concatenate([[1.0], anchors])
+    h = np.concatenate([[0.0], (anchors - 1.0) * rho])
+    slopes = np.diff(h) / np.diff(knots)
+    tv = q * (2.0 * special.ndtr(0.5 / sigma) - 1.0)
+    pinsker = 2.0 * tv * tv
+    out = []
+    for order in RDP_ORDERS:
+        best = (order - 1.0) * pinsker
+        at = np.searchsorted(anchors, order, side="right") - 1
+        if at >= 0:
+            best = max(best, (order - 1.0) * rho[at])
+        outside = (order <= knots[:-1]) | (order >= knots[1:])
+        if outside.any():
+            lines = h[:-1][outside] + slopes[outside] * (order - knots[:-1][outside])
+            best = max(best, float(lines.max()))
+        out.append(best / (order - 1.0))
+    return np.array(out)
+
+
+def rdp_lower_bound(parts: tuple, delta: float) -> float:
+    r"""A lower bound of the ε(δ) that :func:`_rdp_of_parts` returns for ``(σ, q, steps)``
+    parts (``-inf`` when none is available): dp_accounting's conversion
+    (``compute_epsilon``) applied, order by order, to a lower bound of the composed curve
+    (:func:`_rdp_lower_curve`). The conversion's value :math:`\max(0, \cdot)` at an order is
+    non-decreasing in the RDP there (0 below :math:`-\log(1 - \delta^2)`, then
+    :math:`\rho + \log(1 - 1/\alpha) - \log(\delta\alpha)/(\alpha - 1)`), and the
+    minimum over orders keeps that, so the result is at most the route's ε."""
+    import numpy as np
+
+    total = np.zeros(len(RDP_ORDERS))
+    for sigma, q, steps in parts:
+        if not steps:
+            continue
+        curve = _rdp_lower_curve(sigma, q)
+        if curve is None:
+            return -math.inf
+        total += steps * curve
+    floor = -math.log1p(-delta * delta)  # below it, compute_epsilon gives 0
+    best = math.inf
+    for order, rho in zip(RDP_ORDERS, total, strict=True):
+        if rho <= floor:
+            return 0.0
+        if order > 1.01:
+            best = min(best, rho + math.log1p(-1 / order) - math.log(delta * order)
+                       / (order - 1))
+    return max(0.0, best)
+
+
 @functools.lru_cache(maxsize=32)
 def _poisson_pld(sigma: float, q: float, discretization: float):
     """The pessimistic PLD of one Poisson-subsampled Gaussian step, cached per ``(σ, q,
@@ -232,6 +311,26 @@ class PoissonScheme(Scheme):
             "PLD route was over the memory budget - raise --memory-budget for it",
             refused_estimate_bytes=error.estimated_bytes, memory_budget_bytes=error.budget)
 
+    def certified_alternatives_below(self, history, delta, below):
+        r"""The Rényi-DP route (:meth:`certified_alternatives`), left out when a cheap lower
+        bound of it is above ``below`` (the PLD value it would be compared with): it could not
+        be chosen, and computing it is most of a first ``get_epsilon`` (its fractional orders'
+        series, up to ~0.5 s per (σ, q) near q = 1/8; issue 46). :func:`rdp_lower_bound`."""
+        parts = self._rdp_parts(history)
+        if parts is not None and rdp_lower_bound(parts, float(delta)) > \
+                float(below) * (1 + 1e-9) + 1e-12:
+            return []
+        return self.certified_alternatives(history, delta)
+
+    def _rdp_parts(self, history) -> Optional[tuple]:
+        parts = []
+        for sigma, rate, steps in history:
+            q = self.sample_rate if self.sample_rate is not None else rate
+            if q is None:
+                return None
+            parts.append((float(sigma), float(q), self.compositions(steps)))
+        return tuple(parts)
+
     def certified_alternatives(self, history, delta):
         r"""The Rényi-DP upper bound of the whole ``history`` (route ``"rdp"``).
 
@@ -242,13 +341,10 @@ class PoissonScheme(Scheme):
         so the grid only makes it looser (the details record the optimal order and whether it
         sits at the edge of the grid).
         """
-        parts = []
-        for sigma, rate, steps in history:
-            q = self.sample_rate if self.sample_rate is not None else rate
-            if q is None:
-                return []
-            parts.append((float(sigma), float(q), self.compositions(steps)))
-        eps, order = _rdp_of_parts(tuple(parts), float(delta))
+        parts = self._rdp_parts(history)
+        if parts is None:
+            return []
+        eps, order = _rdp_of_parts(parts, float(delta))
         return [PricedEpsilon(
             float(eps), "rdp",
             "Renyi-DP upper bound (dp_accounting RdpAccountant, Poisson-subsampled Gaussian)",

@@ -33,11 +33,21 @@ change of it moves clipping and noise together), and an example whose per-sample
 non-finite gets coefficient 0 with its recorded rows zeroed first (``0·inf`` would be NaN):
 :mod:`opacus_structured.accountants.release_guard` (issue 29, cases 9-10).
 
+**Several backward passes per step** (gradient accumulation, e.g. Lightning's
+``Trainer(accumulate_grad_batches=K)``): each pass appends its rows, as Opacus' hooks append a
+``grad_sample`` per pass and its clipping concatenates them. Row ``r`` of a module is the
+``r``-th row of its passes in backward order; the per-sample norms, coefficients and clipped
+sum run over all rows, each row clipped on its own (a row of pass 1 and a row of pass 2 are two
+summands of norm ≤ C each, whichever example they belong to). The clipping reports the rows it
+summed to the release record (:mod:`~opacus_structured.accountants.release_rows`), so the
+accountant prices what the step summed.
+
 Limits (each refused with a clear error, never silently wrong): every hooked module runs once
-per optimizer step (no parameter tying, no recurrent re-use: use
-:class:`~opacus_structured.forecasting.fast_rnn.FastDPLSTM`, whose layers run once); one
-forward/backward per step (no gradient accumulation); every trainable parameter must be covered
-by the hooks (a gradient that the hooks did not see would otherwise be released unclipped).
+per forward (no parameter tying, no recurrent re-use: use
+:class:`~opacus_structured.forecasting.fast_rnn.FastDPLSTM`, whose layers run once); every
+backward pass of a step runs every hooked layer (else the layers disagree on the rows); every
+trainable parameter must be covered by the hooks (a gradient that the hooks did not see would
+otherwise be released unclipped).
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 
 from ..accountants.release_guard import clipping_norm, guard_of
+from ..accountants.release_rows import recorder_of
 
 __all__ = ["BookKeepingHooks", "bookkeeping_optimizer_class", "BookKeepingDPOptimizer"]
 
@@ -81,11 +92,19 @@ class BookKeepingHooks(GradSampleHooks):
 
     # ---- recording (inside backward) -------------------------------------------------------
     def _reset(self) -> None:
-        self._linear: list[tuple[nn.Linear, torch.Tensor, torch.Tensor]] = []
-        self._embedding: list[tuple[nn.Embedding, torch.Tensor, torch.Tensor]] = []
-        self._samples: dict[nn.Parameter, torch.Tensor] = {}
+        # per module / parameter, one entry per backward pass since the last clipped sum
+        self._linear: dict[nn.Linear, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._embedding: dict[nn.Embedding, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._samples: dict[nn.Parameter, list[torch.Tensor]] = {}
         self._norms: Optional[torch.Tensor] = None
         self._mask = None
+
+    @property
+    def passes(self) -> int:
+        """Backward passes recorded since the last clipped sum (the most of any layer)."""
+        counts = [len(v) for d in (self._linear, self._embedding, self._samples)
+                  for v in d.values()]
+        return max(counts, default=0)
 
     def capture_activations_hook(self, module, forward_input, _forward_output):
         super().capture_activations_hook(module, forward_input, _forward_output)
@@ -105,36 +124,25 @@ class BookKeepingHooks(GradSampleHooks):
             module=module, backprops=forward_output[0].detach(), loss_reduction=loss_reduction,
             batch_first=batch_first)
         if type(module) is nn.Linear:
-            if any(m is module for m, _, _ in self._linear):
-                raise ValueError("a Linear layer got two backward passes in one step "
-                                 "(gradient accumulation is not supported in ghost mode)")
             a = activations[0].to(backprops.dtype)
             n, t = backprops.shape[0], math.prod(backprops.shape[1:-1])  # (B, T, ·); B may be 0
-            self._linear.append((module, a.reshape(n, t, a.shape[-1]),
-                                 backprops.reshape(n, t, backprops.shape[-1])))
-            self._norms = None
+            self._linear.setdefault(module, []).append(
+                (a.reshape(n, t, a.shape[-1]), backprops.reshape(n, t, backprops.shape[-1])))
         elif type(module) is nn.Embedding and module.weight.requires_grad:
             if module.sparse:
                 raise ValueError("nn.Embedding(sparse=True) is not supported in ghost mode")
-            if any(m is module for m, _, _ in self._embedding):
-                raise ValueError("an Embedding got two backward passes in one step "
-                                 "(gradient accumulation is not supported in ghost mode)")
             n = backprops.shape[0]
             idx = activations[0].reshape(n, -1)
             g = backprops.reshape(n, idx.shape[1], backprops.shape[-1])
             if module.padding_idx is not None:  # torch gives the padding row no gradient
                 g = g * (idx != module.padding_idx).unsqueeze(-1).to(g.dtype)
-            self._embedding.append((module, idx, g))
-            self._norms = None
+            self._embedding.setdefault(module, []).append((idx, g))
         else:
             sampler = self.GRAD_SAMPLERS.get(self._get_module_type(module),
                                              ft_compute_per_sample_gradient)
             for p, gs in sampler(module, activations, backprops).items():
-                if p in self._samples:
-                    raise ValueError("a parameter got two per-sample gradients in one step "
-                                     "(gradient accumulation is not supported in ghost mode)")
-                self._samples[p] = gs
-            self._norms = None
+                self._samples.setdefault(p, []).append(gs)
+        self._norms = None
         for _, p in trainable_parameters(module):
             p._forward_counter -= 1
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
@@ -166,24 +174,30 @@ class BookKeepingHooks(GradSampleHooks):
         return out.index_add_(0, uniq // module.num_embeddings, rows.pow(2).sum(1))
 
     def per_sample_norms(self) -> torch.Tensor:
-        """Global per-sample gradient norms ‖g_b‖ (B,) of the last backward."""
+        """Global per-sample gradient norms ‖g_b‖ (B,) of the rows recorded since the last
+        clipped sum (the rows of every backward pass, in backward order)."""
         if self._norms is None:
             parts = []
-            for module, a, g in self._linear:
+            for module, recs in self._linear.items():
                 if module.weight.requires_grad:
-                    parts.append(self._linear_weight_sq_norms(a, g))
+                    parts.append(torch.cat([self._linear_weight_sq_norms(a, g)
+                                            for a, g in recs]))
                 if module.bias is not None and module.bias.requires_grad:
-                    parts.append(g.sum(1).pow(2).sum(1))
-            for module, idx, g in self._embedding:
-                parts.append(self._embedding_sq_norms(module, idx, g))
-            for gs in self._samples.values():
-                parts.append(gs.reshape(gs.shape[0], math.prod(gs.shape[1:])).pow(2).sum(1))
+                    parts.append(torch.cat([g.sum(1).pow(2).sum(1) for _, g in recs]))
+            for module, recs in self._embedding.items():
+                parts.append(torch.cat([self._embedding_sq_norms(module, idx, g)
+                                        for idx, g in recs]))
+            for gss in self._samples.values():
+                parts.append(torch.cat([gs.reshape(gs.shape[0], math.prod(gs.shape[1:]))
+                                        .pow(2).sum(1) for gs in gss]))
             if not parts:
                 raise ValueError("no per-sample gradients recorded: run the backward of a "
                                  "training step first")
             sizes = {int(p.shape[0]) for p in parts}
             if len(sizes) != 1:
-                raise ValueError(f"layers disagree on the batch size {sorted(sizes)}")
+                raise ValueError(f"layers disagree on the batch size {sorted(sizes)} (with "
+                                 f"several backward passes per step, every pass must run "
+                                 f"every hooked layer)")
             self._norms = torch.stack([p.to(parts[0].device) for p in parts]).sum(0).sqrt()
         return self._norms
 
@@ -217,30 +231,47 @@ class BookKeepingHooks(GradSampleHooks):
         # a non-finite per-sample gradient is clipped to 0 (issue 29, case 10): never NaN
         return torch.where(torch.isfinite(norms), coef, torch.zeros_like(coef))
 
+    @staticmethod
+    def _slices(recs, coef: torch.Tensor):
+        """``(record, its rows' coefficients)`` for a module's records, in backward order."""
+        start = 0
+        for rec in recs:
+            n = int(rec[-1].shape[0])
+            yield rec, coef[start:start + n]
+            start += n
+
     def write_clipped_sum(self, params) -> None:
-        """Set ``p.grad = Σ_b c_b ∇p[b]`` for every parameter in ``params``, then forget the
-        step. Raises if a parameter with a gradient was not seen by the hooks."""
+        """Set ``p.grad = Σ_b c_b ∇p[b]`` for every parameter in ``params`` (``b`` over the rows
+        of every backward pass recorded), then forget the step. Raises if a parameter with a
+        gradient was not seen by the hooks."""
         coef = self.clipping_coefficients()
         bad = ~torch.isfinite(self.per_sample_norms())
         if bool(bad.any()):  # zero the rows themselves: 0 * inf would be NaN in the sums
             self._zero_examples(bad)
         written = set()
-        for module, a, g in self._linear:
-            gc = g * coef.to(g.dtype).view(-1, 1, 1)
+        for module, recs in self._linear.items():
+            weight = bias = None
+            for (a, g), c in self._slices(recs, coef):
+                gc = g * c.to(g.dtype).view(-1, 1, 1)
+                w = gc.reshape(-1, gc.shape[-1]).t() @ a.reshape(-1, a.shape[-1])
+                weight = w if weight is None else weight + w
+                bias = gc.sum((0, 1)) if bias is None else bias + gc.sum((0, 1))
             if module.weight.requires_grad:
-                module.weight.grad = (gc.reshape(-1, gc.shape[-1]).t()
-                                      @ a.reshape(-1, a.shape[-1])).to(module.weight.dtype)
+                module.weight.grad = weight.to(module.weight.dtype)
                 written.add(module.weight)
             if module.bias is not None and module.bias.requires_grad:
-                module.bias.grad = gc.sum((0, 1)).to(module.bias.dtype)
+                module.bias.grad = bias.to(module.bias.dtype)
                 written.add(module.bias)
-        for module, idx, g in self._embedding:
-            gc = (g * coef.to(g.dtype).view(-1, 1, 1)).reshape(-1, g.shape[-1])
-            module.weight.grad = torch.zeros_like(module.weight).index_add_(
-                0, idx.reshape(-1), gc.to(module.weight.dtype))
+        for module, recs in self._embedding.items():
+            grad = torch.zeros_like(module.weight)
+            for (idx, g), c in self._slices(recs, coef):
+                gc = (g * c.to(g.dtype).view(-1, 1, 1)).reshape(-1, g.shape[-1])
+                grad.index_add_(0, idx.reshape(-1), gc.to(module.weight.dtype))
+            module.weight.grad = grad
             written.add(module.weight)
-        for p, gs in self._samples.items():
-            p.grad = torch.einsum("b,b...->...", coef.to(gs.dtype), gs).to(p.dtype)
+        for p, gss in self._samples.items():
+            p.grad = sum(torch.einsum("b,b...->...", c.to(gs.dtype), gs)
+                         for (gs,), c in self._slices([(gs,) for gs in gss], coef)).to(p.dtype)
             written.add(p)
         for p in params:
             if p.requires_grad and p not in written:
@@ -254,14 +285,17 @@ class BookKeepingHooks(GradSampleHooks):
         self._reset()
 
     def _zero_examples(self, bad: torch.Tensor) -> None:
-        """Zero every recorded row of the examples flagged in ``bad`` (B,)."""
-        def zero(t):
-            m = bad.to(t.device).view(-1, *([1] * (t.dim() - 1)))
-            return t.masked_fill(m, 0)
+        """Zero every recorded row of the examples flagged in ``bad`` (all rows, in order)."""
+        def zero(t, m):
+            return t.masked_fill(m.to(t.device).view(-1, *([1] * (t.dim() - 1))), 0)
 
-        self._linear = [(m, zero(a), zero(g)) for m, a, g in self._linear]
-        self._embedding = [(m, idx, zero(g)) for m, idx, g in self._embedding]
-        self._samples = {p: zero(gs) for p, gs in self._samples.items()}
+        self._linear = {m: [(zero(a, b), zero(g, b)) for (a, g), b in self._slices(recs, bad)]
+                        for m, recs in self._linear.items()}
+        self._embedding = {m: [(idx, zero(g, b)) for (idx, g), b in self._slices(recs, bad)]
+                           for m, recs in self._embedding.items()}
+        self._samples = {p: [zero(gs, b) for (gs,), b in self._slices([(gs,) for gs in gss],
+                                                                      bad)]
+                         for p, gss in self._samples.items()}
 
     def remove_hooks(self) -> None:
         self._reset()
@@ -286,6 +320,10 @@ class _BookKeepingMixin:
         # clip at the optimizer's current max_grad_norm, the one the noise uses (issue 29.9)
         norm = clipping_norm(self)
         self.bookkeeper.max_grad_norm = norm
+        rec = recorder_of(self)
+        if rec is not None:  # the rows this clipped sum holds (release_rows): priced from them
+            rows = int(self.bookkeeper.per_sample_norms().shape[0])
+            rec.on_clip(rows, fresh=not getattr(self, "_is_last_step_skipped", False))
         self.bookkeeper.write_clipped_sum(self.params)
         guard = guard_of(self)
         if guard is not None:

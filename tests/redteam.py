@@ -97,7 +97,7 @@ REFUSED_BY_DESIGN = {("random-allocation-identity", "noise_schedule"),
 REFUSED_BY_OPACUS = {("poisson", "accumulate"), ("poisson", "public_fakes")}
 #: Shapes that sum more rows than the step's batch has: where rows carry no tokens
 #: (``DPCallback`` under Lightning) they raise, naming the cause.
-ROWS_BEYOND_THE_BATCH = {"two_views", *MERGING}
+ROWS_BEYOND_THE_BATCH = {"two_views", "three_views", *MERGING}
 #: Shapes whose run no ε describes: they must raise (a batch released twice, batches that did
 #: not come from the scheme's loader, private training outside the DP optimizer, a stale state).
 MUST_RAISE = {"double_step", "rewrap", "other_loader", "detached_step", *ROW_MUST_RAISE}
@@ -137,24 +137,25 @@ def _structured_data():
     return WindowDataset(series, context_length=2, forecast_length=1)
 
 
-def _private(scheme, model, optimizer, *, workers: int, engine=None):
+def _private(scheme, model, optimizer, *, workers: int, engine=None, **opacus_kw):
+    """``(engine, *make_private(...))``; ``opacus_kw`` go to ``make_private`` (e.g.
+    ``criterion=`` and ``grad_sample_mode="ghost"``: then the criterion comes third)."""
     engine = engine if engine is not None else _engine(scheme)
     generator = torch.Generator().manual_seed(SEED)
     if isinstance(scheme, str):  # structured: the scheme is read from the WindowDataset
         data = _structured_data()
         loader = DataLoader(data, batch_size=WINDOWS_PER_STEP, num_workers=workers,
                             collate_fn=data.collate)
-        model, optimizer, loader = make_private(
+        return (engine, *make_private(
             engine, module=model, optimizer=optimizer, data_loader=loader,
             noise_multiplier=SIGMA, max_grad_norm=1.0, scheme="structured", top_level=scheme,
-            epochs=EPOCHS, sampler_generator=generator)
-        return engine, model, optimizer, loader
+            epochs=EPOCHS, sampler_generator=generator, **opacus_kw))
     extra = {"pad": False} if isinstance(scheme, TruncatedPoissonScheme) else {}
     loader = DataLoader(_data(), batch_size=B, num_workers=workers)
-    model, optimizer, loader = make_private(
+    return (engine, *make_private(
         engine, module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=SIGMA,
-        max_grad_norm=1.0, scheme=scheme, epochs=EPOCHS, sampler_generator=generator, **extra)
-    return engine, model, optimizer, loader
+        max_grad_norm=1.0, scheme=scheme, epochs=EPOCHS, sampler_generator=generator, **extra,
+        **opacus_kw))
 
 
 def _fresh_model(scheme=None):
@@ -166,8 +167,9 @@ def _fresh_model(scheme=None):
 class _Loop:
     """Training helpers that record what each optimizer step trained on."""
 
-    def __init__(self, model, optimizer):
+    def __init__(self, model, optimizer, criterion=None):
         self.model, self.optimizer = model, optimizer
+        self.criterion = criterion  # Opacus' ghost-clipping loss (None: torch's functional)
         self.released: list = []
         self.parts: list = []     # per release: [(batch keys, rows per example), ...]
         self.sigmas: list = []
@@ -195,7 +197,8 @@ class _Loop:
             x = torch.cat([x + 0.01 * torch.randn_like(x) for _ in range(views)])
             y = torch.cat([y] * views)
         if len(x):
-            loss = nn.functional.mse_loss if windows else nn.functional.cross_entropy
+            loss = self.criterion or (nn.functional.mse_loss if windows
+                                      else nn.functional.cross_entropy)
             loss(self.model(x), y).backward()
         for b in batches:
             keys = self.keys(b)
@@ -230,6 +233,28 @@ def run_case(scheme_name: str, shape: str, workers: int = 0) -> Outcome:
     out = Outcome([], [], scheme=engine.accountant.scheme, shape=shape)
     epochs = EPOCHS if not isinstance(scheme, GDPScheme) else 4
     return _drive(out, engine, _Loop(model, optimizer), loader, scheme, epochs, workers)
+
+
+#: Loop shapes run with Opacus' ghost clipping (``make_private(..., grad_sample_mode="ghost")``,
+#: its ``DPLossFastGradientClipping`` criterion): rows per example and draws per release. Not
+#: ``accumulate``: Opacus' ghost ``loss.backward()`` zeroes ``p.grad`` between its passes, so
+#: a second backward before the step drops the first batch's clipped sum (one draw released).
+GHOST_SHAPES = ("plain", "two_views", "three_views", "concat2", "skip_accumulate2",
+                "skip_accumulate3", "cached", "public_fakes", "skip2")
+
+
+def run_ghost_case(scheme_name: str, shape: str, workers: int = 0) -> Outcome:
+    """Run one loop shape on the ``make_private`` path with Opacus' ghost clipping."""
+    scheme = SCHEMES[scheme_name]
+    model, optimizer = _fresh_model(scheme)
+    criterion = nn.MSELoss() if isinstance(scheme, str) else nn.CrossEntropyLoss()
+    engine, model, optimizer, criterion, loader = _private(
+        scheme, model, optimizer, workers=workers, criterion=criterion,
+        grad_sample_mode="ghost")
+    out = Outcome([], [], scheme=engine.accountant.scheme, shape=shape)
+    epochs = EPOCHS if not isinstance(scheme, GDPScheme) else 4
+    return _drive(out, engine, _Loop(model, optimizer, criterion), loader, scheme, epochs,
+                  workers)
 
 
 def _drive(out: Outcome, engine, loop: "_Loop", loader, scheme, epochs: int,

@@ -7,7 +7,8 @@ and prices what it trained on independently):
   ``optimizer.signal_skip_step(True)`` over K loader batches), ``concat2`` / ``concat3``
   (K loader batches concatenated into one forward), and ``accumulate`` (K backward passes,
   one step; in redteam.py);
-* rows per example: ``two_views`` (two augmented views of each example in one forward);
+* rows per example: ``two_views`` / ``three_views`` (two or three augmented views of each
+  example in one forward);
 * delivery: ``cached`` (``list(loader)`` first), ``prefetched`` (one batch ahead),
   ``rebuilt`` (a DataLoader rebuilt over the returned loader's batch sampler), ``peek``
   (``next(iter(loader))`` before training); ``reuse_cached`` trains one cached batch twice;
@@ -59,12 +60,15 @@ def _concat(k: int):
     return shape
 
 
-def _two_views(loop, engine, loader, scheme, epochs, workers):
-    for _ in range(epochs):
-        for batch in loader:
-            loop.optimizer.zero_grad()
-            loop.backward(batch, views=2)
-            loop.step()
+def _views(k: int):
+    """``k`` augmented views of each example in one forward: ``k`` rows per example."""
+    def shape(loop, engine, loader, scheme, epochs, workers):
+        for _ in range(epochs):
+            for batch in loader:
+                loop.optimizer.zero_grad()
+                loop.backward(batch, views=k)
+                loop.step()
+    return shape
 
 
 def _cached(loop, engine, loader, scheme, epochs, workers):
@@ -139,7 +143,8 @@ def _sampler_mutation(loop, engine, loader, scheme, epochs, workers):
 ROW_SHAPES = {
     "skip_accumulate2": accumulate_shape(2, skip=True),
     "skip_accumulate3": accumulate_shape(3, skip=True),
-    "concat2": _concat(2), "concat3": _concat(3), "two_views": _two_views,
+    "concat2": _concat(2), "concat3": _concat(3), "two_views": _views(2),
+    "three_views": _views(3),
     "cached": _cached, "reuse_cached": _reuse_cached, "prefetched": _prefetched,
     "rebuilt": _rebuilt, "peek": _peek, "public_fakes": _public_fakes,
     "sampler_mutation": _sampler_mutation,

@@ -9,6 +9,7 @@ import itertools
 
 import pytest
 from redteam import (
+    GHOST_SHAPES,
     LIGHTNING_SHAPES,
     MAY_RAISE,
     MUST_RAISE,
@@ -17,6 +18,7 @@ from redteam import (
     STOCK_SHAPES,
     judge,
     run_case,
+    run_ghost_case,
     run_lightning_case,
     run_stock_case,
 )
@@ -70,8 +72,8 @@ def test_grid_size():
     delivery (live, cached, prefetched, rebuilt, a look first), public rows, a batch trained
     twice and sampler mutation, on every scheme and both paths (and DPCallback where the
     shape applies)."""
-    total = len(CASES) + len(LIGHTNING_CASES) + len(STOCK_CASES)
-    assert total >= 600
+    total = len(CASES) + len(LIGHTNING_CASES) + len(STOCK_CASES) + len(GHOST_CASES)
+    assert total >= 700
     assert MUST_RAISE <= MAY_RAISE <= set(SHAPES)
 
 
@@ -124,4 +126,27 @@ LIGHTNING_FAST = {("poisson", "skip2"), ("bandmf-banded", "limit_train_batches")
                  id=f"lightning-{s}-{sh}-w{w}") for s, sh, w in LIGHTNING_CASES])
 def test_lightning_loop_never_under_reports(scheme, shape, workers):
     out = run_lightning_case(scheme, shape, workers)
+    judge(scheme, shape, out)
+
+
+#: Opacus' ghost clipping on the make_private path (issue 46): k rows per example, K draws per
+#: release, delivery and public rows, on every scheme; priced from the rows' tokens as in hooks
+#: mode (the zero_grad inside Opacus' ghost loss.backward() keeps the forwards it clips).
+GHOST_CASES = [(s, sh) for s in SCHEMES for sh in GHOST_SHAPES]
+#: Default run: rows per example on an independent-noise span scheme and the closed-form GDP
+#: scheme, draws per release on windows, a cached epoch, and the correlated-noise refusal
+#: (each < 1 s; Poisson's two views at the issue's setting is tests/test_release_rows.py).
+GHOST_FAST = {("shuffle", "two_views"), ("gdp", "three_views"), ("shuffle", "concat2"),
+              ("structured-wor", "skip_accumulate2"), ("truncated-poisson", "cached"),
+              ("bandmf-banded", "concat2"), ("random-allocation-identity", "two_views")}
+
+
+@pytest.mark.parametrize("scheme,shape", [
+    pytest.param(s, sh, marks=() if (s, sh) in GHOST_FAST else (pytest.mark.slow,),
+                 id=f"ghost-{s}-{sh}") for s, sh in GHOST_CASES])
+def test_ghost_clipping_loop_never_under_reports(scheme, shape):
+    out = run_ghost_case(scheme, shape)
+    if shape in ("two_views", "three_views", "concat2", "skip_accumulate2", "cached"):
+        # a valid loop: priced (a refusal is acceptable only under correlated noise)
+        assert out.error is None or out.scheme.release_policy == "exact", out.error
     judge(scheme, shape, out)

@@ -14,7 +14,13 @@ optimizer that clips (installed by
   (``p.summed_grad``): a step skipped with ``optimizer.signal_skip_step(True)`` (manual
   accumulation, ``BatchMemoryManager``) carries both into the next noisy step;
 * ``zero_grad`` drops the forwards whose per-sample gradients it drops (a generator step that
-  backpropagated through the private module, say), and the sum unless the last step was skipped;
+  backpropagated through the private module, say), and the sum unless the last step was skipped.
+  The ``zero_grad`` that Opacus' ghost clipping calls inside ``loss.backward()``
+  (``DPTensorFastGradientClipping.backward``, between its first backward and the clipping
+  coefficients) drops ``p.grad`` only, not the per-sample norms the coefficients are computed
+  from: the forwards are kept for that clipping (:func:`in_ghost_backward`), so ghost clipping
+  is priced from the rows' tokens like hooks mode (two augmented views of each example: the
+  draw at ``σ/2``);
 * at the noisy step the accountant :meth:`RowRecorder.take`\ s the sum as a
   :class:`ReleaseRows`: the draws whose rows are in it, how many rows each example gave
   (``multiplicity``), untracked rows, rows whose examples are mixed, and declared public rows.
@@ -27,18 +33,20 @@ at noise ``σ/√m`` each).
 
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import torch
+from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
 
 from ..samplers import row_provenance as rp
 from ..samplers.torch_calls import eager_only, skip_wrapper_frames
 
 __all__ = ["ForwardRecord", "ReleaseRows", "RowRecorder", "recorder_of", "install_recorder",
-           "PublicRowsError", "row_count", "forward_tokens"]
+           "PublicRowsError", "row_count", "forward_tokens", "in_ghost_backward"]
 
 
 class PublicRowsError(ValueError):
@@ -215,10 +223,12 @@ class RowRecorder:
         self.clippings += 1
         self.observed = True
 
-    def on_zero_grad(self, *, keeps_sum: bool) -> None:
+    def on_zero_grad(self, *, keeps_sum: bool, keeps_forwards: bool = False) -> None:
         """``zero_grad`` drops the per-sample gradients of the forwards since the last
-        clipping, and the clipped sum unless the last step was skipped."""
-        self.forwards = []
+        clipping (unless ``keeps_forwards``: Opacus' ghost clipping between its two backward
+        passes), and the clipped sum unless the last step was skipped."""
+        if not keeps_forwards:
+            self.forwards = []
         if not keeps_sum:
             self.summed, self.clipped, self.clippings = [], 0, 0
 
@@ -284,7 +294,8 @@ def install_recorder(optimizer, module) -> Optional[RowRecorder]:
     plain_zero_grad = optimizer.zero_grad
 
     def zero_grad(*args, **kwargs):
-        rec.on_zero_grad(keeps_sum=bool(getattr(optimizer, "_is_last_step_skipped", False)))
+        rec.on_zero_grad(keeps_sum=bool(getattr(optimizer, "_is_last_step_skipped", False)),
+                         keeps_forwards=in_ghost_backward())
         return plain_zero_grad(*args, **kwargs)
 
     optimizer.zero_grad = zero_grad
@@ -331,6 +342,26 @@ def forward_tokens(found, batch_dim: int) -> tuple[Optional[np.ndarray],
                     | rp.token_draws(tokens), "input tensors whose rows hold different examples")
             tokens = np.maximum(tokens, prov.tokens)
     return tokens, mixed
+
+
+#: Opacus' ghost-clipping ``loss.backward()`` (:func:`in_ghost_backward`).
+_GHOST_BACKWARD = DPTensorFastGradientClipping.backward.__code__
+
+
+def in_ghost_backward(max_depth: int = 4) -> bool:
+    """Whether the caller (up to ``max_depth`` frames up, wrappers included) runs inside
+    Opacus' ghost-clipping ``loss.backward()``: its ``optimizer.zero_grad()`` between the first
+    backward and the clipping coefficients clears ``p.grad`` (and the clipped sum of a step
+    that was not skipped), while the per-sample norms of the forwards it is about to clip stay
+    on the parameters (``_norm_sample``)."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        if frame.f_code is _GHOST_BACKWARD:
+            return True
+    return False
 
 
 def rows_in_grad_samples(optimizer) -> tuple[int, bool]:

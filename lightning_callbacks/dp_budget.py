@@ -10,11 +10,13 @@ accountant the scheme registry names for the scheme) and
   (:meth:`PrivacyBudget.attach`): a :class:`~opacus_structured.accountants.base.SchemeAccountant`
   checks the loader and counts its sampler's draws with the same rules as under Opacus'
   ``make_private`` (``attach`` + ``check_draws``, through its own Opacus step hook), and prices
-  each step at ``sample_rate · accumulated_iterations``; an accountant without ``attach`` (e.g.
-  ``"individual-gdp"``) records the steps only;
+  each step from the draws it sums (one per step; ``n`` under ``accumulate_grad_batches``,
+  each at ``σ/√n``: noise splitting) and the rows per example declared (``k``: ``σ/k``); an
+  accountant without ``attach`` (e.g. ``"individual-gdp"``) records the same steps only;
 * **prices** ε(δ) (:meth:`PrivacyBudget.epsilon`, memoised on the accountant's history) and the
-  ε of one more step (:meth:`PrivacyBudget.prospective_epsilon`, on a copy of its state), which
-  :meth:`PrivacyBudget.exhausted` compares with ``target_epsilon``;
+  ε of one more release (:meth:`PrivacyBudget.prospective_epsilon`, on a copy of its state:
+  ``parts`` draws at ``σ/(√parts·k)``), which :meth:`PrivacyBudget.exhausted` compares with
+  ``target_epsilon``;
 * **logs** ε under :attr:`PrivacyBudget.epsilon_metric` (``<prefix>epsilon`` for a guarantee,
   ``<prefix>epsilon_mc_estimate`` / ``<prefix>epsilon_estimate`` for an estimate, never
   ``<prefix>epsilon``) and δ, as float32 rounded **up** (loggers store float32; ε is never
@@ -31,6 +33,8 @@ import numpy as np
 from opacus_structured.accountants.base import SchemeAccountant
 from opacus_structured.accountants.release_guard import ClipNormLedger
 from opacus_structured.schemes.base import BoundKind, Scheme
+
+from .dp_accumulation import split_sigma
 
 __all__ = ["PrivacyBudget", "float32_up"]
 
@@ -116,9 +120,13 @@ class PrivacyBudget:
         return isinstance(kind, BoundKind) and kind.is_guarantee
 
     # ---- feeding the accountant -----------------------------------------------------------
-    def attach(self, data_loader, sample_rate: float) -> Callable[[Any], None]:
+    def attach(self, data_loader, sample_rate: float,
+               step_draws: Optional[Callable[[], Any]] = None
+               ) -> Callable[[Any], None]:
         """Attach the accountant to ``data_loader`` (the loader the run trains on); returns the
-        function the optimizer's step hook calls to price one step (module docstring)."""
+        function the optimizer's step hook calls to price one step (module docstring).
+        ``step_draws()``: the draws and rows per example of the step being released (the tracked
+        sampler's; a ``SchemeAccountant`` reads them from the sampler itself)."""
         accountant = self.accountant
         if isinstance(accountant, SchemeAccountant):
             # attach(data_loader) now; check_draws + step at every step: make_private's path
@@ -130,8 +138,12 @@ class PrivacyBudget:
 
         def record(optimizer) -> None:
             clip_norms.check(optimizer, step=len(accountant) + 1)
-            accountant.step(noise_multiplier=optimizer.noise_multiplier,
-                            sample_rate=sample_rate * optimizer.accumulated_iterations)
+            report = step_draws() if step_draws is not None else None
+            parts, k = (1, 1) if report is None else (report.parts, report.rows_per_example)
+            for _ in range(max(parts, 1)):  # noise splitting: each draw at σ/(√parts·k)
+                accountant.step(noise_multiplier=split_sigma(optimizer.noise_multiplier,
+                                                             parts, k),
+                                sample_rate=sample_rate)
 
         return record
 
@@ -171,9 +183,12 @@ class PrivacyBudget:
         return eps
 
     def prospective_epsilon(self, noise_multiplier: Optional[float],
-                            sample_rate: Optional[float]):
+                            sample_rate: Optional[float], *, parts: int = 1,
+                            rows_per_example: int = 1):
         """ε(δ) if one more step were taken at ``noise_multiplier`` and ``sample_rate``; either
-        ``None`` is the last recorded step's (the rate then falls back to the scheme's)."""
+        ``None`` is the last recorded step's (the rate then falls back to the scheme's). A
+        step summing ``parts`` draws with ``rows_per_example`` rows each is priced as ``parts``
+        steps at ``σ/(√parts·rows_per_example)`` (noise splitting, as the release is)."""
         history = getattr(self.accountant, "history", None) or []
         rate = sample_rate
         if rate is None:  # restored before fit: the last recorded step's rate
@@ -190,7 +205,13 @@ class PrivacyBudget:
         saved = (list(self.accountant.history) if scheme_history
                  else copy.deepcopy(self.accountant.state_dict()))
         memo = dict(self._memo)
-        self.accountant.step(noise_multiplier=sigma, sample_rate=rate)
+        split = (sigma if parts == 1 and rows_per_example == 1
+                 else split_sigma(sigma, parts, rows_per_example))
+        if scheme_history:
+            self.accountant.step(noise_multiplier=split, sample_rate=rate, num_steps=parts)
+        else:
+            for _ in range(parts):
+                self.accountant.step(noise_multiplier=split, sample_rate=rate)
         try:
             eps = self.epsilon()
             memo[self._key()] = eps
@@ -202,13 +223,15 @@ class PrivacyBudget:
             self._memo = memo
         return eps
 
-    def exhausted(self, noise_multiplier: Optional[float], sample_rate: Optional[float]) -> bool:
+    def exhausted(self, noise_multiplier: Optional[float], sample_rate: Optional[float],
+                  *, parts: int = 1, rows_per_example: int = 1) -> bool:
         """Whether one more step would take ε above ``target_epsilon`` (never without one)."""
         if self.target_epsilon is None:
             return False
         if not self.is_guarantee and not self.stop_on_estimate:  # refused at construction
             return False
-        return self.prospective_epsilon(noise_multiplier, sample_rate) > self.target_epsilon
+        return self.prospective_epsilon(noise_multiplier, sample_rate, parts=parts,
+                                        rows_per_example=rows_per_example) > self.target_epsilon
 
     # ---- logging --------------------------------------------------------------------------
     @staticmethod

@@ -17,10 +17,10 @@ one part (a class in its own module) that the callback composes:
    scheme registry, or a sampler / factory you pass) with Opacus' empty-batch collate wrapper;
 3. **the optimizer** (:class:`~lightning_callbacks.dp_optimizer.OptimizerWrapper`): exactly one
    optimizer, which is (or is wrapped into) an Opacus ``DPOptimizer`` or a supplied subclass
-   such as a correlated-noise optimizer, in the variant for ``(ghost, distributed)``; no
-   gradient accumulation; it must step every trainable parameter of the LightningModule not
-   declared public (``public_parameters=``), and no other optimizer may step them during the
-   fit (:mod:`opacus_structured.accountants.parameter_guard`);
+   such as a correlated-noise optimizer, in the variant for ``(ghost, distributed)``; it must
+   step every trainable parameter of the LightningModule not declared public
+   (``public_parameters=``), and no other optimizer may step them during the fit
+   (:mod:`opacus_structured.accountants.parameter_guard`);
 4. **the accounting** (:class:`~lightning_callbacks.dp_budget.PrivacyBudget`): attaches the
    accountant (``SchemeAccountant(scheme)`` or the one you pass) to the installed DataLoader,
    which checks it with the rules of Opacus' ``make_private`` path, and prices every optimizer
@@ -30,7 +30,22 @@ one part (a class in its own module) that the callback composes:
    ``dp/epsilon_epoch`` at the end of an epoch, under the same ``log_every_n_steps`` rule), and
    **stops** training before the step that would take ε above ``target_epsilon`` (a hard check
    before each noisy release raises if something, e.g. ``min_steps``, keeps training going);
-5. **the checkpoint** (:class:`~lightning_callbacks.dp_checkpoint.DPCheckpoint`): saves the
+5. **gradient accumulation** (:class:`~lightning_callbacks.dp_accumulation.GradientAccumulation`):
+   ``Trainer(accumulate_grad_batches=K)`` is priced, not refused. A noisy step releases the
+   clipped rows of the ``n ≤ K`` batches since the last ``zero_grad`` (``K``, fewer in the last
+   group of an epoch) under one noise; the tracked sampler knows those ``n`` draws and the
+   accountant prices each at ``σ/√n`` (noise splitting; a Poisson release is a
+   ``Binomial(n, q)`` mixture, which the tests compare against). Each row is clipped on its
+   own loss (Lightning's ``loss / K`` is undone in the per-sample hooks) and the noisy sum is
+   divided by ``n × expected_batch_size``: the step is DP-SGD on the union of the ``n`` draws.
+   Correlated noise (one draw per noise position) with ``K > 1`` is refused at fit start;
+6. **rows per example** (``rows_per_example=k``): the batches carry no row tokens under
+   Lightning, so a step that clips more rows than its batches hold (``k`` augmented views of
+   each example concatenated in one forward, hooks or ghost mode) raises, naming the cause,
+   unless ``k`` is declared: each draw is then priced at ``σ/k`` (``k`` rows of one example,
+   each clipped to C, move the sum by up to ``kC``), and at most ``k`` rows per example are
+   accepted;
+7. **the checkpoint** (:class:`~lightning_callbacks.dp_checkpoint.DPCheckpoint`): saves the
    accountant, the sampler position and the noise generator (and an optimizer's extra noise
    state if it defines ``noise_state_dict`` / ``load_noise_state_dict``) in the Lightning
    checkpoint, so a run resumed with ``trainer.fit(..., ckpt_path=...)`` draws the same batches
@@ -41,10 +56,12 @@ one part (a class in its own module) that the callback composes:
 
 Lightning hook order used (automatic optimisation; Lightning's "Hooks" documentation,
 https://lightning.ai/docs/pytorch/stable/common/hooks.html):
-``on_fit_start`` (parts 1-3, and 5 for a state loaded before it) → per batch
-``training_step`` → ``zero_grad`` → ``backward`` → ``on_after_backward`` →
-``on_before_optimizer_step`` (our budget guard) → DP clip / noise / accountant hook → inner
-step → ``on_train_batch_end`` (our logging and stopping).
+``on_fit_start`` (parts 1-3, 5, and 7 for a state loaded before it) → per batch
+``training_step`` → ``zero_grad`` (``on_before_zero_grad``: the clipped sum starts anew) →
+``backward`` → ``on_after_backward`` → ``on_before_optimizer_step`` (our budget guard) → DP
+clip / noise / accountant hook → inner step → ``on_train_batch_end`` (our logging and
+stopping). With ``accumulate_grad_batches=K`` Lightning calls ``zero_grad`` during the first
+batch of each group and steps on its last.
 
 **Multi-process (DDP)**: under ``Trainer(strategy="ddp", use_distributed_sampler=False)`` the
 callback wraps the sampler in
@@ -105,6 +122,7 @@ from opacus_structured.samplers._generator import fresh_seed
 from opacus_structured.samplers.verification import innermost_sampler, scheme_of_batch_sampler
 from opacus_structured.schemes.base import Scheme
 
+from .dp_accumulation import GradientAccumulation
 from .dp_budget import PrivacyBudget
 from .dp_checkpoint import DPCheckpoint
 from .dp_loader import (
@@ -179,7 +197,8 @@ class DPCallback(pl.Callback):
             (:mod:`opacus_structured.optim.bookkeeping`), no per-sample gradients for
             ``nn.Linear`` layers and no second backward, so the LightningModule stays
             unmodified. Same clipped sum, same noise, same ε. Needs the callback to wrap the
-            optimizer and every module run once per step; works under DDP too.
+            optimizer and every hooked module run once per forward; works under DDP and with
+            ``accumulate_grad_batches`` too.
         allow_estimate: accept an accountant whose ε is an estimate, not a guarantee (bound
             kind ``"monte-carlo"``). Its value is logged as ``<log_prefix>epsilon_mc_estimate``
             (never as ``<log_prefix>epsilon``) and :meth:`epsilon` returns it labelled. Default
@@ -221,6 +240,14 @@ class DPCallback(pl.Callback):
             ``target_epsilon``), and a step released anyway raises
             :class:`~opacus_structured.dataset_budget.BudgetExhaustedError` before its noise
             (:mod:`~opacus_structured.accountants.budget_guard`; the run settles at fit end).
+        rows_per_example: the most rows one example gives a noisy step (default 1), e.g. 2
+            for two augmented views of each example concatenated in one forward. Your claim:
+            the batches carry no row tokens under Lightning (checked only as "at most ``k``
+            rows per example of the step's batches"); each draw is priced at ``σ/k``. A step
+            with more rows than declared raises, naming the fix.
+
+    ``Trainer(accumulate_grad_batches=K)`` is priced (module doc, part 5); :attr:`steps` then
+    counts the draws priced (``n`` per release), as ``len(accountant)`` does.
     """
 
     #: Its batch sampler records each batch's dataset indices (``batch_indices``).
@@ -240,10 +267,13 @@ class DPCallback(pl.Callback):
                  stop_on_estimate: bool = False, log_every_n_steps: int = 1,
                  dataset_size: Optional[int] = None,
                  expected_batch_size: Optional[float] = None, public_parameters=None,
-                 budget=None):
+                 budget=None, rows_per_example: int = 1):
         super().__init__()
         #: The dataset's budget (``None``: none) and the guard charging it (set at fit start).
         self.dataset_budget, self.budget_guard = budget, None
+        self.rows_per_example = check_int("rows_per_example", rows_per_example, minimum=1)
+        self._accumulation = GradientAccumulation()
+        self._released_in_batch = False
         #: Parameters (or names in ``pl_module.named_parameters()``) declared public.
         self.public_parameters = _public_list(public_parameters)
         self.dataset_size, _, self.expected_batch_size = public_sizes.check_declared(
@@ -334,17 +364,15 @@ class DPCallback(pl.Callback):
 
     # ---- verification + wrapping at fit start -------------------------------------------
     def on_fit_start(self, trainer, pl_module) -> None:
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) merges "
-                f"batches into one noisy step, which changes the sampling scheme the accountant "
-                f"prices; use accumulate_grad_batches=1 and a larger sample rate instead")
         check_layers(pl_module)
         self._module_part.snapshot(pl_module)  # before the DP optimizer marks the parameters
         loader, self.sampler = self._loader_part.install(trainer)
         self.sampler.hold_position = self._sampler_goes_on
+        self.sampler.rows_per_example = self.rows_per_example
+        self._accumulation.attach(trainer, self.scheme, self.sampler, self.accountant)
         self.sample_rate = self._loader_part.sample_rate(self.sampler)
-        record_step = self._budget.attach(loader, self.sample_rate)
+        record_step = self._release_hook(
+            self._budget.attach(loader, self.sample_rate, step_draws=self.sampler.step_draws))
 
         normaliser = self._public_normaliser(loader)
 
@@ -361,6 +389,7 @@ class DPCallback(pl.Callback):
             trainer, expected_batch_size=expected_batch_size, generator=self.noise_generator,
             scheme=self.scheme, on_step=record_step)
         _carry_noise_state(previous, self.optimizer)
+        self._accumulation.normalise(self.optimizer)  # n draws: n × expected_batch_size
         if self.optimizer.generator is not None:  # a module's DPOptimizer keeps its own
             self.noise_generator = self.optimizer.generator
         # every noise draw is checked against the run's lineage (never a replayed noise)
@@ -372,6 +401,7 @@ class DPCallback(pl.Callback):
         # them during the fit
         parameter_guard.guard_parameters(pl_module, self.optimizer, where="DPCallback")
         self._module_part.attach(pl_module)
+        self._accumulation.unscale_per_sample_gradients(self._module_part.hooks)
         self.budget_guard = guard_budget(self.dataset_budget, self.optimizer, self.accountant,
                                          sample_rate=self.sample_rate, label="DPCallback")
         if self.grad_sample_mode == "ghost":
@@ -380,6 +410,15 @@ class DPCallback(pl.Callback):
         if self._checkpoint.pending is not None:
             self._checkpoint.apply_pending(**self._live_parts())
             self._budget.forget()
+
+    def _release_hook(self, record_step):
+        """The optimizer's step hook: price the release, then empty the tracked sum."""
+        def on_release(optimizer) -> None:
+            record_step(optimizer)
+            self._accumulation.on_release()
+            self._released_in_batch = True
+
+        return on_release
 
     def _public_normaliser(self, loader) -> float:
         """The normaliser the wrapped optimizer divides by: the declared
@@ -462,16 +501,23 @@ class DPCallback(pl.Callback):
                  else self.noise_multiplier)
         return sigma, self.sample_rate
 
-    def prospective_epsilon(self) -> float:
-        """ε(δ) if one more step were taken at the current noise multiplier."""
-        self._require_priced()
-        return self._budget.prospective_epsilon(*self._next_step())
+    def _next_release(self, exact: bool = False) -> dict:
+        """Draws and rows per example of the next release (``K`` draws under accumulation,
+        or the ``n`` the sum being released holds when ``exact``)."""
+        return {"parts": self._accumulation.next_release(exact=exact),
+                "rows_per_example": self.rows_per_example}
 
-    def _budget_exhausted(self) -> bool:
+    def prospective_epsilon(self) -> float:
+        """ε(δ) if one more noisy step were taken at the current noise multiplier (summing
+        ``accumulate_grad_batches`` draws, with ``rows_per_example`` rows each)."""
+        self._require_priced()
+        return self._budget.prospective_epsilon(*self._next_step(), **self._next_release())
+
+    def _budget_exhausted(self, exact: bool = False) -> bool:
         if self._budget.target_epsilon is None:
             return False
         self._require_priced()
-        return self._budget.exhausted(*self._next_step())
+        return self._budget.exhausted(*self._next_step(), **self._next_release(exact))
 
     # ---- training hooks -----------------------------------------------------------------
     def _dataset_budget_exhausted(self) -> bool:
@@ -491,9 +537,12 @@ class DPCallback(pl.Callback):
                         "(ε now %.4f); not training", self.target_epsilon, self.epsilon())
             trainer.should_stop = True
 
+    def on_before_zero_grad(self, trainer, pl_module, optimizer) -> None:
+        self._accumulation.on_zero_grad()  # the clipped sum starts anew with this batch
+
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         # Hard guard before the noisy release: never exceed the budget.
-        if self._budget_exhausted():
+        if self._budget_exhausted(exact=True):
             raise RuntimeError(
                 f"DPCallback: the next step would take ε above target_epsilon="
                 f"{self.target_epsilon} (ε now {self.epsilon():.4f}) but training did not "
@@ -502,9 +551,11 @@ class DPCallback(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.sampler is not None:
             self.sampler.batch_trained()
+        released, self._released_in_batch = self._released_in_batch, False
         exhausted = self._budget_exhausted() or self._dataset_budget_exhausted()
         last = exhausted or (0 < trainer.max_steps <= trainer.global_step)
-        if last or self.steps % self.log_every_n_steps == 0:
+        accumulating = self._accumulation.k > 1 and not released  # no release this batch
+        if last or (self.steps % self.log_every_n_steps == 0 and not accumulating):
             eps = self.epsilon()
             self.epsilon_history.append((self.steps, eps))
             self._budget.log_step(pl_module, eps)

@@ -29,6 +29,7 @@ from opacus.data_loader import wrap_collate_with_empty
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from opacus_structured.samplers.distributed import DistributedBatchSampler
+from opacus_structured.samplers.draw_ledger import StepDraws
 from opacus_structured.samplers.verification import (
     DrawLedger,
     check_replaceable_sampler,
@@ -140,6 +141,15 @@ class TrackedBatchSampler(BatchIndexRecorder, Sampler):
 
     ``inner`` is the wrapped sampler and ``scheme`` its scheme; ``consumed`` counts the batches
     of the current epoch trained on (advanced by the callback after each training batch).
+
+    It also knows which draws the clipped sum of the next noisy step holds
+    (:meth:`step_draws`): the batches trained on since the sum was last emptied (a noisy
+    release, :meth:`released`, or ``zero_grad``, :meth:`sum_emptied`), up to the batch being
+    trained on; ``K`` of them under ``Trainer(accumulate_grad_batches=K)``, fewer in the last
+    group of an epoch. ``rows_per_example`` is what ``DPCallback`` declares (``k`` augmented
+    views of each example: ``k``). The privacy ledger reads them through the sampler's
+    ``cursor`` (:meth:`~opacus_structured.samplers.draw_ledger.DrawLedger.step_draws`, a
+    :class:`~opacus_structured.samplers.draw_ledger.StepDraws`).
     """
 
     def __init__(self, inner):
@@ -150,18 +160,47 @@ class TrackedBatchSampler(BatchIndexRecorder, Sampler):
         #: ignore restores (Lightning's loader state): the run resumed from a checkpoint older
         #: than its last release goes on drawing new batches (set by DPCallback)
         self.hold_position = False
+        #: rows each example gives a step at most (declared by ``DPCallback``)
+        self.rows_per_example = 1
+        #: price a release as at least this many parts (``DPCallback``: ``K`` for an
+        #: accountant that prices one noise multiplier per run, so a last, shorter group keeps it)
+        self.min_parts = 1
         self._snapshots: dict[int, Any] = {}
         self._draws: dict[int, Optional[int]] = {}  # batch k of the epoch -> its draw index
+        self._unreleased: list[Optional[int]] = []  # draws trained on, in the clipped sum
+        self._released_batch: Optional[int] = None  # batch of the epoch whose step released
         source = innermost_sampler(inner)
         if isinstance(source, DrawLedger):
             # Lightning fetches a batch ahead: the batch trained on is batch `consumed`
-            source.cursor = self.current_draw
+            source.cursor = _StepCursor(self)
 
     def current_draw(self) -> Optional[int]:
         """Global draw index of the batch being trained on (batch ``consumed`` of the epoch),
         the privacy ledger's cursor (:class:`~opacus_structured.samplers.verification.
         DrawLedger`)."""
         return self._draws.get(self.consumed)
+
+    def step_draws(self) -> Optional[StepDraws]:
+        """The draws whose gradients the clipped sum being released holds (class docstring),
+        oldest first, the rows per example and the parts the noise is split into (at least
+        :attr:`min_parts`); ``None`` when a draw is unknown."""
+        draws = list(self._unreleased)
+        if self._released_batch != self.consumed:
+            draws.append(self.current_draw())
+        if not draws or any(d is None for d in draws):
+            return None
+        return StepDraws([int(d) for d in draws], int(self.rows_per_example),
+                         max(len(draws), int(self.min_parts)))
+
+    def sum_emptied(self) -> None:
+        """``zero_grad`` ran during the batch being trained on (before its backward): the
+        clipped sum holds none of the earlier batches."""
+        self._unreleased = []
+
+    def released(self) -> None:
+        """The noisy step released the clipped sum, the batch being trained on included."""
+        self._unreleased = []
+        self._released_batch = self.consumed
 
     def __len__(self):
         return len(self.inner)
@@ -187,6 +226,9 @@ class TrackedBatchSampler(BatchIndexRecorder, Sampler):
 
     def batch_trained(self) -> None:
         """One more batch of the epoch was trained on; forget the snapshots before it."""
+        if self._released_batch != self.consumed:  # its gradient waits for the next release
+            self._unreleased.append(self._draws.get(self.consumed))
+        self._released_batch = None
         self.consumed += 1
         for k in [k for k in self._snapshots if k < self.consumed]:
             del self._snapshots[k]
@@ -206,6 +248,21 @@ class TrackedBatchSampler(BatchIndexRecorder, Sampler):
         self.inner.load_state_dict(state)
         self._offset = consumed if 0 < consumed < len(self.inner) else 0
         self.consumed = self._offset
+        self._unreleased, self._released_batch = [], None  # a resumed run's sum starts empty
+
+
+class _StepCursor:
+    """The privacy ledger's cursor on a :class:`TrackedBatchSampler`'s source: called, the
+    draw being trained on; :meth:`step_draws`, the draws the noisy step sums."""
+
+    def __init__(self, tracked: TrackedBatchSampler):
+        self.tracked = tracked
+
+    def __call__(self) -> Optional[int]:
+        return self.tracked.current_draw()
+
+    def step_draws(self) -> Optional[StepDraws]:
+        return self.tracked.step_draws()
 
 
 class SamplerInstaller:

@@ -152,5 +152,8 @@ ROW_SHAPES = {
 #: Shapes that sum several draws or rows per example: priced, except under correlated noise
 #: (one draw per noise position), where refusing is the answer.
 MERGING = {"skip_accumulate2", "skip_accumulate3", "concat2", "concat3", "accumulate"}
+#: The same on the Lightning path (tests/redteam_lightning.py): ``accumulate_grad_batches``.
+LIGHTNING_MERGING = {"accumulate2", "accumulate3", "accumulate4", "ghost_accumulate2",
+                     "ghost_accumulate4"}
 #: Shapes whose run must raise.
 ROW_MUST_RAISE = {"reuse_cached", "sampler_mutation"}

@@ -303,9 +303,13 @@ def test_refuses_batchnorm():
         trainer(cb, max_steps=2).fit(Tiny(batchnorm=True), data())
 
 
-def test_refuses_gradient_accumulation():
-    with pytest.raises(ValueError, match="accumulate_grad_batches"):
-        trainer(callback(), max_steps=2, accumulate_grad_batches=2).fit(Tiny(), data())
+def test_gradient_accumulation_is_priced_not_refused():
+    """Issue 46: Trainer(accumulate_grad_batches=2) is two draws per noisy step, each priced at
+    σ/√2 (tests/test_dp_accumulation.py checks the price against dp_accounting)."""
+    cb = callback()
+    trainer(cb, max_steps=2, accumulate_grad_batches=2).fit(Tiny(), data())
+    assert cb.accountant.history == [(pytest.approx(SIGMA / 2 ** 0.5), Q, 4)]
+    assert cb.steps == 4 and cb.accountant.released_steps == 2
 
 
 def test_refuses_loader_with_other_scheme():

@@ -10,7 +10,6 @@ import itertools
 import pytest
 from redteam import (
     GHOST_SHAPES,
-    LIGHTNING_SHAPES,
     MAY_RAISE,
     MUST_RAISE,
     SCHEMES,
@@ -19,9 +18,9 @@ from redteam import (
     judge,
     run_case,
     run_ghost_case,
-    run_lightning_case,
     run_stock_case,
 )
+from redteam_lightning import LIGHTNING_MERGING, LIGHTNING_SHAPES, run_lightning_case
 
 from opacus_structured.schemes import registry
 
@@ -112,12 +111,20 @@ def test_stock_opacus_loop_never_under_reports(accountant, shape, workers):
 
 LIGHTNING_CASES = [(s, sh, w) for s, sh, w in itertools.product(
     [s for s in SCHEMES if not isinstance(SCHEMES[s], str)], LIGHTNING_SHAPES, (0, 2))
-    if w == 0 or sh in ("plain", "skip2")]
+    if w == 0 or sh in ("plain", "skip2", "accumulate2")]
 #: One case per Lightning shape in the default run; public_fakes runs on shuffle (span policy,
-#: as balls-in-bins: 0.3 s against 3.5 s; issue 41), balls-in-bins' case is ``slow``.
+#: as balls-in-bins: 0.3 s against 3.5 s; issue 41), balls-in-bins' case is ``slow``. Issue 46:
+#: accumulate_grad_batches (a shorter last group on span and one-σ schemes, the correlated
+#: refusal; Poisson against dp_accounting is tests/test_dp_accumulation.py), ghost clipping,
+#: declared rows per example.
 LIGHTNING_FAST = {("poisson", "skip2"), ("bandmf-banded", "limit_train_batches"),
                   ("balls-in-bins", "max_steps"), ("shuffle", "two_views"),
-                  ("shuffle", "public_fakes")}
+                  ("shuffle", "public_fakes"), ("shuffle", "accumulate4"),
+                  ("random-allocation-identity", "accumulate4"),
+                  ("truncated-poisson", "accumulate3"), ("bandmf-banded", "accumulate2"),
+                  ("shuffle", "ghost_two_views"), ("shuffle", "ghost_two_views_declared"),
+                  ("gdp", "two_views_declared"), ("truncated-poisson", "ghost_accumulate2"),
+                  ("shuffle", "ghost_plain"), ("random-allocation-identity", "ghost_accumulate4")}
 
 
 @pytest.mark.parametrize("scheme,shape,workers", [

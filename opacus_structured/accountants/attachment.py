@@ -197,6 +197,9 @@ class AttachmentMixin:
         rows = recorder.take() if recorder is not None else None
         if self._co_release(optimizer, rows, sample_rate if base_rate is None else base_rate):
             return
+        if base_rate is not None and not (rows is not None and rows.tracked) \
+                and self._release_counted(optimizer, rows, base_rate):
+            return  # DPCallback counted the draws the step sums (observed_release)
         if rows is not None and base_rate is not None:
             if rows.tracked and self._exact_cursor and self._ledger.source is not None:
                 self._release_observed(optimizer, rows, base_rate)

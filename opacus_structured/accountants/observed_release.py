@@ -25,7 +25,16 @@ releases ``S_i + N(0, (σ/√m)²C²)``, which compose (adaptively). So
   :func:`~opacus_structured.public_rows`, keep the batch a torch tensor).
 
 Manual accumulation across skipped steps, concatenated batches and several augmented views
-per example are therefore priced, not refused. Correlated noise (``release_policy ==
+per example are therefore priced, not refused.
+
+**Counted, not observed** (``DPCallback`` under Lightning, whose batches carry no row tokens):
+the callback knows which draws each step's clipped sum holds (the batches trained on since
+the sum was last emptied: ``K`` of them with ``Trainer(accumulate_grad_batches=K)``) and
+declares how many rows each example gives (``rows_per_example=k``); the sampler reports both
+(:meth:`~opacus_structured.samplers.draw_ledger.DrawLedger.step_draws`) and the step is priced
+as above from ``{draw: k}``. The clipped rows must fit: at most ``k`` times the examples of
+those draws, else :class:`~opacus_structured.accountants.ledger.LedgerError` names the cause
+(more rows per example than declared) and the fix. Correlated noise (``release_policy ==
 "exact"``) ties each noise position to one draw, so a step that sums several draws or
 untraceable rows raises :class:`~opacus_structured.accountants.ledger.LedgerError` there
 (``k_d > 1`` is priced: the run at ``σ/k``).
@@ -65,13 +74,15 @@ class ObservedReleaseMixin:
         self.unamplified = {}
         self._warned_unamplified = False
 
-    def _release_observed(self, optimizer, rows: ReleaseRows, sample_rate: float) -> None:
-        """Price one noisy step from its :class:`ReleaseRows` (module docstring)."""
+    def _release_observed(self, optimizer, rows: ReleaseRows, sample_rate: float, *,
+                          parts: int = 0) -> None:
+        """Price one noisy step from its :class:`ReleaseRows` (module docstring); ``parts``:
+        split the noise into at least that many parts (empty ones cost nothing)."""
         sigma = float(optimizer.noise_multiplier)
         step_no = len(self) + 1
         loose = rows.untracked + rows.mixed
-        parts = len(rows.multiplicity) + (1 if loose else 0)
-        if self.scheme.release_policy == "exact" and (parts > 1 or loose):
+        parts = max(parts, len(rows.multiplicity) + (1 if loose else 0))
+        if self.scheme.release_policy == "exact" and (len(rows.multiplicity) > 1 or loose):
             raise LedgerError(self._exact_message(rows, step_no))
         discovered = self._discover
         if discovered:
@@ -93,6 +104,44 @@ class ObservedReleaseMixin:
             self._add_unamplified(sigma / (scale * 2 * loose), rows, step_no)
         self._ledger.note_priced()
         self._hooked_steps += 1
+
+    def _release_counted(self, optimizer, rows: Optional[ReleaseRows],
+                         sample_rate: float) -> bool:
+        """Price a step whose draws the training driver counted (module docstring); ``False``
+        when none did, or when the step is the scheme's own (one draw, one row per example),
+        which the ledger's path prices. ``rows``: what the clipping observed (no tokens)."""
+        source = self._ledger.source
+        report = source.step_draws() if callable(getattr(source, "step_draws", None)) else None
+        if report is None or not self._exact_cursor:
+            return False
+        draws, k = report.draws, report.rows_per_example
+        private = None if rows is None else rows.private_rows
+        sizes = [source.size_of(d) for d in draws]
+        if private is not None and None not in sizes and private > k * sum(sizes):
+            raise LedgerError(self._counted_message(private, draws, sum(sizes), k, rows))
+        if report.parts == 1 and k == 1:
+            return False
+        counted = ReleaseRows(multiplicity={int(d): int(k) for d in draws},
+                              clipped=None if rows is None else rows.clipped,
+                              clippings=0 if rows is None else rows.clippings)
+        self._release_observed(optimizer, counted, sample_rate, parts=report.parts)
+        return True
+
+    def _counted_message(self, private: int, draws: list, examples: int, k: int,
+                         rows: ReleaseRows) -> str:
+        m = max(k + 1, -(-private // max(examples, 1)))
+        batches = (f"the batch it trained on (draw {draws[0]})" if len(draws) == 1 else
+                   f"the {len(draws)} batches it sums (draws {draws})")
+        return (f"noisy step {len(self) + 1} summed {private} private rows in {rows.clippings} "
+                f"clipping pass(es), but {batches} hold(s) {examples} examples and "
+                f"rows_per_example={k} is declared: each example gives the step more rows "
+                f"(augmented views of each example, each clipped on its own), and the batches "
+                f"under Lightning carry no row tokens that would say how many. Fix: declare "
+                f"the most rows one example gives, e.g. DPCallback(..., rows_per_example={m}) "
+                f"for {m} views of each example (each draw is then priced at sigma/{m}: {m} "
+                f"rows of one example move the clipped sum by up to {m}*C); declare generated "
+                f"or public rows with opacus_structured.public(x) or `with "
+                f"opacus_structured.public_rows():`")
 
     def _exact_message(self, rows: ReleaseRows, step_no: int) -> str:
         what = []

@@ -23,12 +23,12 @@ import dataclasses
 import hashlib
 import itertools
 import weakref
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
 
-__all__ = ["DrawLedger", "FrozenParameters", "SamplerParametersChangedError",
+__all__ = ["DrawLedger", "StepDraws", "FrozenParameters", "SamplerParametersChangedError",
            "parameters_changed_error", "draw_clock", "live_samplers_drawn_since",
            "register_delivery_tracker", "track_deliveries"]
 
@@ -169,6 +169,20 @@ class FrozenParameters:
                 raise parameters_changed_error(self._law_owner(), name, old, new)
 
 
+class StepDraws(NamedTuple):
+    """What one noisy step sums, as the training driver counted it (no row tokens).
+
+    ``draws``: the global draw indices whose gradients the clipped sum holds, oldest first;
+    ``rows_per_example``: the most rows one example gives (declared); ``parts``: the number of
+    parts the noise is split into (``>= len(draws)``: a group shorter than the others may be
+    priced as the full group, its missing parts empty, so that a run keeps one noise
+    multiplier)."""
+
+    draws: list
+    rows_per_example: int = 1
+    parts: int = 1
+
+
 class DrawLedger(FrozenParameters):
     """Mixin giving a sampler a ledger of the batches it yields (the *draw records*).
 
@@ -255,6 +269,14 @@ class DrawLedger(FrozenParameters):
                               and not self.__dict__.get("_ledger_iteration", True)):
             return self.last_draw_index
         return cursor()
+
+    def step_draws(self) -> Optional["StepDraws"]:
+        """The :class:`StepDraws` of the noisy step being priced, when whoever drives training
+        knows them (``DPCallback`` under Lightning: the draws whose gradients the step sums,
+        ``K`` of them with ``Trainer(accumulate_grad_batches=K)``, and the rows per example it
+        declares); ``None`` otherwise (the step trained on :meth:`current_draw`)."""
+        report = getattr(self.cursor, "step_draws", None)
+        return report() if callable(report) else None
 
     def _stamp_fingerprint(self, *parts) -> None:
         """Set :attr:`fingerprint` from the class, ``parts`` (public parameters) and the

@@ -267,3 +267,41 @@ def test_an_accountant_without_attach_gets_the_noise_split_steps():
     cb, module = _fit(3, accountant=acc, epochs=1)
     assert [len(g) for g in module.groups] == [3, 3]
     assert acc.history == [(pytest.approx(SIGMA / math.sqrt(3)), Q, 6)]
+
+
+@pytest.mark.parametrize("resume_step", [2, 3])
+def test_resume_at_a_release_continues_the_accumulated_run_bit_identically(tmp_path,
+                                                                             resume_step):
+    """K = 2: a run stopped at its release ``resume_step`` (mid-epoch: 2; epoch end: 3) and
+    resumed from its checkpoint there equals the uninterrupted run (parameters and ε)."""
+    import os
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(max_steps, seed=SEED, ckpt=None, path=None):
+        cb = DPCallback(delta=DELTA, noise_multiplier=SIGMA, max_grad_norm=1.0,
+                        discretization=D, scheme=PoissonScheme(sample_rate=Q), seed=seed,
+                        dataset_size=N)
+        module = Recorder()
+        trainer = pl.Trainer(max_steps=max_steps, accumulate_grad_batches=2, callbacks=[
+            cb, *([ckpt] if ckpt else [])], logger=False, enable_checkpointing=bool(ckpt),
+            enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+            num_sanity_val_steps=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, DataLoader(_data(), batch_size=B), ckpt_path=path)
+        return cb, module
+
+    cb_a, module_a = run(6)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=resume_step, save_top_k=-1,
+                           filename="{step}")
+    run(resume_step, ckpt=ckpt)
+    path = os.path.join(tmp_path, f"step={resume_step}.ckpt")
+    cb_b, module_b = run(6, seed=999, path=path)
+    assert cb_b.steps == cb_a.steps == 12
+    assert cb_b.accountant.history == cb_a.accountant.history
+    assert cb_b.epsilon() == cb_a.epsilon()
+    assert [len(g) for g in module_b.groups] == [2] * (6 - resume_step)
+    assert module_b.groups == module_a.groups[resume_step:]
+    for a, b in zip(module_a.parameters(), module_b.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -189,7 +189,21 @@ def clip_step_inputs(indices: Optional[torch.Tensor], optimizer, norms: torch.Te
 class ClipAttachedCallback(Callback):
     """A callback that may attach to the optimizer's clipping
     (:mod:`opacus_structured.accountants.clip_factors`): it detaches when the fit ends, also
-    after an exception, so the optimizer never calls back into a finished fit."""
+    after an exception, so the optimizer never calls back into a finished fit. Its per-example
+    accounting reads one batch per noisy step: ``Trainer(accumulate_grad_batches > 1)`` is
+    refused at setup, naming the cause (``DPCallback``'s population ε prices it)."""
+
+    def setup(self, trainer, pl_module, stage):
+        k = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+        if stage == "fit" and k > 1:
+            name = type(self).__name__
+            raise ValueError(
+                f"{name} accounts each example in the one batch a noisy step trains on, but "
+                f"Trainer(accumulate_grad_batches={k}) sums {k} batches under one noise (an "
+                f"example may be in several of them), which {name}'s per-example accounting "
+                f"does not price. Fix: accumulate_grad_batches=1 with a {k}x larger batch, or "
+                f"train without {name} (DPCallback's population epsilon prices accumulated "
+                f"batches)")
 
     def teardown(self, trainer, pl_module, stage):
         for optimizer in trainer.optimizers:

@@ -456,7 +456,7 @@ def test_two_processes_on_one_gpu_correlated_noise_equals_single_process(tmp_pat
 
 
 # ---- Lightning Trainer(strategy="ddp") with DPCallback (slow: ~45 s for the imports) -------
-def _lightning_fit(devices, out, mode="hooks"):
+def _lightning_fit(devices, out, mode="hooks", accumulate=1):
     import lightning.pytorch as pl
 
     from lightning_callbacks.dp_callback import DPCallback
@@ -485,28 +485,30 @@ def _lightning_fit(devices, out, mode="hooks"):
     trainer = pl.Trainer(accelerator="cpu", devices=devices,
                          strategy="ddp" if devices > 1 else "auto", use_distributed_sampler=False,
                          max_epochs=2, callbacks=[cb], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+                         enable_progress_bar=False, enable_model_summary=False,
+                         accumulate_grad_batches=accumulate)
     trainer.fit(module, DataLoader(TensorDataset(X, Y), batch_size=4))
     torch.save({"params": [p.detach().clone() for p in module.parameters()],
                 "epsilon": cb.epsilon(), "steps": cb.steps,
                 "optimizer": type(cb.optimizer).__name__}, out)
 
 
-def _lightning_worker(rank, world, port, out_dir, mode):
+def _lightning_worker(rank, world, port, out_dir, mode, accumulate=1):
     # as torchrun would: Lightning sees LOCAL_RANK and does not launch processes itself
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
                       RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
-    _lightning_fit(world, os.path.join(out_dir, f"lightning{rank}.pt"), mode)
+    _lightning_fit(world, os.path.join(out_dir, f"lightning{rank}.pt"), mode, accumulate)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["hooks", "ghost"])
-def test_lightning_ddp_dp_callback_equals_single_process(tmp_path, mode):
+@pytest.mark.parametrize("mode,accumulate", [("hooks", 1), ("ghost", 1), ("hooks", 2),
+                                             ("ghost", 3)])
+def test_lightning_ddp_dp_callback_equals_single_process(tmp_path, mode, accumulate):
     """DDP (2 gloo ranks) equals one process; in ghost mode (book-keeping) too, against the
-    single-process hooks run."""
-    mp.spawn(_lightning_worker, args=(WORLD, _free_port(), str(tmp_path), mode), nprocs=WORLD,
-             join=True)
-    _lightning_fit(1, str(tmp_path / "single.pt"))
+    single-process hooks run; with accumulate_grad_batches too (issue 46)."""
+    mp.spawn(_lightning_worker, args=(WORLD, _free_port(), str(tmp_path), mode, accumulate),
+             nprocs=WORLD, join=True)
+    _lightning_fit(1, str(tmp_path / "single.pt"), accumulate=accumulate)
     ref = torch.load(tmp_path / "single.pt", weights_only=False)
     for r in range(WORLD):
         got = torch.load(tmp_path / f"lightning{r}.pt", weights_only=False)

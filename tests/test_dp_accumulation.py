@@ -305,3 +305,20 @@ def test_resume_at_a_release_continues_the_accumulated_run_bit_identically(tmp_p
     assert module_b.groups == module_a.groups[resume_step:]
     for a, b in zip(module_a.parameters(), module_b.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_per_example_callbacks_refuse_accumulation_naming_the_cause():
+    """IndividualGDPFilter / PerSampleEpsilonTracker account one batch per noisy step: with
+    accumulate_grad_batches > 1 they refuse at setup (not a misleading row-count error)."""
+    from lightning_callbacks.gdp_filter import IndividualGDPFilter
+    from lightning_callbacks.per_sample_epsilon import PerSampleEpsilonTracker
+
+    for extra in (IndividualGDPFilter(N, 2.0), PerSampleEpsilonTracker(N)):
+        cb = DPCallback(delta=DELTA, noise_multiplier=SIGMA, max_grad_norm=1.0,
+                        scheme=PoissonScheme(sample_rate=Q), seed=SEED, dataset_size=N)
+        trainer = pl.Trainer(max_epochs=1, accumulate_grad_batches=2, callbacks=[cb, extra],
+                             logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             accelerator="cpu")
+        with pytest.raises(ValueError, match=r"accumulate_grad_batches=2\) sums 2 batches"):
+            trainer.fit(Recorder(), DataLoader(_data(), batch_size=B))

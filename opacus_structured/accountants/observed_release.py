@@ -115,7 +115,10 @@ class ObservedReleaseMixin:
         if report is None or not self._exact_cursor:
             return False
         draws, k = report.draws, report.rows_per_example
-        private = None if rows is None else rows.private_rows
+        # the private rows the clipping summed, when it was seen (a forward may be recorded
+        # twice: Lightning's DDP wrapper calls the module's forward to reach training_step)
+        private = None if rows is None else (
+            rows.private_rows if rows.clipped is None else max(rows.clipped - rows.public, 0))
         sizes = [source.size_of(d) for d in draws]
         if private is not None and None not in sizes and private > k * sum(sizes):
             raise LedgerError(self._counted_message(private, draws, sum(sizes), k, rows))

@@ -522,7 +522,8 @@ class DPCallback(pl.Callback):
     # ---- training hooks -----------------------------------------------------------------
     def _dataset_budget_exhausted(self) -> bool:
         """The next step does not fit the dataset's budget (it is reserved when it does)."""
-        return self.budget_guard is not None and not self.budget_guard.admits_next()
+        release = (self._accumulation.k, self.rows_per_example)  # a whole group next
+        return self.budget_guard is not None and not self.budget_guard.admits_next(release)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._sampler_goes_on = False  # Lightning has restored its loader state by now

@@ -322,3 +322,20 @@ def test_per_example_callbacks_refuse_accumulation_naming_the_cause():
                              accelerator="cpu")
         with pytest.raises(ValueError, match=r"accumulate_grad_batches=2\) sums 2 batches"):
             trainer.fit(Recorder(), DataLoader(_data(), batch_size=B))
+
+
+def test_dataset_budget_cap_holds_with_accumulation(tmp_path):
+    """DPCallback(budget=...) with K = 2: the budget guard reserves each release as the two
+    noise-split steps the accountant will record (not one step at 2q), so the run stops before
+    the release that would pass the cap (8.0 here: one release, 7.13; two would be 8.72),
+    without an overrun."""
+    from opacus_structured import DatasetBudget
+    from opacus_structured.accountants.budget_guard import BudgetOverrunWarning
+
+    budget = DatasetBudget(tmp_path / "budget.jsonl", epsilon=8.0, delta=DELTA)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BudgetOverrunWarning)
+        cb, module = _fit(2, budget=budget)
+    assert [len(g) for g in module.groups] == [2]
+    assert cb.accountant.history == [(pytest.approx(SIGMA / math.sqrt(2)), Q, 2)]
+    assert cb.epsilon() <= budget.spent() <= 8.0

@@ -13,7 +13,9 @@ scale, accountant hook, parameter update. The guard sits at the two ends:
   (:func:`~opacus_structured.accountants.budget_curves.accountant_rdp` of the projected
   history), for the largest ``k`` up to the block the filter admits
   (:meth:`DatasetBudget.reserve <opacus_structured.dataset_budget.DatasetBudget.reserve>`).
-  When not even one more step fits, it raises
+  A release whose draws the training driver counted (``DPCallback`` with
+  ``accumulate_grad_batches``: ``n`` draws, each priced at ``σ/√n``) is reserved as the ``n``
+  steps the accountant will record. When not even one more release fits, it raises
   :class:`~opacus_structured.dataset_budget.BudgetExhaustedError` there: the noisy sum is not
   formed, nothing is released, the parameters are not updated;
 * **after the accountant's hook**: the step must have been priced as reserved (one more step at
@@ -142,7 +144,7 @@ class BudgetGuard:
         self._reservation = None  # (sigma, rate, history length, steps reserved, form)
         self._forms: dict = {}    # (sigma, rate) -> how the accountant records such a step
         self._used = 0            # steps released under the reservation
-        self._before = None       # (len, unamplified parts) before the step being released
+        self._before = None       # (len, unamplified parts, σ, rate, steps) before a release
         self._released_len = len(accountant)
         self._dirty = False       # released steps not yet settled
         self._install(optimizer)
@@ -157,50 +159,66 @@ class BudgetGuard:
         curve, tail = self._priced(history)
         return self._base[0] + curve, self._base[1] + tail
 
-    def _next_step(self, optimizer) -> tuple[float, float]:
+    def _next_step(self, optimizer, release=None) -> tuple[float, float, int]:
+        """``(σ, rate, steps)``: what the next release adds to the accountant's record. One
+        step at the loader's rate times the accumulated batches, or, where the training driver
+        counted the draws the release sums (``DPCallback``: a
+        :class:`~opacus_structured.samplers.draw_ledger.StepDraws`, or ``release = (parts,
+        rows_per_example)`` projected), ``parts`` steps at ``σ/(√parts·k)`` (noise splitting,
+        as :mod:`~opacus_structured.accountants.observed_release` prices them)."""
+        sigma = float(optimizer.noise_multiplier)
+        if release is None:
+            source = getattr(getattr(self.accountant, "_ledger", None), "source", None)
+            report = source.step_draws() if callable(getattr(source, "step_draws", None)) \
+                else None
+            release = None if report is None else (report.parts, report.rows_per_example)
+        if release is not None and (release[0] > 1 or release[1] > 1):
+            parts, k = int(release[0]), int(release[1])
+            return sigma / (math.sqrt(parts) * k), self.sample_rate, parts
         try:
             batches = int(optimizer.accumulated_iterations)
         except (AttributeError, ValueError, TypeError):
             batches = 1
-        return float(optimizer.noise_multiplier), self.sample_rate * max(batches, 1)
+        return sigma, self.sample_rate * max(batches, 1), 1
 
     # ---- before the noise ------------------------------------------------------------------
-    def _covered(self, sigma: float, rate: float) -> bool:
+    def _covered(self, sigma: float, rate: float, steps: int = 1) -> bool:
         r = self._reservation
-        return (r is not None and self._used < r[3] and sigma == r[0] and rate == r[1]
-                and len(self.accountant) == r[2] + self._used)
+        return (r is not None and self._used + steps <= r[3] and sigma == r[0]
+                and rate == r[1] and len(self.accountant) == r[2] + self._used)
 
     def ensure(self, optimizer) -> None:
         """Make sure the next step is reserved (reserve a block if not); raises
         :class:`BudgetExhaustedError` when it does not fit."""
-        sigma, rate = self._next_step(optimizer)
-        if not self._covered(sigma, rate):
-            self._reserve(sigma, rate)
-        self._before = (len(self.accountant), _parts(self.accountant), sigma, rate)
+        sigma, rate, steps = self._next_step(optimizer)
+        if not self._covered(sigma, rate, steps):
+            self._reserve(sigma, rate, steps)
+        self._before = (len(self.accountant), _parts(self.accountant), sigma, rate, steps)
 
-    def admits_next(self) -> bool:
-        """Whether the next step (at the optimizer's current σ) fits the budget, reserving it
-        if it does: a callback stops training gracefully on ``False``."""
+    def admits_next(self, release=None) -> bool:
+        """Whether the next step (at the optimizer's current σ; ``release = (parts,
+        rows_per_example)`` projects a release that sums several draws) fits the budget,
+        reserving it if it does: a callback stops training gracefully on ``False``."""
         optimizer = self._optimizer()
         if optimizer is None:
             return True
         try:
-            sigma, rate = self._next_step(optimizer)
-            if not self._covered(sigma, rate):
-                self._reserve(sigma, rate)
+            sigma, rate, steps = self._next_step(optimizer, release)
+            if not self._covered(sigma, rate, steps):
+                self._reserve(sigma, rate, steps)
         except BudgetExhaustedError:
             return False
         return True
 
-    def _reserve(self, sigma: float, rate: float) -> None:
+    def _reserve(self, sigma: float, rate: float, steps: int = 1) -> None:
         history = [tuple(h) for h in self.accountant.history]
         length = len(self.accountant)
         # how the accountant recorded the last step released at this (σ, rate): e.g. at the
         # loader's rate, not times the accumulated physical batches, when it saw one draw
         form = self._forms.get((sigma, rate), (sigma, rate))
 
-        def total_for(k: int):
-            return self._total(history + [(form[0], form[1], k)])
+        def total_for(k: int):  # k releases of `steps` steps each
+            return self._total(history + [(form[0], form[1], k * steps)])
 
         event = {"accountant": type(self.accountant).__name__,
                  "scheme": getattr(self.accountant.scheme, "name", None),
@@ -208,18 +226,18 @@ class BudgetGuard:
                  "curve": curve_route(self.accountant)}
         journal = self._journal()  # the noise this reservation lets the run draw
         try:
-            k, _ = self.budget.reserve(self.run_id, total_for, self._block, event=event,
-                                       **journal)
+            k, _ = self.budget.reserve(self.run_id, total_for, max(1, self._block // steps),
+                                       event=event, **journal)
         except BudgetExhaustedError:
             # other runs of this process may hold reservations ahead they will not use (a
             # finished loop whose optimizer is still alive): settle them, then try once more
             if not self.budget.settle(exclude=self.settle):
                 raise
-            k, _ = self.budget.reserve(self.run_id, total_for, self._block, event=event,
-                                       **journal)
-        if k == self._block:
+            k, _ = self.budget.reserve(self.run_id, total_for, max(1, self._block // steps),
+                                       event=event, **journal)
+        if k * steps >= self._block:
             self._block = min(2 * self._block, MAX_BLOCK)
-        self._reservation = (sigma, rate, length, k, form)
+        self._reservation = (sigma, rate, length, k * steps, form)
         self._used = 0
 
     # ---- after the accountant's hook -------------------------------------------------------
@@ -229,10 +247,10 @@ class BudgetGuard:
         self._dirty = True
         r = self._reservation
         acc = self.accountant
-        one_step = (before is not None and len(acc) == before[0] + 1
+        one_step = (before is not None and len(acc) == before[0] + before[4]
                     and _parts(acc) == before[1])
         if one_step and r is not None and tuple(acc.history[-1][:2]) == r[4]:
-            self._used += 1  # the common step: priced exactly as reserved
+            self._used += before[4]  # the common step: priced exactly as reserved
             self._released_len = len(acc)
             return
         if one_step:  # learn how such a step is recorded; reserve with it from now on

@@ -1,5 +1,5 @@
-"""A small LightningModule and a ``fit`` helper shared by the Lightning tests of issue 46
-(restores, phases, the dataset budget)."""
+"""A small LightningModule, a ``fit`` helper and a noise spy shared by the Lightning tests of
+issue 46 (restores, phases, the dataset budget, accumulation)."""
 
 from __future__ import annotations
 
@@ -45,3 +45,22 @@ def fit(cb, module, loader, max_steps: int, *, dirpath=None, every=None, ckpt_pa
                          num_sanity_val_steps=0)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     return trainer
+
+
+def spy_noise(monkeypatch) -> list:
+    """Record every noise tensor an Opacus DP optimizer draws (hooks and ghost clipping), in
+    order; returns the list that fills as the optimizers draw."""
+    import opacus.optimizers.optimizer as opacus_optimizer
+    import opacus.optimizers.optimizer_fast_gradient_clipping as opacus_ghost
+
+    drawn: list = []
+    plain = opacus_optimizer._generate_noise
+
+    def spy(std, reference, *args, **kwargs):
+        z = plain(std, reference, *args, **kwargs)
+        drawn.append(z.detach().clone())
+        return z
+
+    for where in (opacus_optimizer, opacus_ghost):
+        monkeypatch.setattr(where, "_generate_noise", spy)
+    return drawn

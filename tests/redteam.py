@@ -45,7 +45,6 @@ from redteam_rows import (
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import opacus_structured
 from opacus_structured.engine import make_private
 from opacus_structured.optim.privacy_engine import CorrelatedNoisePrivacyEngine
 from opacus_structured.schemes.balls_in_bins import BallsInBinsScheme

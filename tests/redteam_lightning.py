@@ -21,7 +21,7 @@ from __future__ import annotations
 import warnings
 
 import torch
-from redteam import B, D, DELTA, EPOCHS, N, SCHEMES, SEED, SIGMA, Outcome, _data
+from redteam import DELTA, EPOCHS, SCHEMES, SEED, SIGMA, B, D, N, Outcome, _data
 from redteam_rows import LIGHTNING_MERGING
 from torch import nn
 from torch.utils.data import DataLoader

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 pl = pytest.importorskip("lightning.pytorch")
 from dp_accounting.pld import privacy_loss_distribution as pld_mod  # noqa: E402
+from lightning_small import spy_noise  # noqa: E402
 
 from lightning_callbacks import DPCallback  # noqa: E402
 from opacus_structured.accountants.ledger import LedgerError  # noqa: E402
@@ -188,19 +189,7 @@ def test_update_is_dp_sgd_on_the_union_of_the_draws(mode, monkeypatch):
     ``lr · (Σ_rows clip_C(g_row) + z) / (n · E)`` with the noise ``z`` the optimizer drew
     (recorded), Lightning's ``loss / K`` undone (each row clipped on its own loss) and
     E = N·q: the DP-SGD step on the union of the n draws."""
-    import opacus.optimizers.optimizer as opacus_optimizer
-    import opacus.optimizers.optimizer_fast_gradient_clipping as opacus_ghost
-
-    drawn = []
-    plain = opacus_optimizer._generate_noise
-
-    def spy(std, reference, *args, **kwargs):
-        z = plain(std, reference, *args, **kwargs)
-        drawn.append(z.detach().clone())
-        return z
-
-    for where in (opacus_optimizer, opacus_ghost):
-        monkeypatch.setattr(where, "_generate_noise", spy)
+    drawn = spy_noise(monkeypatch)
     module = Recorder(lr=1.0)
     w, b = module.layer.weight.detach().clone(), module.layer.bias.detach().clone()
     c = 0.05  # most rows are clipped

@@ -14,14 +14,15 @@ pl = pytest.importorskip("lightning.pytorch")
 from dp_accounting.pld import privacy_loss_distribution as dp_pld  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers.logger import Logger  # noqa: E402
+from lightning_small import spy_noise  # noqa: E402
 from opacus.optimizers import DPOptimizer  # noqa: E402
 
 from lightning_callbacks.dp_callback import DPCallback  # noqa: E402
+from opacus_structured.accountants.base import SchemeAccountant  # noqa: E402
 from opacus_structured.accountants.noise_lineage import (  # noqa: E402
     FreshNoiseWarning,
     NoiseReplayError,
 )
-from opacus_structured.accountants.base import SchemeAccountant  # noqa: E402
 from opacus_structured.samplers.poisson import PoissonBatchSampler, poisson_data_loader  # noqa
 from opacus_structured.schemes.poisson import PoissonScheme  # noqa: E402
 
@@ -248,17 +249,7 @@ def test_resume_from_an_earlier_checkpoint_never_replays_noise(tmp_path, monkeyp
     """Issue 46, repro 17: fit with checkpoints, then fit again from an earlier one. The
     resumed steps draw fresh noise (no noise tensor of the first fit is added again), with a
     FreshNoiseWarning; the callback that went on keeps every released step."""
-    import opacus.optimizers.optimizer as opacus_optimizer
-
-    drawn = []
-    plain = opacus_optimizer._generate_noise
-
-    def spy(std, reference, *args, **kwargs):
-        z = plain(std, reference, *args, **kwargs)
-        drawn.append(z.detach().clone())
-        return z
-
-    monkeypatch.setattr(opacus_optimizer, "_generate_noise", spy)
+    drawn = spy_noise(monkeypatch)
     torch.manual_seed(0)
     model, cb = Tiny(), callback()
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1,

@@ -20,7 +20,7 @@ from redteam import (
     run_ghost_case,
     run_stock_case,
 )
-from redteam_lightning import LIGHTNING_MERGING, LIGHTNING_SHAPES, run_lightning_case
+from redteam_lightning import LIGHTNING_SHAPES, run_lightning_case
 
 from opacus_structured.schemes import registry
 

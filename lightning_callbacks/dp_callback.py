@@ -1,6 +1,6 @@
 """``DPCallback``: make an unmodified ``lightning.pytorch`` LightningModule differentially private.
 
-Attaching :class:`DPCallback` to a :class:`lightning.pytorch.Trainer` does five things, each by
+Attaching :class:`DPCallback` to a :class:`lightning.pytorch.Trainer` does seven things, most by
 one part (a class in its own module) that the callback composes:
 
 1. **the module** (:class:`~lightning_callbacks.dp_module.PerSampleGradients`): refuses layers
@@ -56,7 +56,7 @@ one part (a class in its own module) that the callback composes:
 
 Lightning hook order used (automatic optimisation; Lightning's "Hooks" documentation,
 https://lightning.ai/docs/pytorch/stable/common/hooks.html):
-``on_fit_start`` (parts 1-3, 5, and 7 for a state loaded before it) → per batch
+``on_fit_start`` (parts 1-6, and 7 for a state loaded before it) → per batch
 ``training_step`` → ``zero_grad`` (``on_before_zero_grad``: the clipped sum starts anew) →
 ``backward`` → ``on_after_backward`` → ``on_before_optimizer_step`` (our budget guard) → DP
 clip / noise / accountant hook → inner step → ``on_train_batch_end`` (our logging and

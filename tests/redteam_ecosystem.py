@@ -10,7 +10,11 @@ Dimensions added to the grid of ``tests/redteam.py`` (same settings: N = 60, bat
 * ``phase_resume``: a new engine built for twice the batch size loads the checkpoint and goes
   on (a phase schedule);
 * ``two_modules_one_engine`` / ``two_modules_two_engines``: an encoder and a head made private
-  apart, trained together on the first module's private loader.
+  apart, trained together on the first module's private loader;
+* ``compiled_model`` / ``compiled_two_views``: ``torch.compile(model)`` after ``make_private``
+  (Dynamo with its eager backend: the tracing is what meets the row provenance; inductor runs
+  in tests/test_opacus_parity.py), on one view and on two augmented views per example (priced
+  at ``σ/2``: each example gives two rows clipped apart, sensitivity 2C).
 
 **The oracle is independent of the library's bookkeeping.** Every noise tensor any optimizer
 draws is recorded (a spy on Opacus' ``_generate_noise``): if one is drawn twice the true ε is
@@ -53,7 +57,7 @@ from opacus_structured.schemes.gdp import GDPScheme
 from opacus_structured.schemes.poisson import PoissonScheme
 
 SHAPES = ("restore_earlier", "resume_same_seed", "phase_resume", "two_modules_one_engine",
-          "two_modules_two_engines")
+          "two_modules_two_engines", "compiled_model", "compiled_two_views")
 #: The same restores through Lightning: ``fit`` with checkpoints, then ``fit(ckpt_path=<an
 #: earlier step>)`` with the same callback or a new one (repro 17), and a new callback built
 #: for twice the rate resuming the last checkpoint (a phase).
@@ -185,6 +189,24 @@ def _steps(loader, modules, optimizers, count):
     return done
 
 
+def _steps_views(loader, model, optimizer, count, views):
+    """``count`` steps, each on ``views`` noisy copies of every example of the batch."""
+    done = 0
+    while done < count:
+        for x, y, _ in loader:
+            optimizer.zero_grad()
+            if views > 1:
+                x = torch.cat([x + 0.01 * torch.randn_like(x) for _ in range(views)])
+                y = torch.cat([y] * views)
+            out = model(x)
+            (nn.functional.cross_entropy(out, y) if len(x) else out.sum() * 0).backward()
+            optimizer.step()
+            done += 1
+            if done == count:
+                return done
+    return done
+
+
 def run_case(scheme_name: str, shape: str) -> Outcome:
     scheme = SCHEMES[scheme_name]
     out = Outcome(scheme)
@@ -215,6 +237,13 @@ def _run(shape, scheme, out: Outcome, path: str) -> None:
         out.printed = [float(e.get_epsilon(DELTA)) for e in {id(e1): e1, id(e2): e2}.values()]
         return
     engine, model, opt, loader = _private(scheme, _model(), None)
+    if shape.startswith("compiled"):
+        compiled = torch.compile(model, backend="eager")
+        views = 2 if shape == "compiled_two_views" else 1
+        out.modules = views * views  # k rows per example: σ/k, i.e. σ/√(k²) in _price
+        out.releases = _steps_views(loader, compiled, opt, 3 * K, views)
+        out.printed = [float(engine.get_epsilon(DELTA))]
+        return
     out.releases = _steps(loader, [model], [opt], K)
     engine.save_checkpoint(path=path, module=model, optimizer=opt)
     if shape == "restore_earlier":

@@ -233,8 +233,9 @@ class AttachmentMixin:
     # ---- several private modules on one draw stream (co_release) ---------------------------
     def _adopt_trained_stream(self) -> None:
         """At the first step: if this accountant's sampler drew nothing since it was attached
-        but exactly one other private stream of the same scheme did, the loop trains on that
-        one (an encoder's loader feeding a head made private apart): follow it."""
+        but exactly one other private loader (one that ``make_private`` returned) of the same
+        scheme did, the loop trains on that one (an encoder's loader feeding a head made
+        private apart): follow it."""
         source = self._ledger.source
         if source is None or not self._exact_cursor or \
                 source.batches_drawn > self._draws_at_attach:
@@ -242,6 +243,9 @@ class AttachmentMixin:
         others = [s for s in verification.live_samplers_drawn_since(self._attach_tick)
                   if s is not source
                   and verification.scheme_accepts(self.scheme, getattr(s, "scheme", None))
+                  # a private loader make_private returned (its batches are tracked), not a
+                  # loader the user built around a sampler of the scheme
+                  and getattr(getattr(s, "cursor", None), "from_ledger_loader", False)
                   and getattr(s, "current_draw", lambda: None)() is not None]
         if len(others) != 1:
             return

@@ -116,10 +116,13 @@ def _new_id() -> str:
     return secrets.token_hex(16)
 
 
+def _state_bytes(generator: torch.Generator) -> bytes:
+    return generator.get_state().numpy().tobytes()
+
+
 def state_digest(generator: torch.Generator) -> bytes:
     """BLAKE2b digest of ``generator``'s state (what it draws next is a function of it)."""
-    raw = generator.get_state()
-    return hashlib.blake2b(raw.numpy().tobytes(), digest_size=DIGEST_SIZE).digest()
+    return hashlib.blake2b(_state_bytes(generator), digest_size=DIGEST_SIZE).digest()
 
 
 class NoiseLineage:
@@ -388,9 +391,20 @@ def check_correlated_position(optimizer, lineage: NoiseLineage) -> None:
         f"not load the earlier optimizer's noise state")
 
 
-def check_before_draw(optimizer, *, correlated: bool = False) -> Optional[bytes]:
+class _Before:
+    """A generator's state before a draw: its digest (recorded) and its bytes (compared after
+    the draw, cheaper than a second digest)."""
+
+    __slots__ = ("digest", "raw")
+
+    def __init__(self, raw: bytes):
+        self.raw = raw
+        self.digest = hashlib.blake2b(raw, digest_size=DIGEST_SIZE).digest()
+
+
+def check_before_draw(optimizer, *, correlated: bool = False) -> Optional[_Before]:
     """Rule 1, before ``optimizer`` draws its noise: reseed (or refuse) if the generator's state
-    was already drawn from in the lineage; returns the state's digest (``None`` if untracked)."""
+    was already drawn from in the lineage; returns the state (``None`` if untracked)."""
     lineage = lineage_of_optimizer(optimizer)
     if lineage is None:
         return None
@@ -399,9 +413,9 @@ def check_before_draw(optimizer, *, correlated: bool = False) -> Optional[bytes]
     generator, is_global = noise_source(optimizer)
     if generator is None:
         return None
-    digest = state_digest(generator)
-    if not lineage.seen(digest):
-        return digest
+    before = _Before(_state_bytes(generator))
+    if not lineage.seen(before.digest):
+        return before
     if is_global:
         generator = _replace_global(optimizer)
     else:
@@ -414,11 +428,11 @@ def check_before_draw(optimizer, *, correlated: bool = False) -> Optional[bytes]
              f"would carry no noise. The generator was reseeded from OS entropy; keep the "
              f"generator's state with the accountant's (one checkpoint) to resume exactly",
              FreshNoiseWarning)
-    return state_digest(generator)
+    return _Before(_state_bytes(generator))
 
 
-def record_after_draw(optimizer, before: Optional[bytes], noise_step: Optional[int]) -> None:
-    """After ``optimizer`` drew: record the draw in its lineage. ``before``: the state digest
+def record_after_draw(optimizer, before: Optional[_Before], noise_step: Optional[int]) -> None:
+    """After ``optimizer`` drew: record the draw in its lineage. ``before``: what
     :func:`check_before_draw` returned; ``noise_step``: a correlated-noise optimizer's
     ``noise_step`` before the draw. A tracked generator that did not move (σ = 0, a DDP rank
     that adds no noise) records no digest; the position advances with a correlated optimizer's
@@ -427,8 +441,9 @@ def record_after_draw(optimizer, before: Optional[bytes], noise_step: Optional[i
     if lineage is None:
         return
     generator, _ = noise_source(optimizer)
-    moved = generator is not None and before is not None and state_digest(generator) != before
-    digest = before if moved else None
+    moved = generator is not None and before is not None and \
+        _state_bytes(generator) != before.raw
+    digest = before.digest if moved else None
     if noise_step is not None:
         if int(getattr(optimizer, "noise_step", noise_step)) != int(noise_step):
             lineage.record(digest)

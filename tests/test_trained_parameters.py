@@ -17,7 +17,10 @@ from opacus_structured.forecasting.data import Panel  # noqa: E402
 from opacus_structured.forecasting.estimators import prepare_estimator  # noqa: E402
 from opacus_structured.forecasting.model_defaults import model_defaults  # noqa: E402
 from opacus_structured.forecasting.trained_parameters import (  # noqa: E402
-    freeze_all_but, resolve_trained_parameters, thaw)
+    freeze_all_but,
+    resolve_trained_parameters,
+    thaw,
+)
 from opacus_structured.forecasting.training import train_forecaster  # noqa: E402
 
 H, CTX = 4, 12

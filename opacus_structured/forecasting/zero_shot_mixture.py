@@ -27,9 +27,10 @@ it forecasts from is read by both models alike (as by the DP model alone; see
 with :math:`\mathcal E(F_1, F_2) = 2\mathbb E|X_1 - X_2| - \mathbb E|X_1 - X_1'| -
 \mathbb E|X_2 - X_2'| \ge 0` the energy distance: the mixture gains where the two models
 disagree. The DP model has learned from the panel but carries the DP noise; the public model has
-no noise but has not seen the panel. ``w = 0.5`` for DLinear (0.25 before its local
-forecasts, issue 47) was chosen on the public study panels only (docs/guides/forecasting.md,
-"Mixing in the zero-shot model", "Local forecasts in the window").
+no noise but has not seen the panel. ``w = 0`` for DLinear since the second pass of issue 47
+(0.5 with the first pass's local forecasts, 0.25 before them) was chosen on the public study
+panels only (docs/guides/forecasting.md, "Mixing in the zero-shot model", "Each series'
+history at prediction, fewer trained parameters"); DeepAR mixes at 0.1.
 
 **Samples.** The mixture is released as sample paths (gluonts' ``SampleForecast``). Of every
 ``num_samples`` paths a fraction ``w`` comes from the public model, interleaved so that every

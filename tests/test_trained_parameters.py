@@ -5,15 +5,14 @@ every parameter, the released network is an ordinary one; bad input names the ar
 
 import warnings
 
-import numpy as np
-import pandas as pd
 import pytest
 import torch
 
 pytest.importorskip("gluonts")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-from opacus_structured.forecasting.data import Panel  # noqa: E402
+from test_zero_shot_mixture import CTX, H, _panel, _public_state  # noqa: E402
+
 from opacus_structured.forecasting.estimators import prepare_estimator  # noqa: E402
 from opacus_structured.forecasting.model_defaults import model_defaults  # noqa: E402
 from opacus_structured.forecasting.trained_parameters import (  # noqa: E402
@@ -23,23 +22,7 @@ from opacus_structured.forecasting.trained_parameters import (  # noqa: E402
 )
 from opacus_structured.forecasting.training import train_forecaster  # noqa: E402
 
-H, CTX = 4, 12
 HEAD = ("args_proj", "baseline_skip", "scale_skip")
-
-
-def _panel(n=6, length=48):
-    rng = np.random.default_rng(0)
-    targets = tuple((10 + np.cumsum(rng.normal(0, 1, length))).astype(np.float32)
-                    for _ in range(n))
-    return Panel(targets=targets, starts=tuple(pd.Period("2000-01", "M") for _ in range(n)),
-                 item_ids=tuple(f"s{i}" for i in range(n)), freq="M")
-
-
-def _public_state():
-    torch.manual_seed(7)
-    prepared = prepare_estimator("dlinear", freq="M", prediction_length=H, context_length=CTX,
-                                 batch_size=4)
-    return {k: v.detach().clone() for k, v in prepared.module.model.state_dict().items()}
 
 
 def _train(**kw):

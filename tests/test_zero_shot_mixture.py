@@ -17,11 +17,13 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 from opacus_structured.forecasting.data import Panel  # noqa: E402
 from opacus_structured.forecasting.dp_predictor import DPPyTorchPredictor  # noqa: E402
 from opacus_structured.forecasting.estimators import prepare_estimator  # noqa: E402
-from opacus_structured.forecasting.model_defaults import (  # noqa: E402
-    check_zero_shot_weight, model_defaults)
+from opacus_structured.forecasting.model_defaults import check_zero_shot_weight, model_defaults  # noqa: E402
 from opacus_structured.forecasting.training import train_forecaster  # noqa: E402
 from opacus_structured.forecasting.zero_shot_mixture import (  # noqa: E402
-    ZeroShotMixtureModule, public_rows, zero_shot_mixture_predictor)
+    ZeroShotMixtureModule,
+    public_rows,
+    zero_shot_mixture_predictor,
+)
 
 H, CTX = 4, 12
 

@@ -6,6 +6,8 @@ coordinates that move. This study fine-tunes DLinear from the public weights at 
 (δ = 1e-7) with its recipe, training only:
 
 * ``all``: every parameter (the recipe);
+* ``skip``: the baseline skip alone (issue 47: the combination weights of the local forecasts
+  and the scale skip, 6 parameters);
 * ``head``: the distribution head (``args_proj``, 63 parameters) and the baseline skip (2 when
   the study ran; 5 + the scale skip's 1 with issue 47's local forecasts);
 * ``bias``: the head, the skip and the biases of the two linear maps (545 parameters);
@@ -31,7 +33,7 @@ import argparse
 import statistics
 import warnings
 
-from forecast_recipe import study_split, study_score, write_study_json
+from forecast_recipe import study_score, study_split, write_study_json
 
 WEIGHTS = (0.0, 0.25)
 
@@ -63,7 +65,11 @@ def _low_rank(base, rank: int):
 
 
 def _trained(subset: str, name: str) -> bool:
-    if name.startswith("args_proj") or "skip" in name:
+    if "skip" in name:
+        return True
+    if subset == "skip":  # issue 47: the local forecasts' combination alone
+        return False
+    if name.startswith("args_proj"):
         return True
     if subset == "all":
         return True
@@ -135,7 +141,8 @@ def main(argv=None) -> int:
                             max_steps=recipe["max_steps"], lr=recipe["lr"] * mult,
                             max_grad_norm=recipe["max_grad_norm"],
                             tail_average=recipe["tail_average"], epsilon=1.0, delta=1e-7,
-                            seed=seed, init_seed=seed, init_state=state)
+                            seed=seed, init_seed=seed, init_state=state,
+                            trained_parameters="all")  # the harness chose the subset
                         released(res.prepared.module.model)
                         for w in WEIGHTS:
                             m = score(res.create_predictor(zero_shot_weight=w))

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import platform
 import statistics
@@ -82,7 +83,13 @@ PRIORS = {"ets": {"ets": 1.0}, "theta": {"theta": 1.0},
           "etsth": {"ets": 0.5, "theta": 0.5},
           "etsthmu": {"ets": 1 / 3, "theta": 1 / 3},
           "etsthsn": {"ets": 1 / 3, "theta": 1 / 3, "seasonal_naive": 1 / 3},
-          "etsthsnmu": {"ets": 0.25, "theta": 0.25, "seasonal_naive": 0.25}}
+          "etsthsnmu": {"ets": 0.25, "theta": 0.25, "seasonal_naive": 0.25},
+          # issue 47, prediction history: more weight on ETS
+          "ets2thsn": {"ets": 0.5, "theta": 0.25, "seasonal_naive": 0.25},
+          "ets2thsnmu": {"ets": 0.4, "theta": 0.2, "seasonal_naive": 0.2},
+          "ets2thmu": {"ets": 0.5, "theta": 0.25},
+          "etsmu": {"ets": 0.5}, "ets3mu": {"ets": 0.75},
+          "ets2th": {"ets": 2 / 3, "theta": 1 / 3}, "etsth2": {"ets": 1 / 3, "theta": 2 / 3}}
 
 
 def configure(variant: Variant):
@@ -102,6 +109,46 @@ def configure(variant: Variant):
         base, corpus=name, competition_series=int(count) if count else None,
         skip_features=features if prior == "pre" else None)
     return None if variant.skip_lr == "default" else float(variant.skip_lr)
+
+
+#: Method sets a prediction history can be read by (``--histories MULT:SET``).
+HISTORY_SETS = {"none": (), "ets": ("ets",), "ets+theta": ("ets", "theta"),
+                "ets+drift": ("ets", "drift"),
+                "all": ("seasonal_naive", "naive", "drift", "ets", "theta")}
+
+
+def parse_history(text):
+    """``MULT:SET`` → ``(multiple, methods)``: the predictor reads ``MULT·H`` past steps
+    (``0``: the whole training part of the longest series; ``3``, DLinear's context, is the
+    window alone) and the methods :data:`HISTORY_SETS` ``[SET]`` are fitted on all of them."""
+    mult, _, name = text.partition(":")
+    return int(mult), HISTORY_SETS[name or "ets"]
+
+
+def history_length(multiple, train):
+    """Past steps a predictor reads for ``multiple`` (:func:`parse_history`)."""
+    return max(train.lengths) if multiple == 0 else multiple * H
+
+
+def with_history(prepared, length, methods):
+    """Point ``prepared``'s predictor at a prediction history (training is not affected:
+    its windows keep the context)."""
+    prepared.estimator.local_history_length = max(length, prepared.estimator.context_length)
+    prepared.estimator.history_methods = tuple(methods)
+    prepared.module.model.history_methods = tuple(methods)
+    return prepared
+
+
+#: ``--subsets`` the product trains by name (``train_forecaster(trained_parameters=...)``).
+PRODUCT_SUBSETS = {"all": "all", "head": ("args_proj", "baseline_skip", "scale_skip"),
+                   "skip": ("baseline_skip", "scale_skip")}
+
+
+def run_name(variant, subset, lr):
+    """A trained design's name: the variant, ``@subset`` unless every parameter is trained,
+    ``@lr<x>`` unless the network's step is the recipe's 1e-4."""
+    name = str(variant) if subset == "all" else f"{variant}@{subset}"
+    return name if lr == 1e-4 else f"{name}@lr{lr:g}"
 
 
 def noise_rule_weight(sigma, batch, w_max=0.25):
@@ -223,6 +270,20 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--weights", nargs="+", type=float, default=list(WEIGHTS))
     ap.add_argument("--nonprivate", action="store_true", help="also fine-tune without DP")
+    ap.add_argument("--histories", nargs="+", default=["3:none"], metavar="MULT:SET",
+                    help="prediction histories to score every trained model with: MULT·H past "
+                         "steps (0: the whole training part), SET of methods fitted on them "
+                         f"({', '.join(HISTORY_SETS)}); 3:none is the window alone")
+    ap.add_argument("--whole-std", action="store_true",
+                    help="ETS's spread from a prediction history over all its steps (default: "
+                         "its last context_length steps)")
+    ap.add_argument("--lrs", nargs="+", type=float, default=[1e-4],
+                    help="Adam step sizes of the network (DLinear's recipe: 1e-4)")
+    ap.add_argument("--subsets", nargs="+", default=["all"],
+                    help="parameters DP fine-tuning trains (fine_tune_subset_study.py: all, "
+                         "skip, head, bias, lora-R)")
+    ap.add_argument("--no-train", action="store_true",
+                    help="zero-shot rows only (no fine-tuning)")
     ap.add_argument("--amplification", nargs="*", type=int, default=None, metavar="CONTEXT",
                     help="print σ at ε = 1 per context (e.g. 36 60) and exit")
     ap.add_argument("--local-accuracy", nargs="*", type=int, default=None, metavar="CONTEXT",
@@ -240,9 +301,23 @@ def main(argv=None) -> int:
                 json.dump({"machine": platform.platform(), "amplification": rows}, fh, indent=1)
         return 0
 
+    import fine_tune_subset_study as subsets
+
+    from opacus_structured.forecasting import training
+    from opacus_structured.forecasting.baseline_skip import (
+        BaselineSkipDLinearModel,
+        describe_skip,
+    )
     from opacus_structured.forecasting.data import train_test_split  # noqa: F401
-    from opacus_structured.forecasting.pretraining import pretrained_weights, zero_shot_predictor
+    from opacus_structured.forecasting.estimators import prepare_estimator
+    from opacus_structured.forecasting.pretraining import pretrained_weights
     from opacus_structured.forecasting.training import train_forecaster
+
+    stock = training._window_module
+
+    histories = [(text, *parse_history(text)) for text in args.histories]
+    if args.whole_std:
+        BaselineSkipDLinearModel.recent_std = False
 
     variants = [Variant.parse(v) for v in args.variants]
     rows, refs = [], {}
@@ -261,37 +336,57 @@ def main(argv=None) -> int:
             ctx = variant.context
             state, _ = pretrained_weights("dlinear", freq=train.freq, prediction_length=H,
                                           context_length=ctx, log=print)
-            zs = score(zero_shot_predictor("dlinear", state, freq=train.freq,
-                                           prediction_length=H, context_length=ctx))
-            rows.append({"panel": panel, "variant": str(variant), "kind": "zero-shot",
-                         "crps": zs["crps"], "mase": zs["mase"], "rel": study_score(zs, sn)})
-            print(f"{panel:10s} {variant!s:45s} zero-shot CRPS {zs['crps']:.5f} MASE "
-                  f"{zs['mase']:.3f}", flush=True)
-            for private in (True, False) if args.nonprivate else (True,):
+            zero = prepare_estimator("dlinear", freq=train.freq, prediction_length=H,
+                                     context_length=ctx)
+            zero.module.model.load_state_dict(state)
+            zero.module.eval()
+            for hist, mult, methods in histories:
+                with_history(zero, history_length(mult, train), methods)
+                zs = score(zero.create_predictor())
+                rows.append({"panel": panel, "variant": str(variant), "kind": "zero-shot",
+                             "history": hist, "crps": zs["crps"], "mase": zs["mase"],
+                             "rel": study_score(zs, sn)})
+                print(f"{panel:10s} {variant!s:45s} {hist:12s} zero-shot CRPS "
+                      f"{zs['crps']:.5f} MASE {zs['mase']:.3f}", flush=True)
+            if args.no_train:
+                continue
+            for subset, lr, private in itertools.product(
+                    args.subsets, args.lrs, (True, False) if args.nonprivate else (True,)):
+                name = run_name(variant, subset, lr)
                 for seed in args.seeds:
                     t0 = time.perf_counter()
+                    trained = PRODUCT_SUBSETS.get(subset, "all")
+                    if subset not in PRODUCT_SUBSETS:  # the harness freezes (bias, lora-R)
+                        subsets.install(subset)
                     res = train_forecaster(
                         "dlinear", train, prediction_length=H, context_length=ctx,
-                        batch_size=batch, max_steps=100, lr=1e-4, max_grad_norm=1e-4,
+                        batch_size=batch, max_steps=100, lr=lr, max_grad_norm=1e-4,
                         tail_average=0.5, epsilon=1.0 if private else None,
                         delta=1e-7 if private else None, seed=seed, init_seed=seed,
-                        init_state=state, skip_lr=skip_lr)
+                        init_state=state, skip_lr=skip_lr, trained_parameters=trained)
+                    training._window_module = stock
+                    subsets.released(res.prepared.module.model)
                     secs = time.perf_counter() - t0
                     rule = (noise_rule_weight(res.noise_multiplier, batch) if private
                             else 0.0)
-                    for w in (*args.weights, "rule"):
+                    for (hist, mult, methods), w in itertools.product(
+                            histories, (*args.weights, "rule")):
+                        with_history(res.prepared, history_length(mult, train), methods)
                         m = score(res.create_predictor(
                             zero_shot_weight=rule if w == "rule" else w))
-                        rows.append({"panel": panel, "variant": str(variant),
+                        rows.append({"panel": panel, "variant": name,
                                      "kind": "DP" if private else "non-private", "seed": seed,
-                                     "w": w, "crps": m["crps"], "mase": m["mase"],
-                                     "rel": study_score(m, sn), "seconds": secs,
-                                     "sigma": res.noise_multiplier})
-                        print(f"{panel:10s} {variant!s:45s} {'DP' if private else 'non-DP'} "
-                              f"seed {seed} w={str(w):<4s} CRPS {m['crps']:.5f} MASE "
-                              f"{m['mase']:.3f} ({secs:.0f} s)", flush=True)
+                                     "history": hist, "w": w, "crps": m["crps"],
+                                     "mase": m["mase"], "rel": study_score(m, sn),
+                                     "seconds": secs, "sigma": res.noise_multiplier,
+                                     "skip": describe_skip(res.prepared.module.model)})
+                        print(f"{panel:10s} {name:45s} {hist:12s} "
+                              f"{'DP' if private else 'non-DP'} seed {seed} w={str(w):<4s} "
+                              f"CRPS {m['crps']:.5f} MASE {m['mase']:.3f} ({secs:.0f} s)",
+                              flush=True)
     print()
-    summary = summarize(rows, refs, variants, args)
+    names = [run_name(v, s, lr) for v in variants for s in args.subsets for lr in args.lrs]
+    summary = summarize(rows, refs, names, args)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"machine": platform.platform(), "panels": args.panels, "refs": refs,
@@ -300,15 +395,21 @@ def main(argv=None) -> int:
 
 
 def summarize(rows, refs, variants, args):
-    """Per variant and w: the study score, per-panel CRPS and wins over ETS (printed)."""
+    """Per variant, history and w: the study score, per-panel CRPS and wins over ETS
+    (printed)."""
     out = []
-    for variant in map(str, variants):
-        zs = [r for r in rows if r["variant"] == variant and r["kind"] == "zero-shot"]
+    for variant, hist in itertools.product(map(str, variants), args.histories):
+        base = variant.split("@")[0]
+        zs = [r for r in rows if r["variant"] == base and r["kind"] == "zero-shot"
+              and r["history"] == hist]
         zs_score = statistics.fmean(r["rel"] for r in zs) if zs else None
+        if zs:
+            crps = "  ".join(f"{r['panel']} {r['crps']:.5f}" for r in zs)
+            print(f"{variant:45s} {hist:12s} zero-shot   score {zs_score:.4f}  {crps}")
         for kind in ("DP", "non-private"):
             for w in (*args.weights, "rule"):
                 sel = [r for r in rows if r["variant"] == variant and r["kind"] == kind
-                       and r.get("w") == w]
+                       and r.get("w") == w and r["history"] == hist]
                 if not sel:
                     continue
                 panels = [p for p in args.panels if any(r["panel"] == p for r in sel)]
@@ -319,10 +420,12 @@ def summarize(rows, refs, variants, args):
                 score = statistics.fmean(statistics.fmean(r["rel"] for r in sel
                                                           if r["panel"] == p) for p in panels)
                 beats_ets = [p for p in panels if crps[p] < refs[p]["ets"]["crps"]]
-                out.append({"variant": variant, "kind": kind, "w": w, "score": score,
+                out.append({"variant": variant, "history": hist, "kind": kind, "w": w,
+                            "score": score,
                             "zero_shot_score": zs_score, "crps": crps, "crps_std": crps_sd,
                             "beats_ets": beats_ets})
-                print(f"{variant:45s} {kind:11s} w={str(w):<4s} score {score:.4f} (zero-shot "
+                print(f"{variant:45s} {hist:12s} {kind:11s} w={str(w):<4s} score "
+                      f"{score:.4f} (zero-shot "
                       f"{zs_score:.4f})  " + "  ".join(
                           f"{p} {crps[p]:.5f}±{crps_sd[p]:.5f}" for p in panels)
                       + f"  beats ETS on {len(beats_ets)}/{len(panels)}", flush=True)

@@ -59,8 +59,8 @@ def test_subset_harness_trains_only_its_subset_and_releases_dlinear(subset, move
         res = training.train_forecaster("dlinear", _panel(), prediction_length=H,
                                         context_length=CTX, batch_size=4, max_steps=3, lr=1e-2,
                                         seed=0, epsilon=4.0, delta=1e-5, dataset_size=6,
-                                        init_state=state,
-                                        init_public=True)
+                                        init_state=state, init_public=True,
+                                        trained_parameters="all")  # the harness chooses
     finally:
         training._window_module = stock
     net = subset_study.released(res.prepared.module.model)

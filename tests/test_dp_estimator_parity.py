@@ -292,15 +292,19 @@ def test_dlinear_round_trip_from_the_public_weights(split12):
     # fine-tuned from the public weights: an Adam step (β = 0.9, 0.999) moves a coordinate by
     # at most lr·(1 − β1)/√(1 − β2) = 3.17·lr, so 5 steps of lr 1e-4 stay within 5 × 3.17e-4
     public, _ = pretrained_weights("dlinear", freq="M", prediction_length=12)
-    # the recipe's forecast mixes in the zero-shot model (public weights, share 0.5): the
-    # fine-tuned network is the mixture's private half, the public half is exactly `public`
-    mixture = predictor.prediction_net
-    assert rep["zero_shot_mixture"]["weight"] == mixture.public_weight == 0.5
-    assert all(torch.equal(mixture.public.model.state_dict()[k].cpu(), public[k])
-               for k in public)
-    tuned = mixture.private.model.state_dict()
+    # the recipe (issue 47) releases the fine-tuned network alone (zero-shot share 0), trains
+    # its distribution head and skip only (69 scalars), and reads 80·H past steps at
+    # prediction: the other weights are exactly `public`
+    assert rep["zero_shot_mixture"]["weight"] == 0.0
+    assert rep["trained_parameters"] == {
+        "names": ["args_proj", "baseline_skip", "scale_skip"], "count": 69}
+    tuned = predictor.prediction_net.model.state_dict()
+    moved = {k for k in public if not torch.equal(tuned[k].cpu(), public[k])}
+    assert moved and all(k.startswith(("args_proj", "baseline_skip", "scale_skip"))
+                         for k in moved), moved
     drift = max(float((tuned[k].cpu() - public[k]).abs().max()) for k in public)
     assert 0 < drift <= 5 * 3.17e-4
+    assert predictor.input_transform.transformations[-1].past_length == 80 * 12
     _finite_metrics(predictor, test)
 
 

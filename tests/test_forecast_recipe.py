@@ -196,15 +196,16 @@ def test_forecast_from_weights_file_reports_the_source(tmp_path, capsys):
                                        recipe=TINY_RECIPE)
     pretraining.save_weights(str(path), state, meta)
     assert main(_forecast_args(tmp_path / "out", "--init-from", str(path), "--epsilon", "2",
-                               "--no-plot")) == 0
+                               "--no-plot", "--zero-shot-weight", "0.5")) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["init_from"] == str(path) and rep["pretrained"]["source"] == "file"
     assert rep["lr"] == 1e-4 and rep["tail_average"] == 0.5  # fine-tuning defaults
     assert rep["baselines"]["zero_shot"]["crps"] > 0
     methods = [r["method"] for r in rep["rows"]]
     assert methods[3] == "pretrained (public, zero-shot)"
-    # public weights: the forecast mixes in the zero-shot model at the recipe's share, and the
-    # fine-tuned weights alone are scored in the row after the main one
+    # public weights: the forecast mixes in the zero-shot model at the given share (DLinear's
+    # recipe share is 0 since issue 47), and the fine-tuned weights alone are scored in the
+    # row after the main one
     mix = rep["zero_shot_mixture"]
     assert mix["weight"] == 0.5 and mix["public_start"] is True and mix["note"] is None
     assert methods[1].endswith(", weights alone)") and methods[1].startswith("dlinear (DP")

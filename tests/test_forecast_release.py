@@ -70,7 +70,9 @@ def test_the_card_in_words_names_epsilon_delta_and_the_unit():
             "not_in_this_folder": "../diagnostics/"}
     text = card_markdown(card)
     assert "(ε = 0.9969, δ = 1e-07)-DP" in text and "**Privacy unit:** one time step" in text
-    assert "σ = 10.44" in text and "100 steps" in text
+    assert "σ = 10.44" in text and "100 steps" in text and "Input:" not in text
+    card["forecast"]["input"] = {"reads": "the last 960 steps of each series it forecasts"}
+    assert "Input: the last 960 steps of each series it forecasts." in card_markdown(card)
 
 
 # ---- end to end --------------------------------------------------------------------------------
@@ -197,3 +199,11 @@ def test_the_release_is_the_forecaster_and_carries_its_record(capsys, tmp_path):
     assert card["publishable"] is True and card["privacy"]["target_epsilon"] == 2.0
     assert card["public_weights"]["key"] == report["pretrained"]["key"]
     assert "path" not in card["public_weights"]  # no local paths
+    # the release forecasts as the command's rows did: DLinear's local ETS reads up to 80·H
+    # past steps of each series, the network its 36 (issue 47); the card says so
+    assert predictor.input_transform.transformations[-1].past_length == 80 * 12
+    assert card["forecast"]["input"] == {
+        "context_length": 36, "local_history_length": 960, "history_methods": ["ets"],
+        "reads": card["forecast"]["input"]["reads"]}
+    assert card["training"]["trained_parameters"]["names"] == [
+        "args_proj", "baseline_skip", "scale_skip"]

@@ -303,10 +303,11 @@ def test_forecast_command_json(tmp_path, capsys):
         "seasonal_naive", "naive", "drift", "ets", "theta"}
     assert math.isfinite(skip["scale_weight"])
     assert all(math.isfinite(w) for w in skip["weights"].values())
-    # from random weights there is no zero-shot model to mix in: the recipe's share is off
+    # from random weights there is no zero-shot model to mix in (DLinear's recipe share is 0
+    # anyway since issue 47, so no note)
     mix = rep["zero_shot_mixture"]
     assert mix["weight"] == 0.0 and mix["public_start"] is False
-    assert "does not apply" in mix["note"] and "model_alone" not in mix
+    assert mix["note"] is None and "model_alone" not in mix
     # a default run draws its sampler and noise from OS entropy and records no seed
     assert rep["private"] is True and rep["not_private_reason"] is None
     assert "seed" not in rep and "init_seed" not in rep

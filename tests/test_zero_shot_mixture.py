@@ -17,11 +17,13 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 from opacus_structured.forecasting.data import Panel  # noqa: E402
 from opacus_structured.forecasting.dp_predictor import DPPyTorchPredictor  # noqa: E402
 from opacus_structured.forecasting.estimators import prepare_estimator  # noqa: E402
-from opacus_structured.forecasting.model_defaults import (  # noqa: E402
-    check_zero_shot_weight, model_defaults)
+from opacus_structured.forecasting.model_defaults import check_zero_shot_weight, model_defaults  # noqa: E402
 from opacus_structured.forecasting.training import train_forecaster  # noqa: E402
 from opacus_structured.forecasting.zero_shot_mixture import (  # noqa: E402
-    ZeroShotMixtureModule, public_rows, zero_shot_mixture_predictor)
+    ZeroShotMixtureModule,
+    public_rows,
+    zero_shot_mixture_predictor,
+)
 
 H, CTX = 4, 12
 
@@ -56,10 +58,12 @@ def test_every_prefix_holds_the_public_share(weight):
         assert int(counts[m - 1]) == math.floor(m * weight + 1e-12)
 
 
-def test_recipe_rows_have_a_valid_weight_and_dlinear_mixes():
+def test_recipe_rows_have_a_valid_weight_and_deepar_mixes():
     for name in ("dlinear", "deepar", "simpleff"):
         check_zero_shot_weight(model_defaults(name)["zero_shot_weight"])
-    assert model_defaults("dlinear")["zero_shot_weight"] == 0.5
+    # issue 47: DLinear's release is the fine-tuned network alone (w = 0 won its study)
+    assert model_defaults("dlinear")["zero_shot_weight"] == 0.0
+    assert model_defaults("deepar")["zero_shot_weight"] == 0.1
 
 
 @pytest.mark.parametrize("bad", [1.0, -0.1, float("nan"), float("inf"), "x", None])
@@ -131,7 +135,10 @@ def test_weight_zero_is_gluonts_own_predictor_of_the_fine_tuned_network():
         zero_shot_mixture_predictor(res.create_predictor(), _public_state(), 0.5)
 
 
-def test_recipe_weight_needs_public_weights_and_a_given_one_raises_without():
+def test_recipe_weight_needs_public_weights_and_a_given_one_raises_without(monkeypatch):
+    from opacus_structured.forecasting import model_defaults as md
+
+    monkeypatch.setitem(md.MODEL_DEFAULTS["dlinear"], "zero_shot_weight", 0.25)
     res = train_forecaster("dlinear", _panel(), prediction_length=H, context_length=CTX,
                            batch_size=4, max_steps=1, lr=1e-2, seed=0)
     assert res.zero_shot_weight == 0.0 and res.public_state is None

@@ -7,16 +7,18 @@ noise:
 * ``predictor/``: the released forecaster, serialized by gluonts
   (``gluonts.model.predictor.Predictor.deserialize``): the DP-trained network (mixed with the
   public zero-shot network at the weight ``w`` of the run) and its hyperparameters. DLinear's and
-  DeepAR's scalers are computed from each input window at prediction time; nothing fitted on
-  the private panel is stored besides the DP-trained weights.
+  DeepAR's scalers are computed from each input window at prediction time (DLinear's local
+  forecasts from each series' own history, up to ``local_history_length`` steps); nothing
+  fitted on the private panel is stored besides the DP-trained weights.
 * ``weights.pt``: the DP-trained network's ``state_dict`` with its privacy record (every run
   the weights went through; ``forecast --init-from`` composes with it). A ``--tune`` release
   carries no composable record (its ε is the whole search's, a Rényi bound, not a run's): a
   later ``--init-from`` refuses the file unless it is declared public, which it is not. A
   release that is the public model itself (``--tune`` chose W = 1) has no such file.
 * ``model_card.json`` and ``MODEL_CARD.md``: ε, δ, σ, the steps, the scheme and its public
-  sampling structure, the privacy unit in words, the recipe, and what the public weights were
-  trained on. Every entry is a public or declared constant, a flag, a noise-calibrated value
+  sampling structure, the privacy unit in words, the recipe (the trained parameters), what the
+  predictor reads of each series it forecasts, and what the public weights were trained on.
+  Every entry is a public or declared constant, a flag, a noise-calibrated value
   (σ from ε, δ and the public structure) or an output of the DP mechanism (the weights, a
   privately selected candidate).
 
@@ -46,7 +48,7 @@ from typing import Optional
 
 __all__ = ["RELEASE", "DIAGNOSTICS", "CARD_FORMAT", "NOT_FOR_PUBLICATION", "privacy_unit",
            "model_card", "card_markdown", "write_release", "diagnostics_readme",
-           "no_release_reason", "finite_json"]
+           "no_release_reason", "finite_json", "prediction_input"]
 
 RELEASE = "release"
 DIAGNOSTICS = "diagnostics"
@@ -165,15 +167,35 @@ def model_card(job, report: dict, release: dict) -> dict:
                      "season_length_source": report["season_length_source"],
                      "zero_shot_weight": mixture.get("weight", 0.0),
                      "forecast": ("(1 - w) × the DP fine-tuned network + w × the public "
-                                  "zero-shot network (post-processing: no privacy cost)")},
+                                  "zero-shot network (post-processing: no privacy cost)"),
+                     "input": prediction_input(result)},
         "training": {"optimizer": "Adam", "lr": report["lr"],
                      "tail_average": report["tail_average"], "steps": report["steps"],
+                     "trained_parameters": result.trained_parameters,
                      "recipe_source": (report.get("recipe") or {}).get("source")},
         "public_weights": _public_weights(job),
         "not_in_this_folder": ("scores on the private test split, the baselines, per-series "
                                "details, plots and timings: ../diagnostics/ (not for "
                                "publication)"),
     }
+
+
+def prediction_input(result) -> dict:
+    """What the released predictor reads of each series it forecasts: the network's context
+    and, for DLinear's local forecasts (baseline_skip.py), a longer history."""
+    est = result.prepared.estimator
+    ctx = int(getattr(est, "context_length", result.prepared.past_length))
+    history = getattr(est, "local_history_length", None)
+    methods = list(getattr(est, "history_methods", ()) or ())
+    out = {"context_length": ctx}
+    if history and history > ctx and methods:
+        out.update(local_history_length=int(history), history_methods=methods,
+                   reads=(f"the last {int(history)} steps of each series it forecasts (its "
+                          f"own history, as any forecaster reads its input): the network "
+                          f"the last {ctx}, the local {', '.join(methods)} fit all of them"))
+    else:
+        out["reads"] = f"the last {ctx} steps of each series it forecasts"
+    return out
 
 
 def _release_files(release: dict) -> dict:
@@ -217,7 +239,8 @@ def card_markdown(card: dict) -> str:
         "",
         f"**Forecast:** frequency {f['freq']}, horizon {f['prediction_length']}, season "
         f"length {f['season_length']} ({f['season_length_source']}); {f['forecast']}, w = "
-        f"{f['zero_shot_weight']:g}.",
+        f"{f['zero_shot_weight']:g}."
+        + (f" Input: {f['input']['reads']}." if (f.get("input") or {}).get("reads") else ""),
         "",
         "**Public weights:** " + (pub.get("trained_on", pub.get("note", "")) + (
             f" (key {pub['key']}, source {pub.get('source')})" if pub.get("key") else "")),

@@ -70,19 +70,20 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.nn as nn
 from gluonts.core.component import validated
+from gluonts.dataset.field_names import FieldName
 from gluonts.torch.distributions import DistributionOutput, StudentTOutput
 from gluonts.torch.model.d_linear import DLinearEstimator
 from gluonts.torch.model.d_linear.lightning_module import DLinearLightningModule
 from gluonts.torch.model.d_linear.module import DLinearModel
-from gluonts.transform import InstanceSampler
+from gluonts.transform import InstanceSampler, InstanceSplitter, TestSplitSampler
 
 from .._validation import check_finite, check_int, check_positive
-from .local_forecasts import check_methods, local_forecasts
+from .local_forecasts import check_methods, local_forecasts_with_history
 
 __all__ = ["BaselineSkipDLinearModel", "BaselineSkipDLinearLightningModule",
            "BaselineSkipDLinearEstimator", "SKIP_PARAMETER", "SKIP_FEATURES", "LOCAL_FEATURES",
            "SCALE_SKIP_PARAMETER", "MIN_ETS_STD", "skip_parameters", "describe_skip",
-           "check_skip_init"]
+           "check_skip_init", "check_history_methods"]
 
 #: The state_dict key of the skip's weight ``w`` (shape (1, K)).
 SKIP_PARAMETER = "baseline_skip.weight"
@@ -97,7 +98,16 @@ SKIP_FEATURES = ("seasonal_naive", "naive")
 LOCAL_FEATURES = ("seasonal_naive", "naive", "drift", "ets", "theta")
 
 
+#: The last prediction's local forecasts (``BaselineSkipDLinearModel.local_forecasts``):
+#: reused, at prediction only (no autograd), when the next call has equal inputs.
+_LAST_PREDICTION: dict = {}
+
+
 class BaselineSkipDLinearModel(DLinearModel):
+    #: ETS's spread from a prediction history: its one-step error over the last
+    #: ``context_length`` steps (True) or over the whole history (False)
+    recent_std = True
+
     """gluonts' ``DLinearModel`` whose location mixes in local forecasts (seasonal naive and
     naive by default; ``skip_features``) and whose scale can follow ETS's (module
     docstring). ``season_length`` ``m >= 1``; the distribution must have a ``loc`` argument
@@ -110,7 +120,8 @@ class BaselineSkipDLinearModel(DLinearModel):
                  season_length: int = 1, skip_gain: float = 1.0,
                  skip_features: Tuple[str, ...] = SKIP_FEATURES,
                  skip_init: Optional[Tuple[float, ...]] = None,
-                 skip_scale: Optional[float] = None) -> None:
+                 skip_scale: Optional[float] = None,
+                 history_methods: Tuple[str, ...] = ()) -> None:
         super().__init__(prediction_length=prediction_length, context_length=context_length,
                          hidden_dimension=hidden_dimension, distr_output=distr_output,
                          kernel_size=kernel_size, scaling=scaling)
@@ -119,6 +130,7 @@ class BaselineSkipDLinearModel(DLinearModel):
         self.skip_features = check_methods(skip_features)
         self.skip_init = check_skip_init(skip_init, self.skip_features)
         self.skip_scale = None if skip_scale is None else check_finite("skip_scale", skip_scale)
+        self.history_methods = check_history_methods(history_methods)
         names = list(distr_output.args_dim)
         if "loc" not in names:
             raise ValueError(f"the baseline skip shifts the distribution's location, but "
@@ -156,28 +168,59 @@ class BaselineSkipDLinearModel(DLinearModel):
         return torch.tensor([self.skip_init], dtype=torch.float32) / self.skip_gain
 
     def local_forecasts(self, past_target_scaled: torch.Tensor,
-                        past_observed_values: torch.Tensor) -> torch.Tensor:
-        """``(B, H, K)``: the skip's local forecasts of every window (its own context only)."""
-        if self.skip_features == SKIP_FEATURES:  # the original skip: two gathers
-            seasonal = past_target_scaled[:, self._seasonal_index]
-            naive = past_target_scaled[:, -1:].expand_as(seasonal)
+                        past_observed_values: torch.Tensor, *, with_ets_std: bool = False):
+        """``(B, H, K)``: the skip's local forecasts of every input row, in the scaler's units
+        (and ETS's ``(B, H)`` standard deviation with ``with_ets_std``). A training window's
+        input is its own context (``context_length`` steps): every method is fitted on it. A
+        longer input (a series' history at prediction time, ``local_history_length`` of the
+        estimator) is read whole by :attr:`history_methods` only; the other methods read its
+        last ``context_length`` steps, as in training."""
+        ctx = self.context_length
+        if (self.skip_features == SKIP_FEATURES and not with_ets_std
+                and not self.history_methods):  # the original skip: two gathers
+            window = past_target_scaled[:, -ctx:]
+            seasonal = window[:, self._seasonal_index]
+            naive = window[:, -1:].expand_as(seasonal)
             return torch.stack([seasonal, naive], dim=-1)
-        return local_forecasts(past_target_scaled, past_observed_values, self.season_length,
-                               self.prediction_length, self.skip_features)
+        config = (ctx, self.season_length, self.prediction_length, self.skip_features,
+                  self.history_methods, bool(with_ets_std), bool(self.recent_std))
+        memo = None if torch.is_grad_enabled() else _LAST_PREDICTION
+        if memo is not None and memo.get("config") == config:
+            x, o, out = memo["inputs"] + (memo["out"],)
+            if x.shape == past_target_scaled.shape and torch.equal(x, past_target_scaled) \
+                    and torch.equal(o, past_observed_values):
+                return out
+        out = local_forecasts_with_history(
+            past_target_scaled, past_observed_values, ctx, self.season_length,
+            self.prediction_length, self.skip_features, self.history_methods,
+            with_ets_std=with_ets_std, recent_std=self.recent_std)
+        if memo is not None:
+            # one entry: the public network of a zero-shot mixture forecasts the same inputs
+            # right after the fine-tuned one (zero_shot_mixture.py); the local forecasts are a
+            # function of the inputs and the configuration only, so they are computed once
+            memo.clear()
+            memo.update(config=config, inputs=(past_target_scaled, past_observed_values),
+                        out=out)
+        return out
 
     def forward(self, past_target: torch.Tensor, past_observed_values: torch.Tensor):
-        args, loc, scale = super().forward(past_target, past_observed_values)
+        ctx = self.context_length
+        if past_target.shape[-1] < ctx:
+            raise ValueError(f"the input holds {past_target.shape[-1]} steps, fewer than the "
+                             f"model's context_length={ctx}")
+        # DLinear reads the last context_length steps (the whole input of a training window)
+        args, loc, scale = super().forward(past_target[:, -ctx:],
+                                           past_observed_values[:, -ctx:])
         distr_args = list(args)
-        # the context in the scaler's units: every gluonts scaler returns (x - loc) / scale
+        # the input in the scaler's units: every gluonts scaler returns (x - loc) / scale
         past_target_scaled = (past_target - loc) / scale
         mu = distr_args[self._loc_index]                                    # (B, H)
         context = past_target_scaled.detach()
         if self.scale_skip is None:
             local = self.local_forecasts(context, past_observed_values)
         else:
-            local, ets_std = local_forecasts(context, past_observed_values, self.season_length,
-                                             self.prediction_length, self.skip_features,
-                                             with_ets_std=True)
+            local, ets_std = self.local_forecasts(context, past_observed_values,
+                                                  with_ets_std=True)
         features = self.skip_gain * (local - mu.unsqueeze(-1))             # (B, H, K)
         distr_args[self._loc_index] = mu + self.baseline_skip(features).squeeze(-1)
         if self.scale_skip is not None:
@@ -208,7 +251,7 @@ class BaselineSkipDLinearLightningModule(DLinearLightningModule):
     def __init__(self, model_kwargs: dict, lr: float = 1e-3, weight_decay: float = 1e-8):
         plain = {k: v for k, v in model_kwargs.items()
                  if k not in ("season_length", "skip_gain", "skip_features", "skip_init",
-                              "skip_scale")}
+                              "skip_scale", "history_methods")}
         super().__init__(model_kwargs=plain, lr=lr, weight_decay=weight_decay)
         self.model = BaselineSkipDLinearModel(**model_kwargs)
         self.inputs = self.model.describe_inputs()
@@ -223,6 +266,8 @@ class BaselineSkipDLinearEstimator(DLinearEstimator):
                  skip_features: Tuple[str, ...] = SKIP_FEATURES,
                  skip_init: Optional[Tuple[float, ...]] = None,
                  skip_scale: Optional[float] = None,
+                 local_history_length: Optional[int] = None,
+                 history_methods: Tuple[str, ...] = (),
                  context_length: Optional[int] = None, hidden_dimension: Optional[int] = None,
                  lr: float = 1e-3, weight_decay: float = 1e-8, scaling: Optional[str] = "mean",
                  distr_output: DistributionOutput = StudentTOutput(),  # noqa: B008
@@ -241,6 +286,27 @@ class BaselineSkipDLinearEstimator(DLinearEstimator):
         self.skip_features = check_methods(skip_features)
         self.skip_init = check_skip_init(skip_init, self.skip_features)
         self.skip_scale = None if skip_scale is None else check_finite("skip_scale", skip_scale)
+        self.history_methods = check_history_methods(history_methods)
+        self.local_history_length = (
+            None if local_history_length is None
+            else max(check_int("local_history_length", local_history_length, minimum=1),
+                     int(self.context_length)))
+
+    def _create_instance_splitter(self, module, mode: str):
+        """gluonts' splitter; at prediction (``mode="test"``) it passes the last
+        ``local_history_length`` steps of each series (padded in front when shorter) instead
+        of ``context_length``: the :attr:`history_methods` read them all, DLinear its last
+        ``context_length``. Training and validation windows keep ``context_length`` steps."""
+        splitter = super()._create_instance_splitter(module, mode)
+        if mode != "test" or self.local_history_length in (None, self.context_length):
+            return splitter
+        return InstanceSplitter(
+            target_field=FieldName.TARGET, is_pad_field=FieldName.IS_PAD,
+            start_field=FieldName.START, forecast_start_field=FieldName.FORECAST_START,
+            instance_sampler=TestSplitSampler(), past_length=self.local_history_length,
+            future_length=self.prediction_length,
+            time_series_fields=[FieldName.OBSERVED_VALUES],
+            dummy_value=self.distr_output.value_in_support)
 
     def create_lightning_module(self):
         return BaselineSkipDLinearLightningModule(
@@ -254,7 +320,8 @@ class BaselineSkipDLinearEstimator(DLinearEstimator):
                           "skip_gain": self.skip_gain,
                           "skip_features": self.skip_features,
                           "skip_init": self.skip_init,
-                          "skip_scale": self.skip_scale})
+                          "skip_scale": self.skip_scale,
+                          "history_methods": self.history_methods})
 
 
 def check_skip_init(skip_init, features) -> Optional[tuple]:
@@ -267,6 +334,12 @@ def check_skip_init(skip_init, features) -> Optional[tuple]:
         raise ValueError(f"skip_init must give one finite effective weight per skip feature "
                          f"{tuple(features)}, got {skip_init!r}")
     return values
+
+
+def check_history_methods(history_methods) -> tuple:
+    """``history_methods`` as a tuple of distinct local methods (possibly empty)."""
+    history_methods = tuple(history_methods or ())
+    return check_methods(history_methods) if history_methods else ()
 
 
 def skip_parameters(network) -> list:
@@ -291,4 +364,6 @@ def describe_skip(network) -> Optional[dict]:
                                                          weights.tolist(), strict=True)}}
     if network.scale_skip is not None:
         out["scale_weight"] = float(network.skip_gain * network.scale_skip.weight.detach())
+    if network.history_methods:
+        out["history_methods"] = list(network.history_methods)
     return out

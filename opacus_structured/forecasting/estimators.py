@@ -140,8 +140,10 @@ def build_estimator(model: str, *, freq: str, prediction_length: int,
     Defaults: DLinear hidden 20, kernel 13, with the baseline skip of
     :mod:`~opacus_structured.forecasting.baseline_skip` (``baseline_skip=False``: gluonts'
     plain ``DLinearEstimator``; ``season_length`` default from ``freq``; the recipe's
-    ``skip_features`` with its prior ``skip_init`` and ``skip_scale`` unless ``skip_features``
-    is given, then ``skip_init`` and ``skip_scale`` are the given ones, default none); SimpleFeedForward hidden [64, 64], no batch norm;
+    ``skip_features`` with its prior ``skip_init`` and ``skip_scale``, and its prediction-time
+    ``history_methods`` read from ``local_history_length = local_history_multiple · L_F``
+    past steps, unless ``skip_features`` is given, then these are the given ones, default
+    none); SimpleFeedForward hidden [64, 64], no batch norm;
     DeepAR 2 layers × 40, dropout 0, lags ``[1, 2, 3, 12, 13]`` (monthly seasonality) and
     ``default_scale=1.0``. All output Student-t distributions (gluonts' default).
     """
@@ -161,15 +163,19 @@ def build_estimator(model: str, *, freq: str, prediction_length: int,
         features = kwargs.pop("skip_features", None)
         init = kwargs.pop("skip_init", None)
         scale_init = kwargs.pop("skip_scale", None)
+        history = kwargs.pop("local_history_length", None)
+        history_methods = kwargs.pop("history_methods", None)
         params = dict(hidden_dimension=20, kernel_size=13)
         params.update(common, **kwargs)
         if params["kernel_size"] % 2 == 0:
             raise ValueError(f"kernel_size must be odd, got {params['kernel_size']}")
         if not skip:
-            if (season, gain, features, init, scale_init) != (None,) * 5:
-                raise ValueError("season_length, skip_gain, skip_features, skip_init and "
-                                 "skip_scale are read by the baseline skip only: drop them or "
-                                 "keep baseline_skip=True")
+            if (season, gain, features, init, scale_init, history,
+                    history_methods) != (None,) * 7:
+                raise ValueError("season_length, skip_gain, skip_features, skip_init, "
+                                 "skip_scale, local_history_length and history_methods are "
+                                 "read by the baseline skip only: drop them or keep "
+                                 "baseline_skip=True")
             return DLinearEstimator(**params)
         season = (default_season_length(freq) if season is None
                   else check_int("season_length", season, minimum=1))
@@ -181,9 +187,15 @@ def build_estimator(model: str, *, freq: str, prediction_length: int,
                 init = tuple(float(recipe["skip_init"].get(f, 0.0)) for f in features)
             if scale_init is None:
                 scale_init = recipe.get("skip_scale")
+            if history_methods is None:
+                history_methods = tuple(recipe.get("history_methods") or ())
+            if history is None and recipe.get("local_history_multiple"):
+                history = int(recipe["local_history_multiple"]) * h
         return BaselineSkipDLinearEstimator(season_length=season, skip_gain=gain,
                                             skip_features=tuple(features), skip_init=init,
-                                            skip_scale=scale_init, **params)
+                                            skip_scale=scale_init, local_history_length=history,
+                                            history_methods=tuple(history_methods or ()),
+                                            **params)
     if model == "simpleff":
         from gluonts.torch.model.simple_feedforward import SimpleFeedForwardEstimator
 

@@ -309,7 +309,9 @@ def check_train_kwargs(method: str, *, shuffle_buffer_length=None, ckpt_path=Non
 _NOT_ARCHITECTURE = ("batch_size", "lr", "weight_decay", "num_batches_per_epoch",
                      "trainer_kwargs", "train_sampler", "validation_sampler",
                      "num_parallel_samples", "patience", "nonnegative_pred_samples",
-                     "dropout_rate", "freq", "context_length")
+                     "dropout_rate", "freq", "context_length",
+                     # what a DLinear predictor reads at prediction time (baseline_skip.py)
+                     "local_history_length", "history_methods")
 
 
 def public_architecture_mismatch(estimator, reference) -> dict:

@@ -49,12 +49,13 @@ Runtime: one Python loop over the ``T`` context steps, each a few element-wise o
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 __all__ = ["METHODS", "ETS_GRID", "THETA_ALPHAS", "local_forecasts", "ets_forecast",
-           "theta_forecast", "drift_forecast", "seasonal_naive_forecast", "check_methods"]
+           "theta_forecast", "drift_forecast", "seasonal_naive_forecast", "check_methods",
+           "local_forecasts_with_history", "trim_leading_padding"]
 
 #: The local methods, in the order :func:`local_forecasts` stacks them by default.
 METHODS = ("seasonal_naive", "naive", "drift", "ets", "theta")
@@ -170,12 +171,16 @@ def _initial_states(y, k, n_obs, m, season):
 
 
 def ets_forecast(y: torch.Tensor, observed: torch.Tensor, m: int, horizon: int,
-                 grid: Sequence[tuple] = ETS_GRID) -> tuple[torch.Tensor, torch.Tensor]:
+                 grid: Sequence[tuple] = ETS_GRID, *, recent: Optional[int] = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(forecasts (B, H), std (B, H))``: ETS(A,Ad,A) (ETS(A,Ad,N) where no two seasons are
     observed) fitted per row on a grid (module docstring). ``std`` is the model's ``h``-step
     forecast standard deviation ``σ·sqrt(1 + Σ_{j<h} c_j²)`` with
     ``c_j = α + β(φ + … + φ^j) + γ·[j mod m = 0]`` (Hyndman et al. 2008, Table 6.1, class 1)
-    and ``σ`` the root mean squared one-step error of the chosen fit."""
+    and ``σ`` the root mean squared one-step error of the chosen fit: over every observed
+    step, or with ``recent`` over the observed steps among the last ``recent`` only (the
+    fit's recent error, for a long history whose volatility changed; all observed steps where
+    none of the last ``recent`` is)."""
     with torch.no_grad():
         B, T = y.shape
         dtype = y.dtype
@@ -190,10 +195,14 @@ def ets_forecast(y: torch.Tensor, observed: torch.Tensor, m: int, horizon: int,
         # one (B, G) state per seasonal phase: no strided writes into a (B, G, m) tensor
         seas = [seas0[:, i:i + 1].expand(B, G).clone() for i in range(seas0.shape[1])]
         sse = torch.zeros(B, G, dtype=dtype, device=y.device)
+        tail = T if recent is None else max(0, T - int(recent))
+        sse_tail = None
         # a step before the first observed one leaves the state as it is (its error is 0
         # too: the step is unobserved)
         started = (torch.arange(T, device=y.device)[None, :] >= k[:, None]).to(dtype)
         for t in range(T):
+            if t == tail:
+                sse_tail = sse.clone()
             p = t % m_eff
             a = started[:, t:t + 1]                                             # (B, 1)
             s_t = seas[p]
@@ -218,7 +227,14 @@ def ets_forecast(y: torch.Tensor, observed: torch.Tensor, m: int, horizon: int,
         damp_sum = torch.cumsum(ph[:, None] ** h[None, :], dim=1)
         phases = [(T + i) % m_eff for i in range(horizon)]
         fc = lv[:, None] + damp_sum * tr[:, None] + ss[:, phases]
-        sigma = torch.sqrt(sse.gather(1, pick).squeeze(1) / n_obs.clamp(min=1))
+        sse_best = sse.gather(1, pick).squeeze(1)
+        sigma = torch.sqrt(sse_best / n_obs.clamp(min=1))
+        if sse_tail is not None:  # the chosen fit's error over the last `recent` steps
+            n_recent = obs[:, tail:].sum(1)
+            recent_sse = sse_best - sse_tail.gather(1, pick).squeeze(1)
+            sigma = torch.where(n_recent > 0,
+                                torch.sqrt(recent_sse.clamp(min=0) / n_recent.clamp(min=1)),
+                                sigma)
         # c_j for j = 1 .. H-1, then the cumulated variance factor of step h = 1 .. H
         j = h[:-1]
         seasonal_hit = ((j.long() % m_eff) == 0).to(dtype) if m_eff > 1 else torch.zeros_like(j)
@@ -286,19 +302,21 @@ def theta_forecast(y: torch.Tensor, observed: torch.Tensor, m: int, horizon: int
 
 
 def local_forecasts(y: torch.Tensor, observed: torch.Tensor, m: int, horizon: int,
-                    methods: Sequence[str] = METHODS, *, with_ets_std: bool = False):
+                    methods: Sequence[str] = METHODS, *, with_ets_std: bool = False,
+                    ets_recent: Optional[int] = None):
     """``(B, H, K)`` forecasts of the ``K`` local ``methods`` (:data:`METHODS`) fitted on each
     row of the contexts ``y`` ``(B, T)`` with observed mask ``observed`` ``(B, T)``; season
     length ``m >= 1``. Computed without autograd (they are inputs, not parameters).
     ``with_ets_std``: also return ETS's ``(B, H)`` forecast standard deviation
-    (:func:`ets_forecast`; ETS is fitted even when not among ``methods``)."""
+    (:func:`ets_forecast`, its ``σ`` over the last ``ets_recent`` steps when given; ETS is
+    fitted even when not among ``methods``)."""
     methods = check_methods(methods)
     if y.dim() != 2 or observed.shape != y.shape:
         raise ValueError(f"y and observed must both be (batch, context) tensors, got "
                          f"{tuple(y.shape)} and {tuple(observed.shape)}")
     with torch.no_grad():
         out = []
-        ets = ets_forecast(y, observed, m, horizon) if (
+        ets = ets_forecast(y, observed, m, horizon, recent=ets_recent) if (
             with_ets_std or "ets" in methods) else None
         for name in methods:
             if name == "seasonal_naive":
@@ -313,3 +331,68 @@ def local_forecasts(y: torch.Tensor, observed: torch.Tensor, m: int, horizon: in
                 out.append(theta_forecast(y, observed, m, horizon))
         stacked = torch.stack(out, dim=-1)
         return (stacked, ets[1]) if with_ets_std else stacked
+
+
+def trim_leading_padding(y: torch.Tensor, observed: torch.Tensor, keep: int):
+    """``(y, observed)`` without the leading columns that are padding in every row (no row has
+    an observed step there), keeping at least the last ``keep`` columns. Every method here
+    leaves its state unchanged before a row's first observed step, so each row's forecasts are
+    the same with or without those columns: this only saves the smoother's steps."""
+    T = y.shape[1]
+    first = int(_first_observed(observed).min()) if y.shape[0] else T
+    start = max(0, min(first, T - int(keep)))
+    return (y, observed) if start == 0 else (y[:, start:], observed[:, start:])
+
+
+def local_forecasts_with_history(y: torch.Tensor, observed: torch.Tensor, window: int, m: int,
+                                 horizon: int, methods: Sequence[str] = METHODS,
+                                 history_methods: Sequence[str] = (), *,
+                                 with_ets_std: bool = False, recent_std: bool = False):
+    """:func:`local_forecasts` where the methods of ``history_methods`` are fitted on the
+    whole input ``y`` ``(B, T)`` (a series' longer history, at prediction time) and the other
+    ``methods`` on its last ``window`` steps (the model's context, as in training). With
+    ``T == window`` (every training window) this is :func:`local_forecasts` itself. ETS's
+    standard deviation (``with_ets_std``) comes from the ETS fitted on the history when
+    ``"ets"`` is in ``history_methods``, else from the window's; ``recent_std``: the history
+    fit's ``σ`` is its one-step error over the last ``window`` steps only (the
+    ``recent`` argument of :func:`ets_forecast`). Leading columns that are
+    padding in every row are dropped first (:func:`trim_leading_padding`: no row's forecast
+    changes)."""
+    methods = check_methods(methods)
+    history_methods = tuple(history_methods)
+    if history_methods:
+        check_methods(history_methods)
+    if y.dim() != 2 or observed.shape != y.shape:
+        raise ValueError(f"y and observed must both be (batch, time) tensors, got "
+                         f"{tuple(y.shape)} and {tuple(observed.shape)}")
+    T = y.shape[1]
+    if not 1 <= int(window) <= T:
+        raise ValueError(f"window must be in [1, {T}] (the input's length), got {window!r}")
+    long = [k for k in methods if k in history_methods]
+    ets_long = "ets" in history_methods
+    if T == window or (not long and not (with_ets_std and ets_long)):
+        return local_forecasts(y[:, T - window:], observed[:, T - window:], m, horizon,
+                               methods, with_ets_std=with_ets_std)
+    with torch.no_grad():
+        short = [k for k in methods if k not in history_methods]
+        hy, ho = trim_leading_padding(y, observed, window)
+        columns, std = {}, None
+        if long:
+            out = local_forecasts(hy, ho, m, horizon, long, with_ets_std=with_ets_std and ets_long,
+                                  ets_recent=window if recent_std else None)
+            if with_ets_std and ets_long:
+                out, std = out
+            columns.update(zip(long, out.unbind(-1), strict=True))
+        elif with_ets_std and ets_long:  # ETS's spread from the history, ETS not combined
+            std = ets_forecast(hy, ho, m, horizon, recent=window if recent_std else None)[1]
+        if short:
+            wy, wo = y[:, T - window:], observed[:, T - window:]
+            want_std = with_ets_std and std is None
+            out = local_forecasts(wy, wo, m, horizon, short, with_ets_std=want_std)
+            if want_std:
+                out, std = out
+            columns.update(zip(short, out.unbind(-1), strict=True))
+        elif with_ets_std and std is None:
+            std = ets_forecast(y[:, T - window:], observed[:, T - window:], m, horizon)[1]
+        stacked = torch.stack([columns[k] for k in methods], dim=-1)
+        return (stacked, std) if with_ets_std else stacked

@@ -27,6 +27,19 @@ This ε is **separate from the model's training ε**: it covers the input of the
 and a value that is both a training value and a forecast input is covered by the composition of
 the two.
 
+**Forecasters that read a longer history** (issue 47). DLinear's predictor reads up to
+``local_history_length`` past steps of each series (its local ETS is fitted on them;
+:mod:`.baseline_skip`), not only the network's ``context_length``. This changes nothing in the
+training ε: the DP guarantee is on the released weights, each training window's gradient
+still depends on that window's own context only, and a forecast reads its own series at
+prediction as every forecaster does (the zero-shot model, seasonal naive, ETS). For private
+*inputs*, release every step the predictor reads: :func:`privatize_panel` releases each
+series' whole history (all but the held-out steps), every step through the mechanism, so a
+predictor reading any number of the released steps is post-processing and the report's ε
+holds as it is (the ε of the (w, v)-event-level relation does not depend on the series
+length). Privatizing only the last ``context_length`` steps with :func:`privatize_series`
+and appending raw earlier steps would leave those steps unprotected.
+
 Randomness: by default the mask and the noise come from a generator seeded with fresh OS entropy
 (:func:`~opacus_structured.samplers._generator.fresh_seed`, recorded nowhere). A ``seed`` or a
 caller's ``generator`` makes the release reproducible and therefore **not private** (whoever

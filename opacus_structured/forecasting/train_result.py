@@ -66,6 +66,9 @@ class TrainResult:
     public_state: Optional[dict] = dataclasses.field(default=None, repr=False, compare=False)
     #: why the recipe's zero-shot weight was not applied (``None`` when it was, or was 0)
     zero_shot_note: Optional[str] = None
+    #: ``{"names": "all" | [name prefixes], "count": trained scalars}``: what training
+    #: updated (:mod:`.trained_parameters`); the other parameters kept their initial values
+    trained_parameters: Optional[dict] = None
 
     @property
     def prior_runs(self) -> list:
@@ -190,6 +193,7 @@ class TrainResult:
             "prediction_length": self.prepared.prediction_length,
             "scheme": None if self.scheme is None else self.scheme.describe(),
             "zero_shot_mixture": self.zero_shot_mixture,
+            "trained_parameters": self.trained_parameters,
         }
         if self.init_provenance is not None:
             out.update(run_epsilon=self.run_epsilon, init=self.init_provenance.source,

@@ -60,10 +60,11 @@ from ..samplers import public_sizes
 from ..samplers._generator import fresh_seed
 from . import calibration_memo
 from . import provenance as prov
+from . import trained_parameters as subset
 from .data import Panel
 from .estimators import check_static_cats, estimator_model, prepare_estimator
 from .lightning_parts import _lightning, _progress_callback, _tail_average_callback, _window_module
-from .model_defaults import check_zero_shot_weight, model_defaults
+from .model_defaults import model_defaults
 from .train_result import TrainResult  # noqa: F401  (re-exported)
 from .training_scheme import (  # noqa: F401  (re-exported)
     _epochs_to_steps,
@@ -74,6 +75,7 @@ from .training_scheme import (  # noqa: F401  (re-exported)
 from .user_data import _period_freq as period_freq
 from .warning_filters import known_harmless_warnings_filtered
 from .windowing import GluonTSWindowDataset
+from .zero_shot_mixture import zero_shot_start
 
 __all__ = ["TrainResult", "train_forecaster", "check_window_matches_scheme", "make_scheme",
            "max_steps_within_budget", "DEFAULT_MAX_GRAD_NORM", "TRAINER_OPTIONS"]
@@ -163,7 +165,8 @@ def train_forecaster(model: Optional[str], train: Panel, *,
                      trainer_options: Optional[dict] = None,
                      skip_lr: Optional[float] = None,
                      skip_lr_scaling: Optional[str] = None,
-                     zero_shot_weight: Optional[float] = None, budget=None) -> TrainResult:
+                     zero_shot_weight: Optional[float] = None, budget=None,
+                     trained_parameters=None) -> TrainResult:
     """Train a gluonts model on ``train`` with structured-subsampling DP-SGD (or without DP).
 
     Privacy modes:
@@ -267,6 +270,11 @@ def train_forecaster(model: Optional[str], train: Panel, *,
             privacy cost). Default: the recipe row's ``zero_shot_weight``, which does not
             apply (recorded in ``result.zero_shot_note``) unless ``init_state`` is public
             weights; a weight given without public ``init_state`` raises.
+        trained_parameters: the parameters training updates (:mod:`.trained_parameters`):
+            ``"all"``, or name prefixes (``("args_proj", "baseline_skip")``); the others keep
+            their initial values. Default: the recipe row's ``trained_parameters`` when
+            ``init_state`` is given (DLinear: the distribution head and the skip), every
+            parameter from a random start. A public choice: the privacy analysis is the same.
         trainer_options: Lightning ``Trainer`` arguments that change neither the steps, the
             batches nor the update: only :data:`TRAINER_OPTIONS` (model summary,
             determinism and cudnn benchmark flags, root directory); anything else raises.
@@ -382,7 +390,7 @@ def train_forecaster(model: Optional[str], train: Panel, *,
                   prov.resolve_init(init_state, init_record=init_record,
                                     init_public=bool(init_public), panel=train, dp_sgd=dp_sgd))
     # the forecast mixture's public half (refused up front, before calibration, when missing)
-    zero_shot_weight, public_state, zero_shot_note = _zero_shot_start(
+    zero_shot_weight, public_state, zero_shot_note = zero_shot_start(
         model, zero_shot_weight, init_state, provenance)
     tail_average = float(tail_average)
     if not 0.0 <= tail_average <= 1.0:
@@ -503,6 +511,10 @@ def train_forecaster(model: Optional[str], train: Panel, *,
     if dp_sgd and skip_lr_scaling == "snr":
         skip_lr *= min(1.0, float(scheme.batch_size) / float(noise_multiplier))
     module = _window_module(prepared, lr=lr, weight_decay=weight_decay, skip_lr=skip_lr)
+    trained = subset.resolve_trained_parameters(
+        trained_parameters, model_defaults(model).get("trained_parameters"), init_state is not None)
+    trained_count = subset.freeze_all_but(module.model, trained,
+                                          strict=trained_parameters is not None)
     dp_callback = None
     if dp_sgd:
         # the one DP wiring every path shares: DPCallback verifies that the loader draws with
@@ -537,6 +549,7 @@ def train_forecaster(model: Optional[str], train: Panel, *,
         accountant.sampling_constants = dict(sampling)
     train_seconds = time.perf_counter() - t1
     taken = int(trainer.global_step)
+    subset.thaw(module.model)
     prepared.module.model = module.model
     prepared.module.to("cpu" if device == "cpu" else "cuda")
     prepared.module.eval()
@@ -568,27 +581,7 @@ def train_forecaster(model: Optional[str], train: Panel, *,
                        weights_hash=prov.weights_fingerprint(
                            module.model.state_dict()),
                        zero_shot_weight=zero_shot_weight, public_state=public_state,
-                       zero_shot_note=zero_shot_note)
-
-
-def _zero_shot_start(model: str, weight: Optional[float], init_state: Optional[dict],
-                     provenance) -> tuple:
-    """``(w, public_state, note)`` of the forecast mixture (``zero_shot_weight`` of
-    :func:`train_forecaster`): the recipe's ``w`` unless given; public weights only."""
-    given = weight is not None
-    weight = check_zero_shot_weight(
-        weight if given else model_defaults(model).get("zero_shot_weight", 0.0))
-    public = provenance is not None and provenance.source in ("public", "declared public")
-    if public:  # kept at any weight: create_predictor(zero_shot_weight=w) may ask for it
-        return weight, {k: v.detach().cpu().clone() for k, v in init_state.items()}, None
-    if weight == 0.0:
-        return 0.0, None, None
-    start = ("random initial weights" if init_state is None else
-             f"initial weights with source {provenance.source!r}")
-    if given:
-        raise ValueError(f"zero_shot_weight={weight:g} mixes in the public zero-shot model, but "
-                         f"training starts from {start}: pass public init_state (or "
-                         "init_public=True), or zero_shot_weight=0")
-    return 0.0, None, (f"the recipe's zero_shot_weight {weight:g} does not apply: training "
-                       f"started from {start}, not public weights")
+                       zero_shot_note=zero_shot_note,
+                       trained_parameters={"names": "all" if trained is None else list(trained),
+                                           "count": trained_count})
 

@@ -27,9 +27,10 @@ it forecasts from is read by both models alike (as by the DP model alone; see
 with :math:`\mathcal E(F_1, F_2) = 2\mathbb E|X_1 - X_2| - \mathbb E|X_1 - X_1'| -
 \mathbb E|X_2 - X_2'| \ge 0` the energy distance: the mixture gains where the two models
 disagree. The DP model has learned from the panel but carries the DP noise; the public model has
-no noise but has not seen the panel. ``w = 0.5`` for DLinear (0.25 before its local
-forecasts, issue 47) was chosen on the public study panels only (docs/guides/forecasting.md,
-"Mixing in the zero-shot model", "Local forecasts in the window").
+no noise but has not seen the panel. ``w = 0`` for DLinear since the second pass of issue 47
+(0.5 with the first pass's local forecasts, 0.25 before them) was chosen on the public study
+panels only (docs/guides/forecasting.md, "Mixing in the zero-shot model", "Each series'
+history at prediction, fewer trained parameters"); DeepAR mixes at 0.1.
 
 **Samples.** The mixture is released as sample paths (gluonts' ``SampleForecast``). Of every
 ``num_samples`` paths a fraction ``w`` comes from the public model, interleaved so that every
@@ -44,14 +45,16 @@ quantiles as accurate as :math:`n` stratified points allow). A model that sample
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 import torch
 from torch import nn
 
 from .._validation import check_int
-from .model_defaults import check_zero_shot_weight
+from .model_defaults import check_zero_shot_weight, model_defaults
 
-__all__ = ["ZeroShotMixtureModule", "public_rows", "zero_shot_mixture_predictor"]
+__all__ = ["ZeroShotMixtureModule", "public_rows", "zero_shot_mixture_predictor",
+           "zero_shot_start"]
 
 
 def public_rows(num_samples: int, weight: float) -> torch.Tensor:
@@ -165,4 +168,28 @@ def zero_shot_mixture_predictor(predictor, public_state: dict, public_weight: fl
                                                    num_samples=num_samples)
     args["forecast_generator"] = SampleForecastGenerator()
     return type(predictor)(**args)
+
+
+def zero_shot_start(model: str, weight: Optional[float], init_state: Optional[dict],
+                    provenance) -> tuple:
+    """``(w, public_state, note)`` of the forecast mixture (``zero_shot_weight`` of
+    :func:`~.training.train_forecaster`): the recipe's ``w`` unless given; public weights
+    only (``provenance``: :func:`~.provenance.resolve_init`'s answer, ``None`` without
+    ``init_state``)."""
+    given = weight is not None
+    weight = check_zero_shot_weight(
+        weight if given else model_defaults(model).get("zero_shot_weight", 0.0))
+    public = provenance is not None and provenance.source in ("public", "declared public")
+    if public:  # kept at any weight: create_predictor(zero_shot_weight=w) may ask for it
+        return weight, {k: v.detach().cpu().clone() for k, v in init_state.items()}, None
+    if weight == 0.0:
+        return 0.0, None, None
+    start = ("random initial weights" if init_state is None else
+             f"initial weights with source {provenance.source!r}")
+    if given:
+        raise ValueError(f"zero_shot_weight={weight:g} mixes in the public zero-shot model, but "
+                         f"training starts from {start}: pass public init_state (or "
+                         "init_public=True), or zero_shot_weight=0")
+    return 0.0, None, (f"the recipe's zero_shot_weight {weight:g} does not apply: training "
+                       f"started from {start}, not public weights")
 

@@ -220,7 +220,10 @@ def test_pretrain_command_reproduces_a_shipped_quarterly_dlinear(capsys):
     assert main(["pretrain", "--model", "dlinear", "--freq", "Q", "--prediction-length", "8",
                  "--verify", "--json", "--no-progress"]) == 0
     rec = json.loads(capsys.readouterr().out)
-    assert rec["reproduced"] is True and rec["max_abs_difference"] <= 1e-5
+    # 1000 steps carry torch's CPU kernels' last-bit differences (AVX2 vs AVX-512 dispatch:
+    # 1.4e-5 measured on an AVX-512 Xeon against the file written on the AVX2 machine), so the
+    # weights are compared to a tolerance, not to one machine's bits (README, "Floats and CPUs")
+    assert rec["reproduced"] is True and rec["max_abs_difference"] <= rec["tolerance"], rec
 
 
 def test_every_default_horizon_is_served_by_shipped_weights():

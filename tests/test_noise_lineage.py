@@ -358,3 +358,16 @@ def test_a_dataset_budget_journal_proves_a_resume_in_a_new_process(tmp_path, dra
     early = _callback(budget=budget)
     _lightning_fit(early, _module(), 6, ckpt_path=os.path.join(tmp_path, "step=2.ckpt"))
     assert not any(torch.equal(a, b) for a in drawn for b in reference)
+
+
+def test_the_state_digest_tells_every_draw_apart():
+    """Every state a generator passes through while drawing noise (full twists and Box-Muller's
+    cached second sample alike) has its own digest, and equal states share theirs."""
+    g = torch.Generator().manual_seed(11)
+    seen = set()
+    for size in [1, 1, 1, 3, 700, 1, 2, 5000, 1] * 30:
+        digest = noise_lineage.state_digest(g)
+        assert digest not in seen
+        seen.add(digest)
+        torch.randn(size, generator=g)
+    assert noise_lineage.state_digest(torch.Generator().manual_seed(11)) in seen

@@ -260,22 +260,21 @@ class AttachmentMixin:
         source = self._ledger.source
         if source is None or not self._exact_cursor:
             return False
-        sigma = float(optimizer.noise_multiplier)
         if rows is not None and rows.tracked:
-            if rows.untracked or rows.mixed:
+            if rows.untracked or rows.mixed or \
+                    not co_release.co_released(source, rows.draws, optimizer):
                 return False
+            sigma = float(optimizer.noise_multiplier)
             scale = math.sqrt(max(len(rows.multiplicity), 1))
             mine = {d: sigma / (scale * rows.multiplicity.get(d, 1)) for d in rows.draws}
         else:
             draw = source.current_draw()
-            if draw is None:
+            if draw is None or not co_release.co_released(source, (draw,), optimizer):
                 return False
             size = source.size_of(draw) if hasattr(source, "size_of") else None
             if rows is not None and size is not None and rows.private_rows > size:
                 return False  # more rows than the draw holds: not one module's pass over it
-            mine = {int(draw): sigma}
-        if not co_release.co_released(source, list(mine), optimizer):
-            return False
+            mine = {int(draw): float(optimizer.noise_multiplier)}
         newly = False  # this accountant prices a draw it had not priced (it consumed a draw)
         for draw, own in mine.items():
             entries = co_release.releases_of(source, draw)

@@ -16,7 +16,8 @@ that this Gaussian pair dominates.) Pricing the releases as two independent subs
 would under-report: their draws are the same.
 
 **How it is priced.** Every noisy step that one of our accountants prices registers, on the
-sampler whose draw it released, ``(accountant, optimizer, σ', step)``: ``σ'`` the noise
+sampler whose draw it released (its last 64 draws are kept: a module training on a batch
+older than that is not matched to it), ``(accountant, optimizer, σ', step)``: ``σ'`` the noise
 multiplier its history holds for that draw (after noise splitting), ``step`` its position in
 the accountant's history. A step of *another optimizer* on a draw already registered is a
 **co-release**: every accountant that priced that draw re-prices its step at ``σ_eff`` over all
@@ -55,6 +56,7 @@ class Entry:
     phase: int                # the accountant's phase count when it priced it
 
 
+#: sampler -> {draw: [Entry, ...]} for its most recent draws (insertion order: oldest first)
 _REGISTRY: "weakref.WeakKeyDictionary[Any, dict[int, list[Entry]]]" = \
     weakref.WeakKeyDictionary()
 
@@ -63,15 +65,19 @@ def _base(optimizer) -> int:
     return id(getattr(optimizer, "original_optimizer", optimizer))
 
 
+def _draws_of(source) -> Optional[dict]:
+    try:
+        return _REGISTRY.get(source)
+    except TypeError:
+        return None
+
+
 def releases_of(source, draw: int) -> list[Entry]:
     """The releases of ``draw`` of ``source`` registered so far (live accountants only)."""
-    try:
-        draws = _REGISTRY.get(source)
-    except TypeError:
-        return []
+    draws = _draws_of(source)
     if not draws:
         return []
-    return [e for e in draws.get(int(draw), []) if e.accountant() is not None]
+    return [e for e in draws.get(int(draw), ()) if e.accountant() is not None]
 
 
 def co_released(source, draws, optimizer) -> bool:
@@ -79,10 +85,14 @@ def co_released(source, draws, optimizer) -> bool:
     ``optimizer`` (and none by ``optimizer`` itself): a co-release."""
     if source is None or not draws:
         return False
+    registry = _draws_of(source)
+    if not registry:
+        return False
     me = _base(optimizer)
     for d in draws:
-        entries = releases_of(source, d)
-        if not entries or any(e.optimizer == me for e in entries):
+        entries = registry.get(int(d))
+        if not entries or any(e.optimizer == me for e in entries) or \
+                all(e.accountant() is None for e in entries):
             return False
     return True
 
@@ -90,19 +100,24 @@ def co_released(source, draws, optimizer) -> bool:
 def register(source, draw: int, accountant, optimizer, sigma: float,
              step: Optional[int]) -> None:
     """Record that ``accountant`` priced ``draw`` of ``source`` at ``sigma`` (history position
-    ``step``) for ``optimizer``'s release."""
+    ``step``) for ``optimizer``'s release (the last ``_KEEP`` draws are kept)."""
     if source is None or draw is None:
         return
     try:
         draws = _REGISTRY.setdefault(source, {})
     except TypeError:  # a source that cannot be weakly referenced
         return
-    draws.setdefault(int(draw), []).append(
-        Entry(weakref.ref(accountant), _base(optimizer), float(sigma), step,
-              len(getattr(accountant, "phases", []))))
-    if len(draws) > _KEEP:
-        for old in sorted(draws)[:-_KEEP]:
-            del draws[old]
+    ref = accountant.__dict__.get("_weak_self")
+    if ref is None:
+        ref = accountant.__dict__["_weak_self"] = weakref.ref(accountant)
+    entry = Entry(ref, _base(optimizer), float(sigma), step, len(accountant.phases))
+    entries = draws.get(int(draw))
+    if entries is None:
+        draws[int(draw)] = [entry]
+        while len(draws) > _KEEP:
+            del draws[next(iter(draws))]
+    else:
+        entries.append(entry)
 
 
 def effective_sigma(sigmas) -> float:

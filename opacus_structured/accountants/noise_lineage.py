@@ -16,7 +16,8 @@ keeps, for the run it prices, a :class:`NoiseLineage`:
 * a **lineage id**, 128 random bits drawn when the run starts, carried by every checkpoint of
   the run and by every run resumed from one;
 * its **position**: how many noise draws the lineage has released;
-* a 128-bit **digest** (BLAKE2b) of the generator's state before each of those draws.
+* a 128-bit **digest** (BLAKE2b, :func:`state_digest`) of the generator's state before each
+  of those draws.
 
 The accountant's ``state_dict`` (hence Opacus' ``save_checkpoint``, Lightning checkpoints and
 ``DPCallback``'s entry) holds the lineage; a process-wide registry also holds, for every
@@ -33,7 +34,7 @@ its digests, so a lineage restored into a new accountant object is still known. 
    (:func:`~opacus_structured.samplers._generator.fresh_seed`; a global RNG is not touched: the
    optimizer gets a fresh generator of its own) before the draw, with one
    :class:`FreshNoiseWarning`. After the draw the digest is recorded and the position advances
-   (a draw that did not move the state, σ = 0 or a rank that adds no noise, records nothing).
+   (σ = 0, or a DDP rank other than 0, where Opacus adds no noise, records nothing).
 2. **A restore continues the noise only when it provably continues the run**
    (:func:`may_restore`). A checkpoint's generator state is restored only when this process
    has drawn noise for that lineage up to exactly the checkpoint's position, i.e. the restored
@@ -116,13 +117,27 @@ def _new_id() -> str:
     return secrets.token_hex(16)
 
 
-def _state_bytes(generator: torch.Generator) -> bytes:
-    return generator.get_state().numpy().tobytes()
+#: Bytes of each end of a generator's state that the digest reads (the whole state when it is
+#: at most twice this: a CUDA Philox state is 16 bytes).
+DIGEST_ENDS = 256
 
 
 def state_digest(generator: torch.Generator) -> bytes:
-    """BLAKE2b digest of ``generator``'s state (what it draws next is a function of it)."""
-    return hashlib.blake2b(_state_bytes(generator), digest_size=DIGEST_SIZE).digest()
+    """BLAKE2b digest of ``generator``'s state (what it draws next is a function of it).
+
+    It reads the state's first and last :data:`DIGEST_ENDS` bytes: for torch's CPU Mersenne
+    Twister (5056 bytes) the position counters and the first state words lead, the cached
+    Gaussian sample (Box–Muller's second value) trails. Equal states give equal digests, so no
+    replay is missed; two different states would share one only by matching counters, cached
+    sample and leading words of different twist blocks (a coincidence of ~2⁻²⁵⁶), which would
+    cost a needless reseed, never a replay. Hashing 512 bytes instead of 5056 keeps the check
+    at a few microseconds inside a training step."""
+    raw = memoryview(generator.get_state().numpy())
+    if len(raw) <= 2 * DIGEST_ENDS:
+        return hashlib.blake2b(raw, digest_size=DIGEST_SIZE).digest()
+    digest = hashlib.blake2b(raw[:DIGEST_ENDS], digest_size=DIGEST_SIZE)
+    digest.update(raw[-DIGEST_ENDS:])
+    return digest.digest()
 
 
 class NoiseLineage:
@@ -391,31 +406,42 @@ def check_correlated_position(optimizer, lineage: NoiseLineage) -> None:
         f"not load the earlier optimizer's noise state")
 
 
-class _Before:
-    """A generator's state before a draw: its digest (recorded) and its bytes (compared after
-    the draw, cheaper than a second digest)."""
+def _source_of(optimizer) -> tuple[Optional[torch.Generator], bool]:
+    """:func:`noise_source`, remembered per optimizer while its ``generator`` and
+    ``secure_mode`` stay the same (a step reads it twice; the global RNG of the parameters'
+    device does not change)."""
+    key = (id(getattr(optimizer, "generator", None)), bool(getattr(optimizer, "secure_mode",
+                                                                   False)))
+    cached = optimizer.__dict__.get("_noise_source")
+    if cached is None or cached[0] != key:
+        cached = (key, noise_source(optimizer))
+        optimizer.__dict__["_noise_source"] = cached
+    return cached[1]
 
-    __slots__ = ("digest", "raw")
 
-    def __init__(self, raw: bytes):
-        self.raw = raw
-        self.digest = hashlib.blake2b(raw, digest_size=DIGEST_SIZE).digest()
+def _draws(optimizer) -> bool:
+    """Whether Opacus' ``add_noise`` draws on this process: σ > 0, and on rank 0 under DDP
+    (Opacus' distributed optimizers add the noise on rank 0 only)."""
+    sigma = getattr(optimizer, "_adjusted_noise_multiplier",
+                    getattr(optimizer, "noise_multiplier", 0.0))
+    return float(sigma or 0.0) > 0.0 and int(getattr(optimizer, "rank", 0) or 0) == 0
 
 
-def check_before_draw(optimizer, *, correlated: bool = False) -> Optional[_Before]:
+def check_before_draw(optimizer, *, correlated: bool = False) -> Optional[bytes]:
     """Rule 1, before ``optimizer`` draws its noise: reseed (or refuse) if the generator's state
-    was already drawn from in the lineage; returns the state (``None`` if untracked)."""
+    was already drawn from in the lineage; returns the state's digest (``None`` if untracked,
+    or if this process draws nothing: σ = 0, a DDP rank other than 0)."""
     lineage = lineage_of_optimizer(optimizer)
     if lineage is None:
         return None
     if correlated:
         check_correlated_position(optimizer, lineage)
-    generator, is_global = noise_source(optimizer)
-    if generator is None:
+    generator, is_global = _source_of(optimizer)
+    if generator is None or not _draws(optimizer):
         return None
-    before = _Before(_state_bytes(generator))
-    if not lineage.seen(before.digest):
-        return before
+    digest = state_digest(generator)
+    if not lineage.seen(digest):
+        return digest
     if is_global:
         generator = _replace_global(optimizer)
     else:
@@ -428,27 +454,19 @@ def check_before_draw(optimizer, *, correlated: bool = False) -> Optional[_Befor
              f"would carry no noise. The generator was reseeded from OS entropy; keep the "
              f"generator's state with the accountant's (one checkpoint) to resume exactly",
              FreshNoiseWarning)
-    return _Before(_state_bytes(generator))
+    return state_digest(generator)
 
 
-def record_after_draw(optimizer, before: Optional[_Before], noise_step: Optional[int]) -> None:
-    """After ``optimizer`` drew: record the draw in its lineage. ``before``: what
-    :func:`check_before_draw` returned; ``noise_step``: a correlated-noise optimizer's
-    ``noise_step`` before the draw. A tracked generator that did not move (σ = 0, a DDP rank
-    that adds no noise) records no digest; the position advances with a correlated optimizer's
-    noise step, else with a moved generator, else (untracked source) with every draw at σ > 0."""
+def record_after_draw(optimizer, before: Optional[bytes], noise_step: Optional[int]) -> None:
+    """After ``optimizer`` drew: record the draw in its lineage. ``before``: the state digest
+    :func:`check_before_draw` returned (``None``: untracked, or nothing drawn here);
+    ``noise_step``: a correlated-noise optimizer's ``noise_step`` before the draw. The position
+    advances with a correlated optimizer's noise step, else with every draw (σ > 0, rank 0)."""
     lineage = lineage_of_optimizer(optimizer)
     if lineage is None:
         return
-    generator, _ = noise_source(optimizer)
-    moved = generator is not None and before is not None and \
-        _state_bytes(generator) != before.raw
-    digest = before.digest if moved else None
     if noise_step is not None:
         if int(getattr(optimizer, "noise_step", noise_step)) != int(noise_step):
-            lineage.record(digest)
-    elif generator is not None:
-        if moved:
-            lineage.record(digest)
-    elif float(getattr(optimizer, "noise_multiplier", 0.0) or 0.0) > 0.0:
-        lineage.record(None)
+            lineage.record(before)
+    elif before is not None or (_source_of(optimizer)[0] is None and _draws(optimizer)):
+        lineage.record(before)

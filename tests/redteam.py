@@ -622,7 +622,7 @@ def oracle(scheme_name: str, out: Outcome) -> Optional[float]:
         return None
     if len(positions) > 1 or any(len(p) > 1 for p in positions):
         structure = [parts if len(pos) == len(parts) else [(None, max(k for _, k in parts))]
-                     for parts, pos in zip(structure, positions)]
+                     for parts, pos in zip(structure, positions, strict=True)]
     merged = any(len(p) > 1 for p in positions)
     if policy == "independent":
         value = _scheme_epsilon(scheme, sigma / k_max, len(released))

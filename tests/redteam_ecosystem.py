@@ -36,13 +36,13 @@ from typing import Optional
 
 import torch
 from redteam import (
-    B,
     DELTA,
     EPOCHS,
-    N,
     SCHEMES,
     SEED,
     SIGMA,
+    B,
+    N,
     _data,
     _engine,
     _scheme_epsilon,
@@ -53,7 +53,6 @@ from torch.utils.data import DataLoader
 from opacus_structured.accountants.noise_lineage import NoiseReplayError
 from opacus_structured.accountants.phases import PhaseNotComposableError
 from opacus_structured.engine import make_private
-from opacus_structured.schemes.gdp import GDPScheme
 from opacus_structured.schemes.poisson import PoissonScheme
 
 SHAPES = ("restore_earlier", "resume_same_seed", "phase_resume", "two_modules_one_engine",

@@ -17,8 +17,12 @@ from gluonts.torch.model.d_linear import DLinearEstimator  # noqa: E402
 from gluonts.torch.model.d_linear.module import DLinearModel  # noqa: E402
 
 from opacus_structured.forecasting.baseline_skip import (  # noqa: E402
-    SKIP_PARAMETER, BaselineSkipDLinearEstimator, BaselineSkipDLinearModel, describe_skip,
-    skip_parameters)
+    SKIP_PARAMETER,
+    BaselineSkipDLinearEstimator,
+    BaselineSkipDLinearModel,
+    describe_skip,
+    skip_parameters,
+)
 from opacus_structured.forecasting.data import Panel  # noqa: E402
 from opacus_structured.forecasting.estimators import build_estimator, prepare_estimator  # noqa: E402,E501
 from opacus_structured.forecasting.model_defaults import model_defaults  # noqa: E402

@@ -39,6 +39,7 @@ N, BATCH, SIGMA = 40, 8, 1.0
 def drawn(monkeypatch):
     """Every noise tensor drawn, in order."""
     import opacus.optimizers.optimizer as opacus_optimizer
+
     import opacus_structured.optim.correlated_noise as correlated
 
     tensors = []

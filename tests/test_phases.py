@@ -26,8 +26,8 @@ import opacus_structured
 from opacus_structured.accountants.base import SchemeAccountant
 from opacus_structured.accountants.phases import PhaseNotComposableError
 from opacus_structured.accounting.gaussian import gdp_epsilon
-from opacus_structured.schemes.shuffle import ShuffleScheme
 from opacus_structured.schemes.poisson import PoissonScheme
+from opacus_structured.schemes.shuffle import ShuffleScheme
 from opacus_structured.schemes.truncated_poisson import TruncatedPoissonScheme
 
 warnings.filterwarnings("ignore", message="Secure RNG turned off")

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from opacus_structured.accounting.bminsep_mc import BandedStrategy, BandMFMonteCarlo
+from opacus_structured.cli import epochs_to_steps, main
 from opacus_structured.runners.monte_carlo import (
     certify_noise_multiplier,
     collect_privacy_losses,
 )
-from opacus_structured.cli import epochs_to_steps, main
 
 
 def _mech(n=4):

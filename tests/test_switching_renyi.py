@@ -34,8 +34,7 @@ from opacus_structured.accounting import structured as st
 from opacus_structured.accounting import switching_renyi as sw
 from opacus_structured.accounting.profiles import PairProfile
 from opacus_structured.schemes.structured import StructuredScheme
-from opacus_structured.tuning import ROUTES, TrialCost, selection_epsilon
-from opacus_structured.tuning import pricing
+from opacus_structured.tuning import ROUTES, TrialCost, pricing, selection_epsilon
 
 DELTA = 1e-5
 ORDERS = ps.DEFAULT_ORDERS
@@ -139,7 +138,7 @@ def test_correction_bracket_holds_the_integral():
         add = sw.switching_delta(np.array([e]), s, p, direction="add")[0]
         return math.exp(-lam * e) * (rem - add)
 
-    for lam, lo, hi in zip(orders, lower, upper):
+    for lam, lo, hi in zip(orders, lower, upper, strict=True):
         value = integrate.quad(integrand, 0, 40, args=(lam,), points=[-math.log1p(-p)],
                                epsabs=1e-16, epsrel=1e-11, limit=400)[0]
         assert lo <= value <= hi
@@ -278,10 +277,10 @@ def test_two_sided_pairs_take_the_mixture_route_and_the_pld_stays_above_the_pair
     orders = np.array([2.0, 4.0])
     (rdp, _), = ps.pld_renyi(acc.scheme.pld(2.0, discretization=1e-3), orders)
     lo, hi = pair.x_range()
-    for lam, bound in zip(orders, rdp):
+    for lam, bound in zip(orders, rdp, strict=True):
         moment = integrate.quad(
-            lambda x: math.exp(lam * pair.upper.logpdf(np.array([x]))[0]
-                               + (1 - lam) * pair.lower.logpdf(np.array([x]))[0]),
+            lambda x, lam=lam: math.exp(lam * pair.upper.logpdf(np.array([x]))[0]
+                                        + (1 - lam) * pair.lower.logpdf(np.array([x]))[0]),
             lo, hi, epsabs=1e-14, epsrel=1e-10, limit=400)[0]
         assert bound >= math.log(moment) / (lam - 1)
     upper = _accountant(steps=10, bound="upper")  # Thm F.1, weighted two-sided

@@ -12,9 +12,10 @@ import pytest
 pd = pytest.importorskip("pandas")
 pytest.importorskip("gluonts")
 
+from conftest import TEST_DISCRETIZATION  # noqa: E402
+
 from opacus_structured.forecasting.data import Panel, train_test_split  # noqa: E402
 from opacus_structured.forecasting.user_data import DataReport, load_panel  # noqa: E402
-from conftest import TEST_DISCRETIZATION  # noqa: E402
 
 
 def _series(lengths, freq="MS", start="2019-01-01", seed=0):

@@ -302,7 +302,7 @@ def switching_correction_bounds(orders: Sequence[float], noise_multiplier: float
 
 
 def _integer_rdp(orders: np.ndarray, s: float, p: float) -> np.ndarray:
-    """:math:`D_\lambda(P^*\|Q^*)` bounded above at integer orders (module docstring)."""
+    r""":math:`D_\lambda(P^*\|Q^*)` bounded above at integer orders (module docstring)."""
     base = equivalent_event_rdp(orders, s, p)
     _, corr = switching_correction_bounds(orders, s, p)
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
@@ -330,7 +330,7 @@ def switching_rdp(orders: Sequence[float], noise_multiplier: float, rate: float)
     s = check_positive("noise_multiplier", noise_multiplier)
     p = check_probability("rate", rate, allow_zero=True)
     integers = np.unique(np.concatenate([np.floor(orders[orders >= 2]), np.ceil(orders)]))
-    at = dict(zip(integers.tolist(), _integer_rdp(integers, s, p).tolist()))
+    at = dict(zip(integers.tolist(), _integer_rdp(integers, s, p).tolist(), strict=True))
     at[1.0] = 0.0
     out = np.empty_like(orders)
     for i, lam in enumerate(orders):

@@ -74,6 +74,8 @@ class Variant:
 FEATURE_SETS = {"skip2": ("seasonal_naive", "naive"),
                 "local5": ("seasonal_naive", "naive", "drift", "ets", "theta"),
                 "local3": ("seasonal_naive", "ets", "theta"),
+                # the five and their per-series backtest combination (backtest_combination.py)
+                "local5c": ("seasonal_naive", "naive", "drift", "ets", "theta", "combination"),
                 "ets": ("seasonal_naive", "naive", "ets")}
 
 
@@ -89,7 +91,10 @@ PRIORS = {"ets": {"ets": 1.0}, "theta": {"theta": 1.0},
           "ets2thsnmu": {"ets": 0.4, "theta": 0.2, "seasonal_naive": 0.2},
           "ets2thmu": {"ets": 0.5, "theta": 0.25},
           "etsmu": {"ets": 0.5}, "ets3mu": {"ets": 0.75},
-          "ets2th": {"ets": 2 / 3, "theta": 1 / 3}, "etsth2": {"ets": 1 / 3, "theta": 2 / 3}}
+          "ets2th": {"ets": 2 / 3, "theta": 1 / 3}, "etsth2": {"ets": 1 / 3, "theta": 2 / 3},
+          # issue 47, third pass: the per-series backtest combination
+          "comb": {"combination": 1.0},
+          "combetsth": {"combination": 0.5, "ets": 0.25, "theta": 0.25}}
 
 
 def configure(variant: Variant):
@@ -223,6 +228,27 @@ def _accuracy_panel(name):
     return train, test, h, season_length(train.freq)
 
 
+def _scaled_contexts(train, test, h, m, ctx):
+    """``(contexts, observed, truth, mase_scales)`` arrays: each series' last ``ctx`` training
+    steps (padded in front) divided by their mean absolute value, the last ``h`` test steps
+    in the same units, and the in-sample seasonal-naive MAE in those units (MASE's scale)."""
+    import numpy as np
+
+    ys, obs, truth, scales = [], [], [], []
+    for tr, te in zip(train.targets, test.targets, strict=True):
+        tr = np.asarray(tr, float)
+        c = tr[-ctx:]
+        o = np.r_[np.zeros(ctx - len(c)), np.ones(len(c))]
+        c = np.r_[np.zeros(ctx - len(c)), c]
+        s = max(np.abs(c[o > 0]).mean(), 1e-10)
+        ys.append(c / s)
+        obs.append(o)
+        truth.append(np.asarray(te, float)[-h:] / s)
+        lag = m if len(tr) > m else 1
+        scales.append(max(np.mean(np.abs(tr[lag:] - tr[:-lag])) / s, 1e-10))
+    return np.array(ys), np.array(obs), np.array(truth), np.array(scales)
+
+
 def local_accuracy(contexts, panels=PANELS):
     """MASE of every local method fitted on the last ``context`` training steps of each series
     (point forecasts, no network): how much context the local fits need. ``contexts`` are
@@ -238,26 +264,52 @@ def local_accuracy(contexts, panels=PANELS):
         train, test, h, m = _accuracy_panel(name)
         for given in contexts:
             ctx = (-given * h if given < 0 else given) or max(train.lengths)
-            ys, obs, truth, scales = [], [], [], []
-            for tr, te in zip(train.targets, test.targets, strict=True):
-                tr = np.asarray(tr, float)
-                c = tr[-ctx:]
-                o = np.r_[np.zeros(ctx - len(c)), np.ones(len(c))]
-                c = np.r_[np.zeros(ctx - len(c)), c]
-                s = max(np.abs(c[o > 0]).mean(), 1e-10)
-                ys.append(c / s)
-                obs.append(o)
-                truth.append(np.asarray(te, float)[-h:] / s)
-                lag = m if len(tr) > m else 1
-                scales.append(max(np.mean(np.abs(tr[lag:] - tr[:-lag])) / s, 1e-10))
-            f = local_forecasts(torch.tensor(np.array(ys)), torch.tensor(np.array(obs)), m,
-                                h).numpy()
-            err = np.abs(f - np.array(truth)[:, :, None]).mean(1) / np.array(scales)[:, None]
+            ys, obs, truth, scales = _scaled_contexts(train, test, h, m, ctx)
+            f = local_forecasts(torch.tensor(ys), torch.tensor(obs), m, h).numpy()
+            err = np.abs(f - truth[:, :, None]).mean(1) / scales[:, None]
             row = {"panel": name, "context": int(ctx),
                    **{k: float(err[:, i].mean()) for i, k in enumerate(METHODS)}}
             out.append(row)
             print(f"{name:15s} context {ctx:5d} MASE: " + "  ".join(
                 f"{k} {row[k]:.3f}" for k in METHODS), flush=True)
+    return out
+
+
+def combination_accuracy(panels=PANELS, multiple=80):
+    """MASE of the local forecasts as the predictor fits them (ETS on up to ``multiple``·H
+    past steps, the others on the last 3·H), of the recipe's prior ½ ETS + ½ Theta and of the
+    per-series backtest combination (``backtest_combination.py``, inverse squared errors;
+    ``inv1``: inverse errors) — point forecasts, no network (issue 47, third pass)."""
+    import numpy as np
+    import torch
+
+    from opacus_structured.forecasting.backtest_combination import backtest_weights
+    from opacus_structured.forecasting.local_forecasts import (
+        METHODS,
+        local_forecasts_with_history,
+    )
+
+    out = []
+    for name in panels:
+        train, test, h, m = _accuracy_panel(name)
+        ctx = multiple * h
+        ys, obs, truth, scales = _scaled_contexts(train, test, h, m, ctx)
+        y, o = torch.tensor(ys), torch.tensor(obs)
+        window = min(3 * h, ctx)
+        f = local_forecasts_with_history(y, o, window, m, h, METHODS, ("ets",)).numpy()
+
+        def mase(point, truth=truth, scales=scales):
+            return float((np.abs(point - truth).mean(1) / scales).mean())
+
+        row = {"panel": name, **{k: mase(f[:, :, i]) for i, k in enumerate(METHODS)}}
+        row["prior"] = mase(0.5 * f[:, :, METHODS.index("ets")]
+                            + 0.5 * f[:, :, METHODS.index("theta")])
+        for label, power in (("combination", 2.0), ("inv1", 1.0)):
+            v = backtest_weights(y, o, window, m, h, METHODS, ("ets",), power=power).numpy()
+            row[label] = mase((f * v[:, None, :]).sum(-1))
+        out.append(row)
+        print(f"{name:16s} N {len(ys):4d} MASE: " + "  ".join(
+            f"{k} {v:.3f}" for k, v in row.items() if k != "panel"), flush=True)
     return out
 
 
@@ -288,9 +340,15 @@ def main(argv=None) -> int:
                     help="print σ at ε = 1 per context (e.g. 36 60) and exit")
     ap.add_argument("--local-accuracy", nargs="*", type=int, default=None, metavar="CONTEXT",
                     help="print the MASE of every local method per context and exit")
+    ap.add_argument("--combination-accuracy", action="store_true",
+                    help="print the MASE of the local forecasts as the predictor fits them, of "
+                         "the prior and of the backtest combination, and exit")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
+    if args.combination_accuracy:
+        combination_accuracy(args.panels)
+        return 0
     if args.local_accuracy is not None:
         local_accuracy(args.local_accuracy or [36, 60], args.panels)
         return 0

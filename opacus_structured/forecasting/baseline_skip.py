@@ -37,7 +37,9 @@ a learned combination of the network and the local forecasts (as FFORMA combines
 Montero-Manso et al. 2020, with global rather than per-series weights), with ``g`` the gain.
 The local forecasts are a deterministic function of the window's context (no parameter, no
 other window), so per-window clipping bounds one window's influence as before: the privacy
-analysis is unchanged. :data:`LOCAL_FEATURES` is the set the DLinear recipe uses.
+analysis is unchanged. :data:`LOCAL_FEATURES` is the set the DLinear recipe uses;
+:data:`FEATURES` adds ``"combination"``, the five combined per series by their backtest errors
+(:mod:`.backtest_combination`; studied in issue 47 and not the recipe's).
 
 ``skip_init`` gives the effective weights ``g·w`` the skip starts at (a public prior; the
 recipe's is ¼ seasonal naive + ¼ ETS + ¼ Theta, leaving ¼ to the network), so the zero-shot
@@ -78,12 +80,14 @@ from gluonts.torch.model.d_linear.module import DLinearModel
 from gluonts.transform import InstanceSampler, InstanceSplitter, TestSplitSampler
 
 from .._validation import check_finite, check_int, check_positive
-from .local_forecasts import check_methods, local_forecasts_with_history
+from .backtest_combination import COMBINATION, backtest_combination
+from .local_forecasts import METHODS, check_methods, local_forecasts_with_history
 
 __all__ = ["BaselineSkipDLinearModel", "BaselineSkipDLinearLightningModule",
            "BaselineSkipDLinearEstimator", "SKIP_PARAMETER", "SKIP_FEATURES", "LOCAL_FEATURES",
            "SCALE_SKIP_PARAMETER", "MIN_ETS_STD", "skip_parameters", "describe_skip",
-           "check_skip_init", "check_history_methods"]
+           "check_skip_init", "check_history_methods", "FEATURES", "check_skip_features",
+           "skip_local_forecasts"]
 
 #: The state_dict key of the skip's weight ``w`` (shape (1, K)).
 SKIP_PARAMETER = "baseline_skip.weight"
@@ -96,6 +100,36 @@ MIN_ETS_STD = 1e-4
 SKIP_FEATURES = ("seasonal_naive", "naive")
 #: The local forecasts of the DLinear recipe (``model_defaults``' ``skip_features``).
 LOCAL_FEATURES = ("seasonal_naive", "naive", "drift", "ets", "theta")
+#: Every name ``skip_features`` accepts: the local methods and their per-series backtest
+#: combination (:mod:`.backtest_combination`).
+FEATURES = (*METHODS, COMBINATION)
+
+
+def check_skip_features(features) -> tuple:
+    """``features`` as a tuple of distinct names from :data:`FEATURES`."""
+    return check_methods(features, FEATURES)
+
+
+def skip_local_forecasts(y, observed, window, m, horizon, features, history_methods=(), *,
+                         with_ets_std=False, recent_std=False):
+    """``(B, H, K)`` forecasts of the skip's ``features`` (:data:`FEATURES`) for inputs ``y``
+    ``(B, T)``: :func:`~.local_forecasts.local_forecasts_with_history` for the local methods,
+    and for ``"combination"`` :func:`~.backtest_combination.backtest_combination` over all
+    five of :data:`~.local_forecasts.METHODS` (fitted as configured, once for both uses); with
+    ``with_ets_std`` also ETS's ``(B, H)`` standard deviation."""
+    features = check_skip_features(features)
+    base = METHODS if COMBINATION in features else features
+    out = local_forecasts_with_history(y, observed, window, m, horizon, base, history_methods,
+                                       with_ets_std=with_ets_std, recent_std=recent_std)
+    if COMBINATION not in features:
+        return out
+    forecasts, std = out if with_ets_std else (out, None)
+    combined = backtest_combination(y, observed, window, m, horizon, METHODS, history_methods,
+                                    forecasts=forecasts)
+    columns = [combined if k == COMBINATION else forecasts[..., base.index(k)]
+               for k in features]
+    stacked = torch.stack(columns, dim=-1)
+    return (stacked, std) if with_ets_std else stacked
 
 
 #: The last prediction's local forecasts (``BaselineSkipDLinearModel.local_forecasts``):
@@ -127,7 +161,7 @@ class BaselineSkipDLinearModel(DLinearModel):
                          kernel_size=kernel_size, scaling=scaling)
         season_length = check_int("season_length", season_length, minimum=1)
         skip_gain = check_positive("skip_gain", skip_gain)
-        self.skip_features = check_methods(skip_features)
+        self.skip_features = check_skip_features(skip_features)
         self.skip_init = check_skip_init(skip_init, self.skip_features)
         self.skip_scale = None if skip_scale is None else check_finite("skip_scale", skip_scale)
         self.history_methods = check_history_methods(history_methods)
@@ -190,7 +224,7 @@ class BaselineSkipDLinearModel(DLinearModel):
             if x.shape == past_target_scaled.shape and torch.equal(x, past_target_scaled) \
                     and torch.equal(o, past_observed_values):
                 return out
-        out = local_forecasts_with_history(
+        out = skip_local_forecasts(
             past_target_scaled, past_observed_values, ctx, self.season_length,
             self.prediction_length, self.skip_features, self.history_methods,
             with_ets_std=with_ets_std, recent_std=self.recent_std)
@@ -283,7 +317,7 @@ class BaselineSkipDLinearEstimator(DLinearEstimator):
                          validation_sampler=validation_sampler)
         self.season_length = check_int("season_length", season_length, minimum=1)
         self.skip_gain = check_positive("skip_gain", skip_gain)
-        self.skip_features = check_methods(skip_features)
+        self.skip_features = check_skip_features(skip_features)
         self.skip_init = check_skip_init(skip_init, self.skip_features)
         self.skip_scale = None if skip_scale is None else check_finite("skip_scale", skip_scale)
         self.history_methods = check_history_methods(history_methods)

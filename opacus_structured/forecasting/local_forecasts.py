@@ -71,12 +71,14 @@ ETS_GRID = tuple((a, s * a, min(g, 1.0 - a), p)
 THETA_ALPHAS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
 
 
-def check_methods(methods: Sequence[str]) -> tuple:
-    """``methods`` as a tuple of names from :data:`METHODS` (a ValueError names the others)."""
+def check_methods(methods: Sequence[str], allowed: Sequence[str] = METHODS) -> tuple:
+    """``methods`` as a tuple of distinct names from ``allowed`` (default :data:`METHODS`; a
+    ValueError names them otherwise)."""
     methods = tuple(methods)
-    bad = [m for m in methods if m not in METHODS]
+    allowed = tuple(allowed)
+    bad = [m for m in methods if m not in allowed]
     if bad or not methods or len(set(methods)) != len(methods):
-        raise ValueError(f"local forecast methods must be distinct names from {METHODS}, got "
+        raise ValueError(f"local forecast methods must be distinct names from {allowed}, got "
                          f"{methods!r}")
     return methods
 

@@ -729,7 +729,7 @@ def test_forecast_budget_flags_are_checked_first(tmp_path, argv, match):
 
 def test_forecast_budget_flags_accept_a_file_or_a_new_cap(tmp_path):
     from opacus_structured.commands._forecast_check import check_arguments
-    from opacus_structured.commands.forecast import _dataset_budget
+    from opacus_structured.commands._forecast_job import dataset_budget as _dataset_budget
 
     args = _forecast_args("--budget", str(tmp_path / "p.budget"), "--budget-epsilon", "3")
     check_arguments(args)

@@ -169,7 +169,7 @@ def test_dlinear_first_h_output_steps_of_a_longer_horizon_are_exact():
 def test_cli_adopts_the_context_of_the_shipped_dlinear(monkeypatch, tmp_path):
     """``forecast`` with no --context-length: the shipped model's context becomes the run's,
     and the log says so; a given context nothing ships for is announced before pretraining."""
-    from opacus_structured.commands.forecast import _initial_weights
+    from opacus_structured.commands._forecast_job import initial_weights as _initial_weights
 
     monkeypatch.setenv("OPACUS_STRUCTURED_CACHE", str(tmp_path))
     monkeypatch.setattr(pretraining, "pretrain", _refuse_pretraining)

@@ -253,7 +253,7 @@ def _forecast_args(out, *extra):
 def test_default_forecast_report_holds_no_seed_of_its_noise(tiny, tmp_path, capsys,
                                                             monkeypatch):
     from lightning_callbacks import dp_callback
-    from opacus_structured.commands import _forecast_reruns, forecast
+    from opacus_structured.commands import _forecast_job, _forecast_reruns
     from opacus_structured.forecasting import training
     from opacus_structured.samplers import _generator
 
@@ -265,7 +265,7 @@ def test_default_forecast_report_holds_no_seed_of_its_noise(tiny, tmp_path, caps
 
     monkeypatch.setattr(training, "fresh_seed", recording_fresh_seed)
     monkeypatch.setattr(_generator, "fresh_seed", recording_fresh_seed)
-    monkeypatch.setattr(forecast, "fresh_seed", recording_fresh_seed)
+    monkeypatch.setattr(_forecast_job, "fresh_seed", recording_fresh_seed)
     monkeypatch.setattr(dp_callback, "fresh_seed", recording_fresh_seed)
     monkeypatch.setattr(_forecast_reruns, "fresh_seed", recording_fresh_seed)
     reports = []

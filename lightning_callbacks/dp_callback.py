@@ -91,6 +91,10 @@ within the budget only with the estimate's confidence).
 never attached to a fit (``on_fit_start`` never ran) and holds no restored steps: its 0 would
 describe no training. After fit start and before the first step, 0 is the honest value.
 
+The optimizer's normaliser (``expected_batch_size``) is public where declared
+(:class:`~lightning_callbacks.dp_normaliser.PublicNormaliser`, which also records
+:attr:`DPCallback.sampling_constants`).
+
 ``scheme_of_batch_sampler`` (from :mod:`opacus_structured.samplers.verification`),
 ``build_sampler`` and ``loader_with_batch_sampler`` (from :mod:`lightning_callbacks.dp_loader`)
 are re-exported here.
@@ -99,7 +103,6 @@ are re-exported here.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Optional, Union
 
 import torch
@@ -119,7 +122,7 @@ from opacus_structured.accountants.budget_guard import guard_budget
 from opacus_structured.accounting import pld as pld_lib
 from opacus_structured.samplers import public_sizes
 from opacus_structured.samplers._generator import fresh_seed
-from opacus_structured.samplers.verification import innermost_sampler, scheme_of_batch_sampler
+from opacus_structured.samplers.verification import scheme_of_batch_sampler
 from opacus_structured.schemes.base import Scheme
 
 from .dp_accumulation import GradientAccumulation
@@ -134,6 +137,7 @@ from .dp_loader import (
     resolve_scheme,
 )
 from .dp_module import PerSampleGradients, check_layers
+from .dp_normaliser import PublicNormaliser
 from .dp_optimizer import OptimizerWrapper
 
 __all__ = ["DPCallback", "scheme_of_batch_sampler", "build_sampler",
@@ -315,6 +319,9 @@ class DPCallback(pl.Callback):
         self.log_prefix = log_prefix
         self.discretization = check_positive("discretization", discretization)
         self.scheme: Scheme = resolve_scheme(scheme, sampler, accountant)
+        self._normaliser = PublicNormaliser(
+            self.scheme, dataset_size=self.dataset_size,
+            expected_batch_size=self.expected_batch_size, wrap_optimizer=self.wrap_optimizer)
         self._budget = PrivacyBudget(
             self.scheme, accountant, delta=self.delta, target_epsilon=self.target_epsilon,
             discretization=self.discretization, allow_estimate=allow_estimate,
@@ -374,7 +381,7 @@ class DPCallback(pl.Callback):
         record_step = self._release_hook(
             self._budget.attach(loader, self.sample_rate, step_draws=self.sampler.step_draws))
 
-        normaliser = self._public_normaliser(loader)
+        normaliser = self._normaliser.value(loader, self.sampler, self.sample_rate)
 
         def expected_batch_size() -> float:
             return normaliser
@@ -394,7 +401,8 @@ class DPCallback(pl.Callback):
             self.noise_generator = self.optimizer.generator
         # every noise draw is checked against the run's lineage (never a replayed noise)
         noise_lineage.link(self.optimizer, self._noise_lineage)
-        self._record_sampling_constants(loader, normaliser)
+        self.sampling_constants = self._normaliser.sampling_constants(
+            loader, self.optimizer, normaliser, self.sample_rate, self.accountant)
         if self.public_parameters is not None:
             parameter_guard.declare_public_parameters(pl_module, self.public_parameters)
         # every trainable parameter is stepped by the DP optimizer, no other optimizer steps
@@ -419,59 +427,6 @@ class DPCallback(pl.Callback):
             self._released_in_batch = True
 
         return on_release
-
-    def _public_normaliser(self, loader) -> float:
-        """The normaliser the wrapped optimizer divides by: the declared
-        ``expected_batch_size``, else ``dataset_size × sample_rate`` (public, a float), else the
-        structured scheme's Λ (public), else (undeclared) the sampler's
-        ``expected_batch_size`` or ``len(dataset) × sample_rate``, truncated to an integer as
-        before (read from the data)."""
-        if self.expected_batch_size is not None:
-            self._normaliser_source = "declared expected_batch_size"
-            return self.expected_batch_size
-        if self.dataset_size is not None:
-            self._normaliser_source = "dataset_size * sample_rate (public)"
-            return self.dataset_size * self.sample_rate
-        batch = getattr(innermost_sampler(self.sampler), "expected_batch_size", None)
-        if getattr(self.scheme, "name", None) == "structured":
-            self._normaliser_source = "scheme batch_size (windows/step)"
-            return float(self.scheme.batch_size)
-        self._normaliser_source = "sampler (from the data): int(len(dataset) * sample_rate)"
-        return max(1, int(len(loader.dataset) * self.sample_rate if batch is None else batch))
-
-    def _record_sampling_constants(self, loader, normaliser: float) -> None:
-        """:attr:`sampling_constants` (and the accountant's); the one-time warning when the
-        rate or the normaliser was read from the data. A module's own DPOptimizer
-        (``wrap_optimizer=False``) must divide by the declared normaliser."""
-        rate_public = self.scheme.expected_sample_rate() is not None
-        declared = self.dataset_size is not None or self.expected_batch_size is not None
-        if not self.wrap_optimizer:
-            own = getattr(self.optimizer, "expected_batch_size", None)
-            if declared and (own is None or not math.isclose(own, normaliser, rel_tol=1e-12)):
-                raise ValueError(
-                    f"configure_optimizers returned a DPOptimizer with expected_batch_size="
-                    f"{own} but DPCallback declares the public normaliser {normaliser} "
-                    f"(dataset_size / expected_batch_size): build the DPOptimizer with "
-                    f"expected_batch_size={normaliser}")
-            self._normaliser_source = ("the module's own DPOptimizer" if not declared else
-                                       self._normaliser_source)
-        source = (public_sizes.DECLARED if rate_public and declared else public_sizes.DATA)
-        size = self.dataset_size if self.dataset_size is not None else len(loader.dataset)
-        self.sampling_constants = public_sizes.sampling_constants(
-            sample_rate=self.sample_rate,
-            expected_batch_size=getattr(self.optimizer, "expected_batch_size", None),
-            dataset_size=size, dataset_size_source=source,
-            normaliser_source=self._normaliser_source)
-        try:
-            self.accountant.sampling_constants = dict(self.sampling_constants)
-        except AttributeError:  # pragma: no cover - an accountant refusing new attributes
-            pass
-        if source == public_sizes.DATA:
-            public_sizes.warn_dataset_size_from_data(
-                "DPCallback", len(loader.dataset),
-                how="DPCallback(..., dataset_size=N) with a public N (normaliser N * "
-                    "sample_rate) or expected_batch_size=E, with a scheme that carries its "
-                    "sample_rate")
 
     # ---- accounting ---------------------------------------------------------------------
     @property

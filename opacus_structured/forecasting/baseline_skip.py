@@ -176,14 +176,6 @@ class BaselineSkipDLinearModel(DLinearModel):
             raise ValueError(f"skip_scale moves the distribution's scale towards ETS's, but "
                              f"{type(distr_output).__name__} has no 'scale' argument ({names})")
         self._scale_index = names.index("scale") if "scale" in names else None
-        # seasonal-naive source index of each forecast step (naive when m = 1 or m > context)
-        m = self.season_length
-        if 1 < m <= context_length:
-            index = [context_length - m + (h % m) for h in range(prediction_length)]
-        else:
-            index = [context_length - 1] * prediction_length
-        self.register_buffer("_seasonal_index", torch.tensor(index, dtype=torch.long),
-                             persistent=False)
         self.baseline_skip = nn.Linear(len(self.skip_features), 1, bias=False)
         with torch.no_grad():
             self.baseline_skip.weight.copy_(self.initial_skip_weight())
@@ -210,12 +202,6 @@ class BaselineSkipDLinearModel(DLinearModel):
         estimator) is read whole by :attr:`history_methods` only; the other methods read its
         last ``context_length`` steps, as in training."""
         ctx = self.context_length
-        if (self.skip_features == SKIP_FEATURES and not with_ets_std
-                and not self.history_methods):  # the original skip: two gathers
-            window = past_target_scaled[:, -ctx:]
-            seasonal = window[:, self._seasonal_index]
-            naive = window[:, -1:].expand_as(seasonal)
-            return torch.stack([seasonal, naive], dim=-1)
         config = (ctx, self.season_length, self.prediction_length, self.skip_features,
                   self.history_methods, bool(with_ets_std), bool(self.recent_std))
         memo = None if torch.is_grad_enabled() else _LAST_PREDICTION

@@ -89,6 +89,9 @@ __all__ = ["BaselineSkipDLinearModel", "BaselineSkipDLinearLightningModule",
            "check_skip_init", "check_history_methods", "FEATURES", "check_skip_features",
            "skip_local_forecasts"]
 
+#: The constructor arguments the skip adds to DLinear's (model and estimator alike).
+_SKIP_ARGS = ("season_length", "skip_gain", "skip_features", "skip_init", "skip_scale",
+             "history_methods")
 #: The state_dict key of the skip's weight ``w`` (shape (1, K)).
 SKIP_PARAMETER = "baseline_skip.weight"
 #: The state_dict key of the scale skip's weight ``v`` (shape (1, 1)).
@@ -269,9 +272,7 @@ class BaselineSkipDLinearLightningModule(DLinearLightningModule):
 
     @validated()
     def __init__(self, model_kwargs: dict, lr: float = 1e-3, weight_decay: float = 1e-8):
-        plain = {k: v for k, v in model_kwargs.items()
-                 if k not in ("season_length", "skip_gain", "skip_features", "skip_init",
-                              "skip_scale", "history_methods")}
+        plain = {k: v for k, v in model_kwargs.items() if k not in _SKIP_ARGS}
         super().__init__(model_kwargs=plain, lr=lr, weight_decay=weight_decay)
         self.model = BaselineSkipDLinearModel(**model_kwargs)
         self.inputs = self.model.describe_inputs()
@@ -336,12 +337,7 @@ class BaselineSkipDLinearEstimator(DLinearEstimator):
                           "hidden_dimension": self.hidden_dimension,
                           "distr_output": self.distr_output,
                           "kernel_size": self.kernel_size, "scaling": self.scaling,
-                          "season_length": self.season_length,
-                          "skip_gain": self.skip_gain,
-                          "skip_features": self.skip_features,
-                          "skip_init": self.skip_init,
-                          "skip_scale": self.skip_scale,
-                          "history_methods": self.history_methods})
+                          **{k: getattr(self, k) for k in _SKIP_ARGS}})
 
 
 def check_skip_init(skip_init, features) -> Optional[tuple]:

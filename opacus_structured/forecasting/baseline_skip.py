@@ -101,8 +101,9 @@ MIN_ETS_STD = 1e-4
 #: The inputs of the original baseline skip, in order (each minus DLinear's own location
 #: ``μ_h``): the default of the model and estimator classes.
 SKIP_FEATURES = ("seasonal_naive", "naive")
-#: The local forecasts of the DLinear recipe (``model_defaults``' ``skip_features``).
-LOCAL_FEATURES = ("seasonal_naive", "naive", "drift", "ets", "theta")
+#: The local forecasts of the DLinear recipe (``model_defaults``' ``skip_features``): all of
+#: :data:`~.local_forecasts.METHODS`.
+LOCAL_FEATURES = METHODS
 #: Every name ``skip_features`` accepts: the local methods and their per-series backtest
 #: combination (:mod:`.backtest_combination`).
 FEATURES = (*METHODS, COMBINATION)

@@ -161,17 +161,14 @@ def noise_rule_weight(sigma, batch, w_max=0.25):
     return w_max * min(1.0, float(sigma) / float(batch))
 
 
-def ets_scores(train, test_targets):
+def ets_scores(train, test):
     """statsmodels ETS (NOT PRIVATE) of a study panel: its CRPS and MASE."""
-    import numpy as np
-    import pandas as pd
+    from forecast_panels import _truth
 
     from opacus_structured.forecasting.ets import ets_reference
     from opacus_structured.forecasting.seasonality import season_length
 
-    truth = [pd.DataFrame(np.asarray(y, dtype=np.float32),
-                          index=pd.period_range(s, periods=len(y), freq=train.freq))
-             for y, s in test_targets]
+    truth = [_truth(test, i) for i in range(len(test))]
     ets = ets_reference(train, truth, H, season_length(train.freq))
     return {"crps": ets["crps"], "mase": ets["mase"]}
 
@@ -313,7 +310,7 @@ def combination_accuracy(panels=PANELS, multiple=80):
     return out
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", nargs="+", default=["skip2/plain/synthetic/default/36",
                                                        "local5/pre/synthetic/1e-4/36"])
@@ -344,7 +341,84 @@ def main(argv=None) -> int:
                     help="print the MASE of the local forecasts as the predictor fits them, of "
                          "the prior and of the backtest combination, and exit")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _zero_shot_rows(panel, variant, train, score, sn, histories):
+    """``(public state, rows)``: the variant's public weights and its zero-shot model's scores
+    under every prediction history."""
+    from opacus_structured.forecasting.estimators import prepare_estimator
+    from opacus_structured.forecasting.pretraining import pretrained_weights
+
+    ctx = variant.context
+    state, _ = pretrained_weights("dlinear", freq=train.freq, prediction_length=H,
+                                  context_length=ctx, log=print)
+    zero = prepare_estimator("dlinear", freq=train.freq, prediction_length=H,
+                             context_length=ctx)
+    zero.module.model.load_state_dict(state)
+    zero.module.eval()
+    rows = []
+    for hist, mult, methods in histories:
+        with_history(zero, history_length(mult, train), methods)
+        zs = score(zero.create_predictor())
+        rows.append({"panel": panel, "variant": str(variant), "kind": "zero-shot",
+                     "history": hist, "crps": zs["crps"], "mase": zs["mase"],
+                     "rel": study_score(zs, sn)})
+        print(f"{panel:10s} {variant!s:45s} {hist:12s} zero-shot CRPS "
+              f"{zs['crps']:.5f} MASE {zs['mase']:.3f}", flush=True)
+    return state, rows
+
+
+def _fine_tuned_rows(args, panel, variant, skip_lr, state, train, batch, score, sn, histories):
+    """The scores of every fine-tuning of ``variant`` (subset, step size, DP or not, seed) at
+    every prediction history and zero-shot share."""
+    import fine_tune_subset_study as subsets
+
+    from opacus_structured.forecasting import training
+    from opacus_structured.forecasting.baseline_skip import describe_skip
+    from opacus_structured.forecasting.training import train_forecaster
+
+    stock = training._window_module
+    rows = []
+    for subset, lr, private in itertools.product(
+            args.subsets, args.lrs, (True, False) if args.nonprivate else (True,)):
+        name = run_name(variant, subset, lr)
+        for seed in args.seeds:
+            t0 = time.perf_counter()
+            trained = PRODUCT_SUBSETS.get(subset, "all")
+            if subset not in PRODUCT_SUBSETS:  # the harness freezes (bias, lora-R)
+                subsets.install(subset)
+            res = train_forecaster(
+                "dlinear", train, prediction_length=H, context_length=variant.context,
+                batch_size=batch, max_steps=100, lr=lr, max_grad_norm=1e-4,
+                tail_average=0.5, epsilon=1.0 if private else None,
+                delta=1e-7 if private else None, seed=seed, init_seed=seed,
+                init_state=state, skip_lr=skip_lr, trained_parameters=trained)
+            training._window_module = stock
+            subsets.released(res.prepared.module.model)
+            secs = time.perf_counter() - t0
+            rule = (noise_rule_weight(res.noise_multiplier, batch) if private
+                    else 0.0)
+            for (hist, mult, methods), w in itertools.product(
+                    histories, (*args.weights, "rule")):
+                with_history(res.prepared, history_length(mult, train), methods)
+                m = score(res.create_predictor(
+                    zero_shot_weight=rule if w == "rule" else w))
+                rows.append({"panel": panel, "variant": name,
+                             "kind": "DP" if private else "non-private", "seed": seed,
+                             "history": hist, "w": w, "crps": m["crps"],
+                             "mase": m["mase"], "rel": study_score(m, sn),
+                             "seconds": secs, "sigma": res.noise_multiplier,
+                             "skip": describe_skip(res.prepared.module.model)})
+                print(f"{panel:10s} {name:45s} {hist:12s} "
+                      f"{'DP' if private else 'non-DP'} seed {seed} w={str(w):<4s} "
+                      f"CRPS {m['crps']:.5f} MASE {m['mase']:.3f} ({secs:.0f} s)",
+                      flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     warnings.filterwarnings("ignore")
     if args.combination_accuracy:
         combination_accuracy(args.panels)
@@ -359,19 +433,10 @@ def main(argv=None) -> int:
                 json.dump({"machine": platform.platform(), "amplification": rows}, fh, indent=1)
         return 0
 
-    import fine_tune_subset_study as subsets
+    from forecast_recipe import _panel
 
-    from opacus_structured.forecasting import training
-    from opacus_structured.forecasting.baseline_skip import (
-        BaselineSkipDLinearModel,
-        describe_skip,
-    )
-    from opacus_structured.forecasting.data import train_test_split  # noqa: F401
-    from opacus_structured.forecasting.estimators import prepare_estimator
-    from opacus_structured.forecasting.pretraining import pretrained_weights
-    from opacus_structured.forecasting.training import train_forecaster
-
-    stock = training._window_module
+    from opacus_structured.forecasting.baseline_skip import BaselineSkipDLinearModel
+    from opacus_structured.forecasting.data import train_test_split
 
     histories = [(text, *parse_history(text)) for text in args.histories]
     if args.whole_std:
@@ -381,67 +446,18 @@ def main(argv=None) -> int:
     rows, refs = [], {}
     for panel in args.panels:
         train, batch, score, sn = study_split(panel)
-        from forecast_recipe import _panel
-
-        from opacus_structured.forecasting.data import train_test_split as split
-        _, test = split(_panel(panel), H)
-        ets = ets_scores(train, list(zip(test.targets, test.starts, strict=True)))
+        _, test = train_test_split(_panel(panel), H)
+        ets = ets_scores(train, test)
         refs[panel] = {"seasonal_naive": sn, "ets": ets}
         print(f"{panel:10s} seasonal naive CRPS {sn['crps']:.5f} MASE {sn['mase']:.3f}; ETS "
               f"(NOT PRIVATE) CRPS {ets['crps']:.5f} MASE {ets['mase']:.3f}", flush=True)
         for variant in variants:
             skip_lr = configure(variant)
-            ctx = variant.context
-            state, _ = pretrained_weights("dlinear", freq=train.freq, prediction_length=H,
-                                          context_length=ctx, log=print)
-            zero = prepare_estimator("dlinear", freq=train.freq, prediction_length=H,
-                                     context_length=ctx)
-            zero.module.model.load_state_dict(state)
-            zero.module.eval()
-            for hist, mult, methods in histories:
-                with_history(zero, history_length(mult, train), methods)
-                zs = score(zero.create_predictor())
-                rows.append({"panel": panel, "variant": str(variant), "kind": "zero-shot",
-                             "history": hist, "crps": zs["crps"], "mase": zs["mase"],
-                             "rel": study_score(zs, sn)})
-                print(f"{panel:10s} {variant!s:45s} {hist:12s} zero-shot CRPS "
-                      f"{zs['crps']:.5f} MASE {zs['mase']:.3f}", flush=True)
-            if args.no_train:
-                continue
-            for subset, lr, private in itertools.product(
-                    args.subsets, args.lrs, (True, False) if args.nonprivate else (True,)):
-                name = run_name(variant, subset, lr)
-                for seed in args.seeds:
-                    t0 = time.perf_counter()
-                    trained = PRODUCT_SUBSETS.get(subset, "all")
-                    if subset not in PRODUCT_SUBSETS:  # the harness freezes (bias, lora-R)
-                        subsets.install(subset)
-                    res = train_forecaster(
-                        "dlinear", train, prediction_length=H, context_length=ctx,
-                        batch_size=batch, max_steps=100, lr=lr, max_grad_norm=1e-4,
-                        tail_average=0.5, epsilon=1.0 if private else None,
-                        delta=1e-7 if private else None, seed=seed, init_seed=seed,
-                        init_state=state, skip_lr=skip_lr, trained_parameters=trained)
-                    training._window_module = stock
-                    subsets.released(res.prepared.module.model)
-                    secs = time.perf_counter() - t0
-                    rule = (noise_rule_weight(res.noise_multiplier, batch) if private
-                            else 0.0)
-                    for (hist, mult, methods), w in itertools.product(
-                            histories, (*args.weights, "rule")):
-                        with_history(res.prepared, history_length(mult, train), methods)
-                        m = score(res.create_predictor(
-                            zero_shot_weight=rule if w == "rule" else w))
-                        rows.append({"panel": panel, "variant": name,
-                                     "kind": "DP" if private else "non-private", "seed": seed,
-                                     "history": hist, "w": w, "crps": m["crps"],
-                                     "mase": m["mase"], "rel": study_score(m, sn),
-                                     "seconds": secs, "sigma": res.noise_multiplier,
-                                     "skip": describe_skip(res.prepared.module.model)})
-                        print(f"{panel:10s} {name:45s} {hist:12s} "
-                              f"{'DP' if private else 'non-DP'} seed {seed} w={str(w):<4s} "
-                              f"CRPS {m['crps']:.5f} MASE {m['mase']:.3f} ({secs:.0f} s)",
-                              flush=True)
+            state, zero_rows = _zero_shot_rows(panel, variant, train, score, sn, histories)
+            rows += zero_rows
+            if not args.no_train:
+                rows += _fine_tuned_rows(args, panel, variant, skip_lr, state, train, batch,
+                                         score, sn, histories)
     print()
     names = [run_name(v, s, lr) for v in variants for s in args.subsets for lr in args.lrs]
     summary = summarize(rows, refs, names, args)

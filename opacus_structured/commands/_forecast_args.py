@@ -30,7 +30,9 @@ def _recipe_help(key, fmt="{:g}"):
     return ", ".join(f"{name} {fmt.format(row[key])}" for name, row in MODEL_DEFAULTS.items())
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def _add_recipe_arguments(p: argparse.ArgumentParser) -> None:
+    """The privacy target and the DP recipe (model, ε, δ, σ, steps, batch, horizon, context,
+    season, clipping norm, learning rate)."""
     p.add_argument("--model", choices=("deepar", "dlinear", "simpleff"),
                    default=DEFAULTS["model"], help="gluonts model (default %(default)s)")
     p.add_argument("--epsilon", type=float, default=DEFAULTS["epsilon"],
@@ -73,6 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Adam learning rate (default: the model's when fine-tuning public "
                         f"weights, {_recipe_help('lr')}; from scratch "
                         f"{_recipe_help('lr_from_scratch')})")
+
+
+def _add_start_arguments(p: argparse.ArgumentParser) -> None:
+    """Where training starts and what is released (initial and saved weights, tail average,
+    zero-shot weight)."""
     p.add_argument("--init-from", default="public", metavar="{public,none,PATH}",
                    help="start DP fine-tuning from public pretrained weights (default "
                         "'public': shipped with the package, cached, or pretrained now on the "
@@ -96,6 +103,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "model, W in [0, 1) (post-processing: no privacy cost; needs public "
                         "initial weights; 0 = the fine-tuned model alone; default: the "
                         f"model's, {_recipe_help('zero_shot_weight')})")
+
+
+def _add_search_arguments(p: argparse.ArgumentParser) -> None:
+    """The budget sweep and the private hyperparameter search."""
     p.add_argument("--epsilons", default=None, metavar="LIST",
                    help="sweep: train once per budget in this comma-separated list (e.g. "
                         "0.5,1,2,4,inf) and write sweep.png (CRPS and MASE against ε with the "
@@ -120,6 +131,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune-eta", type=float, default=1.0, metavar="ETA",
                    help="with --tune: shape of the truncated negative binomial law of K "
                         "(> -1; 0 logarithmic, 1 geometric; default %(default)g)")
+
+
+def _add_inference_arguments(p: argparse.ArgumentParser) -> None:
+    """Private inputs at prediction (inference privacy)."""
     p.add_argument("--inference-epsilon", type=float, default=None, metavar="EPS",
                    help="also forecast the test series from PRIVATE inputs: each series' "
                         "history is Poisson-subsampled in time and gets Gaussian noise "
@@ -131,6 +146,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inference-rate", type=float, default=0.5, metavar="R",
                    help="with --inference-epsilon: probability that an input time step is kept "
                         "(default %(default)g)")
+
+
+def _add_data_arguments(p: argparse.ArgumentParser) -> None:
+    """The panel: the series used, the user's CSV and its layout."""
     p.add_argument("--num-series", type=int, default=None,
                    help="use only the first N series (quick runs)")
     p.add_argument("--min-length", type=int, default=1,
@@ -157,6 +176,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="missing values inside a series of --data: error (default), ffill "
                         "(carry the last value forward), interpolate (linear) or drop-series "
                         "(exclude it); leading/trailing ones are trimmed; all are reported")
+
+
+def _add_evaluation_arguments(p: argparse.ArgumentParser) -> None:
+    """The forecasts' samples and the reference rows."""
     p.add_argument("--num-samples", type=int, default=DEFAULTS["num_samples"],
                    help="sample paths per forecast")
     p.add_argument("--no-baselines", action="store_true",
@@ -164,6 +187,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-ets", action="store_true",
                    help="skip the statsmodels ETS reference row (fitted per series WITHOUT "
                         "privacy: not private; needs statsmodels, else omitted with a notice)")
+
+
+def _add_mechanism_arguments(p: argparse.ArgumentParser) -> None:
+    """How the DP run is carried out (device, LSTM, clipping mode, sampling, dataset size,
+    workers, seeds)."""
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="torch device for training (default cpu)")
     p.add_argument("--lstm-impl", choices=("fast", "opacus"), default="fast",
@@ -197,6 +225,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seed only the public randomness (weight initialisation, dropout, "
                         "forecast sampling at evaluation); the run stays private. Default: "
                         "--seed, else fresh")
+
+
+def _add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """The verdict's runs, the output folders, the dataset budget and what is shown."""
     p.add_argument("--verdict-runs", type=int, default=DEFAULTS["verdict_runs"], metavar="R",
                    help="runs the verdict rests on: the release and R - 1 reruns of the same "
                         "mechanism with fresh coins, scored on the test split and never "
@@ -224,6 +256,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="print the report as one JSON object instead of the table (progress "
                         "and notices go to stderr)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``forecast`` command's flags, in the order ``--help`` lists them."""
+    _add_recipe_arguments(p)
+    _add_start_arguments(p)
+    _add_search_arguments(p)
+    _add_inference_arguments(p)
+    _add_data_arguments(p)
+    _add_evaluation_arguments(p)
+    _add_mechanism_arguments(p)
+    _add_output_arguments(p)
 
 
 def parse_epsilons(text):

@@ -51,7 +51,7 @@ def _evaluate(job, table, predictor) -> dict:
     metrics, _, _ = evaluate_predictor(predictor, table.test_ds,
                                        num_samples=job.args.num_samples,
                                        season_length=job.season_length)
-    return {"crps": metrics["crps"], "mase": metrics["mase"]}
+    return scores(metrics)
 
 
 def rerun_scores(job, budget: float, result, table, *, tuned=None) -> list[dict]:

@@ -35,7 +35,7 @@ from typing import Sequence
 
 import torch
 
-from .local_forecasts import METHODS, check_methods, local_forecasts_with_history
+from .local_forecasts import METHODS, check_methods, check_pair, local_forecasts_with_history
 
 __all__ = ["COMBINATION", "POWER", "MIN_ERROR", "FALLBACK_WEIGHTS", "backtest_weights",
            "backtest_combination"]
@@ -64,9 +64,7 @@ def backtest_weights(y: torch.Tensor, observed: torch.Tensor, window: int, m: in
     fitted on the steps before them (module docstring); :data:`FALLBACK_WEIGHTS` for a row that
     cannot be backtested."""
     candidates = check_methods(candidates)
-    if y.dim() != 2 or observed.shape != y.shape:
-        raise ValueError(f"y and observed must both be (batch, time) tensors, got "
-                         f"{tuple(y.shape)} and {tuple(observed.shape)}")
+    check_pair(y, observed)
     if not float(power) > 0:
         raise ValueError(f"power must be > 0, got {power!r}")
     B, T = y.shape

@@ -89,6 +89,9 @@ __all__ = ["BaselineSkipDLinearModel", "BaselineSkipDLinearLightningModule",
            "check_skip_init", "check_history_methods", "FEATURES", "check_skip_features",
            "skip_local_forecasts"]
 
+#: The constructor arguments the skip adds to DLinear's (model and estimator alike).
+_SKIP_ARGS = ("season_length", "skip_gain", "skip_features", "skip_init", "skip_scale",
+             "history_methods")
 #: The state_dict key of the skip's weight ``w`` (shape (1, K)).
 SKIP_PARAMETER = "baseline_skip.weight"
 #: The state_dict key of the scale skip's weight ``v`` (shape (1, 1)).
@@ -98,8 +101,9 @@ MIN_ETS_STD = 1e-4
 #: The inputs of the original baseline skip, in order (each minus DLinear's own location
 #: ``μ_h``): the default of the model and estimator classes.
 SKIP_FEATURES = ("seasonal_naive", "naive")
-#: The local forecasts of the DLinear recipe (``model_defaults``' ``skip_features``).
-LOCAL_FEATURES = ("seasonal_naive", "naive", "drift", "ets", "theta")
+#: The local forecasts of the DLinear recipe (``model_defaults``' ``skip_features``): all of
+#: :data:`~.local_forecasts.METHODS`.
+LOCAL_FEATURES = METHODS
 #: Every name ``skip_features`` accepts: the local methods and their per-series backtest
 #: combination (:mod:`.backtest_combination`).
 FEATURES = (*METHODS, COMBINATION)
@@ -176,14 +180,6 @@ class BaselineSkipDLinearModel(DLinearModel):
             raise ValueError(f"skip_scale moves the distribution's scale towards ETS's, but "
                              f"{type(distr_output).__name__} has no 'scale' argument ({names})")
         self._scale_index = names.index("scale") if "scale" in names else None
-        # seasonal-naive source index of each forecast step (naive when m = 1 or m > context)
-        m = self.season_length
-        if 1 < m <= context_length:
-            index = [context_length - m + (h % m) for h in range(prediction_length)]
-        else:
-            index = [context_length - 1] * prediction_length
-        self.register_buffer("_seasonal_index", torch.tensor(index, dtype=torch.long),
-                             persistent=False)
         self.baseline_skip = nn.Linear(len(self.skip_features), 1, bias=False)
         with torch.no_grad():
             self.baseline_skip.weight.copy_(self.initial_skip_weight())
@@ -210,12 +206,6 @@ class BaselineSkipDLinearModel(DLinearModel):
         estimator) is read whole by :attr:`history_methods` only; the other methods read its
         last ``context_length`` steps, as in training."""
         ctx = self.context_length
-        if (self.skip_features == SKIP_FEATURES and not with_ets_std
-                and not self.history_methods):  # the original skip: two gathers
-            window = past_target_scaled[:, -ctx:]
-            seasonal = window[:, self._seasonal_index]
-            naive = window[:, -1:].expand_as(seasonal)
-            return torch.stack([seasonal, naive], dim=-1)
         config = (ctx, self.season_length, self.prediction_length, self.skip_features,
                   self.history_methods, bool(with_ets_std), bool(self.recent_std))
         memo = None if torch.is_grad_enabled() else _LAST_PREDICTION
@@ -283,9 +273,7 @@ class BaselineSkipDLinearLightningModule(DLinearLightningModule):
 
     @validated()
     def __init__(self, model_kwargs: dict, lr: float = 1e-3, weight_decay: float = 1e-8):
-        plain = {k: v for k, v in model_kwargs.items()
-                 if k not in ("season_length", "skip_gain", "skip_features", "skip_init",
-                              "skip_scale", "history_methods")}
+        plain = {k: v for k, v in model_kwargs.items() if k not in _SKIP_ARGS}
         super().__init__(model_kwargs=plain, lr=lr, weight_decay=weight_decay)
         self.model = BaselineSkipDLinearModel(**model_kwargs)
         self.inputs = self.model.describe_inputs()
@@ -350,12 +338,7 @@ class BaselineSkipDLinearEstimator(DLinearEstimator):
                           "hidden_dimension": self.hidden_dimension,
                           "distr_output": self.distr_output,
                           "kernel_size": self.kernel_size, "scaling": self.scaling,
-                          "season_length": self.season_length,
-                          "skip_gain": self.skip_gain,
-                          "skip_features": self.skip_features,
-                          "skip_init": self.skip_init,
-                          "skip_scale": self.skip_scale,
-                          "history_methods": self.history_methods})
+                          **{k: getattr(self, k) for k in _SKIP_ARGS}})
 
 
 def check_skip_init(skip_init, features) -> Optional[tuple]:

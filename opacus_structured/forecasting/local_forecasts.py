@@ -55,7 +55,7 @@ import torch
 
 __all__ = ["METHODS", "ETS_GRID", "THETA_ALPHAS", "local_forecasts", "ets_forecast",
            "theta_forecast", "drift_forecast", "seasonal_naive_forecast", "check_methods",
-           "local_forecasts_with_history", "trim_leading_padding"]
+           "local_forecasts_with_history", "trim_leading_padding", "check_pair"]
 
 #: The local methods, in the order :func:`local_forecasts` stacks them by default.
 METHODS = ("seasonal_naive", "naive", "drift", "ets", "theta")
@@ -81,6 +81,13 @@ def check_methods(methods: Sequence[str], allowed: Sequence[str] = METHODS) -> t
         raise ValueError(f"local forecast methods must be distinct names from {allowed}, got "
                          f"{methods!r}")
     return methods
+
+
+def check_pair(y: torch.Tensor, observed: torch.Tensor, axis: str = "time") -> None:
+    """A ValueError unless ``y`` and ``observed`` are both ``(batch, axis)`` tensors."""
+    if y.dim() != 2 or observed.shape != y.shape:
+        raise ValueError(f"y and observed must both be (batch, {axis}) tensors, got "
+                         f"{tuple(y.shape)} and {tuple(observed.shape)}")
 
 
 def _first_observed(observed: torch.Tensor) -> torch.Tensor:
@@ -313,9 +320,7 @@ def local_forecasts(y: torch.Tensor, observed: torch.Tensor, m: int, horizon: in
     (:func:`ets_forecast`, its ``σ`` over the last ``ets_recent`` steps when given; ETS is
     fitted even when not among ``methods``)."""
     methods = check_methods(methods)
-    if y.dim() != 2 or observed.shape != y.shape:
-        raise ValueError(f"y and observed must both be (batch, context) tensors, got "
-                         f"{tuple(y.shape)} and {tuple(observed.shape)}")
+    check_pair(y, observed, "context")
     with torch.no_grad():
         out = []
         ets = ets_forecast(y, observed, m, horizon, recent=ets_recent) if (
@@ -364,37 +369,34 @@ def local_forecasts_with_history(y: torch.Tensor, observed: torch.Tensor, window
     history_methods = tuple(history_methods)
     if history_methods:
         check_methods(history_methods)
-    if y.dim() != 2 or observed.shape != y.shape:
-        raise ValueError(f"y and observed must both be (batch, time) tensors, got "
-                         f"{tuple(y.shape)} and {tuple(observed.shape)}")
+    check_pair(y, observed)
     T = y.shape[1]
     if not 1 <= int(window) <= T:
         raise ValueError(f"window must be in [1, {T}] (the input's length), got {window!r}")
     long = [k for k in methods if k in history_methods]
-    ets_long = "ets" in history_methods
-    if T == window or (not long and not (with_ets_std and ets_long)):
-        return local_forecasts(y[:, T - window:], observed[:, T - window:], m, horizon,
-                               methods, with_ets_std=with_ets_std)
+    ets_long = with_ets_std and "ets" in history_methods
+    wy, wo = y[:, T - window:], observed[:, T - window:]
+    if T == window or (not long and not ets_long):
+        return local_forecasts(wy, wo, m, horizon, methods, with_ets_std=with_ets_std)
     with torch.no_grad():
-        short = [k for k in methods if k not in history_methods]
         hy, ho = trim_leading_padding(y, observed, window)
-        columns, std = {}, None
-        if long:
-            out = local_forecasts(hy, ho, m, horizon, long, with_ets_std=with_ets_std and ets_long,
-                                  ets_recent=window if recent_std else None)
-            if with_ets_std and ets_long:
-                out, std = out
-            columns.update(zip(long, out.unbind(-1), strict=True))
-        elif with_ets_std and ets_long:  # ETS's spread from the history, ETS not combined
-            std = ets_forecast(hy, ho, m, horizon, recent=window if recent_std else None)[1]
-        if short:
-            wy, wo = y[:, T - window:], observed[:, T - window:]
-            want_std = with_ets_std and std is None
-            out = local_forecasts(wy, wo, m, horizon, short, with_ets_std=want_std)
-            if want_std:
-                out, std = out
-            columns.update(zip(short, out.unbind(-1), strict=True))
-        elif with_ets_std and std is None:
-            std = ets_forecast(y[:, T - window:], observed[:, T - window:], m, horizon)[1]
+        columns, std = _fits(hy, ho, m, horizon, long, ets_long,
+                             window if recent_std else None)
+        short = [k for k in methods if k not in history_methods]
+        more, window_std = _fits(wy, wo, m, horizon, short, with_ets_std and std is None)
+        columns.update(more)
         stacked = torch.stack([columns[k] for k in methods], dim=-1)
-        return (stacked, std) if with_ets_std else stacked
+        return (stacked, std if std is not None else window_std) if with_ets_std else stacked
+
+
+def _fits(y, observed, m, horizon, methods, with_ets_std, recent=None):
+    """``({method: (B, H) forecasts}, ETS's (B, H) std or None)``: :func:`local_forecasts` of
+    ``methods`` (none fitted when empty) and, with ``with_ets_std``, ETS's standard deviation
+    (``recent`` as in :func:`ets_forecast`)."""
+    if not methods:
+        return {}, (ets_forecast(y, observed, m, horizon, recent=recent)[1]
+                    if with_ets_std else None)
+    out = local_forecasts(y, observed, m, horizon, methods, with_ets_std=with_ets_std,
+                          ets_recent=recent)
+    out, std = out if with_ets_std else (out, None)
+    return dict(zip(methods, out.unbind(-1), strict=True)), std

@@ -40,12 +40,11 @@ import torch
 
 from .. import _progress
 from .._validation import check_int
-from .backtest_combination import COMBINATION
+from .baseline_skip import check_skip_features
 from .competition_corpus import competition_kind, competition_panel
 from .data import Panel
 from .estimators import default_context_length, prepare_estimator
 from .lightning_parts import _lightning
-from .local_forecasts import METHODS, check_methods
 from .provenance import public_record, register_public_weights
 from .public_corpus import synthetic_panel
 from .public_weights import (
@@ -104,8 +103,7 @@ class PretrainRecipe:
         if self.competition_series is not None:
             check_int("competition_series", self.competition_series, minimum=1)
         if self.skip_features is not None:
-            object.__setattr__(self, "skip_features",
-                               check_methods(self.skip_features, (*METHODS, COMBINATION)))
+            object.__setattr__(self, "skip_features", check_skip_features(self.skip_features))
 
     def uses_competition(self, freq: str) -> bool:
         """Whether the corpus at ``freq`` includes the competition series."""

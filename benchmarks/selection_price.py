@@ -223,58 +223,71 @@ def part_sigma(name: str, epsilon: float) -> dict:
             "seconds_plan": t1 - t0, "seconds_plan_pld_route": t2 - t1}
 
 
+def _table(header: str, rows) -> list[str]:
+    """A markdown table: ``header`` (its cells between bars), its rule, then ``rows``."""
+    return [header, "|---" * (header.count("|") - 1) + "|", *rows]
+
+
+def _setting_rows(s: dict):
+    for d in ("1e-3", "1e-4"):
+        row = s[f"d={float(d):g}"]
+        yield (f"| {d} | {row['one_run']:.3f} | {row['switching_pair']:.3f} | "
+               f"{row['pld_renyi']:.3f} | {s['equivalent_event']:.3f} | "
+               f"{row['switching_pair'] / s['equivalent_event']:.3f} |")
+
+
+def _two_sided_rows(rows: list):
+    for r in rows:
+        before = ("refused" if r["pld_renyi"] is None else f"{r['pld_renyi']:.3f}")
+        ratio = ("-" if r["pld_renyi"] is None
+                 else f"{r['mixture_pair'] / r['pld_renyi']:.3f}")
+        yield (f"| {r['theorem']} ({r['unit']}) | {r['mean_trials']:g} | "
+               f"{r['one_run']:.3f} | {r['mixture_pair']:.3f} | {before} | {ratio} | "
+               f"{r['quadrature_gap']:.1e} |")
+
+
+def _gate_panel_rows(g: dict):
+    for name, row in g["panels"].items():
+        need = "none" if row["epsilon_needed"] is None else f"{row['epsilon_needed']:.3g}"
+        yield (f"| {name} | {row['num_series']} | {row['score_noise_sd']:.3g} | "
+               f"{'yes' if row['search_run'] else 'no'} | {row['series_needed']} | {need} |")
+
+
+def _sigma_rows(rows: list):
+    for r in rows:
+        u = r["untuned_sigma"]
+        yield (f"| {r['panel']} | {r['num_series']} | {r['epsilon']:g} | "
+               f"{r['theorem']} | {u:.3g} | {r['sigma']:.3g} | "
+               f"{r['sigma'] / u:.2f} | {r['sigma_pld_route']:.3g} | "
+               f"{r['sigma_pld_route'] / u:.2f} | {r['selection_share']:.2f} / "
+               f"{r['selection_share_pld_route']:.2f} |")
+
+
 def report(state: dict) -> str:
     lines = [f"machine: {state.get('machine')}", ""]
     s = state.get("setting")
     if s:
-        lines += ["| discretization | one run | selection, switching pair (now) | selection, "
-                  "PLD Rényi (before) | equivalent event (dp_accounting) | now / event |",
-                  "|---|---|---|---|---|---|"]
-        for d in ("1e-3", "1e-4"):
-            row = s[f"d={float(d):g}"]
-            lines.append(f"| {d} | {row['one_run']:.3f} | {row['switching_pair']:.3f} | "
-                         f"{row['pld_renyi']:.3f} | {s['equivalent_event']:.3f} | "
-                         f"{row['switching_pair'] / s['equivalent_event']:.3f} |")
-        lines.append("")
+        lines += _table("| discretization | one run | selection, switching pair (now) | "
+                        "selection, PLD Rényi (before) | equivalent event (dp_accounting) | "
+                        "now / event |", _setting_rows(s)) + [""]
     rows = state.get("two_sided") or []
     if rows:
-        lines += ["| theorem (unit) | E[K] | one run | selection, mixture pair (now) | "
-                  "selection, PLD Rényi (before) | now / before | quadrature gap |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in rows:
-            before = ("refused" if r["pld_renyi"] is None else f"{r['pld_renyi']:.3f}")
-            ratio = ("-" if r["pld_renyi"] is None
-                     else f"{r['mixture_pair'] / r['pld_renyi']:.3f}")
-            lines.append(f"| {r['theorem']} ({r['unit']}) | {r['mean_trials']:g} | "
-                         f"{r['one_run']:.3f} | {r['mixture_pair']:.3f} | {before} | {ratio} | "
-                         f"{r['quadrature_gap']:.1e} |")
-        lines.append("")
+        lines += _table("| theorem (unit) | E[K] | one run | selection, mixture pair (now) | "
+                        "selection, PLD Rényi (before) | now / before | quadrature gap |",
+                        _two_sided_rows(rows)) + [""]
     g = state.get("gate")
     if g:
-        lines += [f"gate (MAX_SCORE_NOISE = {g['max_score_noise']}):", "",
-                  "| ε | σ_s | series needed |", "|---|---|---|"]
-        for eps, row in g["limits"].items():
-            lines.append(f"| {eps} | {row['score_sigma']:.3g} | {row['series_needed']} |")
-        lines += ["", "| panel | N | score noise sd at ε = 1 | search runs | series needed "
-                  "| ε needed |", "|---|---|---|---|---|---|"]
-        for name, row in g["panels"].items():
-            need = "none" if row["epsilon_needed"] is None else f"{row['epsilon_needed']:.3g}"
-            lines.append(f"| {name} | {row['num_series']} | {row['score_noise_sd']:.3g} | "
-                         f"{'yes' if row['search_run'] else 'no'} | {row['series_needed']} | "
-                         f"{need} |")
-        lines.append("")
+        lines += [f"gate (MAX_SCORE_NOISE = {g['max_score_noise']}):", ""]
+        lines += _table("| ε | σ_s | series needed |",
+                        (f"| {eps} | {row['score_sigma']:.3g} | {row['series_needed']} |"
+                         for eps, row in g["limits"].items())) + [""]
+        lines += _table("| panel | N | score noise sd at ε = 1 | search runs | series needed "
+                        "| ε needed |", _gate_panel_rows(g)) + [""]
     rows = state.get("sigma") or []
     if rows:
-        lines += ["| panel | N | ε | theorem | σ untuned | σ of the search (now) | × | σ, PLD "
-                  "route (before) | × | selection share now / before |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in rows:
-            u = r["untuned_sigma"]
-            lines.append(f"| {r['panel']} | {r['num_series']} | {r['epsilon']:g} | "
-                         f"{r['theorem']} | {u:.3g} | {r['sigma']:.3g} | "
-                         f"{r['sigma'] / u:.2f} | {r['sigma_pld_route']:.3g} | "
-                         f"{r['sigma_pld_route'] / u:.2f} | {r['selection_share']:.2f} / "
-                         f"{r['selection_share_pld_route']:.2f} |")
+        lines += _table("| panel | N | ε | theorem | σ untuned | σ of the search (now) | × | "
+                        "σ, PLD route (before) | × | selection share now / before |",
+                        _sigma_rows(rows))
     return "\n".join(lines)
 
 

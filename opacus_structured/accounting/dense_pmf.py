@@ -39,7 +39,6 @@ PMF array, infinity mass, ε) equal to dp_accounting's on many PLDs (``tests/tes
 from __future__ import annotations
 
 import math
-import sys
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -289,9 +288,6 @@ def self_compose(pld: PrivacyLossDistribution, num_times: int,
 
 
 _LIBM_EXP: Optional[bool] = None
-#: ``math.log`` of the largest double: ``math.exp`` raises ``OverflowError`` above it, where
-#: ``np.exp`` returns ``inf``.
-_EXP_MAX = math.log(sys.float_info.max)
 
 
 def _numpy_exp_is_math_exp() -> bool:

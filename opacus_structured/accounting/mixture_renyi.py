@@ -200,10 +200,12 @@ def _regions(scans: list, orders: np.ndarray, h: float, var: float) -> list[np.n
     return out
 
 
-def _orders_bounds(p: GaussianMixture, q: GaussianMixture, orders: np.ndarray) -> np.ndarray:
-    """``(lower, upper)`` of log M_λ per order (rows): each order's cells are its scan's
-    outside its region and the shared lattice (spacing ``_LATTICE`` σ, evaluated once over the
-    union of the regions) inside; all orders' cells are bounded in one pass."""
+def _orders_bounds(p: GaussianMixture, q: GaussianMixture, orders: np.ndarray,
+                   lower: bool = True) -> tuple[Optional[np.ndarray], np.ndarray]:
+    """``(lower, upper)`` of log M_λ per order: each order's cells are its scan's outside its
+    region and the shared lattice (spacing ``_LATTICE`` σ, evaluated once over the union of
+    the regions) inside; all orders' cells are bounded in one pass. ``lower=False`` skips
+    the lower bound (``None``): pricing needs the upper one only."""
     sigma = p.sigma
     var = sigma ** 2
     h = _LATTICE * sigma
@@ -238,8 +240,6 @@ def _orders_bounds(p: GaussianMixture, q: GaussianMixture, orders: np.ndarray) -
     slope_hi = (lam_c * mp[j + 1] - k_c * mq[j]) / var
     upper = np.minimum(g[j + 1] + _log_gauss_cell(width, x[j + 1] / var - slope_lo, sigma),
                        g[j] + _log_gauss_cell(width, slope_hi - x[j] / var, sigma))
-    lower = np.maximum(g[j + 1] + _log_gauss_cell(width, x[j + 1] / var - slope_hi, sigma),
-                       g[j] + _log_gauss_cell(width, slope_lo - x[j] / var, sigma))
     # tails: ψ' >= (λ min a − (λ−1) ā_Q(x0))/σ² left of x0 and <= (λ max a − (λ−1) ā_Q(x1))/σ²
     # right of x1, each a Gaussian tail
     first, last = starts, starts + sizes - 1
@@ -250,10 +250,13 @@ def _orders_bounds(p: GaussianMixture, q: GaussianMixture, orders: np.ndarray) -
     owner = np.repeat(np.arange(len(orders)), sizes - 1)
     log_upper = _segment_logsumexp(upper, owner, len(orders))
     log_upper = np.logaddexp(log_upper, np.logaddexp(left, right))
-    log_lower = _segment_logsumexp(lower, owner, len(orders))
     size = np.maximum.reduceat(np.maximum(np.abs(log_p), np.abs(log_q)), starts)
     slack = _ROUNDING + _LOSS_ROUNDING * orders * (1.0 + 2.0 * size)
-    return np.stack([log_lower, log_upper + slack], axis=1)
+    if not lower:
+        return None, log_upper + slack
+    cells = np.maximum(g[j + 1] + _log_gauss_cell(width, x[j + 1] / var - slope_hi, sigma),
+                       g[j] + _log_gauss_cell(width, slope_lo - x[j] / var, sigma))
+    return _segment_logsumexp(cells, owner, len(orders)), log_upper + slack
 
 
 def _segment_logsumexp(values: np.ndarray, owner: np.ndarray, n: int) -> np.ndarray:
@@ -279,14 +282,20 @@ def log_moment_bounds(pair: MixturePair, orders: Sequence[float]
     at each order :math:`\lambda > 1` (module docstring; the argument does not use the
     separation of the means). The upper bound holds whatever the grid; the lower one shows
     how tight it is (both are clipped at 0, the moment being at least 1)."""
-    orders = _check_orders(orders)
+    return _log_moments(pair, _check_orders(orders), lower=True)
+
+
+def _log_moments(pair: MixturePair, orders: np.ndarray, lower: bool
+                 ) -> tuple[Optional[np.ndarray], np.ndarray]:
+    """:func:`log_moment_bounds` on checked orders; the lower bound ``None`` unless
+    ``lower``."""
     if not isinstance(pair, MixturePair):
         raise TypeError(f"pair must be a MixturePair, got {type(pair).__name__}")
     if pair.is_trivial():
         zero = np.zeros_like(orders)
         return zero, zero
-    bounds = _orders_bounds(pair.upper, pair.lower, orders)
-    return np.maximum(bounds[:, 0], 0.0), bounds[:, 1]
+    log_lower, log_upper = _orders_bounds(pair.upper, pair.lower, orders, lower)
+    return (None if log_lower is None else np.maximum(log_lower, 0.0)), log_upper
 
 
 def truncate(pair: MixturePair, cut: float) -> tuple[MixturePair, float, float]:
@@ -338,10 +347,10 @@ def pair_log_moments(pair: MixturePair, orders: Sequence[float]) -> np.ndarray:
     E_P[(Q/P)^\lambda]`, the larger at each order (both directions of the pair; one
     computation where the pair is its own mirror image, as Theorems E.1/E.8's are)."""
     orders = _check_orders(orders)
-    forward = log_moment_bounds(pair, orders)[1]
+    forward = _log_moments(pair, orders, lower=False)[1]
     if _is_mirror(pair):
         return forward
-    return np.maximum(forward, log_moment_bounds(pair.reversed(), orders)[1])
+    return np.maximum(forward, _log_moments(pair.reversed(), orders, lower=False)[1])
 
 
 def profile_pairs(profile: PrivacyProfile) -> Optional[list[tuple[float, MixturePair]]]:

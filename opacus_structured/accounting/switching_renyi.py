@@ -140,24 +140,33 @@ def switching_delta(epsilon, noise_multiplier: float, rate: float, *,
     if p == 0.0:
         return np.zeros_like(eps)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        x, ok = _threshold(eps, s, p, direction)
         if direction == "remove":
-            # log((alpha - 1 + p)/p), alpha - 1 = expm1(eps)
-            log_ratio = np.log(np.expm1(eps) + p) - math.log(p)
-            x = 0.5 + s * s * log_ratio
             hit = math.log(p) + special.log_ndtr(-(x - 1.0) / s)
             miss = np.log(np.expm1(eps) + p) + special.log_ndtr(-x / s)
             out = np.exp(hit) - np.exp(miss)
         else:
-            inv = np.exp(-eps)  # 1/alpha
-            inside = inv - 1.0 + p
             out = np.zeros_like(eps)
-            ok = inside > 0
-            x = 0.5 + s * s * (np.log(inside[ok]) - math.log(p))
             alpha = np.exp(eps[ok])
             lead = -np.expm1(eps[ok]) + alpha * p  # 1 - alpha (1 - p)
             out[ok] = (lead * special.ndtr(x / s)
                        - alpha * p * special.ndtr((x - 1.0) / s))
     return np.clip(np.nan_to_num(out, nan=0.0), 0.0, 1.0)
+
+
+def _threshold(eps: np.ndarray, s: float, p: float, direction: str
+               ) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    r"""``(x, ok)``: where the likelihood ratio crosses :math:`\alpha = e^\varepsilon`,
+    :math:`x^* = \tfrac12 + s^2\log\frac{\alpha - 1 + p}{p}` (``"remove"``, at every ε;
+    ``ok`` is ``None``) or :math:`x^{**} = \tfrac12 + s^2\log\frac{1/\alpha - 1 + p}{p}`
+    at the ε of the mask ``ok`` only, where :math:`1/\alpha - 1 + p > 0` (``"add"``: the
+    add curve is 0 elsewhere). Call under ``np.errstate`` (ε = 0 with p = 0 divides)."""
+    if direction == "remove":
+        # log((alpha - 1 + p)/p), alpha - 1 = expm1(eps)
+        return 0.5 + s * s * (np.log(np.expm1(eps) + p) - math.log(p)), None
+    inside = np.exp(-eps) - 1.0 + p  # 1/alpha - 1 + p
+    ok = inside > 0
+    return 0.5 + s * s * (np.log(inside[ok]) - math.log(p)), ok
 
 
 def equivalent_event_rdp(orders: Sequence[float], noise_multiplier: float,
@@ -223,13 +232,10 @@ def _slope(epsilon: np.ndarray, s: float, p: float, direction: str) -> np.ndarra
     :math:`-\bar\Phi(x^*/s)` (remove), :math:`-[(1-p)\Phi(x^{**}/s) + p\Phi((x^{**}-1)/s)]`
     (add; 0 where :math:`\gamma \ge 1/(1-p)`)."""
     with np.errstate(divide="ignore", invalid="ignore"):
+        x, ok = _threshold(epsilon, s, p, direction)
         if direction == "remove":
-            x = 0.5 + s * s * (np.log(np.expm1(epsilon) + p) - math.log(p))
             return -special.ndtr(-x / s)
-        inside = np.exp(-epsilon) - 1.0 + p
         out = np.zeros_like(epsilon)
-        ok = inside > 0
-        x = 0.5 + s * s * (np.log(inside[ok]) - math.log(p))
         out[ok] = -((1.0 - p) * special.ndtr(x / s) + p * special.ndtr((x - 1.0) / s))
         return out
 

@@ -165,18 +165,15 @@ def _rdp_lower_curve(sigma: float, q: float):
     slopes = np.diff(h) / np.diff(knots)
     tv = q * (2.0 * special.ndtr(0.5 / sigma) - 1.0)
     pinsker = 2.0 * tv * tv
-    out = []
-    for order in RDP_ORDERS:
-        best = (order - 1.0) * pinsker
-        at = np.searchsorted(anchors, order, side="right") - 1
-        if at >= 0:
-            best = max(best, (order - 1.0) * rho[at])
-        outside = (order <= knots[:-1]) | (order >= knots[1:])
-        if outside.any():
-            lines = h[:-1][outside] + slopes[outside] * (order - knots[:-1][outside])
-            best = max(best, float(lines.max()))
-        out.append(best / (order - 1.0))
-    return np.array(out)
+    order = np.array(RDP_ORDERS)
+    best = (order - 1.0) * pinsker
+    at = np.searchsorted(anchors, order, side="right") - 1
+    best = np.where(at >= 0, np.maximum(best, (order - 1.0) * rho[np.maximum(at, 0)]), best)
+    # every order lies outside all segments but at most one: the secants there, all at once
+    column = order[:, None]
+    outside = (column <= knots[:-1]) | (column >= knots[1:])
+    lines = np.where(outside, h[:-1] + slopes * (column - knots[:-1]), -np.inf)
+    return np.maximum(best, lines.max(axis=1)) / (order - 1.0)
 
 
 def rdp_lower_bound(parts: tuple, delta: float) -> float:
@@ -188,7 +185,10 @@ def rdp_lower_bound(parts: tuple, delta: float) -> float:
     :math:`\rho + \log(1 - 1/\alpha) - \log(\delta\alpha)/(\alpha - 1)`), and the
     minimum over orders keeps that, so the result is at most the route's ε."""
     import numpy as np
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
+    if not hasattr(rdp, "compute_epsilon"):
+        return -math.inf
     total = np.zeros(len(RDP_ORDERS))
     for sigma, q, steps in parts:
         if not steps:
@@ -197,15 +197,7 @@ def rdp_lower_bound(parts: tuple, delta: float) -> float:
         if curve is None:
             return -math.inf
         total += steps * curve
-    floor = -math.log1p(-delta * delta)  # below it, compute_epsilon gives 0
-    best = math.inf
-    for order, rho in zip(RDP_ORDERS, total, strict=True):
-        if rho <= floor:
-            return 0.0
-        if order > 1.01:
-            best = min(best, rho + math.log1p(-1 / order) - math.log(delta * order)
-                       / (order - 1))
-    return max(0.0, best)
+    return float(rdp.compute_epsilon(np.array(RDP_ORDERS), total, delta)[0])
 
 
 @functools.lru_cache(maxsize=32)

@@ -25,7 +25,7 @@ from dp_accounting import dp_event
 from ..accountants.budget_curves import accountant_rdp
 from ..accounting import private_selection as ps
 from ..accounting import renyi_filter as rf
-from .pricing import PureDpTrial, TrialCost
+from .pricing import PureDpTrial, _unpack
 
 __all__ = ["selection_rdp"]
 
@@ -36,8 +36,7 @@ def _trial_rdp(trial, orders) -> tuple[np.ndarray, float]:
         return rf.event_rdp(trial, orders), 0.0
     if isinstance(trial, PureDpTrial):
         return ps.pure_dp_rdp(trial.epsilon, orders), 0.0
-    run, extras = ((trial.run, trial.score_noise_multipliers) if isinstance(trial, TrialCost)
-                   else (trial, ()))
+    run, extras = _unpack(trial)
     if not getattr(run, "history", None):
         raise ValueError("the trial's accountant has recorded no step: pass the accountant of a "
                          "finished training run (or expected_trial=) to charge the search")

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 from dp_accounting import dp_event
@@ -49,6 +49,7 @@ from opacus.accountants import RDPAccountant
 
 from .._validation import check_open_unit, check_positive
 from ..accountants.base import SchemeAccountant
+from ..accountants.budget_curves import run_units
 from ..accounting import mixture_renyi as mr
 from ..accounting import private_selection as ps
 from ..accounting import switching_renyi as sw
@@ -176,21 +177,10 @@ CUTS = (0.0, 1e-16, 1e-13, 1e-10)
 
 def _unit_sigmas(acc) -> list[tuple[float, Optional[float], int]]:
     """``(σ, sample rate, count)`` per accounting unit of an accountant's history, as its
-    ``_composed`` builds them (a multi-step unit priced at its smallest noise multiplier)."""
-    scheme = acc.scheme
-    if scheme.unit == "step":
-        return [(s, q, int(n)) for s, q, n in acc.history if n]
-    per_unit = scheme.steps_per_unit()
-    scheme.compositions(len(acc))  # validates the run length
-    sigmas, rates = [], []
-    for s, q, n in acc.history:
-        sigmas.extend([s] * int(n))
-        rates.extend([q] * int(n))
-    parts: dict = {}
-    for start in range(0, len(sigmas), per_unit):
-        key = (min(sigmas[start:start + per_unit]), rates[start])
-        parts[key] = parts.get(key, 0) + 1
-    return [(s, q, n) for (s, q), n in parts.items()]
+    ``_composed`` builds them (a multi-step unit priced at its smallest noise multiplier):
+    :func:`~opacus_structured.accountants.budget_curves.run_units`, which the dataset budget
+    charges by too."""
+    return run_units(acc.scheme, acc.history)
 
 
 def _unit_parts(acc, discretization: float):
@@ -199,17 +189,47 @@ def _unit_parts(acc, discretization: float):
             for s, q, n in _unit_sigmas(acc)]
 
 
+def _unit_profiles(run) -> Optional[Iterator[tuple]]:
+    """``(profile, count)`` per accounting unit, each rate checked (lazily: a route stops at
+    the first unit it cannot take); ``None`` when the scheme has no ``profile``."""
+    scheme = run.scheme
+    if not callable(getattr(scheme, "profile", None)):
+        return None
+
+    def units():
+        for sigma, rate, count in _unit_sigmas(run):
+            scheme.check_sample_rate(rate)
+            yield scheme.profile(sigma), count
+
+    return units()
+
+
+def _compose_units(units, orders, gaussian, label: str, worlds: int) -> list[tuple]:
+    """One route per tail cut (:data:`CUTS`) and world: ``gaussian`` plus, over ``units``
+    (per cut ``(count, [(rdp, tail) per world])``; a unit with one world serves every
+    world), ``count`` times each unit's curve and tail mass."""
+    routes = []
+    for c in range(len(CUTS)):
+        for k in range(worlds):
+            rdp, tail = gaussian.copy(), 0.0
+            for per_cut in units:
+                count, unit = per_cut[c]
+                r, t = unit[min(k, len(unit) - 1)]
+                rdp, tail = rdp + count * r, tail + count * t
+            routes.append((orders, rdp, tail, label))
+    return routes
+
+
 def _switching_route(run, orders, gaussian) -> Optional[tuple]:
     """The ``"switching-pair"`` route when every accounting unit's profile is the switching
     profile of a Poisson-subsampled Gaussian (:func:`~opacus_structured.accounting.
     switching_renyi.equivalent_subsampled_gaussian`); ``None`` otherwise."""
-    scheme = run.scheme
-    if not callable(getattr(scheme, "profile", None)):
+    profiles = _unit_profiles(run)
+    if profiles is None:
         return None
     rdp = gaussian.copy()
-    for sigma, rate, count in _unit_sigmas(run):
-        scheme.check_sample_rate(rate)
-        equivalent = sw.equivalent_subsampled_gaussian(scheme.profile(sigma))
+    for profile, count in profiles:
+        equivalent = sw.equivalent_subsampled_gaussian(profile)
         if equivalent is None:
             return None
         rdp = rdp + count * sw.switching_rdp(orders, *equivalent)
@@ -221,23 +241,16 @@ def _mixture_routes(run, orders, gaussian) -> Optional[list[tuple]]:
     unit's profile is that of a two-sided Gaussian-mixture pair, possibly behind a top
     level's perfect-privacy share (:func:`~opacus_structured.accounting.mixture_renyi.
     profile_worlds`: Theorems E.1, E.8, F.1, F.2); ``None`` otherwise."""
-    scheme = run.scheme
-    if not callable(getattr(scheme, "profile", None)):
+    profiles = _unit_profiles(run)
+    if profiles is None:
         return None
     units = []
-    for sigma, rate, count in _unit_sigmas(run):
-        scheme.check_sample_rate(rate)
-        worlds = mr.profile_worlds(scheme.profile(sigma), orders, CUTS)
+    for profile, count in profiles:
+        worlds = mr.profile_worlds(profile, orders, CUTS)
         if worlds is None:
             return None
-        units.append((count, worlds))
-    routes = []
-    for c in range(len(CUTS)):
-        rdp, tail = gaussian.copy(), 0.0
-        for count, worlds in units:
-            rdp, tail = rdp + count * worlds[c][0], tail + count * worlds[c][1]
-        routes.append((orders, rdp, tail, "mixture-pair"))
-    return routes
+        units.append([(count, [world]) for world in worlds])
+    return _compose_units(units, orders, gaussian, "mixture-pair", 1)
 
 
 def _gaussian_rdp(orders, extras, unamplified) -> np.ndarray:
@@ -321,15 +334,7 @@ def _accountant_worlds(run, extras, orders, discretization
             from None
     units = [[(count, ps.pld_renyi(pld, orders, cut=cut)) for cut in CUTS]
              for pld, count in parts]
-    for c in range(len(CUTS)):
-        for k in range(2):
-            rdp, tail = gaussian.copy(), 0.0
-            for per_cut in units:
-                count, unit = per_cut[c]
-                r, t = unit[min(k, len(unit) - 1)]
-                rdp, tail = rdp + count * r, tail + count * t
-            routes.append((orders, rdp, tail, "pld-renyi"))
-    return routes
+    return routes + _compose_units(units, orders, gaussian, "pld-renyi", 2)
 
 
 def _priced(value: float, route: str) -> PricedEpsilon:

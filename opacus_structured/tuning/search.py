@@ -335,8 +335,8 @@ class PrivateSelection:
         elapsed time and the search's budget, never how many trials ran (module docstring)."""
         show_bar = _progress.enabled(self._progress is False)
         plain = self._progress is not False and not show_bar
-        start = last = time.monotonic()
-        first = True
+        start = time.monotonic()
+        last = start - 10.0  # the first trial prints a line
         self._charge_budget()  # before any trial when the trial is known up front
         with _progress.elapsed("private selection", show=show_bar) as bar:
             while self.trials_done < self._k:
@@ -344,11 +344,11 @@ class PrivateSelection:
                 self._charge_budget()
                 note = self._progress_note()
                 bar.set_description_str(f"private selection ({note})", refresh=False)
-                if plain and (first or time.monotonic() - last >= 10.0):
+                if plain and time.monotonic() - last >= 10.0:
                     print(f"private selection: running, "
                           f"{_progress.format_seconds(time.monotonic() - start)} elapsed; "
                           f"{note}", file=sys.stderr, flush=True)
-                    last, first = time.monotonic(), False
+                    last = time.monotonic()
         best = self._best()
         position = self._best_position()
         output = (self._output[1] if self._output is not None

@@ -187,12 +187,19 @@ class BudgetGuard:
         return (r is not None and self._used + steps <= r[3] and sigma == r[0]
                 and rate == r[1] and len(self.accountant) == r[2] + self._used)
 
+    def _cover(self, optimizer, release=None) -> tuple[float, float, int]:
+        """Reserve the next release (:meth:`_next_step`) unless the reservation covers it;
+        returns its ``(σ, rate, steps)``. Raises :class:`BudgetExhaustedError` when it does
+        not fit."""
+        sigma, rate, steps = self._next_step(optimizer, release)
+        if not self._covered(sigma, rate, steps):
+            self._reserve(sigma, rate, steps)
+        return sigma, rate, steps
+
     def ensure(self, optimizer) -> None:
         """Make sure the next step is reserved (reserve a block if not); raises
         :class:`BudgetExhaustedError` when it does not fit."""
-        sigma, rate, steps = self._next_step(optimizer)
-        if not self._covered(sigma, rate, steps):
-            self._reserve(sigma, rate, steps)
+        sigma, rate, steps = self._cover(optimizer)
         self._before = (len(self.accountant), _parts(self.accountant), sigma, rate, steps)
 
     def admits_next(self, release=None) -> bool:
@@ -203,9 +210,7 @@ class BudgetGuard:
         if optimizer is None:
             return True
         try:
-            sigma, rate, steps = self._next_step(optimizer, release)
-            if not self._covered(sigma, rate, steps):
-                self._reserve(sigma, rate, steps)
+            self._cover(optimizer, release)
         except BudgetExhaustedError:
             return False
         return True
@@ -225,16 +230,19 @@ class BudgetGuard:
                  "noise_multiplier": sigma, "sample_rate": rate, "steps_priced": length,
                  "curve": curve_route(self.accountant)}
         journal = self._journal()  # the noise this reservation lets the run draw
-        try:
-            k, _ = self.budget.reserve(self.run_id, total_for, max(1, self._block // steps),
+
+        def reserve():
+            return self.budget.reserve(self.run_id, total_for, max(1, self._block // steps),
                                        event=event, **journal)
+
+        try:
+            k, _ = reserve()
         except BudgetExhaustedError:
             # other runs of this process may hold reservations ahead they will not use (a
             # finished loop whose optimizer is still alive): settle them, then try once more
             if not self.budget.settle(exclude=self.settle):
                 raise
-            k, _ = self.budget.reserve(self.run_id, total_for, max(1, self._block // steps),
-                                       event=event, **journal)
+            k, _ = reserve()
         if k * steps >= self._block:
             self._block = min(2 * self._block, MAX_BLOCK)
         self._reservation = (sigma, rate, length, k * steps, form)

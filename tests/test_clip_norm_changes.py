@@ -23,10 +23,11 @@ import warnings
 
 import pytest
 import torch
+from _training import xy_dataset
 from opacus import PrivacyEngine
 from opacus.optimizers import AdaClipDPOptimizer, DPOptimizerFastGradientClipping
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import opacus_structured
 from opacus_structured.accountants import REGISTERED
@@ -61,8 +62,7 @@ CASES = {
 
 
 def _dataset():
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(N, 3, generator=g), torch.randint(0, 2, (N,), generator=g))
+    return xy_dataset(N, 3)
 
 
 def _make(name, mode="hooks"):

@@ -11,10 +11,11 @@ import warnings
 
 import pytest
 import torch
+from _training import step_modules, xy_dataset
 from dp_accounting.pld import privacy_loss_distribution as dp_pld
 from opacus import PrivacyEngine
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import opacus_structured
 from opacus_structured.accountants import co_release
@@ -36,8 +37,7 @@ def _poisson(sigma, steps, pessimistic):
 
 
 def _data():
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(N, 4, generator=g), torch.randint(0, 2, (N,), generator=g))
+    return xy_dataset(N, 4)
 
 
 def _private(engine, module, sigma, loader, **kw):
@@ -51,14 +51,7 @@ def _train(loader, modules, optimizers, epochs=2, order=None):
     steps = 0
     for _ in range(epochs):
         for x, y in loader:
-            for o in optimizers:
-                o.zero_grad()
-            out = x
-            for m in modules:
-                out = m(out)
-            (nn.functional.cross_entropy(out, y) if len(x) else out.sum() * 0).backward()
-            for o in (order or optimizers):
-                o.step()
+            step_modules(x, y, modules, optimizers, order)
             steps += 1
     return steps
 

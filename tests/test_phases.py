@@ -15,12 +15,13 @@ import warnings
 
 import pytest
 import torch
+from _training import train, xy_dataset
 from dp_accounting.pld import privacy_loss_distribution as dp_pld
 from lightning_small import fit as small_fit
 from lightning_small import small_module
 from opacus import PrivacyEngine
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import opacus_structured
 from opacus_structured.accountants.base import SchemeAccountant
@@ -46,8 +47,7 @@ def _dp_accounting(parts, pessimistic):
 
 
 def _data():
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(N, 3, generator=g), torch.randint(0, 2, (N,), generator=g))
+    return xy_dataset(N, 3)
 
 
 def _phase(batch, seed):
@@ -63,15 +63,7 @@ def _phase(batch, seed):
 
 
 def _epochs(model, optimizer, loader, epochs):
-    steps = 0
-    for _ in range(epochs):
-        for x, y in loader:
-            optimizer.zero_grad()
-            if len(x):
-                nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
-            steps += 1
-    return steps
+    return train(model, optimizer, loader, epochs=epochs)
 
 
 def test_resume_with_another_batch_size_is_a_new_phase(tmp_path):

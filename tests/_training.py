@@ -6,8 +6,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from opacus import PrivacyEngine
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
+
+import opacus_structured
 
 
 def xy_dataset(n: int, features: int, *, index: bool = False) -> TensorDataset:
@@ -56,3 +59,18 @@ def train(model, optimizer, loader, *, steps: Optional[int] = None,
                 return done
         epoch += 1
     return done
+
+
+def private_linear(dataset: TensorDataset, batch_size: int, *, seed: int, **kwargs):
+    """``(engine, model, optimizer, loader)``: an ``nn.Linear(features, 2)`` built after
+    ``torch.manual_seed(0)``, SGD (lr 0.1), made private by ``make_private`` under a Poisson
+    accountant on ``DataLoader(dataset, batch_size)``, its sampler seeded ``seed``; ``kwargs``
+    go to ``make_private`` (``noise_multiplier``, ``max_grad_norm``, ...)."""
+    torch.manual_seed(0)
+    model = nn.Linear(dataset.tensors[0].shape[1], 2)
+    engine = PrivacyEngine(accountant="poisson")
+    model, optimizer, loader = opacus_structured.make_private(
+        engine, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(dataset, batch_size=batch_size),
+        sampler_generator=torch.Generator().manual_seed(seed), **kwargs)
+    return engine, model, optimizer, loader

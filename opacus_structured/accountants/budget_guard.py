@@ -61,6 +61,7 @@ from .._warnings import warn
 from ..dataset_budget import BudgetExhaustedError, DatasetBudget
 from . import noise_lineage
 from .budget_curves import accountant_rdp, curve_route
+from .observed_release import split_sigma
 
 __all__ = ["BudgetGuard", "guard_budget", "guards_of", "BudgetOverrunWarning",
            "FIRST_BLOCK", "MAX_BLOCK"]
@@ -173,8 +174,8 @@ class BudgetGuard:
                 else None
             release = None if report is None else (report.parts, report.rows_per_example)
         if release is not None and (release[0] > 1 or release[1] > 1):
-            parts, k = int(release[0]), int(release[1])
-            return sigma / (math.sqrt(parts) * k), self.sample_rate, parts
+            parts = int(release[0])
+            return split_sigma(sigma, parts, int(release[1])), self.sample_rate, parts
         try:
             batches = int(optimizer.accumulated_iterations)
         except (AttributeError, ValueError, TypeError):

@@ -119,3 +119,33 @@ def test_reprice_step_splits_and_merges_the_history():
         acc.reprice_step(3, 0.5)
     assert co_release.effective_sigma([1.0, 1.0]) == pytest.approx(1 / math.sqrt(2))
     assert co_release.effective_sigma([1.0, 0.0]) == 0.0
+
+
+def test_a_co_release_re_prices_the_dataset_budget_charge_at_once(tmp_path):
+    """The head's co-release re-prices the encoder's released steps at the joint noise: the
+    encoder run's charge in the dataset budget covers its accountant's price after every step
+    (before: only from its next reservation or settle, an under-charge in between)."""
+    import numpy as np
+
+    from opacus_structured import DatasetBudget
+    from opacus_structured.accountants.budget_curves import accountant_rdp
+    from opacus_structured.accountants.budget_guard import guards_of
+
+    torch.manual_seed(0)
+    enc, head = nn.Linear(4, 8), nn.Linear(8, 2)
+    budget = DatasetBudget(tmp_path / "b.budget", epsilon=50.0, delta=DELTA)
+    e1, e2 = PrivacyEngine(accountant="poisson"), PrivacyEngine(accountant="poisson")
+    enc, opt_e, loader = _private(e1, enc, 1.0, DataLoader(_data(), batch_size=B),
+                                  sampler_generator=torch.Generator().manual_seed(1),
+                                  budget=budget)
+    head, opt_h, _ = _private(e2, head, 2.0, DataLoader(_data(), batch_size=B),
+                              sampler_generator=torch.Generator().manual_seed(2))
+    run = guards_of(opt_e)[budget.path].run_id
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x, y in loader:
+            step_modules(x, y, [enc, head], [opt_e, opt_h])
+            priced = accountant_rdp(e1.accountant, budget.orders)[0]
+            assert np.all(budget.run_rdp(run)[0] >= priced * (1 - 1e-9))
+    sigma_eff = 1.0 / math.sqrt(1.0 + 1.0 / 4.0)
+    assert {round(float(s), 12) for s, _, _ in e1.accountant.history} == {round(sigma_eff, 12)}

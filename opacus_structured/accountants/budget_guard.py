@@ -73,6 +73,9 @@ MAX_BLOCK = 256
 
 _KEY = "_dataset_budget_guards"
 
+#: accountant -> weak references to the guards charging it (told when it re-prices a step)
+_WATCHERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
 
 class BudgetOverrunWarning(UserWarning):
     """A released step cost more than its reservation (its price was only known after the
@@ -149,6 +152,10 @@ class BudgetGuard:
         self._released_len = len(accountant)
         self._dirty = False       # released steps not yet settled
         self._install(optimizer)
+        try:
+            _WATCHERS.setdefault(accountant, []).append(weakref.ref(self))
+        except TypeError:  # pragma: no cover - an accountant that cannot be weakly referenced
+            pass
         budget._register_settler(self.settle)
         weakref.finalize(optimizer, _settle_quietly, self)
 
@@ -266,6 +273,22 @@ class BudgetGuard:
             self._forms[(before[2], before[3])] = tuple(float(v) for v in acc.history[-1][:2])
         self._released_len = max(self._released_len, len(acc))
         self._reservation = None  # the next step reserves from the accountant's record
+        self._charge_excess()
+
+    def on_repriced(self) -> None:
+        """The accountant re-priced a step it had released (a co-release: another module's
+        noisy sum of the same draw, :meth:`SchemeAccountant.reprice_step
+        <opacus_structured.accountants.base.SchemeAccountant.reprice_step>`): the reservation no
+        longer describes its record. Charge the record's price at once where it passes the
+        run's charge, and reserve afresh from the record at the next step."""
+        self._reservation = None
+        self._dirty = True
+        self._charge_excess()
+
+    def _charge_excess(self) -> None:
+        """Charge the accountant's whole record where it costs more than the run's charge
+        (past the cap if need be, with a :class:`BudgetOverrunWarning`)."""
+        acc = self.accountant
         actual, tail = self._total()
         run_curve, run_tail = self.budget.run_rdp(self.run_id)
         if run_curve is not None and np.all(actual <= run_curve) and tail <= run_tail:
@@ -341,6 +364,19 @@ def _settle_quietly(guard: BudgetGuard) -> None:
     except Exception as err:  # noqa: BLE001 - at exit there is nobody to raise to
         warn(f"dataset budget {guard.budget.path}: run {guard.run_id!r} could not settle "
              f"({err}); its last reservation stays charged", BudgetOverrunWarning)
+
+
+def repriced(accountant) -> None:
+    """``accountant`` re-priced steps it had released: every live guard charging it re-prices
+    its run (:meth:`BudgetGuard.on_repriced`)."""
+    try:
+        refs = _WATCHERS.get(accountant)
+    except TypeError:  # pragma: no cover
+        return
+    for ref in list(refs or ()):
+        guard = ref()
+        if guard is not None:
+            guard.on_repriced()
 
 
 def _parts(accountant) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from _training import step_modules, xy_dataset
@@ -149,3 +150,30 @@ def test_a_co_release_re_prices_the_dataset_budget_charge_at_once(tmp_path):
             assert np.all(budget.run_rdp(run)[0] >= priced * (1 - 1e-9))
     sigma_eff = 1.0 / math.sqrt(1.0 + 1.0 / 4.0)
     assert {round(float(s), 12) for s, _, _ in e1.accountant.history} == {round(sigma_eff, 12)}
+
+
+@pytest.mark.parametrize("engines", [1, 2])
+def test_budget_of_the_second_module_on_a_shared_loader_is_charged(tmp_path, engines):
+    """make_private(budget=...) on the private loader an earlier make_private returned (the
+    head next to the encoder) charges the head's releases; the argument was dropped before
+    (nothing charged, spent() 0)."""
+    from opacus_structured import DatasetBudget
+    from opacus_structured.accountants.budget_curves import accountant_rdp
+    from opacus_structured.accountants.budget_guard import guards_of
+
+    torch.manual_seed(0)
+    enc, head = nn.Linear(4, 8), nn.Linear(8, 2)
+    budget = DatasetBudget(tmp_path / "b.budget", epsilon=50.0, delta=DELTA)
+    e1 = PrivacyEngine(accountant="poisson")
+    e2 = e1 if engines == 1 else PrivacyEngine(accountant="poisson")
+    enc, opt_e, loader = _private(e1, enc, 1.0, DataLoader(_data(), batch_size=B),
+                                  sampler_generator=torch.Generator().manual_seed(1))
+    head, opt_h, _ = _private(e2, head, 2.0, loader, budget=budget)
+    assert budget.path in guards_of(opt_h)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        steps = _train(loader, [enc, head], [opt_e, opt_h], epochs=1)
+    budget.settle()
+    assert steps > 0 and len(e2.accountant) == steps
+    np.testing.assert_allclose(budget.total_rdp(), accountant_rdp(e2.accountant,
+                                                                  budget.orders)[0], rtol=1e-9)

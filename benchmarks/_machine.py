@@ -1,10 +1,13 @@
-"""What the benchmarks print about the machine they ran on (every figure names its CPU)."""
+"""What the benchmarks print about the machine they ran on (every figure names its CPU), and the
+JSON file their figures go to (``--json PATH``)."""
 
 from __future__ import annotations
 
+import json
 import platform
+from typing import Optional
 
-__all__ = ["cpu_name"]
+__all__ = ["cpu_name", "write_json"]
 
 
 def cpu_name() -> str:
@@ -17,3 +20,11 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def write_json(path: Optional[str], out: dict) -> None:
+    """Write a benchmark's figures ``out`` (its CPU among them) to ``path`` as indented JSON;
+    nothing when ``path`` is ``None`` (no ``--json``)."""
+    if path:
+        with open(path, "w") as fh:
+            json.dump(out, fh, indent=1)

@@ -32,14 +32,13 @@ per-(σ, q) caches from earlier runs are cleared before it, so every run pays th
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 import warnings
 
 import torch
 import torch.nn.functional as F
-from _machine import cpu_name  # benchmarks/_machine.py (scripts run from benchmarks/)
+from _machine import cpu_name, write_json  # benchmarks/_machine.py (scripts run from benchmarks/)
 from opacus import PrivacyEngine
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -196,9 +195,7 @@ def main(argv=None) -> dict:
     out = {"cpu": cpu, "threads": torch.get_num_threads(), **vars(args), "runs_detail": rows,
            "worst_step_ratio": step_ratio, "worst_get_epsilon_ratio": eps_ratio,
            "median_step_ratio": median_step, "median_get_epsilon_ratio": median_eps}
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+    write_json(args.json, out)
     return out
 
 

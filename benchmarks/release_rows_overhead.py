@@ -23,13 +23,12 @@ Two measurements, on the same machine in the same process:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 import warnings
 
 import torch
-from _machine import cpu_name  # benchmarks/_machine.py (scripts run from benchmarks/)
+from _machine import cpu_name, write_json  # benchmarks/_machine.py (scripts run from benchmarks/)
 from _timing import median_us as _median_us  # benchmarks/_timing.py
 from opacus import GradSampleModule
 from opacus.optimizers import DPOptimizer
@@ -143,9 +142,7 @@ def main(argv=None) -> dict:
           f"step {share:.2f} %")
     out = {"cpu": cpu, "threads": torch.get_num_threads(), **vars(args),
            "components_us": comp, **pair, "component_share_pct": share}
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+    write_json(args.json, out)
     return out
 
 

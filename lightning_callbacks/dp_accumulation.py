@@ -38,20 +38,12 @@ the ``n`` draws; with ``K = 1`` nothing changes.
 
 from __future__ import annotations
 
-import math
 import warnings
-from typing import Callable, Optional
+from typing import Callable
+
+from opacus_structured.accountants.observed_release import split_sigma  # noqa: F401 (re-export)
 
 __all__ = ["GradientAccumulation", "AccumulationWarning", "split_sigma"]
-
-
-def split_sigma(sigma: Optional[float], parts: int, rows_per_example: int = 1):
-    """``σ / (√parts · k)``: the multiplier each draw of a step that sums ``parts`` draws with
-    ``k`` rows per example is priced at (noise splitting, as
-    :mod:`opacus_structured.accountants.observed_release` prices the release)."""
-    if sigma is None:
-        return None
-    return sigma / (math.sqrt(max(parts, 1)) * max(rows_per_example, 1))
 
 
 class AccumulationWarning(UserWarning):

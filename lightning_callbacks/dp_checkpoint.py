@@ -130,11 +130,8 @@ class DPCheckpoint:
         # sampler goes on too, drawing new batches (restoring it would release batches of the
         # later steps a second time)
         went_on = _went_on(lineage, tag)
-        if noise_lineage.may_restore(tag, journal):
-            noise_generator.set_state(state["noise_generator"])
-        else:
-            noise_lineage.explain_restore(tag, "DPCallback", journal)
-            noise_lineage.reseed_fresh(noise_generator)
+        if not noise_lineage.restore_or_reseed(noise_generator, state["noise_generator"], tag,
+                                               "DPCallback", journal):
             if tag and lineage.lineage == tag.get("lineage"):
                 lineage.fork()  # a branch of the run, with noise of its own
         if "sampler" in state and sampler is not None and not (went_on or new_phase):

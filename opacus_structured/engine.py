@@ -258,7 +258,7 @@ def make_private(engine: PrivacyEngine, *, module: nn.Module, optimizer: torch.o
                        criterion=criterion, batch_first=batch_first,
                        loss_reduction=loss_reduction, clipping=clipping,
                        noise_generator=noise_generator, grad_sample_mode=grad_sample_mode,
-                       wrap_model=wrap_model, rand_on_empty=rand_on_empty)
+                       wrap_model=wrap_model, rand_on_empty=rand_on_empty, budget=budget)
     if poisson_sampling:
         check_replaceable_sampler(data_loader, "make_private")
     if _wants_default_max_batch_size(engine, scheme, kwargs, poisson_sampling):

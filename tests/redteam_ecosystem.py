@@ -35,6 +35,7 @@ import warnings
 from typing import Optional
 
 import torch
+from _training import step_modules
 from redteam import (
     DELTA,
     EPOCHS,
@@ -174,14 +175,7 @@ def _steps(loader, modules, optimizers, count):
     done = 0
     while done < count:
         for x, y, _ in loader:
-            for o in optimizers:
-                o.zero_grad()
-            out = x
-            for m in modules:
-                out = m(out)
-            (nn.functional.cross_entropy(out, y) if len(x) else out.sum() * 0).backward()
-            for o in optimizers:
-                o.step()
+            step_modules(x, y, modules, optimizers)
             done += 1
             if done == count:
                 return done

@@ -23,10 +23,11 @@ import warnings
 
 import pytest
 import torch
+from _training import private_linear, xy_dataset
 from opacus import PrivacyEngine
 from opacus.optimizers import AdaClipDPOptimizer, DPOptimizerFastGradientClipping
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import opacus_structured
 from opacus_structured.accountants import REGISTERED
@@ -61,8 +62,7 @@ CASES = {
 
 
 def _dataset():
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(N, 3, generator=g), torch.randint(0, 2, (N,), generator=g))
+    return xy_dataset(N, 3)
 
 
 def _make(name, mode="hooks"):
@@ -210,14 +210,9 @@ def test_change_between_backward_and_step_raises(mode):
 def test_per_layer_clipping_change_of_the_total_norm_alone_raises():
     """Per-layer clipping clips with ``max_grad_norms``; changing only ``max_grad_norm`` (the
     noise norm) would noise at a norm the clipping does not use."""
-    torch.manual_seed(0)
-    model = nn.Linear(3, 2)
-    engine = PrivacyEngine(accountant="poisson")
-    model, opt, dl = opacus_structured.make_private(
-        engine, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(_dataset(), batch_size=BATCH), noise_multiplier=SIGMA,
-        max_grad_norm=[0.6, 0.8], clipping="per_layer",
-        sampler_generator=torch.Generator().manual_seed(1), discretization=D)
+    engine, model, opt, dl = private_linear(
+        _dataset(), BATCH, seed=1, noise_multiplier=SIGMA, max_grad_norm=[0.6, 0.8],
+        clipping="per_layer", discretization=D)
     crit = nn.CrossEntropyLoss()
     _run(model, opt, crit, dl, 2)                     # ‖(0.6, 0.8)‖ = 1.0 = max_grad_norm
     with pytest.raises(ClipNormChangedError, match="clipped at max_grad_norm=1 but the noise"):

@@ -9,12 +9,14 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
+from _training import step_modules, xy_dataset
 from dp_accounting.pld import privacy_loss_distribution as dp_pld
 from opacus import PrivacyEngine
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import opacus_structured
 from opacus_structured.accountants import co_release
@@ -36,8 +38,7 @@ def _poisson(sigma, steps, pessimistic):
 
 
 def _data():
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(N, 4, generator=g), torch.randint(0, 2, (N,), generator=g))
+    return xy_dataset(N, 4)
 
 
 def _private(engine, module, sigma, loader, **kw):
@@ -51,14 +52,7 @@ def _train(loader, modules, optimizers, epochs=2, order=None):
     steps = 0
     for _ in range(epochs):
         for x, y in loader:
-            for o in optimizers:
-                o.zero_grad()
-            out = x
-            for m in modules:
-                out = m(out)
-            (nn.functional.cross_entropy(out, y) if len(x) else out.sum() * 0).backward()
-            for o in (order or optimizers):
-                o.step()
+            step_modules(x, y, modules, optimizers, order)
             steps += 1
     return steps
 
@@ -126,3 +120,60 @@ def test_reprice_step_splits_and_merges_the_history():
         acc.reprice_step(3, 0.5)
     assert co_release.effective_sigma([1.0, 1.0]) == pytest.approx(1 / math.sqrt(2))
     assert co_release.effective_sigma([1.0, 0.0]) == 0.0
+
+
+def test_a_co_release_re_prices_the_dataset_budget_charge_at_once(tmp_path):
+    """The head's co-release re-prices the encoder's released steps at the joint noise: the
+    encoder run's charge in the dataset budget covers its accountant's price after every step
+    (before: only from its next reservation or settle, an under-charge in between)."""
+    import numpy as np
+
+    from opacus_structured import DatasetBudget
+    from opacus_structured.accountants.budget_curves import accountant_rdp
+    from opacus_structured.accountants.budget_guard import guards_of
+
+    torch.manual_seed(0)
+    enc, head = nn.Linear(4, 8), nn.Linear(8, 2)
+    budget = DatasetBudget(tmp_path / "b.budget", epsilon=50.0, delta=DELTA)
+    e1, e2 = PrivacyEngine(accountant="poisson"), PrivacyEngine(accountant="poisson")
+    enc, opt_e, loader = _private(e1, enc, 1.0, DataLoader(_data(), batch_size=B),
+                                  sampler_generator=torch.Generator().manual_seed(1),
+                                  budget=budget)
+    head, opt_h, _ = _private(e2, head, 2.0, DataLoader(_data(), batch_size=B),
+                              sampler_generator=torch.Generator().manual_seed(2))
+    run = guards_of(opt_e)[budget.path].run_id
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x, y in loader:
+            step_modules(x, y, [enc, head], [opt_e, opt_h])
+            priced = accountant_rdp(e1.accountant, budget.orders)[0]
+            assert np.all(budget.run_rdp(run)[0] >= priced * (1 - 1e-9))
+    sigma_eff = 1.0 / math.sqrt(1.0 + 1.0 / 4.0)
+    assert {round(float(s), 12) for s, _, _ in e1.accountant.history} == {round(sigma_eff, 12)}
+
+
+@pytest.mark.parametrize("engines", [1, 2])
+def test_budget_of_the_second_module_on_a_shared_loader_is_charged(tmp_path, engines):
+    """make_private(budget=...) on the private loader an earlier make_private returned (the
+    head next to the encoder) charges the head's releases; the argument was dropped before
+    (nothing charged, spent() 0)."""
+    from opacus_structured import DatasetBudget
+    from opacus_structured.accountants.budget_curves import accountant_rdp
+    from opacus_structured.accountants.budget_guard import guards_of
+
+    torch.manual_seed(0)
+    enc, head = nn.Linear(4, 8), nn.Linear(8, 2)
+    budget = DatasetBudget(tmp_path / "b.budget", epsilon=50.0, delta=DELTA)
+    e1 = PrivacyEngine(accountant="poisson")
+    e2 = e1 if engines == 1 else PrivacyEngine(accountant="poisson")
+    enc, opt_e, loader = _private(e1, enc, 1.0, DataLoader(_data(), batch_size=B),
+                                  sampler_generator=torch.Generator().manual_seed(1))
+    head, opt_h, _ = _private(e2, head, 2.0, loader, budget=budget)
+    assert budget.path in guards_of(opt_h)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        steps = _train(loader, [enc, head], [opt_e, opt_h], epochs=1)
+    budget.settle()
+    assert steps > 0 and len(e2.accountant) == steps
+    np.testing.assert_allclose(budget.total_rdp(), accountant_rdp(e2.accountant,
+                                                                  budget.orders)[0], rtol=1e-9)

@@ -657,25 +657,13 @@ def test_private_selection_is_charged_once_as_one_mechanism(tmp_path):
 
 # ---- DPCallback ---------------------------------------------------------------------------
 def test_dp_callback_stops_before_the_cap_and_settles(tmp_path):
-    pl = pytest.importorskip("lightning.pytorch")
+    pytest.importorskip("lightning.pytorch")
     import torch
-    from torch import nn
-    from torch.nn import functional as F
+    from lightning_small import fit, small_module
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_callbacks import DPCallback
     from opacus_structured.schemes.poisson import PoissonScheme
-
-    class Tiny(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Linear(4, 2)
-
-        def training_step(self, batch, batch_idx):
-            return F.cross_entropy(self.net(batch[0]), batch[1])
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
 
     q = 1 / 8
     budget = DatasetBudget(tmp_path / "b.budget", epsilon=6.0, delta=DELTA)
@@ -689,10 +677,7 @@ def test_dp_callback_stops_before_the_cap_and_settles(tmp_path):
                     max_grad_norm=1.0, delta=DELTA, discretization=1e-3, seed=1, budget=budget)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pl.Trainer(max_steps=fits + 20, accelerator="cpu", logger=False,
-                   enable_progress_bar=False, enable_model_summary=False,
-                   enable_checkpointing=False, num_sanity_val_steps=0,
-                   callbacks=[cb]).fit(Tiny(), data)
+        fit(cb, small_module(4), data, fits + 20)
     assert cb.steps == fits  # stopped gracefully before the step that would pass the cap
     assert budget.spent() <= 6.0
     np.testing.assert_allclose(budget.run_rdp(cb.budget_guard.run_id)[0], fits * step,

@@ -14,10 +14,11 @@ import warnings
 
 import pytest
 import torch
+from _training import train, xy_dataset
 from lightning_small import fit, small_module
 from opacus import PrivacyEngine
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import opacus_structured
 from opacus_structured.accountants import noise_lineage
@@ -62,8 +63,7 @@ def _replays(tensors):
 
 
 def _data():
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(N, 3, generator=g), torch.randint(0, 2, (N,), generator=g))
+    return xy_dataset(N, 3)
 
 
 def _run(*, seed=0, engine_cls=PrivacyEngine, accountant="poisson", **kw):
@@ -81,16 +81,7 @@ def _run(*, seed=0, engine_cls=PrivacyEngine, accountant="poisson", **kw):
 
 
 def _train(model, optimizer, loader, steps):
-    done = 0
-    while done < steps:
-        for x, y in loader:
-            optimizer.zero_grad()
-            if len(x):
-                nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
-            done += 1
-            if done == steps:
-                return
+    train(model, optimizer, loader, steps=steps)
 
 
 # ---- the lineage itself ---------------------------------------------------------------------

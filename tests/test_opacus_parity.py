@@ -15,11 +15,13 @@ import sys
 
 import pytest
 import torch
+from _training import small_mlp as _model
+from _training import xy_dataset
 from dp_accounting.pld import privacy_loss_distribution as pld_mod
 from opacus import PrivacyEngine
 from opacus.grad_sample import GradSampleHooks
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import opacus_structured
 from opacus_structured.accountants.parameter_guard import (
@@ -35,13 +37,7 @@ torch.set_num_threads(1)
 
 
 def _data():
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(N, 4, generator=g), torch.randint(0, 2, (N,), generator=g))
-
-
-def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    return xy_dataset(N, 4)
 
 
 def _private(path: str, *, wrap_model: bool, mode: str = "hooks"):

@@ -12,12 +12,14 @@ import gc
 
 import pytest
 import torch
+from _training import small_mlp as body_head
+from _training import xy_dataset
 from opacus import PrivacyEngine
 from opacus.grad_sample import GradSampleModule
 from opacus.optimizers import DPOptimizer
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import opacus_structured
 from opacus_structured.accountants import parameter_guard
@@ -34,13 +36,7 @@ STEPS_PER_EPOCH = N // B  # Poisson: q = 1/6
 
 
 def dataset():
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(N, 4, generator=g), torch.randint(0, 2, (N,), generator=g))
-
-
-def body_head():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    return xy_dataset(N, 4)
 
 
 def private(model, optimizer, **kw):

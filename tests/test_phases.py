@@ -15,14 +15,12 @@ import warnings
 
 import pytest
 import torch
+from _training import private_linear, train, xy_dataset
 from dp_accounting.pld import privacy_loss_distribution as dp_pld
 from lightning_small import fit as small_fit
 from lightning_small import small_module
-from opacus import PrivacyEngine
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
-import opacus_structured
 from opacus_structured.accountants.base import SchemeAccountant
 from opacus_structured.accountants.phases import PhaseNotComposableError
 from opacus_structured.accounting.gaussian import gdp_epsilon
@@ -46,32 +44,16 @@ def _dp_accounting(parts, pessimistic):
 
 
 def _data():
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(N, 3, generator=g), torch.randint(0, 2, (N,), generator=g))
+    return xy_dataset(N, 3)
 
 
 def _phase(batch, seed):
-    torch.manual_seed(0)
-    model = nn.Linear(3, 2)
-    engine = PrivacyEngine(accountant="poisson")
-    model, optimizer, loader = opacus_structured.make_private(
-        engine, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(_data(), batch_size=batch), noise_multiplier=SIGMA,
-        max_grad_norm=1.0, dataset_size=N, discretization=D,
-        sampler_generator=torch.Generator().manual_seed(seed))
-    return engine, model, optimizer, loader
+    return private_linear(_data(), batch, seed=seed, noise_multiplier=SIGMA, max_grad_norm=1.0,
+                          dataset_size=N, discretization=D)
 
 
 def _epochs(model, optimizer, loader, epochs):
-    steps = 0
-    for _ in range(epochs):
-        for x, y in loader:
-            optimizer.zero_grad()
-            if len(x):
-                nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
-            steps += 1
-    return steps
+    return train(model, optimizer, loader, epochs=epochs)
 
 
 def test_resume_with_another_batch_size_is_a_new_phase(tmp_path):

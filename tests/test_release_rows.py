@@ -15,10 +15,11 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from _training import xy_dataset
 from dp_accounting.pld import privacy_loss_distribution as pld_mod
 from opacus import PrivacyEngine
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import opacus_structured
 from opacus_structured.accountants.ledger import LedgerError
@@ -41,9 +42,7 @@ torch.set_num_threads(1)
 
 
 def _data():
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(N, 4, generator=g), torch.randint(0, 2, (N,), generator=g),
-                         torch.arange(N))
+    return xy_dataset(N, 4, index=True)
 
 
 def _private(accountant="poisson", engine_cls=PrivacyEngine, **kwargs):

@@ -11,7 +11,6 @@ sampler draw the privacy ledger matches it to (:mod:`~opacus_structured.accounta
 
 from __future__ import annotations
 
-import math
 import sys
 import weakref
 from typing import Optional
@@ -19,6 +18,7 @@ from typing import Optional
 from ..samplers import verification
 from . import co_release, noise_lineage, parameter_guard
 from .ledger import LedgerError
+from .observed_release import split_sigma
 from .release_guard import guard_optimizer
 from .release_rows import recorder_of
 
@@ -265,8 +265,8 @@ class AttachmentMixin:
                     not co_release.co_released(source, rows.draws, optimizer):
                 return False
             sigma = float(optimizer.noise_multiplier)
-            scale = math.sqrt(max(len(rows.multiplicity), 1))
-            mine = {d: sigma / (scale * rows.multiplicity.get(d, 1)) for d in rows.draws}
+            parts = len(rows.multiplicity)
+            mine = {d: split_sigma(sigma, parts, rows.multiplicity.get(d, 1)) for d in rows.draws}
         else:
             draw = source.current_draw()
             if draw is None or not co_release.co_released(source, (draw,), optimizer):

@@ -70,6 +70,7 @@ from ..accounting.numerics import NumericalPrecisionError
 from ..accounting.resource_guard import ResourceBudgetError
 from ..schemes import registry
 from ..schemes.base import Scheme, below_precision, best_route
+from . import budget_guard
 from .attachment import (  # noqa: F401  (re-exported: their historical home)
     AttachmentMixin,
     _optimizer_and_module_of_make_private,
@@ -254,6 +255,7 @@ class SchemeAccountant(AttachmentMixin, ObservedReleaseMixin, PhasesMixin, IAcco
         self._cache.clear()
         if float(noise_multiplier) == 0.0:
             self._note_no_noise()
+        budget_guard.repriced(self)  # a dataset budget charging this run re-prices it now
 
     def _note_no_noise(self) -> None:
         """One :class:`NoNoiseWarning` per accountant, at the first step without noise."""

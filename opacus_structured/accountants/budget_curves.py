@@ -62,10 +62,17 @@ def _guarantee_scheme(scheme):
     return scheme
 
 
+def _renyi_source(scheme):
+    """The scheme whose whole-run Rényi accountant prices ``scheme`` (balls-in-bins: its random
+    allocation), or ``None`` when it has none."""
+    source = scheme.renyi_scheme() if hasattr(scheme, "renyi_scheme") else scheme
+    return source if callable(getattr(source, "renyi", None)) else None
+
+
 def _renyi_route(scheme, sigma: float, orders: tuple) -> Optional[np.ndarray]:
     """The scheme's own whole-run Rényi bound at ``orders`` (``None`` when it has none)."""
-    source = scheme.renyi_scheme() if hasattr(scheme, "renyi_scheme") else scheme
-    if not callable(getattr(source, "renyi", None)):
+    source = _renyi_source(scheme)
+    if source is None:
         return None
     bound = source.renyi(sigma)
     keep = np.asarray(bound.orders, dtype=np.float64) > 1
@@ -185,7 +192,6 @@ def curve_route(accountant) -> str:
         return "mu-GDP: alpha mu^2 / 2 (exact)"
     if type(scheme) is PoissonScheme:
         return "Poisson-subsampled Gaussian: dp_accounting RDP (exact)"
-    source = scheme.renyi_scheme() if hasattr(scheme, "renyi_scheme") else scheme
-    if callable(getattr(source, "renyi", None)):
+    if _renyi_source(scheme) is not None:
         return "the scheme's Renyi accountant"
     return "RDP of the pessimistic PLD's finite part, tail mass charged"

@@ -61,6 +61,7 @@ from .._warnings import warn
 from ..dataset_budget import BudgetExhaustedError, DatasetBudget
 from . import noise_lineage
 from .budget_curves import accountant_rdp, curve_route
+from .observed_release import split_sigma
 
 __all__ = ["BudgetGuard", "guard_budget", "guards_of", "BudgetOverrunWarning",
            "FIRST_BLOCK", "MAX_BLOCK"]
@@ -71,6 +72,9 @@ FIRST_BLOCK = 8
 MAX_BLOCK = 256
 
 _KEY = "_dataset_budget_guards"
+
+#: accountant -> weak references to the guards charging it (told when it re-prices a step)
+_WATCHERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class BudgetOverrunWarning(UserWarning):
@@ -148,6 +152,10 @@ class BudgetGuard:
         self._released_len = len(accountant)
         self._dirty = False       # released steps not yet settled
         self._install(optimizer)
+        try:
+            _WATCHERS.setdefault(accountant, []).append(weakref.ref(self))
+        except TypeError:  # pragma: no cover - an accountant that cannot be weakly referenced
+            pass
         budget._register_settler(self.settle)
         weakref.finalize(optimizer, _settle_quietly, self)
 
@@ -173,8 +181,8 @@ class BudgetGuard:
                 else None
             release = None if report is None else (report.parts, report.rows_per_example)
         if release is not None and (release[0] > 1 or release[1] > 1):
-            parts, k = int(release[0]), int(release[1])
-            return sigma / (math.sqrt(parts) * k), self.sample_rate, parts
+            parts = int(release[0])
+            return split_sigma(sigma, parts, int(release[1])), self.sample_rate, parts
         try:
             batches = int(optimizer.accumulated_iterations)
         except (AttributeError, ValueError, TypeError):
@@ -187,12 +195,19 @@ class BudgetGuard:
         return (r is not None and self._used + steps <= r[3] and sigma == r[0]
                 and rate == r[1] and len(self.accountant) == r[2] + self._used)
 
+    def _cover(self, optimizer, release=None) -> tuple[float, float, int]:
+        """Reserve the next release (:meth:`_next_step`) unless the reservation covers it;
+        returns its ``(σ, rate, steps)``. Raises :class:`BudgetExhaustedError` when it does
+        not fit."""
+        sigma, rate, steps = self._next_step(optimizer, release)
+        if not self._covered(sigma, rate, steps):
+            self._reserve(sigma, rate, steps)
+        return sigma, rate, steps
+
     def ensure(self, optimizer) -> None:
         """Make sure the next step is reserved (reserve a block if not); raises
         :class:`BudgetExhaustedError` when it does not fit."""
-        sigma, rate, steps = self._next_step(optimizer)
-        if not self._covered(sigma, rate, steps):
-            self._reserve(sigma, rate, steps)
+        sigma, rate, steps = self._cover(optimizer)
         self._before = (len(self.accountant), _parts(self.accountant), sigma, rate, steps)
 
     def admits_next(self, release=None) -> bool:
@@ -203,9 +218,7 @@ class BudgetGuard:
         if optimizer is None:
             return True
         try:
-            sigma, rate, steps = self._next_step(optimizer, release)
-            if not self._covered(sigma, rate, steps):
-                self._reserve(sigma, rate, steps)
+            self._cover(optimizer, release)
         except BudgetExhaustedError:
             return False
         return True
@@ -225,16 +238,19 @@ class BudgetGuard:
                  "noise_multiplier": sigma, "sample_rate": rate, "steps_priced": length,
                  "curve": curve_route(self.accountant)}
         journal = self._journal()  # the noise this reservation lets the run draw
-        try:
-            k, _ = self.budget.reserve(self.run_id, total_for, max(1, self._block // steps),
+
+        def reserve():
+            return self.budget.reserve(self.run_id, total_for, max(1, self._block // steps),
                                        event=event, **journal)
+
+        try:
+            k, _ = reserve()
         except BudgetExhaustedError:
             # other runs of this process may hold reservations ahead they will not use (a
             # finished loop whose optimizer is still alive): settle them, then try once more
             if not self.budget.settle(exclude=self.settle):
                 raise
-            k, _ = self.budget.reserve(self.run_id, total_for, max(1, self._block // steps),
-                                       event=event, **journal)
+            k, _ = reserve()
         if k * steps >= self._block:
             self._block = min(2 * self._block, MAX_BLOCK)
         self._reservation = (sigma, rate, length, k * steps, form)
@@ -257,6 +273,22 @@ class BudgetGuard:
             self._forms[(before[2], before[3])] = tuple(float(v) for v in acc.history[-1][:2])
         self._released_len = max(self._released_len, len(acc))
         self._reservation = None  # the next step reserves from the accountant's record
+        self._charge_excess()
+
+    def on_repriced(self) -> None:
+        """The accountant re-priced a step it had released (a co-release: another module's
+        noisy sum of the same draw, :meth:`SchemeAccountant.reprice_step
+        <opacus_structured.accountants.base.SchemeAccountant.reprice_step>`): the reservation no
+        longer describes its record. Charge the record's price at once where it passes the
+        run's charge, and reserve afresh from the record at the next step."""
+        self._reservation = None
+        self._dirty = True
+        self._charge_excess()
+
+    def _charge_excess(self) -> None:
+        """Charge the accountant's whole record where it costs more than the run's charge
+        (past the cap if need be, with a :class:`BudgetOverrunWarning`)."""
+        acc = self.accountant
         actual, tail = self._total()
         run_curve, run_tail = self.budget.run_rdp(self.run_id)
         if run_curve is not None and np.all(actual <= run_curve) and tail <= run_tail:
@@ -332,6 +364,19 @@ def _settle_quietly(guard: BudgetGuard) -> None:
     except Exception as err:  # noqa: BLE001 - at exit there is nobody to raise to
         warn(f"dataset budget {guard.budget.path}: run {guard.run_id!r} could not settle "
              f"({err}); its last reservation stays charged", BudgetOverrunWarning)
+
+
+def repriced(accountant) -> None:
+    """``accountant`` re-priced steps it had released: every live guard charging it re-prices
+    its run (:meth:`BudgetGuard.on_repriced`)."""
+    try:
+        refs = _WATCHERS.get(accountant)
+    except TypeError:  # pragma: no cover
+        return
+    for ref in list(refs or ()):
+        guard = ref()
+        if guard is not None:
+            guard.on_repriced()
 
 
 def _parts(accountant) -> int:

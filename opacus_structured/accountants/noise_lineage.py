@@ -79,7 +79,7 @@ from .._warnings import warn
 from ..samplers._generator import fresh_seed
 
 __all__ = ["NoiseLineage", "NoiseReplayError", "FreshNoiseWarning", "may_restore",
-           "reseed_fresh", "noise_source", "link", "lineage_of_optimizer",
+           "reseed_fresh", "restore_or_reseed", "noise_source", "link", "lineage_of_optimizer",
            "check_before_draw", "record_after_draw", "check_correlated_position",
            "DIGEST_SIZE"]
 
@@ -115,6 +115,13 @@ _DRAWN: dict[str, _Drawn] = {}
 
 def _new_id() -> str:
     return secrets.token_hex(16)
+
+
+def _high_water_of(lineage: str) -> Optional[int]:
+    """The largest position this process drew for ``lineage`` (``None``: none)."""
+    with _LOCK:
+        drawn = _DRAWN.get(lineage)
+        return None if drawn is None else drawn.high_water
 
 
 #: Bytes of each end of a generator's state that the digest reads (the whole state when it is
@@ -182,9 +189,7 @@ class NoiseLineage:
 
     def high_water(self) -> Optional[int]:
         """The largest position this process drew for this lineage (``None``: none)."""
-        with _LOCK:
-            drawn = _DRAWN.get(self.lineage)
-            return None if drawn is None else drawn.high_water
+        return _high_water_of(self.lineage)
 
     def fork(self, position: Optional[int] = None) -> None:
         """Continue under a new lineage id (after a rewind: the noise is fresh from here on;
@@ -258,10 +263,9 @@ def may_restore(tag: Optional[dict[str, Any]], journal=None) -> bool:
     if not tag or tag.get("lineage") is None:
         return False
     lineage, position = str(tag["lineage"]), int(tag.get("position", -1))
-    with _LOCK:
-        drawn = _DRAWN.get(lineage)
-        if drawn is not None:
-            return drawn.high_water == position
+    high = _high_water_of(lineage)
+    if high is not None:
+        return high == position
     return journal is not None and journal_high_water(journal, lineage) == position
 
 
@@ -297,9 +301,8 @@ def rewinds(tag: Optional[dict[str, Any]]) -> bool:
     drawn beyond the tagged position."""
     if not tag or tag.get("lineage") is None:
         return False
-    with _LOCK:
-        drawn = _DRAWN.get(str(tag["lineage"]))
-        return drawn is not None and drawn.high_water > int(tag.get("position", 0))
+    high = _high_water_of(str(tag["lineage"]))
+    return high is not None and high > int(tag.get("position", 0))
 
 
 def reseed_fresh(generator: torch.Generator) -> torch.Generator:
@@ -308,12 +311,27 @@ def reseed_fresh(generator: torch.Generator) -> torch.Generator:
     return generator
 
 
+def restore_or_reseed(generator: torch.Generator, saved_state, tag: Optional[dict[str, Any]],
+                      owner: str, journal=None, *, proven: Optional[bool] = None) -> bool:
+    """Rule 2 on one generator: restore ``saved_state`` (saved with ``tag``) into ``generator``
+    where the resume provably continues the run (``proven``, by default :func:`may_restore`),
+    else say why not (:func:`explain_restore`) and reseed it from OS entropy. Returns whether
+    the state was restored."""
+    if proven is None:
+        proven = may_restore(tag, journal)
+    if proven:
+        generator.set_state(saved_state)
+    else:
+        explain_restore(tag, owner, journal)
+        reseed_fresh(generator)
+    return proven
+
+
 def explain_restore(tag: Optional[dict[str, Any]], owner: str, journal=None) -> None:
     """Say why a saved generator state was not restored (a warning for a rewind, a log line for
     an unknown lineage)."""
     if rewinds(tag):
-        with _LOCK:
-            high = _DRAWN[str(tag["lineage"])].high_water
+        high = _high_water_of(str(tag["lineage"]))
         warn(f"{owner}: the checkpoint's noise generator is at noise draw {tag['position']} "
              f"of this run, which has already drawn {high} in this process (an earlier "
              f"checkpoint): restoring it would add the same noise to new releases. The resumed "

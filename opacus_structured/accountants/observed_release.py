@@ -55,12 +55,21 @@ from . import co_release
 from .ledger import LedgerError
 from .release_rows import ReleaseRows
 
-__all__ = ["ObservedReleaseMixin", "UnamplifiedRowsWarning"]
+__all__ = ["ObservedReleaseMixin", "UnamplifiedRowsWarning", "split_sigma"]
 
 
 class UnamplifiedRowsWarning(UserWarning):
     """Some noisy steps summed rows whose examples could not be traced; they were priced
     without amplification by sampling (sound, and much larger)."""
+
+
+def split_sigma(sigma: Optional[float], parts: int, rows_per_example: int = 1):
+    """``σ / (√parts · k)``: the multiplier each draw of a step that sums ``parts`` draws with
+    ``k`` rows per example is priced at (noise splitting, module docstring); ``None`` for
+    ``None``."""
+    if sigma is None:
+        return None
+    return sigma / (math.sqrt(max(parts, 1)) * max(rows_per_example, 1))
 
 
 class ObservedReleaseMixin:
@@ -91,17 +100,16 @@ class ObservedReleaseMixin:
                                     draws=rows.draws)
         if not discovered:  # after the ledger; subclasses' bookkeeping runs here (shuffle)
             self.check_draws()
-        scale = math.sqrt(max(parts, 1))
         if padding:
             self.step(noise_multiplier=sigma, sample_rate=sample_rate, num_steps=padding)
         for draw in rows.draws:
-            k = rows.multiplicity.get(draw, 1)
-            self.step(noise_multiplier=sigma / (scale * k), sample_rate=sample_rate)
+            own = split_sigma(sigma, parts, rows.multiplicity.get(draw, 1))
+            self.step(noise_multiplier=own, sample_rate=sample_rate)
             if not loose:  # another module's step on this draw re-prices it (co_release)
-                co_release.register(self._ledger.source, draw, self, optimizer,
-                                    sigma / (scale * k), len(self) - 1)
+                co_release.register(self._ledger.source, draw, self, optimizer, own,
+                                    len(self) - 1)
         if loose:
-            self._add_unamplified(sigma / (scale * 2 * loose), rows, step_no)
+            self._add_unamplified(split_sigma(sigma, parts, 2 * loose), rows, step_no)
         self._ledger.note_priced()
         self._hooked_steps += 1
 

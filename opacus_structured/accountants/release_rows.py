@@ -324,24 +324,26 @@ def forward_tokens(found, batch_dim: int) -> tuple[Optional[np.ndarray],
             continue
         if not prov.is_exact or (t.dim() > batch_dim and prov.dim != batch_dim) \
                 or len(prov.tokens) != (t.shape[batch_dim] if t.dim() > batch_dim else -1):
-            draws = prov.draws
-            lost = prov.lost_at or "a row dimension other than the model's batch dimension"
-            mixed = rp.Provenance.mixed((mixed.draws if mixed else frozenset()) | draws, lost)
+            mixed = _mixed_with(mixed, prov.draws, prov.lost_at or "a row dimension other "
+                                "than the model's batch dimension")
             continue
         if len(prov.tokens) != n:
-            mixed = rp.Provenance.mixed((mixed.draws if mixed else frozenset()) | prov.draws,
-                                     "input tensors with different row counts")
+            mixed = _mixed_with(mixed, prov.draws, "input tensors with different row counts")
             continue
         if tokens is None:
             tokens = prov.tokens
         elif not np.array_equal(tokens, prov.tokens):
             both = np.where(tokens == prov.tokens, tokens, rp.UNTRACKED)
             if (both != tokens).any() and ((tokens >= 0) & (prov.tokens >= 0)).any():
-                mixed = rp.Provenance.mixed(
-                    (mixed.draws if mixed else frozenset()) | prov.draws
-                    | rp.token_draws(tokens), "input tensors whose rows hold different examples")
+                mixed = _mixed_with(mixed, prov.draws | rp.token_draws(tokens),
+                                    "input tensors whose rows hold different examples")
             tokens = np.maximum(tokens, prov.tokens)
     return tokens, mixed
+
+
+def _mixed_with(mixed: Optional[rp.Provenance], draws, lost_at: str) -> rp.Provenance:
+    """A mixed provenance over ``mixed``'s draws (if any) and ``draws``, lost at ``lost_at``."""
+    return rp.Provenance.mixed((mixed.draws if mixed else frozenset()) | draws, lost_at)
 
 
 #: Opacus' ghost-clipping ``loss.backward()`` (:func:`in_ghost_backward`).

@@ -282,7 +282,7 @@ def _poisson_curve(q: float, sigma: float, orders: tuple) -> np.ndarray:
                 q=q, noise_multiplier=sigma, orders=np.asarray(orders)), dtype=np.float64)
         finally:
             absl.setLevel(level)
-        values = np.maximum(np.where(np.isnan(values), np.inf, values.reshape(-1)), 0.0)
+        values = _upper_curve(values)
     values.setflags(write=False)
     return values
 
@@ -297,7 +297,13 @@ def event_rdp(event, orders: Sequence[float]) -> np.ndarray:
         raise ValueError(f"dp_accounting's RdpAccountant cannot price the event {event!r}; "
                          f"charge an RDP curve (rdp=...) instead")
     accountant.compose(event)
-    values = np.asarray(accountant._rdp, dtype=np.float64)  # noqa: SLF001
+    return _upper_curve(accountant._rdp)  # noqa: SLF001
+
+
+def _upper_curve(values) -> np.ndarray:
+    """dp_accounting's curve as an upper bound: an order whose series failed (``nan``) is
+    ``inf``, a negative value (rounding) is 0; float64, flat."""
+    values = np.asarray(values, dtype=np.float64).reshape(-1)
     return np.maximum(np.where(np.isnan(values), np.inf, values), 0.0)
 
 

@@ -233,10 +233,11 @@ class BookKeepingHooks(GradSampleHooks):
 
     @staticmethod
     def _slices(recs, coef: torch.Tensor):
-        """``(record, its rows' coefficients)`` for a module's records, in backward order."""
+        """``(record, its rows' coefficients)`` for a module's records (tuples whose last
+        tensor has the rows, or per-sample gradient tensors), in backward order."""
         start = 0
         for rec in recs:
-            n = int(rec[-1].shape[0])
+            n = int((rec[-1] if isinstance(rec, tuple) else rec).shape[0])
             yield rec, coef[start:start + n]
             start += n
 
@@ -271,7 +272,7 @@ class BookKeepingHooks(GradSampleHooks):
             written.add(module.weight)
         for p, gss in self._samples.items():
             p.grad = sum(torch.einsum("b,b...->...", c.to(gs.dtype), gs)
-                         for (gs,), c in self._slices([(gs,) for gs in gss], coef)).to(p.dtype)
+                         for gs, c in self._slices(gss, coef)).to(p.dtype)
             written.add(p)
         for p in params:
             if p.requires_grad and p not in written:
@@ -293,8 +294,7 @@ class BookKeepingHooks(GradSampleHooks):
                         for m, recs in self._linear.items()}
         self._embedding = {m: [(idx, zero(g, b)) for (idx, g), b in self._slices(recs, bad)]
                            for m, recs in self._embedding.items()}
-        self._samples = {p: [zero(gs, b) for (gs,), b in self._slices([(gs,) for gs in gss],
-                                                                      bad)]
+        self._samples = {p: [zero(gs, b) for gs, b in self._slices(gss, bad)]
                          for p, gss in self._samples.items()}
 
     def remove_hooks(self) -> None:

@@ -441,11 +441,8 @@ class CorrelatedNoiseMixin:
             if not isinstance(self.generator, torch.Generator):
                 raise ValueError("checkpoint holds a noise generator state but this optimizer "
                                  "has no torch.Generator: pass noise_generator=torch.Generator()")
-            if proven:
-                self.generator.set_state(state["generator_state"])
-            else:
-                noise_lineage.explain_restore(tag, type(self).__name__, journal)
-                noise_lineage.reseed_fresh(self.generator)
+            noise_lineage.restore_or_reseed(self.generator, state["generator_state"], tag,
+                                            type(self).__name__, journal, proven=proven)
         if noise_lineage.lineage_of_optimizer(self) is None:
             self._own_lineage.adopt(tag or {"position": self.noise_step}, proven=proven)
 

@@ -225,6 +225,31 @@ def test_issue_setting_is_priced(theorem):
     assert ours <= uncut
 
 
+@pytest.mark.parametrize("theorem", ["thm_e_8", "thm_f_2"])
+def test_issue_setting_is_charged_to_a_dataset_budget(theorem, tmp_path):
+    """E.8 and F.2, whose PLD is no pair of distributions' (Σ p e^-l > 1): a dataset budget
+    charges them by the pair's own divergence (was refused), never below the quadrature's
+    lower bound on that divergence, and a search charged to the budget spends at least the
+    price it reports."""
+    from opacus_structured.accountants.budget_curves import accountant_rdp
+    from opacus_structured.dataset_budget import DatasetBudget
+    from opacus_structured.tuning import PrivateSelection, TrialCost
+
+    acc = _accountant(steps=30, **ISSUE[theorem][0])
+    curve, tail = accountant_rdp(acc, ORDERS)
+    units = sum(n for _, _, n in pricing._unit_sigmas(acc))
+    weight, pair = mr.profile_pairs(acc.scheme.profile(2.0))[0]
+    lower = _weighted_renyi(weight, mr.log_moment_bounds(pair, ORDERS)[0])
+    assert tail == 0.0 and np.all(curve >= units * lower * (1 - 1e-9))
+    trial = TrialCost(acc, (3.0,))
+    price = selection_epsilon(trial, mean_trials=3, eta=1.0, delta=DELTA)
+    budget = DatasetBudget(tmp_path / "b.budget", epsilon=100.0, delta=DELTA)
+    PrivateSelection([1, 2, 3], lambda c: (float(c), trial), mean_trials=3, eta=1.0,
+                     delta=DELTA, expected_trial=trial, budget=budget, progress=False).run()
+    assert len(budget.records(kind="charge")) == 1
+    assert budget.spent() >= price
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("theorem", sorted(ISSUE))
 def test_a_search_costs_at_least_one_run(theorem):

@@ -20,7 +20,10 @@ history of ``(σ, q, steps)`` chunked into accounting units exactly as
 * **every other scheme**: the RDP of the finite part of the unit's pessimistic PLD and its tail
   mass (:func:`~opacus_structured.accounting.renyi_filter.pld_rdp`; why it is an upper bound:
   :mod:`~opacus_structured.accounting.private_selection`). Truncated Poisson's ``baseline``
-  analysis has no PLD; the same mechanism is priced by its tight analysis;
+  analysis has no PLD; the same mechanism is priced by its tight analysis. Where the PLD is
+  not that of a pair of distributions (structured subsampling's two-sided Theorems E.8 and
+  F.2), the unit's own pair's Rényi divergence, as private selection prices it (the switching
+  or Gaussian-mixture pair: :func:`_pair_route`);
 * an unamplified Gaussian part at multiplier σ: :math:`\alpha/(2\sigma^2)` per part;
 * the earlier phases of a run resumed under another scheme
   (:mod:`~opacus_structured.accountants.phases`): each by the accountant of its own scheme,
@@ -41,7 +44,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..accounting import mixture_renyi as mr
 from ..accounting import renyi_filter as rf
+from ..accounting import switching_renyi as sw
 from ..accounting.bounds import BoundKind
 from ..schemes.poisson import PoissonScheme
 
@@ -95,7 +100,34 @@ def _unit(scheme, sigma, rate, discretization, orders) -> tuple[np.ndarray, floa
     if renyi is not None:
         return renyi, 0.0
     pld = scheme.pld(sigma, sample_rate=rate, discretization=discretization)
-    return rf.pld_rdp(pld, orders)
+    try:
+        return rf.pld_rdp(pld, orders)
+    except ValueError:  # the PLD is no pair of distributions' (Theorems E.8, F.2)
+        pair = _pair_route(scheme, sigma, rate, orders)
+        if pair is None:
+            raise
+        return pair
+
+
+def _pair_route(scheme, sigma, rate, orders) -> Optional[tuple[np.ndarray, float]]:
+    """``(curve, 0)``: the Rényi divergence of the unit's own pair, as private selection
+    prices it (:mod:`~opacus_structured.tuning.pricing`): the switching pair's
+    (:func:`~opacus_structured.accounting.switching_renyi.switching_rdp`) or the two-sided
+    Gaussian-mixture pair's, untruncated (:func:`~opacus_structured.accounting.
+    mixture_renyi.profile_worlds`); ``None`` for a scheme without such a profile."""
+    if not callable(getattr(scheme, "profile", None)):
+        return None
+    scheme.check_sample_rate(rate)
+    profile = scheme.profile(sigma)
+    grid = np.asarray(orders, dtype=np.float64)
+    equivalent = sw.equivalent_subsampled_gaussian(profile)
+    if equivalent is not None:
+        return np.asarray(sw.switching_rdp(grid, *equivalent), dtype=np.float64), 0.0
+    worlds = mr.profile_worlds(profile, grid, (0.0,))
+    if worlds is None:
+        return None
+    curve, tail = worlds[0]
+    return np.asarray(curve, dtype=np.float64), float(tail)
 
 
 def unit_rdp(scheme, noise_multiplier: float, sample_rate: Optional[float],

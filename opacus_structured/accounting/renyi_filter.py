@@ -93,7 +93,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 from typing import Optional, Sequence
 
@@ -101,6 +100,7 @@ import numpy as np
 
 from .._validation import check_finite, check_open_unit, check_positive
 from .private_selection import pld_renyi
+from .quiet_rdp import subsampled_gaussian_rdp
 
 __all__ = ["DEFAULT_ORDERS", "TAIL_SHARE", "RenyiFilter", "route_label", "check_curve",
            "gaussian_rdp", "poisson_gaussian_rdp", "pld_rdp", "event_rdp", "rdp_at_orders"]
@@ -269,19 +269,13 @@ def poisson_gaussian_rdp(sample_rate: float, noise_multiplier: float,
 
 @functools.lru_cache(maxsize=256)
 def _poisson_curve(q: float, sigma: float, orders: tuple) -> np.ndarray:
-    from dp_accounting.rdp import rdp_privacy_accountant as rdp
-
     if q == 1.0:
         values = gaussian_rdp(sigma, orders)
-    else:
-        # dp_accounting logs (absl) each fractional order whose series fails; it is inf here
-        absl = logging.getLogger("absl")
-        level, _ = absl.level, absl.setLevel(logging.ERROR)
-        try:
-            values = np.asarray(rdp._compute_rdp_poisson_subsampled_gaussian(  # noqa: SLF001
-                q=q, noise_multiplier=sigma, orders=np.asarray(orders)), dtype=np.float64)
-        finally:
-            absl.setLevel(level)
+    else:  # an order whose series fails (nan) is inf here
+        values = subsampled_gaussian_rdp(q, sigma, orders)
+        if values is None:
+            raise RuntimeError("this dp_accounting has no _compute_rdp_poisson_subsampled_"
+                               "gaussian: install the version setup.cfg pins")
         values = _upper_curve(values)
     values.setflags(write=False)
     return values

@@ -14,10 +14,8 @@ pessimistic connect-the-dots algorithm. It agrees with dp_accounting's
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
-import logging
 import math
 from typing import Optional
 
@@ -25,6 +23,8 @@ from .._validation import check_int, check_positive, check_probability
 from ..accounting import pld as pld_lib
 from ..accounting.mixture import MixturePair
 from ..accounting.profiles import PairProfile
+from ..accounting.quiet_rdp import quiet_rdp_orders as _quiet_rdp_orders
+from ..accounting.quiet_rdp import subsampled_gaussian_rdp
 from ..accounting.resource_guard import PricedEpsilon
 from .base import Scheme, register_scheme
 
@@ -41,21 +41,6 @@ def poisson_pair(noise_multiplier: float, sample_rate: float) -> MixturePair:
 #: RDP orders of :func:`rdp_epsilon`: fine near 1 (needed when ε is large) plus dp_accounting's.
 RDP_ORDERS = tuple(1.0 + k / 100.0 for k in range(1, 100)) + (
     2.25, 2.5, 3.0, 3.5, 4.0, 4.5, *range(5, 64), 128, 256, 512, 1024)
-
-
-@contextlib.contextmanager
-def _quiet_rdp_orders():
-    """dp_accounting logs (through absl) one warning per fractional order below 2 whose series
-    does not converge ("_compute_log_a_frac failed to converge ... Excluding this order"): the
-    order is left out of the minimum, so ε stays an upper bound, and a 20-step run printed 104
-    such lines (issue 41). They are silenced here, and only here."""
-    logger = logging.getLogger("absl")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def rdp_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
@@ -83,16 +68,13 @@ def _rdp_one_step(sigma: float, q: float):
     has no such function. Cached per ``(σ, q)``: it costs up to ~1.6 s of CPU (the fractional
     orders' series near q = 1/8), and an accountant or callback asks at every step for a
     history whose step count alone changed."""
-    import numpy as np
     from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
-    curve_of = getattr(rdp, "_compute_rdp_poisson_subsampled_gaussian", None)
-    if curve_of is None or not hasattr(rdp, "compute_epsilon"):
+    if not hasattr(rdp, "compute_epsilon"):
         return None
-    with _quiet_rdp_orders():
-        curve = np.asarray(curve_of(q=q, noise_multiplier=sigma,
-                                    orders=np.array(list(RDP_ORDERS))), dtype=np.float64)
-    curve.setflags(write=False)
+    curve = subsampled_gaussian_rdp(q, sigma, list(RDP_ORDERS))
+    if curve is not None:
+        curve.setflags(write=False)
     return curve
 
 

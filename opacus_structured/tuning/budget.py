@@ -53,5 +53,4 @@ def selection_rdp(trial, orders, *, mean_trials: float, eta) -> tuple[np.ndarray
     orders = np.asarray(orders, dtype=np.float64)
     curve, tail = _trial_rdp(trial, orders)
     selected = ps.repeat_and_select_rdp(orders, curve, mean_trials=mean_trials, eta=eta)
-    return np.maximum(np.where(np.isnan(selected), np.inf, selected), 0.0), \
-        ps.drawn_mean_trials(mean_trials, eta) * tail
+    return rf._upper_curve(selected), ps.drawn_mean_trials(mean_trials, eta) * tail

@@ -54,8 +54,9 @@ from ..accounting import mixture_renyi as mr
 from ..accounting import private_selection as ps
 from ..accounting import switching_renyi as sw
 from ..accounting.bounds import BoundKind
+from ..accounting.quiet_rdp import quiet_rdp_orders as _quiet_rdp_orders
 from ..accounting.resource_guard import PricedEpsilon
-from ..schemes.poisson import PoissonScheme, _quiet_rdp_orders
+from ..schemes.poisson import PoissonScheme
 
 __all__ = ["TrialCost", "PureDpTrial", "selection_epsilon", "calibrate_selection", "trial_signature",
            "SelectionCalibrationError", "ROUTES"]
